@@ -1,0 +1,199 @@
+"""The per-prompt Jacobian estimator (SPEC §2).
+
+For a prompt of ``seq_len`` tokens the valid positions are ``V = [skip_first, seq_len - 1)``. Row
+``i`` of the per-prompt ``J_l`` is the mean over source positions ``p in V`` of the gradient, at
+``h_l[p]``, of ``sum_{p' in V} e_i . h_T[p']``. One backward pass yields that row for every source
+layer at once.
+
+Exact savings used here (all follow from causality, SPEC §2):
+
+* the prefix ``[0, skip_first)`` runs once without gradients and is handed to the rest of the
+  prompt as a key/value cache: no path from a valid source to a valid target goes through it;
+* the last token is dropped: it is neither a valid source nor a valid target;
+* the forward stops right after the target layer (no final norm, no logits);
+* the graph starts at the lowest source layer, so backward never runs below it;
+* the ``dim_batch`` cotangents of one backward pass are batched over one forward of batch 1
+  (``is_grads_batched``), instead of replicating the prompt ``dim_batch`` times.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .recorder import ActivationRecorder
+
+log = logging.getLogger(__name__)
+
+METHODS = ("batched", "replicated")
+
+
+@dataclass
+class PromptJacobian:
+    """The per-prompt result of :func:`jacobian_for_prompt`.
+
+    Attributes:
+        jacobians: ``{source_layer: Tensor[d_model, d_model]}``, fp32 on the CPU; row ``i`` is
+            output dimension ``i`` of the target layer.
+        seq_len: tokens in the (truncated) prompt.
+        n_valid: ``|V| = seq_len - 1 - skip_first``.
+    """
+
+    jacobians: dict[int, torch.Tensor]
+    seq_len: int
+    n_valid: int
+
+
+def resolve_layers(n_layers: int, source_layers: Iterable[int] | None = None,
+                   target_layer: int | None = None) -> tuple[list[int], int]:
+    """Normalise layer indices (SPEC §2): negatives count from the end; sources de-duplicated, sorted.
+
+    Returns:
+        ``(source_layers, target_layer)`` as non-negative indices.
+
+    Raises:
+        ValueError: an index out of ``[-n_layers, n_layers)``, an empty source list, or a source
+            ``>=`` the target; the message names the bad value.
+    """
+    if target_layer is None:
+        target_layer = n_layers - 1
+    target = int(target_layer)
+    if not -n_layers <= target < n_layers:
+        raise ValueError(f"target_layer={target_layer} is out of range: the model has {n_layers} layers "
+                         f"(valid: {-n_layers}..{n_layers - 1}).")
+    target %= n_layers
+    if source_layers is None:
+        sources = list(range(target))
+        if not sources:
+            raise ValueError(f"target_layer={target_layer} leaves no layer below it to be a source.")
+        return sources, target
+    raw = list(source_layers)
+    if not raw:
+        raise ValueError("source_layers is empty: give at least one layer below the target, or None for all.")
+    resolved = set()
+    for layer in raw:
+        i = int(layer)
+        if not -n_layers <= i < n_layers:
+            raise ValueError(f"source layer {layer} is out of range: the model has {n_layers} layers "
+                             f"(valid: {-n_layers}..{n_layers - 1}).")
+        i %= n_layers
+        if i >= target:
+            raise ValueError(f"source layer {layer} (= {i}) is not below the target layer {target}: "
+                             "a Jacobian lens carries earlier layers to a later one.")
+        resolved.add(i)
+    return sorted(resolved), target
+
+
+def valid_position_mask(seq_len: int, skip_first: int = 16) -> torch.Tensor:
+    """``BoolTensor[seq_len]``, true on ``V = [skip_first, seq_len - 1)``.
+
+    Raises:
+        ValueError: ``V`` is empty (the prompt is too short for ``skip_first``), or bad arguments.
+    """
+    if skip_first < 0:
+        raise ValueError(f"skip_first={skip_first} must be >= 0.")
+    if seq_len - 1 - skip_first <= 0:
+        raise ValueError(f"The prompt has {seq_len} tokens: with skip_first={skip_first} it has no valid "
+                         f"position (needs at least {skip_first + 2} tokens). Use a longer prompt or a "
+                         "smaller skip_first.")
+    mask = torch.zeros(seq_len, dtype=torch.bool)
+    mask[skip_first: seq_len - 1] = True
+    return mask
+
+
+def prompt_ids(model, prompt, max_seq_len: int) -> torch.Tensor:
+    """Text (tokenized by ``model.encode``) or ids, truncated to ``max_seq_len``: ``LongTensor[1, seq]``."""
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len={max_seq_len} must be at least 2.")
+    if isinstance(prompt, str):
+        return model.encode(prompt, max_length=max_seq_len)
+    ids = torch.as_tensor(prompt, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"input ids must have shape [seq] or [1, seq], got {tuple(ids.shape)}.")
+    return ids[:, :max_seq_len].to(model.device)
+
+
+def _one_hot_cotangents(rows: range, batch: int, n_valid: int, d_model: int, like: torch.Tensor) -> torch.Tensor:
+    # [k, batch, n_valid, d_model]: cotangent k is e_{rows[k]} at every valid target position
+    cot = torch.zeros(len(rows), batch, n_valid, d_model, dtype=like.dtype, device=like.device)
+    cot[torch.arange(len(rows)), :, :, torch.tensor(list(rows))] = 1
+    return cot
+
+
+def _forward_suffix(model, ids: torch.Tensor, sources: list[int], target: int, skip_first: int,
+                    batch: int):
+    """Prefix without grad as a cache, then ``V`` with a graph from the lowest source layer up.
+
+    Returns the recorded ``{layer: Tensor[batch, n_valid, d_model]}``.
+    """
+    seq_len = ids.shape[1]
+    ids = ids.expand(batch, -1)
+    cache = None
+    if skip_first > 0:
+        with torch.no_grad():
+            cache = model.run_with_cache(ids[:, :skip_first], use_cache=True)
+    with torch.enable_grad(), ActivationRecorder(model.layers, sources + [target], start_graph_at=sources[0],
+                                                 stop_after=target) as rec:
+        model.run_with_cache(ids[:, skip_first: seq_len - 1], cache=cache)
+    return rec.activations
+
+
+def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = None,
+                        target_layer: int | None = None, dim_batch: int = 8, max_seq_len: int = 128,
+                        skip_first: int = 16, method: str = "batched") -> PromptJacobian:
+    """The per-prompt Jacobians ``{l: J_l}`` of SPEC §2.
+
+    Args:
+        model: an :class:`~jlens_core.model.HFLensModel` (or anything with its interface).
+        prompt: text, or token ids ``[seq]`` / ``[1, seq]``.
+        source_layers: layers to carry (default: every layer below the target).
+        target_layer: default the last layer; negative counts from the end.
+        dim_batch: output dimensions (rows) per backward pass; memory, not result.
+        max_seq_len: truncate the prompt to this many tokens.
+        skip_first: leading positions excluded as attention sinks.
+        method: ``"batched"`` (one forward, ``dim_batch`` cotangents batched in backward) or
+            ``"replicated"`` (the prompt replicated ``dim_batch`` times, one cotangent each).
+
+    Returns:
+        :class:`PromptJacobian` with fp32 CPU matrices ``[d_model, d_model]``.
+
+    Raises:
+        ValueError: bad layer indices, ``dim_batch < 1``, an unknown method, or a prompt with no
+            valid position.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not one of {METHODS}.")
+    if dim_batch < 1:
+        raise ValueError(f"dim_batch={dim_batch} must be >= 1.")
+    sources, target = resolve_layers(model.n_layers, source_layers, target_layer)
+    ids = prompt_ids(model, prompt, max_seq_len)
+    seq_len = ids.shape[1]
+    valid_position_mask(seq_len, skip_first)  # raises on a too-short prompt
+    n_valid = seq_len - 1 - skip_first
+    d = model.d_model
+    jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
+
+    acts = _forward_suffix(model, ids, sources, target, skip_first, 1) if method == "batched" else None
+    for start in range(0, d, dim_batch):
+        rows = range(start, min(start + dim_batch, d))
+        if method == "batched":
+            h_target = acts[target]  # [1, n_valid, d]
+            cot = _one_hot_cotangents(rows, 1, n_valid, d, h_target)  # [k, 1, n_valid, d]
+            grads = torch.autograd.grad(h_target, [acts[layer] for layer in sources], grad_outputs=cot,
+                                        is_grads_batched=True, retain_graph=True)
+            for layer, g in zip(sources, grads):  # g: [k, 1, n_valid, d]
+                jacobians[layer][start: rows.stop] = g.float().sum(dim=(1, 2)).cpu() / n_valid
+        else:
+            k = len(rows)
+            rep = _forward_suffix(model, ids, sources, target, skip_first, k)
+            h_target = rep[target]  # [k, n_valid, d]
+            cot = _one_hot_cotangents(rows, 1, n_valid, d, h_target)[:, 0]  # [k, n_valid, d]
+            grads = torch.autograd.grad(h_target, [rep[layer] for layer in sources], grad_outputs=cot)
+            for layer, g in zip(sources, grads):  # g: [k, n_valid, d]
+                jacobians[layer][start: rows.stop] = g.float().sum(dim=1).cpu() / n_valid
+    return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid)

@@ -1,0 +1,309 @@
+"""Fitting a Jacobian lens over a corpus, with checkpoints, resume and sharding (SPEC §3)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .estimator import jacobian_for_prompt, resolve_layers
+from .lens import JacobianLens
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "jlens-checkpoint"
+CHECKPOINT_VERSION = 1
+# Settings recorded in a checkpoint that shape the result; resuming with another value is an error.
+CHECKPOINT_SETTINGS = ("source_layers", "target_layer", "skip_first", "max_seq_len", "model_fingerprint")
+
+
+@dataclass
+class FitProgress:
+    """What the ``progress`` callback of :func:`fit` receives, once per prompt.
+
+    Attributes:
+        prompt_index: index of the prompt in the list.
+        n_total: prompts in the list.
+        n_done: prompts that counted so far (this one included).
+        next_idx: where the fit goes on from.
+        skipped: the prompt had no valid position (or could not be encoded) and did not count.
+        reason: why it was skipped.
+        records: the per-layer diagnostics of this prompt (empty when skipped).
+        max_rel_change: the largest relative change of the running mean over layers (None at first).
+        seconds: time this prompt took.
+    """
+
+    prompt_index: int
+    n_total: int
+    n_done: int
+    next_idx: int
+    skipped: bool = False
+    reason: str | None = None
+    records: list[dict] = field(default_factory=list)
+    max_rel_change: float | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class FitState:
+    """Running state of a fit. ``jacobian_sum`` holds fp64 sums of per-prompt ``J_l`` (exact merges)."""
+
+    jacobian_sum: dict[int, torch.Tensor]
+    n_done: int = 0
+    next_idx: int = 0
+    n_skipped: int = 0
+    diagnostics: list[dict] = field(default_factory=list)
+    stop_reason: str | None = None
+
+    def mean(self, layer: int) -> torch.Tensor:
+        return self.jacobian_sum[layer] / self.n_done
+
+
+class World:
+    """A process group for sharded fitting (``torch.distributed``); ``None`` means one process."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        backend = self.dist.get_backend()
+        work = tensor.cuda() if backend == "nccl" else tensor
+        self.dist.all_reduce(work)
+        return work.to(tensor.device)
+
+    def gather_objects(self, obj) -> list:
+        out = [None] * self.size
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj):
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def prompts_digest(prompts: Sequence, upto: int) -> str:
+    """sha256 of the first ``upto`` prompts: tells whether a checkpoint was made on this prompt list."""
+    digest = hashlib.sha256()
+    for prompt in prompts[:upto]:
+        digest.update((prompt if isinstance(prompt, str) else repr(list(prompt))).encode("utf-8", "replace"))
+        digest.update(b"\x00")
+    return digest.hexdigest()
+
+
+def write_checkpoint(path: str | os.PathLike, state: FitState, settings: dict, digest: str) -> None:
+    """Write the fit state atomically (temp file in the same folder, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "settings": settings,
+               "jacobian_sum": {str(k): v for k, v in state.jacobian_sum.items()}, "n_done": state.n_done,
+               "next_idx": state.next_idx, "n_skipped": state.n_skipped, "diagnostics": state.diagnostics,
+               "stop_reason": state.stop_reason, "prompts_digest": digest}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict:
+    """Load a checkpoint written by :func:`write_checkpoint`.
+
+    Raises:
+        ValueError: the file is not a jlens checkpoint or cannot be read.
+    """
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"Cannot read the checkpoint {str(path)!r}: {exc}. Delete it (or pass resume=False / "
+                         "--no-resume) to start over.") from exc
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{str(path)!r} is not a jlens fit checkpoint.")
+    return payload
+
+
+def _describe(value) -> str:
+    if isinstance(value, dict):
+        return "another model" if "row_norms" in value else str(value)
+    return repr(value)
+
+
+def _check_resume(path, payload: dict, settings: dict, prompts: Sequence) -> None:
+    saved = payload["settings"]
+    for key in CHECKPOINT_SETTINGS:
+        if saved.get(key) != settings.get(key):
+            if key == "model_fingerprint":
+                from .model import same_fingerprint
+
+                if same_fingerprint(saved.get(key), settings.get(key)):
+                    continue
+            raise ValueError(
+                f"The checkpoint {str(path)!r} was made with {key}={_describe(saved.get(key))}, this fit asks "
+                f"for {key}={_describe(settings.get(key))}. Use the same setting to resume, or start over "
+                "with resume=False (CLI: --no-resume) or another checkpoint path.")
+    if payload["next_idx"] > len(prompts) or prompts_digest(prompts, payload["next_idx"]) != payload["prompts_digest"]:
+        raise ValueError(
+            f"The checkpoint {str(path)!r} was made on another prompt list: its first {payload['next_idx']} "
+            "prompts differ from these. Resume with the same corpus and order, or start over with resume=False.")
+
+
+def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None, target_layer: int | None = None,
+        dim_batch: int = 8, max_seq_len: int = 128, skip_first: int = 16,
+        checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 1, resume: bool = True,
+        progress: Callable[[FitProgress], None] | None = None,
+        should_stop: Callable[[FitState], str | None] | None = None, method: str = "batched",
+        world: World | None = None) -> JacobianLens:
+    """Fit a Jacobian lens: the plain mean of per-prompt ``J_l`` over the prompts with valid positions.
+
+    Args:
+        model: an :class:`~jlens_core.model.HFLensModel`.
+        prompts: texts (or token-id sequences), in a fixed order.
+        source_layers, target_layer, dim_batch, max_seq_len, skip_first, method: as in
+            :func:`~jlens_core.estimator.jacobian_for_prompt`.
+        checkpoint_path: if given, the running state is written there atomically every
+            ``checkpoint_every`` prompts and at the end, and (with ``resume``) read back to go on.
+        progress: called once per prompt (on rank 0) with a :class:`FitProgress`.
+        should_stop: called after each prompt (each sync when sharded) with the state; a non-empty
+            string stops the fit early and is recorded as the lens's ``stop_reason``.
+        world: a :class:`World` to shard prompts over ``torch.distributed`` ranks (rank ``r`` fits
+            prompts ``r, r + K, ...``; sums are all-reduced at each checkpoint and at the end).
+
+    Returns:
+        The fitted :class:`~jlens_core.lens.JacobianLens`, with the diagnostics of every prompt x layer.
+
+    Raises:
+        ValueError: bad layers or settings, a checkpoint made with other settings or prompts, or no
+            prompt with a valid position.
+    """
+    sources, target = resolve_layers(model.n_layers, source_layers, target_layer)
+    if checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1.")
+    rank, size = (world.rank, world.size) if world is not None else (0, 1)
+    d = model.d_model
+    settings = {"source_layers": sources, "target_layer": target, "skip_first": skip_first,
+                "max_seq_len": max_seq_len, "model_name": model.name,
+                "model_fingerprint": model.fingerprint() if hasattr(model, "fingerprint") else None}
+    state = FitState({layer: torch.zeros(d, d, dtype=torch.float64) for layer in sources})
+
+    if checkpoint_path is not None and resume and Path(checkpoint_path).exists():
+        payload = read_checkpoint(checkpoint_path)
+        _check_resume(checkpoint_path, payload, settings, prompts)
+        state = FitState({int(k): v.double() for k, v in payload["jacobian_sum"].items()},
+                         n_done=payload["n_done"], next_idx=payload["next_idx"], n_skipped=payload["n_skipped"],
+                         diagnostics=list(payload["diagnostics"]), stop_reason=payload.get("stop_reason"))
+        log.info("Resuming from %s: %d prompts counted, going on at prompt %d.", checkpoint_path,
+                 state.n_done, state.next_idx)
+
+    # Rank-local contributions since the last sync; the global sums live in ``state``.
+    delta = {layer: torch.zeros(d, d, dtype=torch.float64) for layer in sources}
+    local = {"n": 0, "skipped": 0, "records": [], "events": []}
+    n_total = len(prompts)
+    t_start = time.perf_counter()
+
+    def process(idx: int) -> None:
+        """Add prompt ``idx``'s Jacobians to ``delta`` and its diagnostics to ``local``."""
+        t0 = time.perf_counter()
+        try:
+            result = jacobian_for_prompt(model, prompts[idx], source_layers=sources, target_layer=target,
+                                         dim_batch=dim_batch, max_seq_len=max_seq_len, skip_first=skip_first,
+                                         method=method)
+        except ValueError as exc:  # too short, or empty: skipped, and said so
+            log.warning("Skipping prompt %d: %s", idx, exc)
+            local["skipped"] += 1
+            local["events"].append(FitProgress(idx, n_total, 0, 0, skipped=True, reason=str(exc),
+                                               seconds=time.perf_counter() - t0))
+            return
+        seconds = time.perf_counter() - t0
+        n_before = state.n_done + local["n"]
+        records = []
+        for layer in sources:
+            jac = result.jacobians[layer].double()
+            rel = None
+            if n_before > 0:
+                mean_before = (state.jacobian_sum[layer] + delta[layer]) / n_before
+                rel = float((jac - mean_before).norm() / ((n_before + 1) * mean_before.norm()))
+            delta[layer] += jac
+            records.append({"prompt_index": idx, "layer": layer, "seq_len": result.seq_len,
+                            "n_valid": result.n_valid, "seconds": round(seconds, 4),
+                            "jacobian_norm": float(jac.norm() / math.sqrt(d)), "rel_change": rel})
+        local["n"] += 1
+        local["records"].extend(records)
+        rels = [r["rel_change"] for r in records if r["rel_change"] is not None]
+        local["events"].append(FitProgress(idx, n_total, 0, 0, records=records,
+                                           max_rel_change=max(rels) if rels else None, seconds=seconds))
+
+    def sync(final: bool) -> None:
+        """Fold the rank-local contributions into ``state``; report progress; ask ``should_stop``."""
+        if world is None:
+            for layer in sources:
+                state.jacobian_sum[layer] += delta[layer]
+            n_new, skipped_new, records, events = local["n"], local["skipped"], local["records"], local["events"]
+        else:
+            for layer in sources:
+                state.jacobian_sum[layer] += world.all_reduce_sum(delta[layer])
+            counts = world.all_reduce_sum(torch.tensor([local["n"], local["skipped"]], dtype=torch.float64))
+            n_new, skipped_new = int(counts[0]), int(counts[1])
+            records = sorted((r for part in world.gather_objects(local["records"]) for r in part),
+                             key=lambda r: (r["prompt_index"], r["layer"]))
+            events = sorted((e for part in world.gather_objects(local["events"]) for e in part),
+                            key=lambda e: e.prompt_index)
+        for layer in sources:
+            delta[layer].zero_()
+        n_running = state.n_done
+        state.n_done += n_new
+        state.n_skipped += skipped_new
+        state.diagnostics.extend(records)
+        local.update(n=0, skipped=0, records=[], events=[])
+        if rank == 0 and progress is not None:
+            for event in events:
+                n_running += 0 if event.skipped else 1
+                event.n_done, event.next_idx = n_running, state.next_idx
+                progress(event)
+        if should_stop is not None and state.n_done > 0 and not final:
+            reason = should_stop(state) if rank == 0 else None
+            reason = world.broadcast_object(reason) if world is not None else reason
+            if reason:
+                state.stop_reason = reason
+
+    steps = 0
+    while state.next_idx < n_total and state.stop_reason is None:
+        idx = state.next_idx + rank
+        if idx < n_total:
+            process(idx)
+        state.next_idx = min(state.next_idx + size, n_total)
+        steps += 1
+        at_end = state.next_idx >= n_total
+        on_schedule = steps % checkpoint_every == 0
+        # One process folds in every prompt (cheap, keeps progress live); ranks meet on the schedule.
+        if world is None or on_schedule or at_end:
+            sync(final=at_end)
+            if checkpoint_path is not None and rank == 0 and (on_schedule or at_end or state.stop_reason):
+                write_checkpoint(checkpoint_path, state, settings, prompts_digest(prompts, state.next_idx))
+
+
+    if state.n_done == 0:
+        raise ValueError(f"No prompt counted: all {n_total} prompts were skipped (each needs at least "
+                         f"{skip_first + 2} tokens with skip_first={skip_first}). Give longer prompts.")
+    log.info("Fit done: %d prompts counted, %d skipped, %.1f s.", state.n_done, state.n_skipped,
+             time.perf_counter() - t_start)
+    lens_settings = {key: settings[key] for key in ("skip_first", "max_seq_len", "target_layer")}
+    lens_settings.update(dim_batch=dim_batch, n_skipped=state.n_skipped, method=method)
+    return JacobianLens({layer: state.mean(layer).float() for layer in sources}, state.n_done, d,
+                        target_layer=target, n_layers=model.n_layers, settings=lens_settings,
+                        model_name=model.name, model_fingerprint=settings["model_fingerprint"],
+                        diagnostics=state.diagnostics, stop_reason=state.stop_reason)

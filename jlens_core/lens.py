@@ -1,0 +1,331 @@
+"""Lens objects: the fitted Jacobian lens and the logit lens (SPEC §4)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from .model import same_fingerprint
+
+log = logging.getLogger(__name__)
+
+FORMAT_NAME = "jlens"
+FORMAT_VERSION = 1
+FP16_MAX = 65504.0
+# Fit settings that shape the result: lenses that differ in any of them cannot be merged.
+RESULT_SETTINGS = ("skip_first", "max_seq_len", "target_layer")
+
+
+class LensFileError(ValueError):
+    """A file that cannot be read as a lens: not a lens, truncated, or for another model."""
+
+
+class LogitLens:
+    """The logit lens: ``J_l = I`` at every layer. Same reading interface as :class:`JacobianLens`.
+
+    Args:
+        n_layers: decoder layers of the model (all are readable, the last is the model's output).
+        d_model: residual width.
+    """
+
+    kind = "logit"
+
+    def __init__(self, n_layers: int, d_model: int) -> None:
+        self.n_layers = int(n_layers)
+        self.d_model = int(d_model)
+        self.target_layer = self.n_layers - 1
+
+    @classmethod
+    def for_model(cls, model) -> LogitLens:
+        return cls(model.n_layers, model.d_model)
+
+    @property
+    def layers(self) -> list[int]:
+        """Layers this lens can read, including the target (where every lens is the model output)."""
+        return list(range(self.n_layers))
+
+    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """Identity: ``[..., d_model] -> [..., d_model]``."""
+        return h
+
+    def __repr__(self) -> str:
+        return f"LogitLens(n_layers={self.n_layers}, d_model={self.d_model})"
+
+
+class JacobianLens:
+    """A fitted Jacobian lens: ``lens_l(h) = unembed(J_l @ h)``.
+
+    Args:
+        jacobians: ``{source_layer: Tensor[d_model, d_model]}``; row ``i`` is target dimension ``i``.
+        n_prompts: prompts averaged into the lens.
+        d_model: residual width.
+        target_layer: the layer the lens carries residuals to (non-negative index).
+        n_layers: decoder layers of the model (default ``target_layer + 1``).
+        settings: fit settings (``skip_first``, ``max_seq_len``, ``dim_batch``, ...).
+        model_name / model_fingerprint: model identity (see ``HFLensModel.fingerprint``).
+        diagnostics: per prompt x layer fit records (SPEC §3).
+        shrinkage: ``a`` in ``(1 - a) J + a I`` applied by :meth:`transport` (default 0).
+
+    Raises:
+        ValueError: a matrix that is not ``[d_model, d_model]``, or no matrices.
+    """
+
+    kind = "jacobian"
+
+    def __init__(self, jacobians: dict[int, torch.Tensor], n_prompts: int, d_model: int, *,
+                 target_layer: int | None = None, n_layers: int | None = None, settings: dict | None = None,
+                 model_name: str | None = None, model_fingerprint: dict | None = None,
+                 diagnostics: list[dict] | None = None, shrinkage: float = 0.0, stop_reason: str | None = None
+                 ) -> None:
+        if not jacobians:
+            raise ValueError("A JacobianLens needs at least one layer's matrix.")
+        self.d_model = int(d_model)
+        self.jacobians: dict[int, torch.Tensor] = {}
+        for layer, mat in sorted(jacobians.items()):
+            mat = torch.as_tensor(mat)
+            if tuple(mat.shape) != (self.d_model, self.d_model):
+                raise ValueError(f"The matrix of layer {layer} has shape {tuple(mat.shape)}, expected "
+                                 f"({self.d_model}, {self.d_model}).")
+            self.jacobians[int(layer)] = mat.float().cpu()
+        self.n_prompts = int(n_prompts)
+        self.target_layer = int(target_layer) if target_layer is not None else max(self.jacobians) + 1
+        self.n_layers = int(n_layers) if n_layers is not None else self.target_layer + 1
+        self.settings = dict(settings or {})
+        self.settings.setdefault("target_layer", self.target_layer)
+        self.model_name = model_name
+        self.model_fingerprint = model_fingerprint
+        self.diagnostics = list(diagnostics or [])
+        self.stop_reason = stop_reason
+        self.shrinkage = float(shrinkage)
+        self._device_cache: dict = {}
+
+    def __repr__(self) -> str:
+        return (f"JacobianLens(model={self.model_name!r}, layers={self.source_layers[0]}..{self.source_layers[-1]}"
+                f" ({len(self.source_layers)}), target={self.target_layer}, d_model={self.d_model}, "
+                f"n_prompts={self.n_prompts})")
+
+    # -- reading -------------------------------------------------------------------------------
+    @property
+    def source_layers(self) -> list[int]:
+        return sorted(self.jacobians)
+
+    @property
+    def layers(self) -> list[int]:
+        """Readable layers: the fitted source layers plus the target (where the lens is the identity)."""
+        return self.source_layers + [self.target_layer]
+
+    def matrix(self, layer: int) -> torch.Tensor:
+        """``J_l`` with shrinkage applied: ``(1 - a) J_l + a I``, fp32 ``[d_model, d_model]``.
+
+        Raises:
+            KeyError: the lens was not fitted at ``layer``.
+        """
+        if layer == self.target_layer:
+            return torch.eye(self.d_model)
+        if layer not in self.jacobians:
+            raise KeyError(f"This lens was fitted at layers {self.source_layers}, not at layer {layer}.")
+        mat = self.jacobians[layer]
+        if self.shrinkage:
+            mat = (1.0 - self.shrinkage) * mat + self.shrinkage * torch.eye(self.d_model)
+        return mat
+
+    def with_shrinkage(self, alpha: float) -> JacobianLens:
+        """A copy whose :meth:`transport` uses ``(1 - alpha) J + alpha I`` (``0 <= alpha <= 1``)."""
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"shrinkage alpha={alpha} must lie in [0, 1].")
+        return JacobianLens(self.jacobians, self.n_prompts, self.d_model, target_layer=self.target_layer,
+                            n_layers=self.n_layers, settings=self.settings, model_name=self.model_name,
+                            model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
+                            shrinkage=alpha, stop_reason=self.stop_reason)
+
+    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """``J_l @ h`` over the last axis: ``[..., d_model] -> [..., d_model]``, in ``h``'s dtype and device.
+
+        Raises:
+            KeyError: the lens was not fitted at ``layer``.
+            ValueError: the last axis of ``h`` is not ``d_model``.
+        """
+        if h.shape[-1] != self.d_model:
+            raise ValueError(f"h has width {h.shape[-1]}, this lens is for d_model={self.d_model}.")
+        if layer == self.target_layer:
+            return h
+        key = (layer, h.device, h.dtype)
+        mat = self._device_cache.get(key)
+        if mat is None:
+            mat = self.matrix(layer).to(device=h.device, dtype=h.dtype)
+            self._device_cache = {k: v for k, v in self._device_cache.items() if k[1:] == key[1:]}
+            self._device_cache[key] = mat
+        return h @ mat.T
+
+    def check_model(self, model) -> None:
+        """Raise :class:`LensFileError` if this lens was fitted for another model than ``model``."""
+        if self.d_model != model.d_model or self.target_layer >= model.n_layers:
+            raise LensFileError(f"This lens is for a model with d_model={self.d_model} and target layer "
+                                f"{self.target_layer} ({self.model_name!r}); {model.name!r} has "
+                                f"d_model={model.d_model} and {model.n_layers} layers.")
+        fp = model.fingerprint() if hasattr(model, "fingerprint") else None
+        if not same_fingerprint(self.model_fingerprint, fp):
+            raise LensFileError(f"This lens was fitted on {self.model_name!r}, whose unembedding differs from "
+                                f"that of {model.name!r}: fit a lens for this model, or load its own lens.")
+
+    # -- files ---------------------------------------------------------------------------------
+    def metadata(self) -> dict:
+        return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "model_name": self.model_name,
+                "model_fingerprint": self.model_fingerprint, "d_model": self.d_model,
+                "n_layers": self.n_layers, "source_layers": self.source_layers,
+                "target_layer": self.target_layer, "n_prompts": self.n_prompts, "settings": self.settings,
+                "stop_reason": self.stop_reason, "diagnostics": self.diagnostics}
+
+    def save(self, path: str | os.PathLike, *, dtype: str | torch.dtype = "float32") -> Path:
+        """Write safetensors weights (``J.<layer>``) with the JSON metadata in the header, atomically.
+
+        ``dtype`` is ``float32`` or ``float16``. fp16 refuses values that would overflow: it warns and
+        stores fp32 instead.
+
+        Returns:
+            The path written.
+        """
+        from safetensors.torch import save_file
+
+        dtype = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+                 "fp16": torch.float16}.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        if dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"dtype={dtype} is not supported: use float32 or float16.")
+        if dtype == torch.float16:
+            worst = max(float(m.abs().max()) for m in self.jacobians.values())
+            if not worst < FP16_MAX:
+                warnings.warn(f"The lens has a value of magnitude {worst:.3g}, beyond float16's range "
+                              f"({FP16_MAX}); storing float32 instead.", stacklevel=2)
+                dtype = torch.float32
+        tensors = {f"J.{layer}": mat.to(dtype).contiguous() for layer, mat in self.jacobians.items()}
+        meta = {"format": FORMAT_NAME, "jlens": json.dumps(self.metadata())}
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, model=None) -> JacobianLens:
+        """Read a lens written by :meth:`save`, or by the reference ``jlens`` library (``torch.save``).
+
+        Args:
+            model: if given, the lens must belong to it (same width and unembedding).
+
+        Raises:
+            FileNotFoundError: no such file.
+            LensFileError: not a lens file, a truncated one, or a lens for another model.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"No lens file at {str(path)!r}.")
+        with open(path, "rb") as f:
+            head = f.read(8)
+        lens = cls._load_reference(path) if head[:2] == b"PK" else cls._load_safetensors(path)
+        if model is not None:
+            lens.check_model(model)
+        return lens
+
+    @classmethod
+    def _load_safetensors(cls, path: Path) -> JacobianLens:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != FORMAT_NAME or "jlens" not in meta:
+                    raise LensFileError(f"{str(path)!r} is a safetensors file but not a jlens lens "
+                                        "(no jlens metadata in its header).")
+                info = json.loads(meta["jlens"])
+                tensors = {int(k.split(".", 1)[1]): f.get_tensor(k) for k in f.keys() if k.startswith("J.")}
+        except LensFileError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for bad headers
+            raise LensFileError(f"{str(path)!r} is not a readable lens file (truncated or not safetensors): "
+                                f"{exc}") from exc
+        if info.get("format_version", 0) > FORMAT_VERSION:
+            raise LensFileError(f"{str(path)!r} has lens format version {info['format_version']}; this jlens "
+                                f"reads up to {FORMAT_VERSION}. Upgrade jlens.")
+        missing = [layer for layer in info.get("source_layers", []) if layer not in tensors]
+        if missing or not tensors:
+            raise LensFileError(f"{str(path)!r} lacks the matrices of layers {missing or 'all'}.")
+        return cls(tensors, info["n_prompts"], info["d_model"], target_layer=info.get("target_layer"),
+                   n_layers=info.get("n_layers"), settings=info.get("settings"),
+                   model_name=info.get("model_name"), model_fingerprint=info.get("model_fingerprint"),
+                   diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"))
+
+    @classmethod
+    def _load_reference(cls, path: Path) -> JacobianLens:
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise LensFileError(f"{str(path)!r} is not a readable lens file: {exc}") from exc
+        if not isinstance(data, dict) or not {"J", "n_prompts", "d_model"} <= set(data):
+            raise LensFileError(f"{str(path)!r} is a torch file but not a lens (expected keys J, n_prompts, "
+                                "source_layers, d_model).")
+        mats = data["J"]
+        layers = list(data.get("source_layers") or [])
+        if isinstance(mats, torch.Tensor):  # stacked [n_layers, d, d] in source_layers order
+            if not layers:
+                layers = list(range(mats.shape[0]))
+            mats = {int(layer): mats[i] for i, layer in enumerate(layers)}
+        else:
+            mats = {int(k): v for k, v in mats.items()}
+        return cls(mats, int(data["n_prompts"]), int(data["d_model"]), target_layer=data.get("target_layer"),
+                   settings={"source": "reference jlens file"}, model_name=data.get("model_name"))
+
+    # -- combining -----------------------------------------------------------------------------
+    @classmethod
+    def merge(cls, lenses: Sequence[JacobianLens]) -> JacobianLens:
+        """The ``n_prompts``-weighted mean of lenses fitted on disjoint prompt sets.
+
+        Raises:
+            ValueError: no lenses, or lenses of different layers, widths, target, settings or model.
+        """
+        lenses = list(lenses)
+        if not lenses:
+            raise ValueError("merge needs at least one lens.")
+        first = lenses[0]
+        for other in lenses[1:]:
+            if other.d_model != first.d_model:
+                raise ValueError(f"Cannot merge lenses of widths {first.d_model} and {other.d_model}.")
+            if other.source_layers != first.source_layers:
+                raise ValueError(f"Cannot merge lenses of layers {first.source_layers} and {other.source_layers}.")
+            for key in RESULT_SETTINGS:
+                if first.settings.get(key) != other.settings.get(key):
+                    raise ValueError(f"Cannot merge lenses fitted with different {key}: "
+                                     f"{first.settings.get(key)} vs {other.settings.get(key)}.")
+            if not same_fingerprint(first.model_fingerprint, other.model_fingerprint):
+                raise ValueError(f"Cannot merge lenses of different models ({first.model_name!r} and "
+                                 f"{other.model_name!r}).")
+        total = sum(lens.n_prompts for lens in lenses)
+        if total <= 0:
+            raise ValueError("Cannot merge lenses that hold zero prompts.")
+        mats = {layer: sum(lens.jacobians[layer].double() * lens.n_prompts for lens in lenses).div(total).float()
+                for layer in first.source_layers}
+        diagnostics = [rec for lens in lenses for rec in lens.diagnostics]
+        settings = dict(first.settings, merged_from=len(lenses))
+        return cls(mats, total, first.d_model, target_layer=first.target_layer, n_layers=first.n_layers,
+                   settings=settings, model_name=first.model_name, model_fingerprint=first.model_fingerprint,
+                   diagnostics=diagnostics)
+
+
+def lens_layers(lens, layers: Iterable[int] | None = None) -> list[int]:
+    """The readable layers of ``lens`` (optionally restricted to ``layers``), sorted."""
+    available = lens.layers
+    if layers is None:
+        return available
+    return [layer for layer in sorted(set(layers)) if layer in available]
