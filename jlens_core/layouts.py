@@ -51,6 +51,8 @@ LAYOUTS: tuple[ModelLayout, ...] = (
     ModelLayout("gpt2", "transformer", "transformer.h", "transformer.ln_f", "transformer.wte", "lm_head",
                 attn="attn", mlp="mlp"),
     ModelLayout("gpt-neox", "gpt_neox", "gpt_neox.layers", "gpt_neox.final_layer_norm",
+                "gpt_neox.embed_in", "lm_head", attn="attention", mlp="mlp"),
+    ModelLayout("gpt-neox-legacy", "gpt_neox", "gpt_neox.layers", "gpt_neox.final_layer_norm",
                 "gpt_neox.embed_in", "embed_out", attn="attention", mlp="mlp"),
 )
 

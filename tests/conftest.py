@@ -1,0 +1,129 @@
+"""Shared fixtures: tiny randomly initialised models of several families and a tokenizer made here.
+
+Nothing is downloaded. ``make_tiny(family)`` builds a model from a config in this file.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TINY_VOCAB = 300
+CORPUS = (
+    "The capital of France is Paris. The capital of Italy is Rome. Water boils at one hundred degrees.\n"
+    "def add(a, b):\n    return a + b\n"
+    "Once upon a time there was a small model that read every layer of itself, one token at a time. "
+    "Numbers like 12, 345 and 6789 appear in text; so do symbols: #, @, %, & and *. "
+) * 4
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=["<|bos|>", "<|eos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer=trainer)
+    return tok.to_str()
+
+
+def make_tokenizer():
+    """A byte-level BPE tokenizer (GPT-2 style, ``Ġ`` for spaces) trained on a few lines here."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+                                  bos_token="<|bos|>", eos_token="<|eos|>")
+    tok.chat_template = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
+    return tok
+
+
+def tiny_config(family: str, *, n_layers: int = 4, d_model: int = 32):
+    """A transformers config for a tiny model of ``family`` (vocab ``TINY_VOCAB``)."""
+    import transformers as tf
+
+    common = dict(vocab_size=TINY_VOCAB, bos_token_id=0, eos_token_id=1)
+    heads = 4
+    if family == "llama":
+        return tf.LlamaConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+                              num_attention_heads=heads, num_key_value_heads=2, **common)
+    if family == "qwen2":
+        return tf.Qwen2Config(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+                              num_attention_heads=heads, num_key_value_heads=2, **common)
+    if family == "qwen3":
+        return tf.Qwen3Config(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+                              num_attention_heads=heads, num_key_value_heads=2, head_dim=8, **common)
+    if family == "mistral":
+        return tf.MistralConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+                                num_attention_heads=heads, num_key_value_heads=2, **common)
+    if family == "gemma":
+        return tf.GemmaConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+                              num_attention_heads=heads, num_key_value_heads=2, head_dim=8, **common)
+    if family == "gemma2":
+        return tf.Gemma2Config(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+                               num_attention_heads=heads, num_key_value_heads=2, head_dim=8,
+                               final_logit_softcapping=30.0, sliding_window=8, **common)
+    if family == "olmo":
+        return tf.OlmoConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+                             num_attention_heads=heads, **common)
+    if family == "phi":
+        return tf.PhiConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+                            num_attention_heads=heads, **common)
+    if family == "gpt2":
+        return tf.GPT2Config(n_embd=d_model, n_layer=n_layers, n_head=heads, n_positions=256, **common)
+    if family == "gpt_neox":
+        return tf.GPTNeoXConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+                                num_attention_heads=heads, max_position_embeddings=256, **common)
+    if family == "opt":
+        return tf.OPTConfig(hidden_size=d_model, ffn_dim=2 * d_model, num_hidden_layers=n_layers,
+                            num_attention_heads=heads, word_embed_proj_dim=d_model, max_position_embeddings=256,
+                            pad_token_id=2, **common)
+    raise ValueError(f"unknown family {family!r}")
+
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "olmo", "phi", "gpt2", "gpt_neox", "opt")
+
+
+def make_hf_model(family: str, *, seed: int = 0, **kwargs):
+    """A randomly initialised ``*ForCausalLM`` of ``family`` in fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), torch_dtype=torch.float32)
+    return model.eval()
+
+
+def make_tiny(family: str = "llama", *, seed: int = 0, **kwargs):
+    """An :class:`~jlens_core.HFLensModel` over a tiny random model of ``family`` and the test tokenizer."""
+    from jlens_core import HFLensModel
+
+    return HFLensModel(make_hf_model(family, seed=seed, **kwargs), make_tokenizer(), name=f"tiny-{family}")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return make_tiny("llama")
+
+
+@pytest.fixture
+def tiny_factory():
+    return make_tiny
+
+
+LONG_TEXT = ("The quick brown fox jumps over the lazy dog while the capital of France is Paris and "
+             "water boils at one hundred degrees. Once upon a time there was a small model.")
