@@ -1,0 +1,115 @@
+"""Parse a layer selection written on the command line: ``"0,4,8"``, ``"0:12"``, ``"0:12:2"``, ``"-1"``, ``"all"``.
+
+Used by ``jlens dump --layers`` and ``jlens fit --layers``.
+
+Grammar: comma-separated parts; each part is
+
+* ``all``: every layer ``0 .. n_layers-1``;
+* an integer ``i``: one layer; negatives count from the end (``-1`` is the last layer);
+* a slice ``start:stop`` or ``start:stop:step`` with Python meaning (``stop`` excluded, any of the
+  three may be left out: ``":4"``, ``"8:"``, ``"::2"``); negative ``start`` / ``stop`` count from
+  the end. ``step`` must be positive.
+
+The result is de-duplicated and sorted. Indices out of ``[-n_layers, n_layers)`` (for a slice's
+``stop``: out of ``[-n_layers, n_layers]``), an empty part, a slice that selects nothing, or an
+empty selection are a ``ValueError`` that names the bad part.
+"""
+
+from __future__ import annotations
+
+import re
+
+_INT = re.compile(r"^[+-]?\d+$")
+
+
+def _parse_int(text: str, part: str, what: str) -> int | None:
+    text = text.strip()
+    if text == "":
+        return None
+    if not _INT.match(text):
+        raise ValueError(f"Layer spec part {part!r}: {what} {text!r} is not an integer "
+                         "(write e.g. '0,4,8', '0:12', '0:12:2', '-1' or 'all').")
+    return int(text)
+
+
+def _split(spec: str) -> list[tuple[str, list[int | None] | None]]:
+    """Syntax check: ``[(part, None)]`` for ``all``, ``[(part, [i])]`` or ``[(part, [start, stop, step])]``."""
+    if not isinstance(spec, str):
+        raise TypeError(f"Layer spec must be a string such as '0,4,8' or '0:12', not {type(spec).__name__}.")
+    if not spec.strip():
+        raise ValueError("Layer spec is empty: write e.g. '0,4,8', '0:12', '0:12:2', '-1' or 'all'.")
+    out: list[tuple[str, list[int | None] | None]] = []
+    for raw in spec.split(","):
+        part = raw.strip()
+        if not part:
+            raise ValueError(f"Layer spec {spec!r} has an empty part (two commas in a row, or a trailing comma).")
+        if part.lower() == "all":
+            out.append((part, None))
+            continue
+        pieces = part.split(":")
+        if len(pieces) == 1:
+            value = _parse_int(pieces[0], part, "layer")
+            out.append((part, [value]))
+            continue
+        if len(pieces) > 3:
+            raise ValueError(f"Layer spec part {part!r} has more than two ':' (a slice is start:stop[:step]).")
+        start = _parse_int(pieces[0], part, "start")
+        stop = _parse_int(pieces[1], part, "stop")
+        step = _parse_int(pieces[2], part, "step") if len(pieces) == 3 else None
+        if step is not None and step <= 0:
+            raise ValueError(f"Layer spec part {part!r}: step {step} must be a positive integer.")
+        out.append((part, [start, stop, step]))
+    return out
+
+
+def check_layer_spec(spec: str) -> None:
+    """Check the syntax of ``spec`` without knowing the model's depth (before a slow model load).
+
+    Raises:
+        ValueError: the spec is not well formed; the message names the bad part.
+    """
+    _split(spec)
+
+
+def parse_layer_spec(spec: str, n_layers: int) -> list[int]:
+    """Resolve a layer spec (see the module docstring) against a model with ``n_layers`` layers.
+
+    Args:
+        spec: e.g. ``"0,4,8"``, ``"0:12"``, ``"0:12:2"``, ``"-1"``, ``"-4:"``, ``"all"``.
+        n_layers: the model's number of decoder layers (``>= 1``).
+
+    Returns:
+        Sorted, de-duplicated, non-negative layer indices (never empty).
+
+    Raises:
+        ValueError: bad syntax, an index out of range, a slice selecting nothing, or an empty
+            selection; the message names the bad part and the valid range.
+    """
+    if not isinstance(n_layers, int) or n_layers < 1:
+        raise ValueError(f"n_layers must be a positive integer, not {n_layers!r}.")
+    valid = f"the model has {n_layers} layers (valid: {-n_layers}..{n_layers - 1})"
+    chosen: set[int] = set()
+    for part, values in _split(spec):
+        if values is None:
+            chosen.update(range(n_layers))
+            continue
+        if len(values) == 1:
+            (index,) = values
+            if index is None:
+                raise ValueError(f"Layer spec part {part!r} is empty.")
+            if not -n_layers <= index < n_layers:
+                raise ValueError(f"Layer {index} (in layer spec part {part!r}) is out of range: {valid}.")
+            chosen.add(index % n_layers)
+            continue
+        start, stop, step = values
+        if start is not None and not -n_layers <= start < n_layers:
+            raise ValueError(f"Slice start {start} (in layer spec part {part!r}) is out of range: {valid}.")
+        if stop is not None and not -n_layers <= stop <= n_layers:
+            raise ValueError(f"Slice stop {stop} (in layer spec part {part!r}) is out of range: the model has "
+                             f"{n_layers} layers (a stop may be {-n_layers}..{n_layers}; it is excluded).")
+        selected = range(n_layers)[slice(start, stop, step)]
+        if len(selected) == 0:
+            raise ValueError(f"Layer spec part {part!r} selects no layer of a {n_layers}-layer model "
+                             "(a slice's stop is excluded: '2:5' is layers 2, 3, 4).")
+        chosen.update(selected)
+    return sorted(chosen)
