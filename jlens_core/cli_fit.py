@@ -1,0 +1,241 @@
+"""``jlens fit`` and ``jlens merge``.
+
+``jlens fit`` streams one JSON record per prompt x layer to ``<LENS>.diagnostics.jsonl`` (flushed
+per prompt) and its state to ``<LENS>.status.json``, so another program (the app) can follow a
+fit it did not start. Under ``torchrun`` each rank fits every K-th prompt; rank 0 writes the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from .cli import CLIError
+
+log = logging.getLogger(__name__)
+
+
+def sidecar(out: str | os.PathLike, kind: str) -> Path:
+    """``lens.safetensors`` -> ``lens.<kind>`` (``diagnostics.jsonl``, ``status.json``, ``ckpt``)."""
+    out = Path(out)
+    stem = out.name[: -len(out.suffix)] if out.suffix else out.name
+    return out.with_name(f"{stem}.{kind}")
+
+
+class StopAtDelta:
+    """Stop once the max (over layers) relative change of the running mean stays below ``threshold``
+    for ``patience`` prompts in a row."""
+
+    def __init__(self, threshold: float, patience: int = 5) -> None:
+        if threshold <= 0:
+            raise CLIError(f"--stop-at-delta {threshold} must be > 0.")
+        if patience < 1:
+            raise CLIError(f"--stop-patience {patience} must be >= 1.")
+        self.threshold, self.patience = threshold, patience
+
+    def __call__(self, state) -> str | None:
+        per_prompt: dict[int, float] = {}
+        for rec in reversed(state.diagnostics):
+            if rec["rel_change"] is None:
+                break
+            idx = rec["prompt_index"]
+            per_prompt[idx] = max(per_prompt.get(idx, 0.0), rec["rel_change"])
+            if len(per_prompt) > self.patience:
+                break
+        last = [per_prompt[i] for i in sorted(per_prompt)[-self.patience:]]
+        if len(last) == self.patience and max(last) < self.threshold:
+            return (f"max relative change of the running mean below {self.threshold:g} for {self.patience} "
+                    f"prompts in a row (last {max(last):.3g}) after {state.n_done} prompts")
+        return None
+
+
+class StatusFile:
+    """``<LENS>.status.json``: what a watcher needs (state, counts, timing, error), rewritten atomically."""
+
+    def __init__(self, path: Path, **fields) -> None:
+        self.path = path
+        self.data = {"state": "starting", "pid": os.getpid(), "started": time.time(), **fields}
+        self.write()
+
+    def write(self, **fields) -> None:
+        self.data.update(fields, updated=time.time())
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        os.replace(tmp, self.path)
+
+
+def _init_world(device: str | None):
+    """Join the torchrun process group when launched by torchrun (WORLD_SIZE > 1)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None, device
+    import torch
+    import torch.distributed as dist
+
+    from .fit import World
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = device if device not in (None, "cuda") else f"cuda:{local_rank}"
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return World(), device or "cpu"
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from .corpus import load_corpus
+    from .fit import fit
+    from .layerspec import check_layer_spec, parse_layer_spec
+    from .loading import load_model
+
+    if args.layers:
+        check_layer_spec(args.layers)
+    stop = StopAtDelta(args.stop_at_delta, args.stop_patience) if args.stop_at_delta else None
+    out = Path(args.out)
+    if out.is_dir():
+        raise CLIError(f"--out {args.out!r} is a folder; give a file path such as {args.out.rstrip('/')}/lens.safetensors.")
+    world, device = _init_world(args.device)
+    rank = world.rank if world is not None else 0
+    try:
+        prompts = load_corpus(args.corpus, n=args.n_prompts, min_chars=args.min_chars, split=args.split)
+        model = load_model(args.model, device=device, dtype=args.dtype)
+        sources = parse_layer_spec(args.layers, model.n_layers) if args.layers else None
+        if sources is not None:
+            target = args.target_layer % model.n_layers
+            sources = [s for s in sources if s != target] or sources
+        checkpoint = Path(args.checkpoint) if args.checkpoint else sidecar(out, "ckpt")
+        if rank == 0:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        return _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit)
+    finally:
+        if world is not None:
+            world.dist.destroy_process_group()
+
+
+def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -> int:
+    rank = world.rank if world is not None else 0
+    diag_path, status_path = sidecar(out, "diagnostics.jsonl"), sidecar(out, "status.json")
+    status = diag_file = bar = None
+    if rank == 0:
+        status = StatusFile(status_path, out=str(out), model=model.name, corpus=args.corpus, n_total=len(prompts),
+                            diagnostics=str(diag_path), checkpoint=str(checkpoint),
+                            world_size=world.size if world else 1)
+        resumed = []
+        if checkpoint.exists() and not args.no_resume:
+            from .fit import read_checkpoint
+
+            resumed = read_checkpoint(checkpoint)["diagnostics"]
+        diag_file = open(diag_path, "w", encoding="utf-8")  # rewritten from the checkpoint, then appended
+        for rec in resumed:
+            diag_file.write(json.dumps(rec) + "\n")
+        diag_file.flush()
+        if not args.no_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), unit="prompt", dynamic_ncols=True, file=sys.stderr,
+                       desc=f"fit {model.name}")
+    t_start, first_idx = time.time(), None
+
+    def on_progress(event) -> None:
+        nonlocal first_idx
+        first_idx = event.prompt_index if first_idx is None else first_idx
+        for rec in event.records:
+            diag_file.write(json.dumps(rec) + "\n")
+        diag_file.flush()
+        done_here = event.next_idx - first_idx
+        rate = (time.time() - t_start) / max(done_here, 1)
+        eta = rate * (event.n_total - event.next_idx)
+        status.write(state="running", n_done=event.n_done, next_idx=event.next_idx, seconds_per_prompt=rate,
+                     eta_seconds=eta, max_rel_change=event.max_rel_change,
+                     last_skipped=event.reason if event.skipped else None)
+        if bar is not None:
+            bar.n = event.next_idx
+            delta = "-" if event.max_rel_change is None else f"{event.max_rel_change:.2e}"
+            bar.set_postfix_str(f"{event.seconds:.1f}s/prompt max\u0394={delta}" +
+                                (" (skipped)" if event.skipped else ""), refresh=True)
+
+    try:
+        lens = fit(model, prompts, source_layers=sources, target_layer=args.target_layer, dim_batch=args.dim_batch,
+                   max_seq_len=args.max_seq_len, skip_first=args.skip_first, checkpoint_path=checkpoint,
+                   checkpoint_every=args.checkpoint_every, resume=not args.no_resume,
+                   progress=on_progress if rank == 0 else None, should_stop=stop, world=world)
+    except BaseException as exc:
+        if status is not None:
+            state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
+            status.write(state=state, error=f"{type(exc).__name__}: {exc}",
+                         traceback=traceback.format_exc() if state == "failed" else None)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        if diag_file is not None:
+            diag_file.close()
+    if rank == 0:
+        lens.settings["corpus"] = args.corpus
+        lens.save(out, dtype=args.save_dtype)
+        status.write(state="done", n_done=lens.n_prompts, stop_reason=lens.stop_reason, lens=str(out),
+                     seconds=time.time() - t_start)
+        print(f"Wrote {out}: {lens.n_prompts} prompts, layers {lens.source_layers[0]}..{lens.source_layers[-1]} "
+              f"-> {lens.target_layer}" + (f"; stopped early: {lens.stop_reason}" if lens.stop_reason else ""),
+              file=sys.stderr)
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from .lens import JacobianLens
+
+    lenses = [JacobianLens.load(path) for path in args.lenses]
+    merged = JacobianLens.merge(lenses)
+    merged.save(args.out, dtype=args.save_dtype)
+    print(f"Wrote {args.out}: {merged.n_prompts} prompts from {len(lenses)} lenses.", file=sys.stderr)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("fit", help="fit a Jacobian lens on a corpus",
+                              description="Fit a Jacobian lens: d_model backward passes per prompt, averaged over "
+                                          "the corpus. Resumable; under torchrun, sharded over ranks.")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model: 'smollm2-135m' (embedded default), a Hugging Face id, a local folder or a .gguf file")
+    p.add_argument("--corpus", default="stdlib-docs",
+                   help="'stdlib-docs' (built-in), a .txt (paragraphs) or .jsonl (text field) file, or a HF dataset")
+    p.add_argument("--out", required=True, help="lens file to write (safetensors), e.g. lens.safetensors")
+    p.add_argument("--n-prompts", type=int, default=None, help="use the first N texts of the corpus (default all)")
+    p.add_argument("--min-chars", type=int, default=400, help="skip corpus texts shorter than this (default 400)")
+    p.add_argument("--split", choices=["all", "fit", "eval"], default="fit",
+                   help="corpus part: 'fit' (default; disjoint from 'eval'), 'eval' or 'all'")
+    p.add_argument("--max-seq-len", type=int, default=128, help="truncate prompts to this many tokens (default 128)")
+    p.add_argument("--skip-first", type=int, default=16,
+                   help="leading positions left out as attention sinks (default 16)")
+    p.add_argument("--dim-batch", type=int, default=8,
+                   help="output dimensions per backward pass: memory, not result (default 8)")
+    p.add_argument("--layers", default=None, help="source layers: '0,4,8', '0:12', '0:12:2', 'all' (default: all "
+                                                  "below the target)")
+    p.add_argument("--target-layer", type=int, default=-1, help="target layer, negative from the end (default -1)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint file (default <OUT stem>.ckpt next to --out)")
+    p.add_argument("--checkpoint-every", type=int, default=1, help="write the checkpoint every N prompts (default 1)")
+    p.add_argument("--no-resume", action="store_true", help="start over even if the checkpoint exists")
+    p.add_argument("--stop-at-delta", type=float, default=None,
+                   help="stop once the max relative change of the running mean stays below X")
+    p.add_argument("--stop-patience", type=int, default=5,
+                   help="prompts in a row below --stop-at-delta before stopping (default 5)")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, mps, cpu, or auto (spread over GPUs); default: best")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--save-dtype", default="float32", choices=["float32", "float16"],
+                   help="storage precision of the lens file (default float32)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (diagnostics are still written)")
+    p.set_defaults(func=cmd_fit)
+
+    m = subparsers.add_parser("merge", help="merge lenses fitted on disjoint prompt sets",
+                              description="n_prompts-weighted mean of lenses; refuses different layers, widths, "
+                                          "settings or models.")
+    m.add_argument("lenses", nargs="+", help="lens files to merge")
+    m.add_argument("--out", required=True, help="merged lens file to write")
+    m.add_argument("--save-dtype", default="float32", choices=["float32", "float16"], help="storage precision")
+    m.set_defaults(func=cmd_merge)

