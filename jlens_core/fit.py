@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .estimator import jacobian_for_prompt, resolve_layers
+from .estimator import METHODS, jacobian_for_prompt, resolve_layers
 from .lens import JacobianLens
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,15 @@ class FitState:
         return self.jacobian_sum[layer] / self.n_done
 
 
+class RankFailedError(RuntimeError):
+    """Raised on every rank of a sharded fit once one rank failed; ``original`` is that rank's own error
+    (``None`` on the ranks that did not fail)."""
+
+    def __init__(self, message: str, rank: int, original: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.rank, self.original = rank, original
+
+
 class World:
     """A process group for sharded fitting (``torch.distributed``); ``None`` means one process."""
 
@@ -92,6 +101,16 @@ class World:
         box = [obj]
         self.dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def check_failures(self, error: BaseException | None) -> None:
+        """Collective: if any rank passes an error, raise :class:`RankFailedError` on every rank, with the
+        first failed rank's message (so the others stop with its error instead of waiting on it)."""
+        flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64)
+        if float(self.all_reduce_sum(flag)[0]) == 0.0:
+            return
+        messages = self.gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+        failed = next(r for r, message in enumerate(messages) if message is not None)
+        raise RankFailedError(f"Rank {failed} of {self.size} failed: {messages[failed]}", failed, error)
 
 
 def prompts_digest(prompts: Sequence, upto: int) -> str:
@@ -193,6 +212,15 @@ def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None,
     sources, target = resolve_layers(model.n_layers, source_layers, target_layer)
     if checkpoint_every < 1:
         raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1.")
+    # Settings errors must not pass for "prompt too short" (each prompt would be skipped, and recorded so).
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not one of {METHODS}.")
+    if dim_batch < 1:
+        raise ValueError(f"dim_batch={dim_batch} must be >= 1.")
+    if skip_first < 0:
+        raise ValueError(f"skip_first={skip_first} must be >= 0.")
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len={max_seq_len} must be at least 2.")
     rank, size = (world.rank, world.size) if world is not None else (0, 1)
     d = model.d_model
     settings = {"source_layers": sources, "target_layer": target, "skip_first": skip_first,
@@ -283,8 +311,16 @@ def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None,
     steps = 0
     while state.next_idx < n_total and state.stop_reason is None:
         idx = state.next_idx + rank
+        error = None
         if idx < n_total:
-            process(idx)
+            try:
+                process(idx)
+            except Exception as exc:  # sharded: tell the other ranks before stopping, so none waits on us
+                if world is None:
+                    raise
+                error = exc
+        if world is not None:
+            world.check_failures(error)
         state.next_idx = min(state.next_idx + size, n_total)
         steps += 1
         at_end = state.next_idx >= n_total

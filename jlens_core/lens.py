@@ -318,6 +318,8 @@ class JacobianLens:
                 for layer in first.source_layers}
         diagnostics = [rec for lens in lenses for rec in lens.diagnostics]
         settings = dict(first.settings, merged_from=len(lenses))
+        if all("n_skipped" in lens.settings for lens in lenses):
+            settings["n_skipped"] = sum(int(lens.settings["n_skipped"]) for lens in lenses)
         return cls(mats, total, first.d_model, target_layer=first.target_layer, n_layers=first.n_layers,
                    settings=settings, model_name=first.model_name, model_fingerprint=first.model_fingerprint,
                    diagnostics=diagnostics)

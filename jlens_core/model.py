@@ -62,13 +62,17 @@ class HFLensModel:
         hf_model.requires_grad_(False)
 
         self.base: nn.Module = get_path(hf_model, self.layout.base)
-        self._layers = list(get_path(hf_model, self.layout.layers))
-        if self.base is None or not self._layers:
-            raise ValueError(f"Layout {self.layout.name!r} does not match {type(hf_model).__name__}: "
-                             f"no module at {self.layout.base!r} or no layers at {self.layout.layers!r}.")
+        self._layers = list(get_path(hf_model, self.layout.layers) or [])
         self.final_norm: nn.Module | None = get_path(hf_model, self.layout.final_norm)
         self.embed: nn.Module = get_path(hf_model, self.layout.embed)
         self.head: nn.Module = get_path(hf_model, self.layout.head)
+        missing = [f"{part}={path!r}" for part, path, found in (
+            ("base", self.layout.base, self.base), ("layers", self.layout.layers, self._layers),
+            ("embed", self.layout.embed, self.embed), ("head", self.layout.head, self.head))
+            if found is None or (part == "layers" and not found)]
+        if missing:
+            raise ValueError(f"Layout {self.layout.name!r} does not match {type(hf_model).__name__}: "
+                             f"nothing found at {', '.join(missing)}.")
         self.pre_head: list[nn.Module] = [m for m in (get_path(hf_model, p) for p in self.layout.pre_head)
                                           if m is not None]
         config = getattr(hf_model, "config", None)
@@ -128,6 +132,8 @@ class HFLensModel:
     def decode(self, token_ids) -> str:
         """Token ids (int, list or tensor) back to text."""
         if isinstance(token_ids, torch.Tensor):
+            if token_ids.dim() == 2 and token_ids.shape[0] == 1:  # what encode returns
+                token_ids = token_ids[0]
             token_ids = token_ids.tolist()
         if isinstance(token_ids, int):
             token_ids = [token_ids]
