@@ -1,0 +1,612 @@
+"""Reading a prompt through a lens: per layer x position statistics (SPEC §6).
+
+For every readable layer ``l`` and position ``p`` of a prompt, the lens distribution is
+``softmax(unembed(J_l @ h_l[p]))`` (``J_l = I`` for the logit lens) and the model's final
+distribution is ``softmax(unembed(h_{L-1}[p]))``, the model's own output. From them:
+
+* ``top_ids`` / ``top_tokens`` / ``top_probs``: the ``top_k`` most probable tokens of the lens;
+* ``entropy_bits``: entropy of the lens distribution, in bits;
+* ``kl_bits``: ``KL(final || lens)`` in bits (0 at the model's output layer);
+* ``ce_bits``: cross-entropy of the actual next token ``-log2 p_lens(x[p+1])`` (NaN at the last
+  position, which has no next token);
+* ``next_token_rank``: rank of the actual next token (missing at the last position);
+* ``final_top1_rank``: rank of the model's final top-1 token at that position;
+* ``rank_<token>``: rank of each pinned token.
+
+**Ranks** are 1-based over the full vocabulary: ``rank = 1 + #{v : logit_v > logit_t}``, so the
+top-1 token has rank 1 and ``rank <= k`` means "in the top k". Ties share the best rank. Ranks are
+computed from fp32 logits (cast from the model's dtype).
+
+Memory: residuals are recorded once (``layers x seq x d_model``); logits are computed a chunk of
+positions and one layer at a time (at most ``CHUNK_ELEMENTS`` logits per array), and only the
+returned statistics are kept, so ``layers x positions x vocab`` is never held.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .lens import LensFileError
+from .recorder import ActivationRecorder
+from .tokens import TokenDisplay, display_ids, encode_plain, token_id_for
+
+log = logging.getLogger(__name__)
+
+LN2 = math.log(2.0)
+# Logits held per array while reading (positions per chunk = CHUNK_ELEMENTS // vocab, at least 1).
+CHUNK_ELEMENTS = 1 << 24
+FRAME_COLUMNS = ("layer", "position", "token", "top_ids", "top_tokens", "top_probs", "entropy_bits",
+                 "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank")
+GRID_STATS = ("entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank", "top1_prob")
+
+
+# -- shared helpers (also used by jlens_core.evaluation) ---------------------------------------
+def check_lens(model: Any, lens: Any) -> None:
+    """Raise :class:`LensFileError` if ``lens`` does not belong to ``model``.
+
+    A :class:`JacobianLens` checks its width, target layer and unembedding fingerprint
+    (``lens.check_model``); a :class:`LogitLens` must have the model's width and layer count.
+    """
+    if hasattr(lens, "check_model"):
+        lens.check_model(model)
+        return
+    n_layers = getattr(lens, "n_layers", model.n_layers)
+    if getattr(lens, "d_model", model.d_model) != model.d_model or n_layers != model.n_layers:
+        raise LensFileError(f"This {getattr(lens, 'kind', 'logit')} lens is for a model with "
+                            f"d_model={lens.d_model} and {n_layers} layers; {model.name!r} has "
+                            f"d_model={model.d_model} and {model.n_layers} layers. Use "
+                            "LogitLens.for_model(model).")
+
+
+def readable_layers(model: Any, lens: Any, layers: Iterable[int] | None = None) -> list[int]:
+    """The layers to read: ``lens.layers`` (all of them, or those of ``layers`` the lens has), sorted.
+
+    Negative indices in ``layers`` count from the end. Layers the lens was not fitted at are left
+    out (logged), never read as a logit lens.
+
+    Raises:
+        ValueError: an index outside ``[-n_layers, n_layers)``, or no readable layer remains.
+    """
+    n = model.n_layers
+    available = [layer for layer in lens.layers if 0 <= layer < n]
+    if layers is None:
+        chosen = available
+    else:
+        wanted = set()
+        for layer in layers:
+            i = int(layer)
+            if not -n <= i < n:
+                raise ValueError(f"layer {layer} is out of range: the model has {n} layers "
+                                 f"(valid: {-n}..{n - 1}).")
+            wanted.add(i % n)
+        chosen = [layer for layer in available if layer in wanted]
+        missing = sorted(wanted - set(chosen))
+        if missing:
+            log.info("the %s lens has no layers %s; they are left out", getattr(lens, "kind", "?"), missing)
+    if not chosen:
+        raise ValueError(f"None of the requested layers {sorted(set(layers or []))} is readable with this "
+                         f"lens, which reads layers {available}.")
+    return sorted(chosen)
+
+
+def record_residuals(model: Any, input_ids: torch.Tensor, layers: Iterable[int]) -> dict[int, torch.Tensor]:
+    """One forward pass (no gradients) recording decoder-layer outputs.
+
+    Records ``layers`` and the last layer (the model's output is ``unembed`` of it); the pass
+    stops right after the last layer.
+
+    Returns:
+        ``{layer: Tensor[seq, d_model]}`` for batch row 0, on the model's device, model dtype.
+    """
+    top = model.n_layers - 1
+    wanted = sorted({int(layer) for layer in layers} | {top})
+    with torch.no_grad(), ActivationRecorder(model.layers, wanted, stop_after=top) as rec:
+        model.forward(input_ids)
+    return {layer: rec.activations[layer][0].detach() for layer in wanted}  # [seq, d_model] each
+
+
+def rank_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """1-based rank of ``ids`` among ``logits``: ``1 + #{v : logits[..., v] > logits[..., id]}``.
+
+    Args:
+        logits: ``[n, vocab]``.
+        ids: ``LongTensor[n]``, one id per row.
+
+    Returns:
+        ``LongTensor[n]``.
+    """
+    value = logits.gather(-1, ids[:, None])  # [n, 1]
+    return (logits > value).sum(-1) + 1
+
+
+def distribution_stats(logits: torch.Tensor, final_logp: torch.Tensor, final_p: torch.Tensor,
+                       next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entropy, KL(final || lens) and next-token CE of a lens distribution, all in bits.
+
+    Args:
+        logits: ``[n, vocab]`` lens logits (fp32).
+        final_logp / final_p: ``[n, vocab]`` the model's final log-probabilities / probabilities.
+        next_ids: ``LongTensor[n]``; a negative id means "no next token" (CE is NaN there).
+
+    Returns:
+        ``(log_probs [n, vocab], entropy_bits [n], kl_bits [n], ce_bits [n])``; KL is clamped at 0
+        (rounding can leave it a hair below).
+    """
+    logp = logits.log_softmax(-1)  # [n, vocab]
+    p = logp.exp()
+    entropy = -torch.where(p > 0, p * logp, torch.zeros((), device=p.device)).sum(-1) / LN2
+    kl = torch.where(final_p > 0, final_p * (final_logp - logp), torch.zeros((), device=p.device)).sum(-1)
+    kl = kl.clamp_min(0.0) / LN2
+    has_next = next_ids >= 0
+    ce = -logp.gather(-1, next_ids.clamp_min(0)[:, None])[:, 0] / LN2
+    ce = torch.where(has_next, ce, torch.full_like(ce, float("nan")))
+    return logp, entropy, kl, ce
+
+
+def chunk_size(vocab_size: int) -> int:
+    """Positions per chunk so that one ``[chunk, vocab]`` array holds at most ``CHUNK_ELEMENTS``."""
+    return max(1, CHUNK_ELEMENTS // max(1, int(vocab_size)))
+
+
+def resolve_positions(seq_len: int, positions: Iterable[int] | None) -> list[int]:
+    """Positions to read (all by default); negatives count from the end; de-duplicated, sorted.
+
+    Raises:
+        ValueError: a position outside ``[-seq_len, seq_len)`` or an empty list.
+    """
+    if positions is None:
+        return list(range(seq_len))
+    out = set()
+    for position in positions:
+        i = int(position)
+        if not -seq_len <= i < seq_len:
+            raise ValueError(f"position {position} is out of range: the prompt has {seq_len} tokens "
+                             f"(valid: {-seq_len}..{seq_len - 1}).")
+        out.add(i % seq_len)
+    if not out:
+        raise ValueError("positions is empty: give at least one position, or None for all.")
+    return sorted(out)
+
+
+def encode_prompt(model: Any, text: str | Sequence[int] | torch.Tensor, max_seq_len: int | None) -> torch.Tensor:
+    """``LongTensor[1, seq]`` on the model's device, from text (``model.encode``) or token ids."""
+    if isinstance(text, str):
+        if not text:
+            raise ValueError("The prompt is empty: give some text to read.")
+        return model.encode(text, max_length=max_seq_len)
+    ids = torch.as_tensor(text, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"Token ids must be a non-empty [seq] or [1, seq] sequence, got shape {tuple(ids.shape)}.")
+    if max_seq_len is not None:
+        ids = ids[:, :max_seq_len]
+    device = getattr(model, "device", None)
+    return ids.to(device) if device is not None else ids
+
+
+def model_vocab_size(model: Any) -> int:
+    size = getattr(model, "vocab_size", None)
+    if size is None:
+        raise ValueError(f"The model {getattr(model, 'name', model)!r} does not tell its vocab_size.")
+    return int(size)
+
+
+# -- the reading -------------------------------------------------------------------------------
+@dataclass(eq=False)
+class PromptReading:
+    """What :func:`read_prompt` returns: statistics for every readable layer x read position.
+
+    Array attributes are indexed ``[layer_index, position_index]`` along :attr:`layers` and
+    :attr:`positions` (``n_layers`` rows, ``n_positions`` columns).
+
+    Attributes:
+        text: the prompt text (decoded from the ids when ids were given).
+        model_name: the model's name.
+        lens_kind: ``"jacobian"`` or ``"logit"``.
+        input_ids: ``int64[seq]`` the prompt's token ids (after truncation).
+        tokens: ``list[str]`` of length ``seq``: display strings of the input tokens.
+        layers: readable layers, ascending; the last is the lens's target layer.
+        positions: ``int64[n_positions]`` the positions read.
+        output_layer: the model's last layer (whose reading is the model's own output).
+        top_k: tokens kept per cell.
+        show_whitespace: whether display strings show whitespace as glyphs.
+        word_like: whether the top-k lists were restricted to word-like tokens (ranks never are).
+        pinned: ``{name: token id}``; ``name`` is the pinned token as given (``rank_<name>``).
+        top_ids: ``int64[n_layers, n_positions, top_k]``, most probable first.
+        top_probs: ``float32[n_layers, n_positions, top_k]``, lens probabilities (full softmax).
+        entropy_bits, kl_bits, ce_bits: ``float64[n_layers, n_positions]`` (bits); ``ce_bits`` is
+            NaN at the last position.
+        next_token_rank: ``float64[n_layers, n_positions]``, 1-based; NaN at the last position.
+        final_top1_rank: ``int64[n_layers, n_positions]``, 1-based (1 at the model's output layer).
+        pinned_ranks: ``{name: int64[n_layers, n_positions]}``, 1-based.
+        next_ids: ``int64[n_positions]`` the actual next token (``-1`` at the last position).
+        final_top1_ids: ``int64[n_positions]`` the model's own top-1 token.
+    """
+
+    text: str
+    model_name: str
+    lens_kind: str
+    input_ids: np.ndarray
+    tokens: list[str]
+    layers: list[int]
+    positions: np.ndarray
+    output_layer: int
+    top_k: int
+    show_whitespace: bool
+    word_like: bool
+    pinned: dict[str, int]
+    top_ids: np.ndarray
+    top_probs: np.ndarray
+    entropy_bits: np.ndarray
+    kl_bits: np.ndarray
+    ce_bits: np.ndarray
+    next_token_rank: np.ndarray
+    final_top1_rank: np.ndarray
+    pinned_ranks: dict[str, np.ndarray]
+    next_ids: np.ndarray
+    final_top1_ids: np.ndarray
+    vocab_strings: list[str] = field(repr=False, default_factory=list)
+
+    # -- shape -----------------------------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def n_positions(self) -> int:
+        return len(self.positions)
+
+    def layer_index(self, layer: int) -> int:
+        """Row of ``layer`` in the arrays (negative layers count from the model's end).
+
+        Raises:
+            KeyError: the layer was not read.
+        """
+        i = int(layer) % (self.output_layer + 1) if layer < 0 else int(layer)
+        try:
+            return self.layers.index(i)
+        except ValueError:
+            raise KeyError(f"Layer {layer} was not read; this reading has layers {self.layers}.") from None
+
+    def position_index(self, position: int) -> int:
+        """Column of ``position`` in the arrays (negative positions count from the prompt's end).
+
+        Raises:
+            KeyError: the position was not read.
+        """
+        i = int(position) % len(self.input_ids) if position < 0 else int(position)
+        hits = np.flatnonzero(self.positions == i)
+        if not len(hits):
+            raise KeyError(f"Position {position} was not read; this reading has positions "
+                           f"{self.positions.tolist()}.")
+        return int(hits[0])
+
+    # -- strings -----------------------------------------------------------------------------------
+    def _names(self, ids: Iterable[int]) -> list[str]:
+        n = len(self.vocab_strings)
+        return [self.vocab_strings[i] if 0 <= i < n else f"<id:{i}>" for i in (int(j) for j in ids)]
+
+    @property
+    def position_tokens(self) -> list[str]:
+        """Display strings of the input token at each read position (``n_positions``)."""
+        return [self.tokens[p] for p in self.positions.tolist()]
+
+    @property
+    def next_tokens(self) -> list[str]:
+        """Display strings of the actual next token at each read position (``""`` at the last)."""
+        return [self.tokens[p + 1] if p + 1 < len(self.tokens) else "" for p in self.positions.tolist()]
+
+    @property
+    def final_top1_tokens(self) -> list[str]:
+        """Display strings of the model's own top-1 token at each read position."""
+        return self._names(self.final_top1_ids)
+
+    def top_tokens(self, layer: int, position: int) -> list[str]:
+        """Display strings of the top-k tokens at one cell (``layer``, ``position`` are model indices)."""
+        return self._names(self.top_ids[self.layer_index(layer), self.position_index(position)])
+
+    def top1_grid(self) -> list[list[str]]:
+        """``[n_layers][n_positions]`` display strings of the lens's top-1 token."""
+        return [self._names(row) for row in self.top_ids[:, :, 0]]
+
+    def cell(self, layer: int, position: int) -> dict:
+        """Everything about one cell, as plain Python values (for tooltips and detail panes)."""
+        li, pi = self.layer_index(layer), self.position_index(position)
+        rank = self.next_token_rank[li, pi]
+        return {"layer": self.layers[li], "position": int(self.positions[pi]),
+                "token": self.tokens[int(self.positions[pi])], "next_token": self.next_tokens[pi],
+                "top_ids": self.top_ids[li, pi].tolist(), "top_tokens": self._names(self.top_ids[li, pi]),
+                "top_probs": [float(x) for x in self.top_probs[li, pi]],
+                "entropy_bits": float(self.entropy_bits[li, pi]), "kl_bits": float(self.kl_bits[li, pi]),
+                "ce_bits": float(self.ce_bits[li, pi]),
+                "next_token_rank": None if np.isnan(rank) else int(rank),
+                "final_top1_rank": int(self.final_top1_rank[li, pi]),
+                **{f"rank_{name}": int(r[li, pi]) for name, r in self.pinned_ranks.items()}}
+
+    # -- grids ---------------------------------------------------------------------------------------
+    @property
+    def stats(self) -> list[str]:
+        """Names :meth:`grid` accepts."""
+        return list(GRID_STATS) + [f"rank_{name}" for name in self.pinned]
+
+    def grid(self, stat: str, *, layers: Sequence[int] | None = None) -> np.ndarray:
+        """``float64[n_layers, n_positions]`` of one statistic, for heatmaps.
+
+        Args:
+            stat: one of :attr:`stats`: ``entropy_bits``, ``kl_bits``, ``ce_bits``,
+                ``next_token_rank`` (NaN at the last position), ``final_top1_rank``, ``top1_prob``,
+                or ``rank_<pinned>``.
+            layers: rows to return, in that order (default :attr:`layers`); a layer this reading
+                lacks is a row of NaN (so two readings can share one layer axis).
+
+        Raises:
+            ValueError: an unknown ``stat``.
+        """
+        if stat in ("entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank"):
+            values = getattr(self, stat)
+        elif stat == "top1_prob":
+            values = self.top_probs[:, :, 0]
+        elif stat.startswith("rank_") and stat[5:] in self.pinned_ranks:
+            values = self.pinned_ranks[stat[5:]]
+        else:
+            raise ValueError(f"Unknown statistic {stat!r}: choose one of {self.stats}.")
+        values = np.asarray(values, dtype=np.float64)
+        if layers is None:
+            return values.copy()
+        out = np.full((len(layers), self.n_positions), np.nan)
+        for row, layer in enumerate(layers):
+            if layer in self.layers:
+                out[row] = values[self.layers.index(layer)]
+        return out
+
+    # -- the long frame --------------------------------------------------------------------------------
+    @cached_property
+    def frame(self) -> pd.DataFrame:
+        """One row per (layer, position), layers outer: the columns of :data:`FRAME_COLUMNS` plus
+        ``rank_<token>`` per pinned token.
+
+        ``top_ids`` / ``top_tokens`` / ``top_probs`` hold Python lists; ``next_token_rank`` is a
+        nullable ``Int64`` column, missing (``<NA>``) at the last position; other ranks are ``int64``.
+        """
+        n_l, n_p = self.n_layers, self.n_positions
+        layer_col = np.repeat(np.asarray(self.layers, dtype=np.int64), n_p)
+        position_col = np.tile(self.positions.astype(np.int64), n_l)
+        flat_ids = self.top_ids.reshape(n_l * n_p, -1)
+        data: dict[str, Any] = {
+            "layer": layer_col,
+            "position": position_col,
+            "token": [self.tokens[p] for p in position_col.tolist()],
+            "top_ids": flat_ids.tolist(),
+            "top_tokens": [self._names(row) for row in flat_ids],
+            "top_probs": self.top_probs.reshape(n_l * n_p, -1).astype(np.float64).tolist(),
+            "entropy_bits": self.entropy_bits.reshape(-1),
+            "kl_bits": self.kl_bits.reshape(-1),
+            "ce_bits": self.ce_bits.reshape(-1),
+            "next_token_rank": pd.array(
+                [None if np.isnan(x) else int(x) for x in self.next_token_rank.reshape(-1)], dtype="Int64"),
+            "final_top1_rank": self.final_top1_rank.reshape(-1).astype(np.int64),
+        }
+        for name, ranks in self.pinned_ranks.items():
+            data[f"rank_{name}"] = ranks.reshape(-1).astype(np.int64)
+        return pd.DataFrame(data)
+
+    def __repr__(self) -> str:
+        return (f"PromptReading(model={self.model_name!r}, lens={self.lens_kind!r}, layers={self.layers}, "
+                f"positions={self.n_positions} of {len(self.input_ids)}, top_k={self.top_k}, "
+                f"pinned={list(self.pinned)})")
+
+
+def _resolve_pinned(model: Any, display: TokenDisplay, pinned: Iterable[str | int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    if isinstance(pinned, (str, int)):
+        pinned = [pinned]
+    for token in pinned:
+        name = str(token)
+        try:
+            out[name] = token_id_for(model.tokenizer, token, vocab_size=display.vocab_size)
+        except ValueError as exc:
+            raise ValueError(f"Unknown pinned token {token!r}: {exc}") from None
+        if isinstance(token, str) and token not in display.token_to_id:
+            n_tokens = len(encode_plain(model.tokenizer, token))
+            if n_tokens > 1:
+                log.info("pinned %r spans %d tokens; its rank is that of its first token %r", token, n_tokens,
+                         display.texts[out[name]])
+    return out
+
+
+def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor, *, top_k: int = 10,
+                layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
+                pinned: Iterable[str | int] = (), show_whitespace: bool = False,
+                max_seq_len: int | None = None, word_like: bool = False) -> PromptReading:
+    """Read a prompt through a lens at every layer x position (SPEC §6).
+
+    Args:
+        model: an :class:`~jlens_core.HFLensModel` (or anything with its interface and a tokenizer).
+        lens: a :class:`~jlens_core.JacobianLens` or :class:`~jlens_core.LogitLens` for ``model``.
+        text: the prompt (or its token ids, ``[seq]`` or ``[1, seq]``), tokenized with the model's
+            special tokens (e.g. BOS).
+        top_k: tokens kept per cell (capped at the vocabulary size).
+        layers: layers to read (default all of ``lens.layers``; negatives count from the end).
+            Layers a Jacobian lens was not fitted at are absent, never read as a logit lens.
+        positions: positions to read (default all; negatives count from the end).
+        pinned: tokens whose rank to track in a ``rank_<token>`` column each: an id, a raw vocabulary
+            entry (``"ĠParis"``), or a string whose first token is used (``" Paris"``, see
+            :func:`jlens_core.tokens.token_id_for`).
+        show_whitespace: display whitespace as glyphs (``·`` ``↵`` ``→``) in token strings.
+        max_seq_len: truncate the prompt to this many tokens (default: no truncation).
+        word_like: restrict the top-k lists to word-like tokens (:func:`~jlens_core.tokens.is_word_like`);
+            probabilities stay those of the full softmax and ranks stay over the full vocabulary.
+
+    Returns:
+        A :class:`PromptReading` (its ``.frame`` is the long DataFrame).
+
+    Raises:
+        ValueError: empty text, ``top_k < 1``, bad layers or positions, an unknown pinned token.
+        LensFileError: the lens belongs to another model.
+    """
+    if isinstance(text, str) and not text:
+        raise ValueError("The prompt is empty: give some text to read.")
+    if int(top_k) < 1:
+        raise ValueError(f"top_k={top_k} must be at least 1.")
+    if max_seq_len is not None and int(max_seq_len) < 1:
+        raise ValueError(f"max_seq_len={max_seq_len} must be at least 1 (or None for no truncation).")
+    check_lens(model, lens)
+    vocab = model_vocab_size(model)
+    display = TokenDisplay.for_model(model)
+    pins = _resolve_pinned(model, display, pinned)
+    ids = encode_prompt(model, text, max_seq_len)  # [1, seq]
+    seq_len = int(ids.shape[1])
+    pos_list = resolve_positions(seq_len, positions)
+    layer_list = readable_layers(model, lens, layers)
+    top = model.n_layers - 1
+    k = min(int(top_k), vocab)
+
+    resid = record_residuals(model, ids, layer_list)  # {layer: [seq, d_model]}
+    device = resid[top].device
+    ids_row = ids[0].to(device)  # [seq]
+    pos_t = torch.tensor(pos_list, dtype=torch.long, device=device)  # [n_pos]
+    next_t = torch.where(pos_t + 1 < seq_len, ids_row[(pos_t + 1).clamp_max(seq_len - 1)],
+                         torch.full_like(pos_t, -1))  # [n_pos]
+    pin_names = list(pins)
+    pin_t = torch.tensor([pins[n] for n in pin_names], dtype=torch.long, device=device)  # [n_pinned]
+    mask = None
+    if word_like:
+        mask_np = display.word_like_mask()[:vocab]
+        mask = torch.as_tensor(np.pad(mask_np, (0, vocab - len(mask_np))), device=device)  # [vocab] bool
+        k = max(1, min(k, int(mask.sum())))
+
+    n_l, n_p = len(layer_list), len(pos_list)
+    top_ids = np.zeros((n_l, n_p, k), dtype=np.int64)
+    top_probs = np.zeros((n_l, n_p, k), dtype=np.float32)
+    entropy = np.zeros((n_l, n_p))
+    kl = np.zeros((n_l, n_p))
+    ce = np.zeros((n_l, n_p))
+    next_rank = np.zeros((n_l, n_p))
+    final_rank = np.zeros((n_l, n_p), dtype=np.int64)
+    pin_ranks = {name: np.zeros((n_l, n_p), dtype=np.int64) for name in pin_names}
+    final_top1 = np.zeros(n_p, dtype=np.int64)
+
+    step = chunk_size(vocab)
+    with torch.no_grad():
+        for start in range(0, n_p, step):
+            sl = slice(start, start + step)
+            sel = pos_t[sl]  # [c]
+            nxt = next_t[sl]  # [c]
+            final_logits = model.unembed(resid[top][sel]).float()  # [c, vocab]
+            final_logp = final_logits.log_softmax(-1)
+            final_p = final_logp.exp()
+            f_top1 = final_logits.argmax(-1)  # [c]
+            final_top1[sl] = f_top1.cpu().numpy()
+            for li, layer in enumerate(layer_list):
+                if layer == top:
+                    logits = final_logits  # the model's own output: exactly KL 0
+                else:
+                    logits = model.unembed(lens.transport(resid[layer][sel], layer)).float()  # [c, vocab]
+                logp, ent, kld, cel = distribution_stats(logits, final_logp, final_p, nxt)
+                entropy[li, sl] = ent.double().cpu().numpy()
+                kl[li, sl] = kld.double().cpu().numpy()
+                ce[li, sl] = cel.double().cpu().numpy()
+                nr = rank_of(logits, nxt.clamp_min(0)).double()
+                next_rank[li, sl] = torch.where(nxt >= 0, nr, torch.full_like(nr, float("nan"))).cpu().numpy()
+                final_rank[li, sl] = rank_of(logits, f_top1).cpu().numpy()
+                for j, name in enumerate(pin_names):
+                    pin_ranks[name][li, sl] = rank_of(logits, pin_t[j].expand(len(sel))).cpu().numpy()
+                scores = logp if mask is None else logp.masked_fill(~mask, float("-inf"))
+                _, indices = scores.topk(k, dim=-1)  # [c, k]
+                top_ids[li, sl] = indices.cpu().numpy()
+                top_probs[li, sl] = logp.gather(-1, indices).exp().cpu().numpy()
+                del logits, logp, scores
+
+    input_ids = ids[0].cpu().numpy().astype(np.int64)
+    strings = display.strings(show_whitespace)
+    return PromptReading(
+        text=text if isinstance(text, str) else model.decode(input_ids.tolist()),
+        model_name=str(getattr(model, "name", "")), lens_kind=str(getattr(lens, "kind", type(lens).__name__)),
+        input_ids=input_ids, tokens=display_ids(display, input_ids, show_whitespace=show_whitespace),
+        layers=layer_list, positions=np.asarray(pos_list, dtype=np.int64), output_layer=top, top_k=k,
+        show_whitespace=bool(show_whitespace), word_like=bool(word_like), pinned=pins,
+        top_ids=top_ids, top_probs=top_probs, entropy_bits=entropy, kl_bits=kl, ce_bits=ce,
+        next_token_rank=next_rank, final_top1_rank=final_rank, pinned_ranks=pin_ranks,
+        next_ids=next_t.cpu().numpy().astype(np.int64), final_top1_ids=final_top1, vocab_strings=strings)
+
+
+# -- comparing two readings ------------------------------------------------------------------------
+COMPARE_STATS = ("entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank")
+
+
+def _check_comparable(a: PromptReading, b: PromptReading) -> None:
+    if not np.array_equal(a.input_ids, b.input_ids):
+        raise ValueError("The two readings are of different prompts (their token ids differ): read the same "
+                         "prompt with both lenses.")
+    if not np.array_equal(a.positions, b.positions):
+        raise ValueError(f"The two readings read different positions ({a.positions.tolist()} vs "
+                         f"{b.positions.tolist()}): read the same positions.")
+
+
+def difference(a: PromptReading, b: PromptReading, stat: str = "kl_bits") -> pd.DataFrame:
+    """``a - b`` of one statistic over the layers both readings have, for the app's difference mode.
+
+    Returns:
+        DataFrame indexed by layer (the common layers, ascending), one column per position.
+
+    Raises:
+        ValueError: different prompts or positions, no common layer, or an unknown ``stat``.
+    """
+    _check_comparable(a, b)
+    common = [layer for layer in a.layers if layer in b.layers]
+    if not common:
+        raise ValueError(f"The readings share no layer ({a.layers} vs {b.layers}).")
+    values = a.grid(stat, layers=common) - b.grid(stat, layers=common)
+    return pd.DataFrame(values, index=pd.Index(common, name="layer"),
+                        columns=pd.Index(a.positions.tolist(), name="position"))
+
+
+def compare_readings(a: PromptReading, b: PromptReading, *, names: tuple[str, str] = ("a", "b")) -> pd.DataFrame:
+    """Long frame over the (layer, position) cells both readings have, side by side.
+
+    Columns: ``layer, position, token``, then for each of ``entropy_bits, kl_bits, ce_bits,
+    next_token_rank, final_top1_rank``: ``<stat>_<name_a>``, ``<stat>_<name_b>`` and
+    ``<stat>_diff`` (= a - b), then ``top1_<name_a>``, ``top1_<name_b>`` and ``same_top1``.
+
+    Raises:
+        ValueError: different prompts or positions, no common layer, or equal names.
+    """
+    _check_comparable(a, b)
+    na, nb = names
+    if na == nb:
+        raise ValueError(f"names must differ, got {names}.")
+    common = [layer for layer in a.layers if layer in b.layers]
+    if not common:
+        raise ValueError(f"The readings share no layer ({a.layers} vs {b.layers}).")
+    rows_a = [a.layers.index(layer) for layer in common]
+    rows_b = [b.layers.index(layer) for layer in common]
+    n_p = a.n_positions
+    data: dict[str, Any] = {"layer": np.repeat(np.asarray(common, dtype=np.int64), n_p),
+                            "position": np.tile(a.positions, len(common)),
+                            "token": [a.tokens[p] for p in np.tile(a.positions, len(common)).tolist()]}
+    for stat in COMPARE_STATS:
+        va = a.grid(stat)[rows_a].reshape(-1)
+        vb = b.grid(stat)[rows_b].reshape(-1)
+        data[f"{stat}_{na}"], data[f"{stat}_{nb}"], data[f"{stat}_diff"] = va, vb, va - vb
+    top_a = a.top_ids[rows_a, :, 0].reshape(-1)
+    top_b = b.top_ids[rows_b, :, 0].reshape(-1)
+    data[f"top1_{na}"] = a._names(top_a)
+    data[f"top1_{nb}"] = b._names(top_b)
+    data["same_top1"] = top_a == top_b
+    return pd.DataFrame(data)
+
+
+__all__ = ["CHUNK_ELEMENTS", "COMPARE_STATS", "FRAME_COLUMNS", "GRID_STATS", "PromptReading", "check_lens",
+           "chunk_size", "compare_readings", "difference", "distribution_stats", "encode_prompt",
+           "model_vocab_size", "rank_of", "read_prompt",
+           "readable_layers", "record_residuals", "resolve_positions"]

@@ -1,0 +1,248 @@
+"""read_prompt: per layer x position statistics, checked against computations from the HF model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import LONG_TEXT, make_tiny
+
+from jlens_core import JacobianLens, LensFileError, LogitLens
+from jlens_core import analysis as analysis_mod
+from jlens_core.analysis import FRAME_COLUMNS, compare_readings, difference, read_prompt
+from jlens_core.tokens import TokenDisplay, is_word_like, token_id_for
+
+TEXT = "The capital of France is Paris. Water boils at one hundred degrees."
+
+
+def identity_lens(model, layers=None, **kwargs) -> JacobianLens:
+    layers = range(model.n_layers - 1) if layers is None else layers
+    return JacobianLens({layer: torch.eye(model.d_model) for layer in layers}, n_prompts=1,
+                        d_model=model.d_model, target_layer=model.n_layers - 1, n_layers=model.n_layers,
+                        model_name=model.name, model_fingerprint=model.fingerprint(), **kwargs)
+
+
+def reference_logits(model, ids) -> list[torch.Tensor]:
+    """Logit-lens logits ``[seq, vocab]`` per layer, from HF's own hidden states and output.
+
+    ``hidden_states[l + 1]`` is layer ``l``'s output for every layer but the last, whose entry HF
+    stores after the final norm; the last layer's logits are the model's own output.
+    """
+    hf = model.hf_model
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+        logits = []
+        for layer in range(model.n_layers - 1):
+            h = out.hidden_states[layer + 1][0]
+            logits.append(hf.lm_head(model.final_norm(h)).float())
+        logits.append(out.logits[0].float())
+    return logits
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny("llama")
+
+
+@pytest.fixture(scope="module")
+def reading(model):
+    return read_prompt(model, LogitLens.for_model(model), TEXT, top_k=5, pinned=[" Paris", "is"])
+
+
+def test_frame_columns_and_shape(model, reading):
+    frame = reading.frame
+    assert list(frame.columns) == list(FRAME_COLUMNS) + ["rank_ Paris", "rank_is"]
+    seq = len(reading.input_ids)
+    assert len(frame) == model.n_layers * seq
+    assert frame["layer"].tolist() == [layer for layer in range(model.n_layers) for _ in range(seq)]
+    assert frame["position"].tolist() == list(range(seq)) * model.n_layers
+    assert frame["token"].tolist()[:seq] == reading.tokens
+    assert all(len(ids) == 5 and len(p) == 5 for ids, p in zip(frame["top_ids"], frame["top_probs"]))
+    assert reading.layers == list(range(model.n_layers)) and reading.output_layer == model.n_layers - 1
+    assert reading.grid("kl_bits").shape == (model.n_layers, seq)
+    assert frame["next_token_rank"].dtype == "Int64"
+
+
+def test_last_layer_is_the_model_output(model, reading):
+    ids = torch.as_tensor(reading.input_ids)[None]
+    logits = model.hf_model(ids).logits[0].float()  # [seq, vocab]
+    logp = logits.log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1) / math.log(2)
+    ce = -logp[:-1].gather(-1, ids[0, 1:, None])[:, 0] / math.log(2)
+    last = reading.layer_index(-1)
+    assert np.all(reading.kl_bits[last] == 0.0)
+    np.testing.assert_allclose(reading.entropy_bits[last], entropy.detach().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(reading.ce_bits[last, :-1], ce.detach().numpy(), rtol=1e-5, atol=1e-5)
+    assert np.isnan(reading.ce_bits[:, -1]).all()
+    assert np.isnan(reading.next_token_rank[:, -1]).all()
+    assert reading.frame.groupby("layer").tail(1)["next_token_rank"].isna().all()
+    assert (reading.final_top1_rank[last] == 1).all()
+    np.testing.assert_array_equal(reading.final_top1_ids, logits.argmax(-1).numpy())
+
+
+def test_kl_nonnegative_everywhere(model, reading):
+    assert np.isfinite(reading.kl_bits).all() and (reading.kl_bits >= 0).all()
+    assert (reading.kl_bits[:-1] > 0).any()
+    assert (reading.entropy_bits > 0).all()
+    assert (reading.entropy_bits <= math.log2(model.vocab_size) + 1e-6).all()
+
+
+def test_ranks_and_topk_agree_with_argsort(model, reading):
+    ids = torch.as_tensor(reading.input_ids)[None]
+    seq = ids.shape[1]
+    paris = token_id_for(model.tokenizer, " Paris")
+    per_layer = reference_logits(model, ids)
+    final = per_layer[-1].log_softmax(-1)
+    for layer, logits in enumerate(per_layer):
+        order = torch.argsort(logits, dim=-1, descending=True)  # [seq, vocab]
+        rank_of = torch.empty_like(order)
+        rank_of.scatter_(1, order, torch.arange(1, logits.shape[-1] + 1).expand(seq, -1))  # 1-based
+        final_top1 = reading.final_top1_ids
+        for p in range(seq):
+            if p + 1 < seq:
+                assert reading.next_token_rank[layer, p] == rank_of[p, ids[0, p + 1]]
+            assert reading.final_top1_rank[layer, p] == rank_of[p, final_top1[p]]
+            assert reading.pinned_ranks[" Paris"][layer, p] == rank_of[p, paris]
+        np.testing.assert_array_equal(reading.top_ids[layer], order[:, :5].numpy())
+        probs = logits.softmax(-1).gather(-1, order[:, :5])
+        np.testing.assert_allclose(reading.top_probs[layer], probs.numpy(), rtol=1e-4, atol=1e-6)
+        # KL(final || lens) and entropy at every layer, independently
+        logp = logits.log_softmax(-1)
+        kl = (final.exp() * (final - logp)).sum(-1) / math.log(2)
+        np.testing.assert_allclose(reading.kl_bits[layer], kl.clamp_min(0).numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_identity_jacobian_reads_like_logit_lens(model, reading):
+    jac = read_prompt(model, identity_lens(model), TEXT, top_k=5, pinned=[" Paris", "is"])
+    assert jac.lens_kind == "jacobian" and reading.lens_kind == "logit"
+    pd.testing.assert_frame_equal(jac.frame, reading.frame)
+
+
+def test_unfitted_layers_are_absent(model):
+    lens = identity_lens(model, layers=[0, 2])
+    r = read_prompt(model, lens, TEXT)
+    assert r.layers == [0, 2, 3]
+    assert sorted(r.frame["layer"].unique()) == [0, 2, 3]
+    assert read_prompt(model, lens, TEXT, layers=[1, 2, -1]).layers == [2, 3]
+    with pytest.raises(ValueError, match="readable"):
+        read_prompt(model, lens, TEXT, layers=[1])
+    with pytest.raises(ValueError, match="out of range"):
+        read_prompt(model, lens, TEXT, layers=[7])
+
+
+def test_pinned_tokens(model, reading):
+    assert reading.pinned == {" Paris": token_id_for(model.tokenizer, " Paris"),
+                              "is": token_id_for(model.tokenizer, "is")}
+    raw = model.tokenizer.convert_ids_to_tokens(reading.pinned["is"])
+    by_id = read_prompt(model, LogitLens.for_model(model), TEXT, pinned=[reading.pinned["is"], raw])
+    np.testing.assert_array_equal(by_id.pinned_ranks[str(reading.pinned["is"])], reading.pinned_ranks["is"])
+    np.testing.assert_array_equal(by_id.pinned_ranks[raw], reading.pinned_ranks["is"])
+    assert (reading.frame["rank_ Paris"] >= 1).all()
+    with pytest.raises(ValueError, match="Unknown pinned token ''"):
+        read_prompt(model, LogitLens.for_model(model), TEXT, pinned=[""])
+    with pytest.raises(ValueError, match="Unknown pinned token 100000"):
+        read_prompt(model, LogitLens.for_model(model), TEXT, pinned=[100000])
+
+
+def test_positions_and_truncation(model, reading):
+    part = read_prompt(model, LogitLens.for_model(model), TEXT, top_k=5, positions=[2, -1, 0, 2])
+    seq = len(reading.input_ids)
+    assert part.positions.tolist() == [0, 2, seq - 1]
+    np.testing.assert_allclose(part.kl_bits, reading.kl_bits[:, [0, 2, seq - 1]])
+    with pytest.raises(ValueError, match="position 99 is out of range"):
+        read_prompt(model, LogitLens.for_model(model), TEXT, positions=[99])
+    short = read_prompt(model, LogitLens.for_model(model), TEXT, max_seq_len=6)
+    assert len(short.input_ids) == 6 and np.isnan(short.ce_bits[:, -1]).all()
+
+
+def test_chunked_reading_is_identical(model, reading, monkeypatch):
+    monkeypatch.setattr(analysis_mod, "CHUNK_ELEMENTS", 3 * 300)  # 3 positions per chunk
+    chunked = read_prompt(model, LogitLens.for_model(model), TEXT, top_k=5, pinned=[" Paris", "is"])
+    pd.testing.assert_frame_equal(chunked.frame, reading.frame)
+
+
+def test_grids_and_cells(model, reading):
+    grid = reading.top1_grid()
+    assert len(grid) == reading.n_layers and len(grid[0]) == reading.n_positions
+    assert grid[1][3] == reading.frame.query("layer == 1 and position == 3")["top_tokens"].iloc[0][0]
+    ranks = reading.grid("next_token_rank")
+    assert np.isnan(ranks[:, -1]).all() and np.isfinite(ranks[:, :-1]).all()
+    np.testing.assert_array_equal(reading.grid("top1_prob"), reading.top_probs[:, :, 0])
+    padded = reading.grid("kl_bits", layers=[3, 9])
+    assert np.isnan(padded[1]).all() and np.array_equal(padded[0], reading.kl_bits[3])
+    assert set(reading.stats) >= {"kl_bits", "rank_ Paris"}
+    with pytest.raises(ValueError, match="Unknown statistic 'nope'"):
+        reading.grid("nope")
+    cell = reading.cell(-1, -1)
+    assert cell["next_token"] == "" and cell["next_token_rank"] is None and cell["kl_bits"] == 0.0
+    assert reading.top_tokens(0, 0) == cell_top(reading, 0, 0)
+    with pytest.raises(KeyError, match="Layer 9"):
+        reading.cell(9, 0)
+
+
+def cell_top(reading, layer, position):
+    row = reading.frame.query(f"layer == {layer} and position == {position}").iloc[0]
+    return row["top_tokens"]
+
+
+def test_whitespace_display_and_word_like(model):
+    lens = LogitLens.for_model(model)
+    plain = read_prompt(model, lens, TEXT, top_k=8)
+    glyph = read_prompt(model, lens, TEXT, top_k=8, show_whitespace=True)
+    assert " capital" in plain.tokens and "·capital" in glyph.tokens
+    words = read_prompt(model, lens, TEXT, top_k=8, word_like=True)
+    display = TokenDisplay.for_model(model)
+    assert all(is_word_like(display.texts[i]) for i in words.top_ids.reshape(-1))
+    for stat in ("kl_bits", "entropy_bits", "next_token_rank", "final_top1_rank"):
+        np.testing.assert_array_equal(words.grid(stat), plain.grid(stat))
+
+
+def test_read_from_ids(model, reading):
+    by_ids = read_prompt(model, LogitLens.for_model(model), reading.input_ids.tolist(), top_k=5,
+                         pinned=[" Paris", "is"])
+    pd.testing.assert_frame_equal(by_ids.frame, reading.frame)
+
+
+def test_difference_and_compare(model, reading):
+    other = read_prompt(model, identity_lens(model, layers=[1]), TEXT, top_k=5)
+    diff = difference(reading, other, "kl_bits")
+    assert diff.index.tolist() == [1, 3] and diff.shape[1] == reading.n_positions
+    np.testing.assert_allclose(diff.to_numpy(), 0.0)
+    both = compare_readings(reading, other, names=("logit", "jac"))
+    assert {"kl_bits_logit", "kl_bits_jac", "kl_bits_diff", "top1_logit", "same_top1"} <= set(both.columns)
+    assert both["same_top1"].all() and len(both) == 2 * reading.n_positions
+    elsewhere = read_prompt(model, LogitLens.for_model(model), "Another prompt entirely.")
+    with pytest.raises(ValueError, match="different prompts"):
+        difference(reading, elsewhere)
+
+
+def test_bad_input(model):
+    lens = LogitLens.for_model(model)
+    with pytest.raises(ValueError, match="empty"):
+        read_prompt(model, lens, "")
+    with pytest.raises(ValueError, match="top_k=0"):
+        read_prompt(model, lens, TEXT, top_k=0)
+    with pytest.raises(LensFileError, match="d_model"):
+        read_prompt(model, LogitLens(model.n_layers, 16), TEXT)
+    with pytest.raises(LensFileError, match="6 layers"):
+        read_prompt(model, LogitLens(6, model.d_model), TEXT)
+    wide = JacobianLens({0: torch.eye(16)}, n_prompts=1, d_model=16, target_layer=3)
+    with pytest.raises(LensFileError):
+        read_prompt(model, wide, TEXT)
+    other = make_tiny("llama", seed=1)
+    with pytest.raises(LensFileError, match="unembedding differs"):
+        read_prompt(model, identity_lens(other), TEXT)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma2"])
+def test_other_families_last_layer(family):
+    model = make_tiny(family)
+    r = read_prompt(model, LogitLens.for_model(model), LONG_TEXT[:60], top_k=3)
+    logits = model.hf_model(torch.as_tensor(r.input_ids)[None]).logits[0].float()
+    logp = logits.log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1) / math.log(2)
+    np.testing.assert_allclose(r.entropy_bits[-1], entropy.detach().numpy(), rtol=1e-5, atol=1e-5)
+    assert np.all(r.kl_bits[-1] == 0.0) and (r.kl_bits >= 0).all()
