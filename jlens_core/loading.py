@@ -163,7 +163,7 @@ def _load_gguf(gguf: Path, *, device: str, dtype: torch.dtype, progress=None):
     if _cache_is_complete(folder):
         try:
             return _load_folder(folder, device=device, dtype=dtype)
-        except Exception as exc:  # a corrupt cache is rebuilt, never trusted
+        except Exception as exc:  # noqa: BLE001 -- a corrupt cache is rebuilt, never trusted
             log.warning("The cached conversion at %s cannot be loaded (%s); rebuilding it.", folder, exc)
     elif folder.exists():
         log.warning("The cached conversion at %s is incomplete; rebuilding it.", folder)
@@ -175,16 +175,19 @@ def _load_hub_id(spec: str, *, device: str, dtype: torch.dtype, **kwargs):
     try:
         return _load_folder(Path(spec), device=device, dtype=dtype, local_only=True, **kwargs)
     except OSError as local_exc:
+        log.info("%r is not in the local Hugging Face cache: %s", spec, local_exc)
         if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("TRANSFORMERS_OFFLINE") == "1":
-            cause = f"the hub is switched off here (HF_HUB_OFFLINE=1); local cache: {local_exc}"
+            cause = "the Hugging Face hub is switched off here (HF_HUB_OFFLINE=1)"
         else:
             try:
                 return _load_folder(Path(spec), device=device, dtype=dtype, local_only=False, **kwargs)
             except OSError as exc:
-                cause = f"the Hugging Face hub could not be reached or has no such model ({exc})"
+                # transformers' messages run to several sentences; keep the first, as a clause
+                detail = str(exc).strip().splitlines()[0].rstrip(". ") if str(exc).strip() else type(exc).__name__
+                cause = f"the Hugging Face hub could not be reached or has no such model ({detail})"
         raise ValueError(
-            f"Could not load the model {spec!r}: it is not in the local Hugging Face cache and {cause}. "
-            f"Point at a local folder (a save_pretrained directory) or a .gguf file instead, or use "
+            f"Could not load the model {spec!r}: it is not in the local Hugging Face cache and {cause}; "
+            f"point at a local folder (a save_pretrained directory) or a .gguf file instead, or use "
             f"{DEFAULT_MODEL!r}, which ships offline.") from None
 
 
@@ -225,10 +228,14 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | None = None, dtype: s
             raise FileNotFoundError(f"No GGUF file at {spec!r}.")
         hf_model, tokenizer = _load_gguf(path, device=device, dtype=torch_dtype, progress=progress)
     elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"The folder {spec!r} is not a loadable Hugging Face model: it has no config.json "
+                             "(write one with save_pretrained, model and tokenizer).")
         try:
             hf_model, tokenizer = _load_folder(path, device=device, dtype=torch_dtype, **hf_kwargs)
-        except OSError as exc:
-            raise ValueError(f"The folder {spec!r} is not a loadable Hugging Face model: {exc}") from None
+        except (OSError, ValueError) as exc:  # transformers' messages run to several lines: make them one
+            detail = " ".join(str(exc).split()).rstrip(" .") or type(exc).__name__
+            raise ValueError(f"The folder {spec!r} is not a loadable Hugging Face model ({detail}).") from None
     elif spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1):
         raise FileNotFoundError(f"No model folder at {spec!r}.")
     else:
