@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 
 from .cli import CLIError
+from .fit import RankFailedError
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +167,19 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
                    checkpoint_every=args.checkpoint_every, resume=not args.no_resume,
                    progress=on_progress if rank == 0 else None, should_stop=stop, world=world)
     except BaseException as exc:
+        rank_failed = isinstance(exc, RankFailedError)
         if status is not None:
             state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
-            status.write(state=state, error=f"{type(exc).__name__}: {exc}",
-                         traceback=traceback.format_exc() if state == "failed" else None)
+            tb = traceback.format_exc() if state == "failed" else None
+            if rank_failed:
+                tb = "".join(traceback.format_exception(exc.original)) if exc.original is not None else None
+            status.write(state=state, error=str(exc) if rank_failed else f"{type(exc).__name__}: {exc}",
+                         traceback=tb, failed_rank=exc.rank if rank_failed else None)
+        if rank_failed:
+            world.dist.barrier()  # no rank exits (and gets the others killed) before rank 0 has said why
+            if exc.original is not None:  # the rank that failed shows its own error (a traceback if a bug)
+                raise exc.original from None
+            raise CLIError(str(exc)) from None
         raise
     finally:
         if bar is not None:

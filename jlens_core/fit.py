@@ -208,6 +208,7 @@ def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None,
     Raises:
         ValueError: bad layers or settings, a checkpoint made with other settings or prompts, or no
             prompt with a valid position.
+        RankFailedError: sharded, on every rank, once a rank failed on a prompt (with its error).
     """
     sources, target = resolve_layers(model.n_layers, source_layers, target_layer)
     if checkpoint_every < 1:
