@@ -1,0 +1,381 @@
+"""Plotly figures of the jlens app. Presentation only: every number comes from ``jlens_core``.
+
+Heatmaps put one row per layer (layer 0 on top) and the model's output as the last row, one
+column per position. ``x`` is the position and ``y`` the row index, so a clicked point maps back
+to a cell with :func:`cell_from_point`.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+MAX_TEXT_CELLS = 3000  # cells above this are drawn without their top-1 token (hover still has it)
+MAX_HOVER_CELLS = 20000  # above this, hover lists only the top 3
+LENS_NAMES = {"logit": "Logit lens", "jacobian": "Jacobian lens"}
+LENS_COLORS = {"logit": "#6c8ebf", "jacobian": "#d6762b"}
+STAT_LABELS = {"top1_prob": "top-1 probability", "entropy_bits": "entropy (bits)", "kl_bits": "KL to final (bits)",
+               "ce_bits": "next-token CE (bits)", "next_token_rank": "rank of next token",
+               "final_top1_rank": "rank of final top-1"}
+RANK_STATS = ("next_token_rank", "final_top1_rank")
+HIGHER_IS_BETTER = ("top1_prob",)
+
+
+def esc(text: str) -> str:
+    """Escape a token for Plotly text (which reads a little HTML)."""
+    return html.escape(str(text), quote=False)
+
+
+def token_names(reading: Any, ids: Sequence[int]) -> list[str]:
+    """Display strings of token ids, from the reading's vocabulary strings."""
+    strings = reading.vocab_strings
+    return [strings[i] if 0 <= i < len(strings) else f"<id:{i}>" for i in (int(j) for j in ids)]
+
+
+def _short(text: str, n: int = 10) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _fmt(stat: str, value: float) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if stat in RANK_STATS or stat.startswith("rank_"):
+        return f"{int(value):,}"
+    if stat == "top1_prob":
+        return f"{value:.1%}"
+    return f"{value:.2f}"
+
+
+def row_labels(layers: Sequence[int], output_layer: int) -> list[str]:
+    """``L0, L1, ...`` with the model's output row named as such."""
+    return [f"output (L{layer})" if layer == output_layer else f"L{layer}" for layer in layers]
+
+
+def column_labels(reading: Any) -> list[str]:
+    return [f"{p}: {_short(t)}" for p, t in zip(reading.positions.tolist(), reading.position_tokens)]
+
+
+def stat_values(reading: Any, stat: str, layers: Sequence[int]) -> np.ndarray:
+    """``[len(layers), n_positions]`` of ``stat`` (NaN where the reading has no such layer)."""
+    return reading.grid(stat, layers=list(layers))
+
+
+def _colour(stat: str, values: np.ndarray) -> tuple[np.ndarray, dict]:
+    """Values as drawn (ranks on a log10 scale) and the colour settings."""
+    if stat in RANK_STATS or stat.startswith("rank_"):
+        z = np.log10(np.clip(values, 1, None))
+        top = max(1.0, float(np.nanmax(z)) if np.isfinite(z).any() else 1.0)
+        ticks = list(range(math.ceil(top) + 1))
+        return z, {"colorscale": "Viridis_r", "zmin": 0.0, "zmax": top,
+                   "colorbar": {"tickvals": ticks, "ticktext": [f"{10 ** t:,}" for t in ticks]}}
+    if stat == "top1_prob":
+        return values, {"colorscale": "Viridis", "zmin": 0.0, "zmax": 1.0, "colorbar": {"tickformat": ".0%"}}
+    top = float(np.nanmax(values)) if np.isfinite(values).any() else 1.0
+    return values, {"colorscale": "Viridis_r", "zmin": 0.0, "zmax": max(top, 1e-6), "colorbar": {}}
+
+
+def _hover(reading: Any, stat: str, layers: Sequence[int], values: np.ndarray, k: int) -> list[list[str]]:
+    """Hover text per cell: the cell, the statistic, the top-k tokens with probabilities."""
+    out = []
+    tokens, nexts = reading.position_tokens, reading.next_tokens
+    positions = reading.positions.tolist()
+    for row, layer in enumerate(layers):
+        if layer not in reading.layers:
+            out.append([f"L{layer}: not fitted in this lens"] * len(positions))
+            continue
+        li = reading.layers.index(layer)
+        ids = reading.top_ids[li, :, :k]
+        probs = reading.top_probs[li, :, :k]
+        line = []
+        for pi, p in enumerate(positions):
+            head = (f"<b>L{layer}</b> · pos {p} <b>{esc(tokens[pi])}</b>"
+                    + (f" → next <b>{esc(nexts[pi])}</b>" if nexts[pi] else "")
+                    + f"<br>{STAT_LABELS.get(stat, stat)}: {_fmt(stat, values[row, pi])}")
+            tops = token_names(reading, ids[pi])
+            body = "<br>".join(f"{j + 1}. {esc(t)}  {pr:.1%}" for j, (t, pr) in enumerate(zip(tops, probs[pi])))
+            line.append(head + "<br>" + body)
+        out.append(line)
+    return out
+
+
+def _texts(reading: Any, layers: Sequence[int]) -> list[list[str]]:
+    grid = reading.top1_grid()
+    return [[esc(_short(t, 8)) for t in grid[reading.layers.index(layer)]] if layer in reading.layers
+            else [""] * reading.n_positions for layer in layers]
+
+
+def _heatmap(reading: Any, stat: str, layers: Sequence[int], *, show_text: bool, hover_k: int, z=None,
+             colour: dict | None = None, name: str = "", coloraxis: str | None = None) -> go.Heatmap:
+    values = stat_values(reading, stat, layers)
+    zz, settings = _colour(stat, values) if z is None else (z, colour or {})
+    trace = {"z": zz, "x": reading.positions.tolist(), "y": list(range(len(layers))), "name": name,
+             "hovertext": _hover(reading, stat, layers, values, hover_k),
+             "hovertemplate": "%{hovertext}<extra></extra>", "xgap": 1, "ygap": 1}
+    if show_text:
+        trace.update(text=_texts(reading, layers), texttemplate="%{text}", textfont={"size": 10})
+    if coloraxis:
+        trace["coloraxis"] = coloraxis
+    else:
+        trace.update(settings)
+    return go.Heatmap(**trace)
+
+
+def _axes(fig: go.Figure, reading: Any, layers: Sequence[int], n_cols: int = 1) -> None:
+    labels = row_labels(layers, reading.output_layer)
+    xlabels = column_labels(reading)
+    n_pos = reading.n_positions
+    step = max(1, math.ceil(n_pos / 60))
+    for col in range(1, n_cols + 1):
+        where = {"row": 1, "col": col} if n_cols > 1 else {}
+        fig.update_yaxes(tickvals=list(range(len(layers))), ticktext=labels, autorange="reversed", showgrid=False,
+                         **where)
+        fig.update_xaxes(tickvals=reading.positions.tolist()[::step], ticktext=[esc(t) for t in xlabels[::step]],
+                         tickangle=-60, showgrid=False, **where)
+
+
+def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers: Sequence[int] | None = None,
+                   max_text_cells: int = MAX_TEXT_CELLS, hover_k: int = 10) -> go.Figure:
+    """The layer x position heatmap of the Inspect page.
+
+    Args:
+        readings: ``{"logit": PromptReading, "jacobian": PromptReading}`` (``jacobian`` optional
+            except for the modes that need it).
+        mode: ``"logit"``, ``"jacobian"``, ``"side"`` (both, one axis) or ``"diff"`` (Jacobian − logit).
+        stat: a statistic of :meth:`PromptReading.grid` (``top1_prob``, ``entropy_bits``, ...).
+        layers: the rows (default: the logit reading's layers, i.e. every requested layer).
+        max_text_cells: above this many cells, the top-1 token is not written in the cells.
+    """
+    base = readings["logit"]
+    layers = list(layers) if layers is not None else list(base.layers)
+    n_cells = len(layers) * base.n_positions * (2 if mode == "side" else 1)
+    show_text = n_cells <= max_text_cells
+    hover_k = hover_k if n_cells <= MAX_HOVER_CELLS else min(hover_k, 3)
+    height = max(320, 28 * len(layers) + 170)
+    title = f"{STAT_LABELS.get(stat, stat)} — cells show the top-1 token" if show_text else \
+        f"{STAT_LABELS.get(stat, stat)} — {n_cells:,} cells: hover for tokens, narrow the range to see them"
+    if mode in ("logit", "jacobian"):
+        reading = readings[mode]
+        fig = go.Figure(_heatmap(reading, stat, layers, show_text=show_text, hover_k=hover_k,
+                                 name=LENS_NAMES[mode]))
+        _axes(fig, reading, layers)
+        fig.update_layout(title=f"{LENS_NAMES[mode]}: {title}")
+    elif mode == "side":
+        a, b = readings["logit"], readings["jacobian"]
+        va, vb = stat_values(a, stat, layers), stat_values(b, stat, layers)
+        _, settings = _colour(stat, np.concatenate([va, vb], axis=1))
+        fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.03,
+                            subplot_titles=(LENS_NAMES["logit"], LENS_NAMES["jacobian"]))
+        for col, reading in ((1, a), (2, b)):
+            fig.add_trace(_heatmap(reading, stat, layers, show_text=show_text, hover_k=hover_k,
+                                   name=LENS_NAMES[reading.lens_kind], coloraxis="coloraxis"), row=1, col=col)
+        _axes(fig, a, layers, n_cols=2)
+        fig.update_layout(coloraxis={k: v for k, v in settings.items() if k != "zmin" and k != "zmax"}
+                          | {"cmin": settings["zmin"], "cmax": settings["zmax"]}, title=title)
+    elif mode == "diff":
+        a, b = readings["logit"], readings["jacobian"]
+        va, vb = stat_values(a, stat, layers), stat_values(b, stat, layers)
+        if stat in RANK_STATS:
+            z = np.log10(np.clip(vb, 1, None)) - np.log10(np.clip(va, 1, None))
+            unit = "log10 rank ratio"
+        else:
+            z = vb - va
+            unit = STAT_LABELS.get(stat, stat)
+        span = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 1.0
+        span = span or 1.0
+        # blue = the Jacobian lens is better (more probable top-1, lower entropy/KL/CE/rank)
+        scale = "RdBu" if stat in HIGHER_IS_BETTER else "RdBu_r"
+        trace = _heatmap(b, stat, layers, show_text=show_text, hover_k=min(hover_k, 5), z=z,
+                         colour={"colorscale": scale, "zmid": 0.0, "zmin": -span, "zmax": span,
+                                 "colorbar": {"title": {"text": "Jac − logit"}}}, name="difference")
+        hover_a = _hover(a, stat, layers, va, min(hover_k, 5))
+        hover_b = _hover(b, stat, layers, vb, min(hover_k, 5))
+        trace.hovertext = [[f"<b>Jacobian − logit</b>: {dz:+.3g} ({esc(unit)})<br><br><i>Jacobian</i> · {hb}"
+                            f"<br><br><i>logit</i> · {ha.split('<br>', 2)[-1]}"
+                            for dz, ha, hb in zip(zrow, ra, rb)] for zrow, ra, rb in zip(z, hover_a, hover_b)]
+        fig = go.Figure(trace)
+        _axes(fig, b, layers)
+        fig.update_layout(title=f"Jacobian − logit, {unit} (blue: the Jacobian lens is better); "
+                                f"cells show the Jacobian top-1")
+    else:
+        raise ValueError(f"Unknown mode {mode!r}.")
+    fig.update_layout(height=height, margin={"l": 10, "r": 10, "t": 60, "b": 10}, hovermode="closest",
+                      hoverlabel={"align": "left", "font": {"family": "monospace"}})
+    return fig
+
+
+def cell_from_point(point: Mapping[str, Any], layers: Sequence[int]) -> tuple[int, int] | None:
+    """``(layer, position)`` of a clicked heatmap point (``x`` = position, ``y`` = row index)."""
+    try:
+        x, y = point.get("x"), point.get("y")
+        row, position = round(float(y)), round(float(x))
+    except (TypeError, ValueError):
+        return None
+    if not 0 <= row < len(layers):
+        return None
+    return int(layers[row]), position
+
+
+def topk_bars(cells: Mapping[str, dict], *, k: int = 10) -> go.Figure:
+    """Horizontal bars of the top-k tokens at one cell, one panel per lens."""
+    names = list(cells)
+    fig = make_subplots(rows=1, cols=len(names), subplot_titles=[LENS_NAMES.get(n, n) for n in names],
+                        horizontal_spacing=0.18)
+    for col, name in enumerate(names, start=1):
+        cell = cells[name]
+        if cell is None:
+            continue
+        tokens = [esc(t) for t in cell["top_tokens"][:k]][::-1]
+        probs = cell["top_probs"][:k][::-1]
+        fig.add_trace(go.Bar(x=probs, y=[f"{len(tokens) - i}. {t}" for i, t in enumerate(tokens)], orientation="h",
+                             marker_color=LENS_COLORS.get(name), name=LENS_NAMES.get(name, name),
+                             text=[f"{p:.1%}" for p in probs], textposition="auto",
+                             hovertemplate="%{y}: %{x:.2%}<extra></extra>"), row=1, col=col)
+        fig.update_xaxes(tickformat=".0%", row=1, col=col)
+    fig.update_layout(height=max(260, 26 * k + 80), showlegend=False, margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    return fig
+
+
+def pinned_ranks_figure(readings: Mapping[str, Any], position: int) -> go.Figure | None:
+    """Rank across layers of each pinned token at ``position``, per lens (log scale)."""
+    fig = go.Figure()
+    for name, reading in readings.items():
+        if reading is None or not reading.pinned:
+            continue
+        try:
+            pi = reading.position_index(position)
+        except KeyError:
+            continue
+        for token, ranks in reading.pinned_ranks.items():
+            fig.add_trace(go.Scatter(x=reading.layers, y=ranks[:, pi], mode="lines+markers",
+                                     name=f"{esc(repr(token))} · {LENS_NAMES.get(name, name)}",
+                                     line={"dash": "solid" if name == "jacobian" else "dot"},
+                                     hovertemplate="layer %{x}: rank %{y}<extra>%{fullData.name}</extra>"))
+    if not fig.data:
+        return None
+    fig.update_yaxes(type="log", autorange="reversed", title="rank (1 = top)")
+    fig.update_xaxes(title="layer")
+    fig.update_layout(height=320, margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      title=f"Pinned tokens' rank at position {position}")
+    return fig
+
+
+# -- fit diagnostics ---------------------------------------------------------------------------------
+def convergence_figure(conv: pd.DataFrame, guide: pd.DataFrame | None = None) -> go.Figure:
+    """Relative change of the running mean vs prompts averaged, per layer, log-log, with a 1/n guide."""
+    fig = go.Figure()
+    layers = sorted(conv["layer"].unique()) if not conv.empty else []
+    n_layers = max(1, len(layers))
+    for i, layer in enumerate(layers):
+        sub = conv[conv["layer"] == layer]
+        colour = f"hsl({int(260 * i / n_layers)}, 65%, 45%)"
+        fig.add_trace(go.Scatter(x=sub["n_prompts"], y=sub["rel_change"], mode="lines", name=f"L{layer}",
+                                 line={"width": 1.4, "color": colour},
+                                 hovertemplate=f"L{layer}" + ": n=%{x}, Δ=%{y:.3g}<extra></extra>"))
+    if guide is not None and not guide.empty:
+        fig.add_trace(go.Scatter(x=guide["n_prompts"], y=guide["rel_change"], mode="lines", name="1/n guide",
+                                 line={"dash": "dash", "color": "black", "width": 2}))
+    fig.update_xaxes(type="log", title="prompts averaged")
+    fig.update_yaxes(type="log", title="relative change of the running mean")
+    fig.update_layout(height=380, margin={"l": 10, "r": 10, "t": 40, "b": 10}, title="Convergence",
+                      legend={"font": {"size": 9}})
+    return fig
+
+
+def norm_heatmap(norms: pd.DataFrame) -> go.Figure:
+    """Per-prompt ``||J_l||_F / sqrt(d)`` as a prompt x layer heatmap."""
+    fig = go.Figure(go.Heatmap(z=norms.to_numpy().T, x=norms.index.tolist(), y=[f"L{c}" for c in norms.columns],
+                               colorscale="Magma", colorbar={"title": {"text": "‖J‖F/√d"}},
+                               hovertemplate="prompt %{x}, %{y}: %{z:.3g}<extra></extra>"))
+    fig.update_xaxes(title="prompt index")
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(height=380, margin={"l": 10, "r": 10, "t": 40, "b": 10}, title="Per-prompt Jacobian norm")
+    return fig
+
+
+# -- Jacobians page ---------------------------------------------------------------------------------
+def layer_stats_figure(stats: pd.DataFrame) -> go.Figure:
+    """Four panels over layers: Frobenius norm / sqrt(d), spectral norm, distance from I, effective rank."""
+    panels = (("fro_norm", "‖J‖F / √d"), ("spectral_norm", "spectral norm"),
+              ("dist_identity", "‖J − I‖F / √d"), ("effective_rank", "effective rank"))
+    fig = make_subplots(rows=1, cols=4, subplot_titles=[t for _, t in panels], horizontal_spacing=0.06)
+    for col, (key, label) in enumerate(panels, start=1):
+        fig.add_trace(go.Scatter(x=stats["layer"], y=stats[key], mode="lines+markers", name=label,
+                                 line={"color": LENS_COLORS["jacobian"]},
+                                 hovertemplate="layer %{x}: %{y:.4g}<extra>" + label + "</extra>"), row=1, col=col)
+        fig.update_xaxes(title="layer", row=1, col=col)
+    fig.update_layout(height=300, showlegend=False, margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    return fig
+
+
+def spectrum_figure(spectra: Mapping[int, np.ndarray]) -> go.Figure:
+    """Singular values (descending, log scale) of one or more layers."""
+    fig = go.Figure()
+    for layer, s in spectra.items():
+        fig.add_trace(go.Scatter(x=np.arange(1, len(s) + 1), y=s, mode="lines", name=f"L{layer}",
+                                 hovertemplate="σ%{x}: %{y:.4g}<extra>" + f"L{layer}" + "</extra>"))
+    fig.add_hline(y=1.0, line_dash="dot", line_color="grey", annotation_text="identity")
+    fig.update_yaxes(type="log", title="singular value")
+    fig.update_xaxes(title="index")
+    fig.update_layout(height=340, margin={"l": 10, "r": 10, "t": 40, "b": 10}, title="Singular-value spectrum")
+    return fig
+
+
+# -- Evaluate page -------------------------------------------------------------------------------------
+def eval_curves_figure(frame: pd.DataFrame) -> go.Figure:
+    """Per-layer mean KL to final and next-token CE, per lens, with ±1 standard-error bands."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("KL(final ‖ lens), bits", "next-token cross-entropy, bits"))
+    for name in dict.fromkeys(frame["lens"]):
+        sub = frame[frame["lens"] == name].sort_values("layer")
+        for col, (key, se) in enumerate((("kl_bits", "kl_se"), ("ce_bits", "ce_se")), start=1):
+            fig.add_trace(go.Scatter(x=sub["layer"], y=sub[key], mode="lines+markers", name=LENS_NAMES.get(name, name),
+                                     legendgroup=name, showlegend=col == 1,
+                                     line={"color": LENS_COLORS.get(name)},
+                                     error_y={"type": "data", "array": sub[se].fillna(0), "visible": True,
+                                              "thickness": 1},
+                                     hovertemplate="layer %{x}: %{y:.3f} bits<extra>" + name + "</extra>"),
+                          row=1, col=col)
+            fig.update_xaxes(title="layer", row=1, col=col)
+    fig.update_layout(height=380, margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    return fig
+
+
+def pass_at_k_figure(frame: pd.DataFrame) -> go.Figure:
+    """pass@k per evaluation set and lens (grouped bars, one panel per k)."""
+    ks = sorted(frame["k"].unique())
+    fig = make_subplots(rows=1, cols=len(ks), subplot_titles=[f"pass@{k}" for k in ks], shared_yaxes=True)
+    for col, k in enumerate(ks, start=1):
+        sub = frame[frame["k"] == k]
+        for name in dict.fromkeys(sub["lens"]):
+            rows = sub[sub["lens"] == name]
+            fig.add_trace(go.Bar(x=rows["set"], y=rows["pass_rate"], name=LENS_NAMES.get(name, name), legendgroup=name,
+                                 showlegend=col == 1, marker_color=LENS_COLORS.get(name),
+                                 hovertemplate="%{x}: %{y:.0%}<extra>" + name + "</extra>"), row=1, col=col)
+    fig.update_yaxes(tickformat=".0%", range=[0, 1])
+    fig.update_layout(barmode="group", height=360, margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    return fig
+
+
+# -- Compare runs page -------------------------------------------------------------------------------
+def divergence_figure(curve: pd.DataFrame, *, op: str, atol: float, first_layer: int | None) -> go.Figure:
+    """Per-layer max abs / relative error between two dumps, first divergence marked."""
+    fig = go.Figure()
+    floor = 1e-12
+    fig.add_trace(go.Scatter(x=curve["layer"], y=np.maximum(curve["max_abs_err"], floor), mode="lines+markers",
+                             name="max abs error", hovertemplate="layer %{x}: %{y:.3g}<extra>max abs</extra>"))
+    fig.add_trace(go.Scatter(x=curve["layer"], y=np.maximum(curve["max_rel_err"], floor), mode="lines+markers",
+                             name="max rel error", line={"dash": "dot"},
+                             hovertemplate="layer %{x}: %{y:.3g}<extra>max rel</extra>"))
+    fig.add_hline(y=max(atol, floor), line_dash="dash", line_color="grey", annotation_text=f"atol {atol:g}")
+    if first_layer is not None:
+        fig.add_vline(x=first_layer, line_color="crimson", annotation_text=f"first divergence: layer {first_layer}")
+    fig.update_yaxes(type="log", title="error")
+    fig.update_xaxes(title="layer (-1 = embedding)")
+    fig.update_layout(height=380, margin={"l": 10, "r": 10, "t": 40, "b": 10}, title=f"Divergence of {op}")
+    return fig

@@ -1,0 +1,408 @@
+"""What every page of the jlens app shares: cached loaders, the sidebar, and the URL state.
+
+Pages stay thin: they read the :class:`Context` that :func:`sidebar` builds (the loaded model and
+lens), call ``jlens_core`` for every number, and draw with :mod:`charts`. Models, lenses and
+prompt readings are cached as resources (``st.cache_resource``), so a rerun costs nothing.
+
+URL query parameters hold what a user sets up (``model``, ``lens``, ``prompt``, ``mode``,
+``stat``): they seed the session on first load and are written back after every run, so a view
+can be shared and reloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import streamlit as st
+
+from jlens_core.lens import JacobianLens, LensFileError, LogitLens
+from jlens_core.loading import DEFAULT_MODEL, cache_dir, load_model
+
+log = logging.getLogger("jlens.app")
+
+APP_DIR = Path(__file__).resolve().parent
+REPO_DIR = APP_DIR.parent
+ASSETS = REPO_DIR / "assets"
+LENS_DIR = ASSETS / "lenses"
+EXAMPLES_FILE = ASSETS / "example_prompts.json"
+
+ENV_MODEL = "JLENS_APP_MODEL"  # the model preselected when the URL names none
+ENV_LENS = "JLENS_APP_LENS"  # the lens preselected when the URL names none
+ENV_RUNS = "JLENS_RUNS_DIR"  # where the Fit page keeps its runs
+
+MODES = {"logit": "Logit lens", "jacobian": "Jacobian lens", "side": "Side by side",
+         "diff": "Difference (Jacobian − logit)"}
+STATS = {"top1_prob": "Top-1 probability", "entropy_bits": "Entropy (bits)", "kl_bits": "KL to final (bits)",
+         "ce_bits": "Cross-entropy of the next token (bits)", "next_token_rank": "Rank of the next token",
+         "final_top1_rank": "Rank of the final top-1"}
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Widget values kept when the user moves to another page (Streamlit drops a widget's state when
+# the widget is not drawn; writing it back each run keeps it).
+PERSISTENT_KEYS = ("prompt", "mode", "stat", "chat", "top_k", "pinned", "stride", "show_ws", "word_like",
+                   "lens_path", "eval_source", "eval_n", "fit_run")
+EXPECTED_ERRORS = (ValueError, FileNotFoundError, LensFileError, KeyError, OSError)
+
+
+# -- examples ----------------------------------------------------------------------------------
+@st.cache_data(show_spinner=False)
+def example_prompts() -> list[dict]:
+    """``[{"label", "prompt", "chat"}]`` from ``assets/example_prompts.json`` (empty if missing)."""
+    try:
+        items = json.loads(EXAMPLES_FILE.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return [{"label": str(i["label"]), "prompt": str(i["prompt"]), "chat": bool(i.get("chat", False))}
+            for i in items if isinstance(i, dict) and i.get("prompt")]
+
+
+def default_prompt() -> str:
+    examples = example_prompts()
+    return examples[0]["prompt"] if examples else "The capital of France is Paris. The capital of Italy is"
+
+
+# -- paths -------------------------------------------------------------------------------------
+def runs_dir() -> Path:
+    """The Fit page's runs: ``$JLENS_RUNS_DIR``, else ``<jlens cache>/runs`` (``~/.cache/jlens/runs``)."""
+    env = os.environ.get(ENV_RUNS)
+    path = Path(env).expanduser() if env else cache_dir() / "runs"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def shipped_lens_path(model: Any) -> Path | None:
+    """The lens shipped in ``assets/lenses/`` for ``model`` (by its name), or ``None``."""
+    try:
+        import jlens_core
+
+        finder = getattr(jlens_core, "default_lens_path", None)
+        if finder is not None:
+            found = finder(model)
+            if found is not None and Path(found).is_file():
+                return Path(found)
+    except Exception as exc:  # noqa: BLE001 - an optional helper of the core must not break the sidebar
+        log.debug("default_lens_path failed: %s", exc)
+    name = str(getattr(model, "name", "") or "")
+    for candidate in dict.fromkeys([name, Path(name).name, name.replace("/", "--")]):
+        if candidate:
+            path = LENS_DIR / f"{candidate}.safetensors"
+            if path.is_file():
+                return path
+    return None
+
+
+# -- cached resources ---------------------------------------------------------------------------
+@st.cache_resource(show_spinner=False, max_entries=3)
+def load_model_cached(spec: str, device: str, dtype: str):
+    """:func:`jlens_core.loading.load_model`, once per (spec, device, dtype) per server."""
+    return load_model(spec, device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype)
+
+
+@st.cache_resource(show_spinner=False, max_entries=12)
+def load_lens_cached(path: str, mtime: float, size: int) -> JacobianLens:
+    """:meth:`JacobianLens.load`, once per file version (path, mtime, size)."""
+    return JacobianLens.load(path)
+
+
+@st.cache_resource(show_spinner=False, max_entries=48)
+def reading_cached(_model, model_key: str, _lens, lens_key: str, text: str, top_k: int, pinned: tuple,
+                   show_ws: bool, word_like: bool, layers: tuple | None, positions: tuple | None,
+                   max_seq_len: int):
+    """:func:`jlens_core.analysis.read_prompt`, cached by its inputs (the model and lens by key)."""
+    from jlens_core.analysis import read_prompt
+
+    return read_prompt(_model, _lens, text, top_k=top_k, pinned=pinned, show_whitespace=show_ws,
+                       word_like=word_like, layers=None if layers is None else list(layers),
+                       positions=None if positions is None else list(positions), max_seq_len=max_seq_len)
+
+
+# -- the loaded state ---------------------------------------------------------------------------
+@dataclass
+class Context:
+    """What the sidebar loaded, for the pages."""
+
+    model: Any = None
+    model_spec: str = ""
+    model_key: str = ""
+    model_error: str | None = None
+    lens: JacobianLens | None = None
+    lens_key: str = ""
+    lens_label: str = "none"
+    lens_error: str | None = None
+    logit: LogitLens | None = None
+
+    @property
+    def has_lens(self) -> bool:
+        return self.lens is not None
+
+    def lenses(self) -> dict[str, Any]:
+        """``{"logit": ..., "jacobian": ...}`` (the Jacobian lens only when one is loaded)."""
+        out: dict[str, Any] = {"logit": self.logit}
+        if self.lens is not None:
+            out["jacobian"] = self.lens
+        return out
+
+    def lens_keys(self) -> dict[str, str]:
+        return {"logit": "logit", "jacobian": self.lens_key}
+
+
+def context() -> Context:
+    """The :class:`Context` of this run (built by :func:`sidebar`)."""
+    return st.session_state.get("_ctx") or Context()
+
+
+def require_model() -> Context:
+    """The context, or a notice and ``st.stop()`` when no model is loaded."""
+    ctx = context()
+    if ctx.model is None:
+        st.info("No model is loaded. Pick one in the sidebar: the embedded default "
+                f"`{DEFAULT_MODEL}`, a Hugging Face id, a local folder or a `.gguf` file.")
+        st.stop()
+    return ctx
+
+
+@contextmanager
+def guard(what: str) -> Iterator[None]:
+    """Show an error raised inside the block as a message (never a traceback) and go on.
+
+    Expected errors (bad input: ``ValueError``, missing files, lens mismatches) show their
+    sentence; anything else also shows its details in a collapsed box, for bug reports.
+    """
+    try:
+        yield
+    except EXPECTED_ERRORS as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        st.error(f"{what}: {message}")
+    except Exception as exc:  # noqa: BLE001 - a bug shows as a message, the app stays usable
+        st.error(f"{what}: {type(exc).__name__}: {exc}")
+        with st.expander("Details (for a bug report)"):
+            st.code("".join(traceback.format_exception(exc)), language="text")
+
+
+# -- session & URL state -----------------------------------------------------------------------
+def _query_value(name: str) -> str | None:
+    value = st.query_params.get(name)
+    return value if value else None
+
+
+def init_state() -> None:
+    """Seed the session from the URL (first run only) and keep page widgets' values across pages."""
+    ss = st.session_state
+    if not ss.get("_initialised"):
+        ss.model_spec = _query_value("model") or os.environ.get(ENV_MODEL) or DEFAULT_MODEL
+        ss.device = "auto"
+        ss.dtype = "auto"
+        ss.lens_request = _query_value("lens") or os.environ.get(ENV_LENS) or "auto"
+        ss.prompt = _query_value("prompt") or default_prompt()
+        mode = _query_value("mode")
+        ss.mode = mode if mode in MODES else None  # decided once the lens is known
+        stat = _query_value("stat")
+        ss.stat = stat if stat in STATS else "top1_prob"
+        ss._initialised = True
+    for key in PERSISTENT_KEYS:
+        if key in ss:
+            ss[key] = ss[key]
+
+
+def sync_query_params() -> None:
+    """Write the shareable state back into the URL."""
+    ss = st.session_state
+    ctx = context()
+    lens_value = ss.get("lens_choice") or "none"
+    if lens_value == "file":
+        lens_value = ss.get("lens_path") or "none"
+    wanted = {"model": ctx.model_spec or ss.get("model_spec") or DEFAULT_MODEL, "lens": lens_value,
+              "prompt": ss.get("prompt") or "", "mode": ss.get("mode") or "logit", "stat": ss.get("stat") or "top1_prob"}
+    try:
+        for key, value in wanted.items():
+            if st.query_params.get(key) != value:
+                st.query_params[key] = value
+    except Exception as exc:  # noqa: BLE001 - the URL is a convenience; never fail a page on it
+        log.debug("could not write query params: %s", exc)
+
+
+# -- the sidebar ----------------------------------------------------------------------------------
+def _device_options() -> list[str]:
+    import torch
+
+    options = ["auto", "cpu"]
+    if torch.cuda.is_available():
+        options.append("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        options.append("mps")
+    return options
+
+
+def _model_summary(model: Any) -> str:
+    return (f"**{model.name}** · {model.n_layers} layers · width {model.d_model} · vocab {model.vocab_size:,} · "
+            f"{model.device!s} {str(model.dtype).replace('torch.', '')}")
+
+
+def lens_summary(lens: JacobianLens) -> str:
+    """One line about a fitted lens: prompts, layers, target and the settings that shape it."""
+    s = lens.settings
+    layers = lens.source_layers
+    span = f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else str(layers[0])
+    parts = [f"{lens.n_prompts} prompts", f"layers {span} → {lens.target_layer}"]
+    for key in ("max_seq_len", "skip_first", "corpus"):
+        if s.get(key) is not None:
+            parts.append(f"{key} {s[key]}")
+    if lens.shrinkage:
+        parts.append(f"shrinkage {lens.shrinkage:g}")
+    if lens.stop_reason:
+        parts.append("stopped early")
+    return " · ".join(parts)
+
+
+def finished_runs(model: Any, spec: str) -> list[dict]:
+    """Lenses fitted by the Fit page (in :func:`runs_dir`) for this model: ``[{"name", "path", "n"}]``."""
+    import runs
+
+    out = []
+    for run in runs.list_runs(runs_dir()):
+        if run.state != "done" or not run.lens_path.is_file():
+            continue
+        if run.model_spec not in (spec, getattr(model, "name", None)) and \
+                run.status.get("model") not in (spec, getattr(model, "name", None)):
+            continue
+        out.append({"name": run.name, "path": run.lens_path, "n": run.status.get("n_done")})
+    return out
+
+
+def _lens_options(model: Any, spec: str) -> tuple[list[str], dict[str, str], dict[str, Path]]:
+    options, labels, paths = ["none"], {"none": "None: logit lens only"}, {}
+    shipped = shipped_lens_path(model) if model is not None else None
+    if shipped is not None:
+        options.append("shipped")
+        labels["shipped"] = f"Shipped lens ({shipped.name})"
+        paths["shipped"] = shipped
+    if model is not None:
+        for run in finished_runs(model, spec):
+            key = f"run:{run['name']}"
+            options.append(key)
+            labels[key] = f"Fitted here: {run['name']}" + (f" ({run['n']} prompts)" if run["n"] else "")
+            paths[key] = run["path"]
+    options += ["file", "upload"]
+    labels["file"] = "Lens file (path)…"
+    labels["upload"] = "Upload a lens file…"
+    return options, labels, paths
+
+
+def _resolve_lens_request(request: str, options: list[str]) -> str:
+    ss = st.session_state
+    if request == "auto":
+        return "shipped" if "shipped" in options else "none"
+    if request in options:
+        return request
+    if request.startswith("run:") or request in ("shipped", "upload"):
+        return "shipped" if "shipped" in options else "none"
+    ss.lens_path = request
+    return "file"
+
+
+def _save_upload(upload) -> Path:
+    data = upload.getvalue()
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    folder = runs_dir() / "uploads"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{digest}.safetensors"
+    if not path.is_file():
+        path.write_bytes(data)
+    return path
+
+
+def _load_lens_file(ctx: Context, path: Path, label: str) -> None:
+    try:
+        stat = path.stat() if path.is_file() else None
+        if stat is None:
+            raise FileNotFoundError(f"No lens file at {str(path)!r}.")
+        lens = load_lens_cached(str(path), stat.st_mtime, stat.st_size)
+        lens.check_model(ctx.model)
+    except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app stays usable
+        ctx.lens_error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, EXPECTED_ERRORS) else str(exc)
+        return
+    ctx.lens, ctx.lens_label = lens, label
+    ctx.lens_key = f"{path}|{stat.st_mtime}|{stat.st_size}"
+
+
+def sidebar() -> Context:
+    """Draw the sidebar (model, lens, what is loaded) and return the loaded :class:`Context`."""
+    ss = st.session_state
+    ctx = Context()
+    sb = st.sidebar
+    sb.markdown("### Model")
+    if ss.get("device") not in _device_options():
+        ss.device = "auto"
+    sb.text_input("Model", key="model_spec",
+                  help=f"`{DEFAULT_MODEL}` (embedded, offline), a Hugging Face id, a local model folder or a .gguf file")
+    c1, c2 = sb.columns(2)
+    c1.selectbox("Device", _device_options(), key="device")
+    c2.selectbox("Dtype", DTYPES, key="dtype")
+    spec = (ss.get("model_spec") or "").strip()
+    ctx.model_spec = spec
+    if not spec:
+        ctx.model_error = "Give a model: a name, a Hugging Face id, a folder or a .gguf file."
+    else:
+        first = spec.lower() in ("smollm2-135m", "default", "smollm2", "smollm2-135m-instruct")
+        note = " (the first launch converts the embedded GGUF: about a minute)" if first else ""
+        try:
+            with sb.spinner(f"Loading {spec}{note}…"):
+                ctx.model = load_model_cached(spec, ss.device, ss.dtype)
+            ctx.model_key = f"{spec}|{ss.device}|{ss.dtype}"
+            ctx.logit = LogitLens.for_model(ctx.model)
+        except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app stays usable
+            message = str(exc) if isinstance(exc, EXPECTED_ERRORS) else f"{type(exc).__name__}: {exc}"
+            ctx.model_error = f"Could not load the model {spec!r}: {message}"
+    if ctx.model_error:
+        sb.error(ctx.model_error)
+    else:
+        sb.caption(_model_summary(ctx.model))
+
+    sb.markdown("### Lens")
+    options, labels, paths = _lens_options(ctx.model, spec)
+    if "lens_request" in ss and ctx.model is not None:  # the URL's lens, once the model is there
+        ss.lens_choice = _resolve_lens_request(ss.pop("lens_request"), options)
+    if ss.get("lens_choice") not in options:
+        ss.lens_choice = _resolve_lens_request("auto", options)
+    sb.selectbox("Lens", options, key="lens_choice", format_func=lambda o: labels.get(o, o),
+                 disabled=ctx.model is None)
+    choice = ss.lens_choice
+    if ctx.model is not None:
+        if choice in paths:
+            _load_lens_file(ctx, paths[choice], labels[choice])
+        elif choice == "file":
+            sb.text_input("Lens file", key="lens_path", placeholder="/path/to/lens.safetensors")
+            path_text = (ss.get("lens_path") or "").strip()
+            if path_text:
+                _load_lens_file(ctx, Path(path_text).expanduser(), Path(path_text).name)
+        elif choice == "upload":
+            upload = sb.file_uploader("Lens file", type=["safetensors", "pt"], key="lens_upload")
+            if upload is not None:
+                _load_lens_file(ctx, _save_upload(upload), upload.name)
+    if ctx.lens_error:
+        sb.error(f"Could not load the lens: {ctx.lens_error}")
+    if ctx.lens is not None:
+        sb.caption(f"**Jacobian lens** · {lens_summary(ctx.lens)}")
+    elif ctx.model is not None:
+        sb.info("No Jacobian lens loaded: the logit lens only. Fit one on the Fit page or load a lens file.")
+    if ss.get("mode") is None:
+        ss.mode = "side" if ctx.lens is not None else "logit"
+    ss._ctx = ctx
+    return ctx
+
+
+def token_strings(model: Any, ids: list[int], show_whitespace: bool = False) -> list[str]:
+    """Display strings of token ids (``jlens_core.tokens``), e.g. for the prompt's own tokens."""
+    from jlens_core.tokens import TokenDisplay, display_ids
+
+    return display_ids(TokenDisplay.for_model(model), ids, show_whitespace=show_whitespace)

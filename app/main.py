@@ -1,0 +1,39 @@
+"""The jlens app: ``streamlit run app/main.py`` (or ``jlens app``).
+
+A multipage Streamlit app over ``jlens_core``: the sidebar (model, lens) is drawn here for every
+page; the pages in ``app/pages/`` read what it loaded from :func:`common.context`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_APP_DIR = str(Path(__file__).resolve().parent)
+if _APP_DIR not in sys.path:  # `streamlit run` adds it; AppTest and other runners may not
+    sys.path.insert(0, _APP_DIR)
+_REPO_DIR = str(Path(__file__).resolve().parent.parent)
+if _REPO_DIR not in sys.path:  # jlens_core from a source checkout that is not installed
+    sys.path.append(_REPO_DIR)
+
+import streamlit as st
+
+import common
+
+st.set_page_config(page_title="jlens", page_icon=":material/troubleshoot:", layout="wide")
+
+PAGES = [
+    st.Page("pages/inspect.py", title="Inspect", icon=":material/grid_on:", url_path="inspect", default=True),
+    st.Page("pages/fit.py", title="Fit", icon=":material/model_training:", url_path="fit"),
+    st.Page("pages/jacobians.py", title="Jacobians", icon=":material/functions:", url_path="jacobians"),
+    st.Page("pages/evaluate.py", title="Evaluate", icon=":material/monitoring:", url_path="evaluate"),
+    st.Page("pages/compare.py", title="Compare runs", icon=":material/difference:", url_path="compare"),
+]
+
+common.init_state()
+page = st.navigation(PAGES)
+common.sidebar()
+try:
+    page.run()
+finally:
+    common.sync_query_params()

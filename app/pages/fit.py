@@ -1,0 +1,189 @@
+"""Fit: run ``jlens fit`` in its own process and watch the lens converge, live."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import streamlit as st
+
+import charts
+import common
+import runs
+from jlens_core.corpus import BUILTIN_CORPUS
+from jlens_core.spectra import (
+    convergence_frame,
+    diagnostics_frame,
+    norm_matrix,
+    one_over_n_guide,
+    read_diagnostics,
+)
+
+REFRESH_SECONDS = 1.5
+ss = st.session_state
+ctx = common.context()
+root = common.runs_dir()
+
+st.title("Fit a Jacobian lens")
+st.caption("The fit runs as a separate `jlens fit` process: the app stays responsive, a crash of the fit cannot "
+           "take the server down, and a running fit survives a browser reload. Runs are kept in "
+           f"`{root}` (set `JLENS_RUNS_DIR` to move them).")
+
+# -- a new fit -----------------------------------------------------------------------------------------
+with st.expander("New fit", expanded=not runs.list_runs(root)):
+    spec = ctx.model_spec
+    if ctx.model is None:
+        st.warning("Load a model in the sidebar first: the fit uses the sidebar's model.")
+    else:
+        st.markdown(f"Model: **{spec}** ({ctx.model.n_layers} layers, width {ctx.model.d_model}; "
+                    f"{ctx.model.d_model} backward passes per prompt)")
+    ss.setdefault("fit_name", runs.new_name(spec or "model"))
+    st.text_input("Run name", key="fit_name")
+    source = st.radio("Corpus", ["built-in", "upload", "path"], horizontal=True, key="fit_source",
+                      format_func={"built-in": f"Built-in ({BUILTIN_CORPUS}: Python docstrings)",
+                                   "upload": "Upload (.txt / .jsonl)", "path": "Path or dataset"}.get)
+    corpus_path = None
+    if source == "upload":
+        upload = st.file_uploader("Corpus file", type=["txt", "jsonl"], key="fit_upload",
+                                  help=".txt: one text per paragraph (blank lines between); .jsonl: a 'text' field")
+        if upload is not None:
+            folder = root / "corpora"
+            folder.mkdir(parents=True, exist_ok=True)
+            corpus_path = folder / Path(upload.name).name
+            corpus_path.write_bytes(upload.getvalue())
+    elif source == "path":
+        corpus_path = st.text_input("Corpus path or Hugging Face dataset", key="fit_corpus_path").strip() or None
+    c1, c2, c3, c4 = st.columns(4)
+    n_prompts = c1.number_input("Prompts", 1, 100_000, 20, key="fit_n", help="first N texts of the corpus")
+    max_seq_len = c2.number_input("max_seq_len", 8, 4096, 128, key="fit_len")
+    dim_batch = c3.number_input("dim_batch", 1, 4096, 8, key="fit_dim_batch",
+                                help="output dimensions per backward pass: memory, not result")
+    min_chars = c4.number_input("min chars per text", 0, 100_000, 400, key="fit_min_chars")
+    c5, c6, c7, c8 = st.columns(4)
+    layers = c5.text_input("Source layers", "all", key="fit_layers", help="'all', '0,4,8', '0:12', '0:12:2'")
+    target = c6.number_input("Target layer", -1000, 1000, -1, key="fit_target", help="negative counts from the end")
+    stop_delta = c7.number_input("Stop at delta (0 = off)", 0.0, 1.0, 0.0, format="%.4f", key="fit_stop",
+                                 help="stop once the max relative change stays below this for 5 prompts")
+    checkpoint = c8.text_input("Checkpoint", "", key="fit_ckpt", placeholder="(in the run folder)")
+    split = "fit" if source == "built-in" else "all"
+    if st.button("Start fit", type="primary", icon=":material/play_arrow:", disabled=ctx.model is None):
+        corpus = BUILTIN_CORPUS if source == "built-in" else (str(corpus_path) if corpus_path else None)
+        if corpus is None:
+            st.error("Choose a corpus file or path first.")
+        else:
+            with common.guard("Could not start the fit"):
+                run = runs.start(root, ss.fit_name, model=spec, corpus=corpus, n_prompts=int(n_prompts),
+                                 max_seq_len=int(max_seq_len), dim_batch=int(dim_batch), min_chars=int(min_chars),
+                                 split=split, layers=layers, target_layer=int(target),
+                                 checkpoint=checkpoint.strip() or None, stop_at_delta=float(stop_delta) or None,
+                                 device=ss.get("device"), dtype=ss.get("dtype"))
+                ss.fit_run = run.name
+                del ss["fit_name"]
+                st.rerun()
+
+# -- runs ------------------------------------------------------------------------------------------------
+all_runs = runs.list_runs(root)
+st.subheader("Runs")
+followed_path = st.text_input("Follow a fit started elsewhere (its --out lens path)", key="fit_follow",
+                              placeholder="/path/to/lens.safetensors")
+run = None
+if followed_path.strip():
+    try:
+        run = runs.follow(followed_path.strip())
+    except FileNotFoundError as exc:
+        st.error(str(exc))
+if run is None:
+    if not all_runs:
+        st.info("No fits yet: start one above.")
+        st.stop()
+    names = [r.name for r in all_runs]
+    if ss.get("fit_run") not in names:
+        active = [r.name for r in all_runs if r.state in runs.ACTIVE]
+        ss.fit_run = active[0] if active else names[0]
+    states = {r.name: r.state for r in all_runs}
+    st.selectbox("Run", names, key="fit_run", format_func=lambda n: f"{n} · {states[n]}")
+    run = runs.load_run(root / ss.fit_run)
+
+b1, b2, b3, b4, _ = st.columns([1, 1, 1, 1.4, 2])
+state = run.state
+if b1.button("Stop", disabled=state not in runs.ACTIVE or run.followed, icon=":material/stop:"):
+    runs.stop(run)
+    time.sleep(0.3)
+    st.rerun()
+if b2.button("Force stop", disabled=state not in runs.ACTIVE or run.followed, icon=":material/cancel:",
+             help="SIGKILL: the process ends at once; Resume continues from the last checkpoint"):
+    runs.stop(run, force=True)
+    time.sleep(0.3)
+    st.rerun()
+if b3.button("Resume", disabled=state not in ("stopped", "failed", "lost") or run.followed,
+             icon=":material/play_arrow:"):
+    with common.guard("Could not resume"):
+        runs.resume(run)
+        st.rerun()
+lens_key = f"run:{run.name}"
+if b4.button("Use this lens", disabled=state != "done" or run.followed or ctx.model is None,
+             icon=":material/check:", help="select it in the sidebar"):
+    ss.lens_choice = lens_key
+    st.rerun()
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    seconds = int(seconds)
+    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m {seconds % 60:02d}s"
+
+
+def show_run(folder_or_run) -> None:
+    """Progress, ETA and the live charts of one run."""
+    current = runs.load_run(folder_or_run) if not isinstance(folder_or_run, runs.Run) else \
+        runs.follow(folder_or_run.lens_path) if folder_or_run.followed else runs.load_run(folder_or_run.folder)
+    status, now_state = current.status, current.state
+    n_total = int(status.get("n_total") or current.info.get("settings", {}).get("n_prompts") or 0)
+    next_idx = int(status.get("next_idx") or 0) if now_state != "done" else n_total
+    label = {"starting": "starting (loading the model and corpus)…", "running": "running", "done": "done",
+             "stopped": "stopped", "failed": "failed", "lost": "the fit process is gone"}.get(now_state, now_state)
+    st.markdown(f"**{current.name}** · {label} · model `{current.model_spec}` · corpus `{status.get('corpus', '?')}`")
+    fraction = min(1.0, next_idx / n_total) if n_total else 0.0
+    st.progress(fraction, text=f"{next_idx} / {n_total or '?'} prompts · {status.get('n_done') or 0} averaged")
+    m1, m2, m3, m4 = st.columns(4)
+    m1.metric("Prompts averaged", status.get("n_done") or 0)
+    spp = status.get("seconds_per_prompt")
+    m2.metric("Seconds / prompt", f"{spp:.2f}" if spp else "–")
+    m3.metric("ETA", _eta(status.get("eta_seconds")) if now_state in runs.ACTIVE else "–")
+    delta = status.get("max_rel_change")
+    m4.metric("Max relative change", f"{delta:.2e}" if delta else "–")
+    if now_state == "done":
+        reason = status.get("stop_reason")
+        st.success(f"Finished: {status.get('n_done')} prompts → `{current.lens_path}`"
+                   + (f" (stopped early: {reason})" if reason else "")
+                   + (". Select it in the sidebar (Lens → Fitted here) or press *Use this lens*."
+                      if not current.followed else "."))
+    elif now_state == "failed":
+        st.error(f"The fit failed: {current.error_sentence() or 'see the log below'}")
+    elif now_state == "stopped":
+        st.warning(f"Stopped after {status.get('n_done') or 0} prompts; Resume continues from the checkpoint.")
+    elif now_state == "lost":
+        st.warning("The fit process is no longer running (killed, or the machine restarted); Resume continues "
+                   "from the last checkpoint.")
+    frame = diagnostics_frame(read_diagnostics(current.diagnostics_path))
+    if frame.empty:
+        st.caption("The charts appear after the first prompt (a prompt takes d_model backward passes).")
+    else:
+        conv = convergence_frame(frame)
+        g1, g2 = st.columns(2)
+        g1.plotly_chart(charts.convergence_figure(conv, one_over_n_guide(conv)), key="fit_convergence",
+                        config={"displaylogo": False})
+        g2.plotly_chart(charts.norm_heatmap(norm_matrix(frame)), key="fit_norms", config={"displaylogo": False})
+    if not current.followed:
+        with st.expander("Log"):
+            st.code(current.log_tail(40) or "(empty)", language="text")
+    if ss.get("_fit_active") == current.name and now_state not in runs.ACTIVE:
+        ss._fit_active = None
+        st.rerun()  # the whole app: the sidebar lists the new lens, the live refresh stops
+    if now_state in runs.ACTIVE:
+        ss._fit_active = current.name
+
+
+live = st.fragment(run_every=REFRESH_SECONDS if state in runs.ACTIVE else None)(show_run)
+live(run)

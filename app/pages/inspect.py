@@ -1,0 +1,180 @@
+"""Inspect: read a prompt through the logit and the Jacobian lens, at every layer x position."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import streamlit as st
+
+import charts
+import common
+from jlens_core.tokens import token_id_for
+
+MAX_TOKENS = 1024  # prompts are truncated to this many tokens
+DEFAULT_WINDOW = 256  # positions shown at first for a long prompt (the last ones)
+
+ss = st.session_state
+ctx = common.require_model()
+model = ctx.model
+n_layers = model.n_layers
+examples = common.example_prompts()
+has_template = bool(getattr(model.tokenizer, "chat_template", None))
+for key, value in (("chat", False), ("top_k", 10), ("pinned", ""), ("stride", 1), ("show_ws", False),
+                   ("word_like", False)):
+    ss.setdefault(key, value)
+if ss.mode not in common.MODES:
+    ss.mode = "logit"
+
+
+def _use_example() -> None:
+    for example in examples:
+        if example["label"] == ss.get("example"):
+            ss.prompt = example["prompt"]
+            ss.chat = example["chat"] and has_template
+    ss.example = None
+
+
+st.title("Inspect a prompt")
+st.caption("What each layer already predicts: the logit lens reads `unembed(h_l)`, the Jacobian lens "
+           "`unembed(J_l h_l)`. Hover a cell for its top-k tokens; click it for the detail panel below.")
+left, right = st.columns([4, 1])
+left.text_area("Prompt", key="prompt", height=110, placeholder="Type a prompt…")
+right.selectbox("Examples", [e["label"] for e in examples], index=None, key="example",
+                placeholder="Pick an example…", on_change=_use_example)
+right.toggle("Chat template", key="chat", disabled=not has_template,
+             help="Wrap the prompt in the model's chat template (instruct models); the reading then "
+                  "starts inside the assistant's answer." if has_template else "This tokenizer has no chat template.")
+
+pins_raw = [p for p in (ss.get("pinned") or "").split(",") if p.strip()]
+pins, bad_pins = [], []
+for pin in pins_raw:
+    try:
+        token_id_for(model.tokenizer, pin, vocab_size=model.vocab_size)
+        pins.append(pin)
+    except ValueError as exc:
+        bad_pins.append(f"{pin!r} ({exc})")
+stat_options = list(common.STATS) + [f"rank_{p}" for p in pins]
+if ss.get("stat") not in stat_options:
+    ss.stat = "top1_prob"
+
+c1, c2 = st.columns([3, 2])
+c1.radio("Lens", list(common.MODES), key="mode", format_func=common.MODES.get, horizontal=True)
+c2.selectbox("Colour by", stat_options, key="stat",
+             format_func=lambda s: common.STATS.get(s) or f"Rank of pinned {s[5:]!r}")
+
+prompt = ss.get("prompt") or ""
+if not prompt.strip():
+    st.warning("The prompt is empty: type some text, or pick an example.")
+    st.stop()
+try:
+    text = model.chat(prompt) if ss.chat and has_template else prompt
+    full_ids = model.encode(text)
+except ValueError as exc:
+    st.error(f"Cannot read this prompt: {exc}")
+    st.stop()
+n_tokens = min(int(full_ids.shape[1]), MAX_TOKENS)
+tokens = common.token_strings(model, full_ids[0, :n_tokens].tolist(), ss.show_ws)
+
+with st.expander("Display options", expanded=False):
+    d1, d2, d3 = st.columns(3)
+    d1.slider("Top-k tokens", 1, 20, key="top_k")
+    d1.text_input("Pin tokens", key="pinned", placeholder=" Paris, Rome",
+                  help="Comma-separated; typed as is, so ' Paris' (with its space) is the token after a space. "
+                       "Their rank over layers shows in the cell detail; colour by it above.")
+    d2.number_input("Layer stride", min_value=1, max_value=max(1, n_layers - 1), step=1, key="stride",
+                    help="Show every n-th layer (the model's output row is always shown).")
+    if n_tokens > 1:
+        if ss.get("_pos_for") != (text, n_tokens) or "pos_range" not in ss:
+            ss.pos_range = (max(0, n_tokens - DEFAULT_WINDOW), n_tokens - 1)
+            ss._pos_for = (text, n_tokens)
+        d2.slider("Positions", 0, n_tokens - 1, key="pos_range")
+    d3.toggle("Whitespace as glyphs", key="show_ws", help="Show spaces as ·, newlines as ↵, tabs as →.")
+    d3.toggle("Word-like tokens only", key="word_like",
+              help="Top-k lists keep word-like tokens only (ranks stay over the full vocabulary).")
+if bad_pins:
+    st.warning("Not pinned: " + "; ".join(bad_pins))
+if int(full_ids.shape[1]) > MAX_TOKENS:
+    st.info(f"The prompt has {int(full_ids.shape[1])} tokens; the first {MAX_TOKENS} are read.")
+
+lo, hi = ss.pos_range if n_tokens > 1 else (0, 0)
+positions = tuple(range(int(lo), int(hi) + 1))
+stride = int(ss.stride)
+layers = sorted(set(range(0, n_layers, stride)) | {n_layers - 1})
+
+readings = {}
+with st.spinner("Reading the prompt…"):
+    for name, lens in ctx.lenses().items():
+        try:
+            readings[name] = common.reading_cached(
+                model, ctx.model_key, lens, ctx.lens_keys()[name], text, int(ss.top_k), tuple(pins),
+                bool(ss.show_ws), bool(ss.word_like), tuple(layers), positions, MAX_TOKENS)
+        except common.EXPECTED_ERRORS as exc:
+            st.error(f"The {charts.LENS_NAMES[name].lower()} cannot read this prompt: {exc}")
+if "logit" not in readings:
+    st.stop()
+
+mode = ss.mode
+if mode != "logit" and "jacobian" not in readings:
+    st.info("No Jacobian lens is loaded, so this shows the logit lens. Pick or fit a lens (sidebar, Fit page) "
+            "to compare the two.")
+    mode = "logit"
+
+fig = charts.heatmap_figure(readings, mode, ss.stat, layers=layers)
+event = st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points",
+                        config={"displaylogo": False, "toImageButtonOptions": {"filename": "jlens-heatmap"}})
+
+# -- cell detail ------------------------------------------------------------------------------------
+points = list(event.selection.points) if event is not None and event.selection else []
+if points:
+    signature = json.dumps({k: points[0].get(k) for k in ("x", "y", "curve_number")}, default=str)
+    if signature != ss.get("_last_point"):
+        ss._last_point = signature
+        cell = charts.cell_from_point(points[0], layers)
+        if cell is not None and cell[1] in positions:
+            ss.cell_layer, ss.cell_pos = cell
+if ss.get("cell_layer") not in layers:
+    ss.cell_layer = layers[-1]
+if ss.get("cell_pos") not in positions:
+    ss.cell_pos = positions[-1]
+
+st.subheader("Cell detail")
+labels = dict(zip(layers, charts.row_labels(layers, n_layers - 1)))
+p1, p2, p3 = st.columns([1, 2, 3])
+p1.selectbox("Layer", layers, key="cell_layer", format_func=labels.get)
+p2.selectbox("Position", positions, key="cell_pos", format_func=lambda p: f"{p}: {tokens[p]}")
+layer, position = int(ss.cell_layer), int(ss.cell_pos)
+cells = {name: (r.cell(layer, position) if layer in r.layers else None) for name, r in readings.items()}
+base = cells["logit"]
+final_top1 = readings["logit"].final_top1_tokens[readings["logit"].position_index(position)]
+p3.markdown(f"Token **`{base['token']}`** at position {position}"
+            + (f", next token **`{base['next_token']}`**" if base["next_token"] else "")
+            + f"; the model's own top-1 is **`{final_top1}`**.")
+if cells.get("jacobian") is None and "jacobian" in readings:
+    st.caption(f"The Jacobian lens was not fitted at layer {layer}.")
+st.plotly_chart(charts.topk_bars({k: v for k, v in cells.items() if v is not None}, k=int(ss.top_k)),
+                key="cell_bars", config={"displaylogo": False})
+rows = []
+for name, cell in cells.items():
+    if cell is None:
+        continue
+    row = {"lens": charts.LENS_NAMES[name], "top-1": cell["top_tokens"][0], "p(top-1)": cell["top_probs"][0],
+           "entropy (bits)": cell["entropy_bits"], "KL to final (bits)": cell["kl_bits"],
+           "next-token CE (bits)": cell["ce_bits"], "next-token rank": cell["next_token_rank"],
+           "final top-1 rank": cell["final_top1_rank"]}
+    row.update({f"rank {k[5:]!r}": v for k, v in cell.items() if k.startswith("rank_")})
+    rows.append(row)
+st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+pinned_fig = charts.pinned_ranks_figure(readings, position)
+if pinned_fig is not None:
+    st.plotly_chart(pinned_fig, key="pinned_ranks", config={"displaylogo": False})
+elif not pins:
+    st.caption("Pin tokens (Display options) to follow their rank across layers here.")
+
+# -- downloads ------------------------------------------------------------------------------------------
+table = pd.concat([r.frame.assign(lens=name) for name, r in readings.items()], ignore_index=True)
+b1, b2, _ = st.columns([1, 1, 3])
+b1.download_button("Download table (CSV)", data=lambda: table.to_csv(index=False), file_name="jlens-reading.csv",
+                   mime="text/csv", on_click="ignore", icon=":material/download:")
+b2.download_button("Download figure (HTML)", data=lambda: fig.to_html(include_plotlyjs=True, full_html=True),
+                   file_name="jlens-heatmap.html", mime="text/html", on_click="ignore", icon=":material/download:")

@@ -1,0 +1,288 @@
+"""Fits started from the app: ``jlens fit`` subprocesses, found again from their files.
+
+Each run lives in its own folder under the runs folder (``$JLENS_RUNS_DIR`` or
+``~/.cache/jlens/runs``)::
+
+    <runs>/<name>/run.json                    what the app launched (CLI arguments, pid, time)
+    <runs>/<name>/lens.safetensors            the lens, written when the fit ends
+    <runs>/<name>/lens.status.json            the fit's own state (``jlens fit`` rewrites it)
+    <runs>/<name>/lens.diagnostics.jsonl      one record per prompt x layer, streamed
+    <runs>/<name>/lens.ckpt                   the checkpoint (Resume continues from it)
+    <runs>/<name>/fit.log                     the fit's stdout and stderr
+
+The fit runs in its own process and session (``start_new_session``): it keeps going when the
+browser closes or reloads, and a crash of the fit cannot take the server down. A page finds a run
+again from these files alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jlens_core.cli_fit import sidecar
+
+RUN_FILE = "run.json"
+LENS_FILE = "lens.safetensors"
+LOG_FILE = "fit.log"
+ACTIVE = ("starting", "running")
+FINAL = ("done", "failed", "stopped", "lost")
+_PROCESSES: dict[int, subprocess.Popen] = {}  # children of this server, polled so they never linger as zombies
+_NAME_OK = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (children of this server are reaped)."""
+    if not pid:
+        return False
+    proc = _PROCESSES.get(int(pid))
+    if proc is not None and proc.poll() is not None:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _is_fit_process(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{int(pid)}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return True  # no /proc (macOS): trust the status file
+    return "jlens" in cmdline and "fit" in cmdline
+
+
+@dataclass
+class Run:
+    """A fit, as its files describe it."""
+
+    folder: Path
+    info: dict = field(default_factory=dict)
+    status: dict = field(default_factory=dict)
+    lens_path: Path = Path()
+
+    @property
+    def name(self) -> str:
+        return self.info.get("name") or self.folder.name
+
+    @property
+    def status_path(self) -> Path:
+        return sidecar(self.lens_path, "status.json")
+
+    @property
+    def diagnostics_path(self) -> Path:
+        return sidecar(self.lens_path, "diagnostics.jsonl")
+
+    @property
+    def log_path(self) -> Path:
+        return self.folder / LOG_FILE
+
+    @property
+    def model_spec(self) -> str:
+        return str(self.info.get("model") or self.status.get("model") or "")
+
+    @property
+    def followed(self) -> bool:
+        """A fit started elsewhere (by the CLI) that the app only watches."""
+        return not self.info.get("args")
+
+    @property
+    def pid(self) -> int | None:
+        pid = self.info.get("pid") or self.status.get("pid")
+        return int(pid) if pid else None
+
+    @property
+    def state(self) -> str:
+        """``starting``, ``running``, ``done``, ``failed``, ``stopped`` or ``lost`` (the process is gone).
+
+        A relaunched fit (Resume) reads ``starting`` until its process rewrites the status file.
+        """
+        launched_pid = self.info.get("pid")
+        status_pid = self.status.get("pid")
+        alive = pid_alive(launched_pid or status_pid)
+        if launched_pid and status_pid != launched_pid:  # this launch has not written its status yet
+            if alive:
+                return "starting"
+            if self.status.get("state") == "done" and not self.info.get("resumed"):
+                return "done"
+            return "failed"
+        state = self.status.get("state") or ("starting" if alive else "failed")
+        if state in ACTIVE and not alive:
+            return "lost"
+        return state
+
+    def log_tail(self, n_lines: int = 20) -> str:
+        try:
+            lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n_lines:])
+
+    def error_sentence(self) -> str | None:
+        """The fit's error: from its status file, else the ``jlens fit: error:`` line of its log."""
+        launched = self.info.get("pid")
+        if self.status.get("error") and (not launched or self.status.get("pid") == launched):
+            return str(self.status["error"])
+        for line in reversed(self.log_tail(60).splitlines()):
+            if "error:" in line:
+                return line.split("error:", 1)[1].strip()
+        return None
+
+
+def load_run(folder: str | os.PathLike) -> Run:
+    """The :class:`Run` in ``folder`` (its ``run.json`` and status file)."""
+    folder = Path(folder)
+    info = _read_json(folder / RUN_FILE)
+    lens_path = Path(info.get("out") or folder / LENS_FILE)
+    return Run(folder=folder, info=info, status=_read_json(sidecar(lens_path, "status.json")), lens_path=lens_path)
+
+
+def follow(lens_path: str | os.PathLike) -> Run:
+    """A :class:`Run` that watches a fit started elsewhere, from its ``--out`` lens path.
+
+    Raises:
+        FileNotFoundError: there is no status file next to that path.
+    """
+    lens_path = Path(lens_path).expanduser()
+    status_path = sidecar(lens_path, "status.json")
+    if not status_path.is_file():
+        raise FileNotFoundError(f"No fit status at {str(status_path)!r}: give the --out path of a `jlens fit`.")
+    return Run(folder=lens_path.parent, info={"name": lens_path.stem, "out": str(lens_path)},
+               status=_read_json(status_path), lens_path=lens_path)
+
+
+def list_runs(root: str | os.PathLike) -> list[Run]:
+    """Every run under ``root``, newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [load_run(p) for p in root.iterdir() if (p / RUN_FILE).is_file()]
+    return sorted(found, key=lambda r: r.info.get("created", 0), reverse=True)
+
+
+def new_name(model_spec: str) -> str:
+    """A fresh run name: the model's short name and the time."""
+    short = _NAME_OK.sub("-", Path(model_spec.rstrip("/")).name or "model").strip("-")[:40] or "model"
+    return f"{short}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def fit_arguments(*, model: str, corpus: str, out: Path, n_prompts: int | None = None, max_seq_len: int = 128,
+                  dim_batch: int = 8, min_chars: int = 400, split: str = "fit", layers: str | None = None,
+                  target_layer: int = -1, checkpoint: str | None = None, stop_at_delta: float | None = None,
+                  device: str | None = None, dtype: str | None = None, skip_first: int | None = None) -> list[str]:
+    """The ``jlens fit`` command-line arguments for these settings (see ``jlens fit --help``)."""
+    args = ["--model", model, "--corpus", corpus, "--out", str(out), "--max-seq-len", str(int(max_seq_len)),
+            "--dim-batch", str(int(dim_batch)), "--min-chars", str(int(min_chars)), "--split", split,
+            "--target-layer", str(int(target_layer)), "--no-progress"]
+    if n_prompts:
+        args += ["--n-prompts", str(int(n_prompts))]
+    if layers and layers.strip() and layers.strip() != "all":
+        args += ["--layers", layers.strip()]
+    if checkpoint:
+        args += ["--checkpoint", str(checkpoint)]
+    if stop_at_delta:
+        args += ["--stop-at-delta", repr(float(stop_at_delta))]
+    if device and device != "auto":
+        args += ["--device", device]
+    if dtype and dtype != "auto":
+        args += ["--dtype", dtype]
+    if skip_first is not None:
+        args += ["--skip-first", str(int(skip_first))]
+    return args
+
+
+def _launch(run_folder: Path, args: list[str]) -> int:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    repo = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    with open(run_folder / LOG_FILE, "ab") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "jlens_core", "fit", *args], cwd=str(run_folder), env=env,
+                                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    _PROCESSES[proc.pid] = proc
+    return proc.pid
+
+
+def start(root: str | os.PathLike, name: str, *, model: str, **settings) -> Run:
+    """Launch ``jlens fit`` for a new run ``name`` under ``root`` (settings: :func:`fit_arguments`).
+
+    Raises:
+        ValueError: a run of that name exists already, or an empty name.
+    """
+    name = _NAME_OK.sub("-", name.strip()).strip("-")
+    if not name:
+        raise ValueError("Give the run a name (letters, digits, '.', '_' or '-').")
+    folder = Path(root) / name
+    if (folder / RUN_FILE).exists():
+        raise ValueError(f"A run named {name!r} exists already: pick another name, or Resume it.")
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / LENS_FILE
+    args = fit_arguments(model=model, out=out, **settings)
+    info = {"name": name, "model": model, "out": str(out), "args": args, "settings": settings,
+            "created": time.time()}
+    (folder / RUN_FILE).write_text(json.dumps(info, indent=1))
+    info["pid"] = _launch(folder, args)
+    info["launched"] = time.time()
+    (folder / RUN_FILE).write_text(json.dumps(info, indent=1))
+    return load_run(folder)
+
+
+def resume(run: Run) -> Run:
+    """Launch the run's fit again with its arguments: it continues from its checkpoint.
+
+    Raises:
+        ValueError: the run is still active, or was not started by the app.
+    """
+    if run.followed:
+        raise ValueError("This fit was started outside the app; resume it with the same `jlens fit` command.")
+    if run.state in ACTIVE:
+        raise ValueError(f"The run {run.name!r} is still {run.state}.")
+    info = dict(run.info)
+    args = [a for a in info["args"] if a != "--no-resume"]
+    info.update(pid=_launch(run.folder, args), launched=time.time(), resumed=True)
+    (run.folder / RUN_FILE).write_text(json.dumps(info, indent=1))
+    return load_run(run.folder)
+
+
+def stop(run: Run, *, force: bool = False) -> bool:
+    """Interrupt the run's process (SIGINT: the fit records ``stopped`` and keeps its checkpoint).
+
+    ``force`` sends SIGKILL (the status then reads ``lost``; Resume still works from the checkpoint).
+
+    Returns:
+        Whether a signal was sent.
+    """
+    pid = run.pid
+    if not pid or not pid_alive(pid) or not _is_fit_process(pid):
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL if force else signal.SIGINT)
+    except OSError:
+        return False
+    return True
+
+
+__all__ = ["ACTIVE", "FINAL", "Run", "fit_arguments", "follow", "list_runs", "load_run", "new_name", "pid_alive",
+           "resume", "start", "stop"]
