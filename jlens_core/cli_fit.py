@@ -97,6 +97,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
     if args.layers:
         check_layer_spec(args.layers)
+    if args.n_prompts is not None and args.n_prompts < 1:
+        raise CLIError(f"--n-prompts {args.n_prompts} must be >= 1.")
+    if args.first_prompt < 0:
+        raise CLIError(f"--first-prompt {args.first_prompt} must be >= 0.")
     stop = StopAtDelta(args.stop_at_delta, args.stop_patience) if args.stop_at_delta else None
     out = Path(args.out)
     if out.is_dir():
@@ -104,7 +108,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
     world, device = _init_world(args.device)
     rank = world.rank if world is not None else 0
     try:
-        prompts = load_corpus(args.corpus, n=args.n_prompts, min_chars=args.min_chars, split=args.split)
+        prompts = load_corpus(args.corpus, min_chars=args.min_chars, split=args.split)
+        if args.first_prompt >= len(prompts):
+            raise CLIError(f"--first-prompt {args.first_prompt} is past the end of the corpus ({len(prompts)} texts).")
+        end = len(prompts) if args.n_prompts is None else args.first_prompt + args.n_prompts
+        prompts = prompts[args.first_prompt: end]
         model = load_model(args.model, device=device, dtype=args.dtype)
         sources = parse_layer_spec(args.layers, model.n_layers) if args.layers else None
         if sources is not None:
@@ -216,7 +224,9 @@ def register(subparsers) -> None:
     p.add_argument("--corpus", default="stdlib-docs",
                    help="'stdlib-docs' (built-in), a .txt (paragraphs) or .jsonl (text field) file, or a HF dataset")
     p.add_argument("--out", required=True, help="lens file to write (safetensors), e.g. lens.safetensors")
-    p.add_argument("--n-prompts", type=int, default=None, help="use the first N texts of the corpus (default all)")
+    p.add_argument("--n-prompts", type=int, default=None, help="use N texts of the corpus from --first-prompt on (default all)")
+    p.add_argument("--first-prompt", type=int, default=0,
+                   help="start at this corpus text (default 0): fit disjoint slices anywhere, then `jlens merge`")
     p.add_argument("--min-chars", type=int, default=400, help="skip corpus texts shorter than this (default 400)")
     p.add_argument("--split", choices=["all", "fit", "eval"], default="fit",
                    help="corpus part: 'fit' (default; disjoint from 'eval'), 'eval' or 'all'")

@@ -1,0 +1,203 @@
+"""``jlens eval`` (per-layer KL / cross-entropy curves, pass@k) and ``jlens inspect`` (a terminal grid)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .cli import CLIError
+
+
+def resolve_lenses(specs: list[str], model, shrinkage: list[float] | None = None) -> dict:
+    """``--lens`` values to ``{name: lens}``: ``logit``, ``default`` (the shipped lens) or a lens file.
+
+    Each Jacobian lens also appears shrunk, ``(1 - a) J + a I``, once per ``shrinkage`` value ``a``.
+    """
+    from .lens import LogitLens
+    from .shipped import default_lens, load_lens
+
+    lenses = {}
+    for spec in specs:
+        if spec == "logit":
+            lenses["logit"] = LogitLens.for_model(model)
+            continue
+        if spec == "default":
+            lens = default_lens(model)
+            if lens is None:
+                raise CLIError(f"No shipped lens for {model.name!r}: give a lens file, or 'logit'.")
+            name = "jacobian"
+        else:
+            lens = load_lens(spec, model=model)
+            name = Path(spec).stem if len(specs) > 1 else "jacobian"
+        lenses[name] = lens
+        for alpha in shrinkage or []:
+            lenses[f"{name} (shrink {alpha:g})"] = lens.with_shrinkage(alpha)
+    return lenses
+
+
+def _plot(frame, out: Path, title: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    for name, part in frame.groupby("lens", sort=False):
+        part = part.sort_values("layer")
+        for ax, col in zip(axes, ("kl_bits", "ce_bits")):
+            ax.plot(part["layer"], part[col], marker=".", label=name)
+            se = col.replace("_bits", "_se")
+            if se in part:
+                ax.fill_between(part["layer"], part[col] - 2 * part[se], part[col] + 2 * part[se], alpha=0.2)
+    axes[0].set(xlabel="layer", ylabel="KL(final || lens) [bits]", title="KL to the model's output")
+    axes[1].set(xlabel="layer", ylabel="cross-entropy [bits]", title="next-token cross-entropy")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .corpus import load_corpus
+    from .evaluation import EVAL_SETS, evaluate, pass_at_k
+    from .loading import load_model
+
+    for name in args.pass_at_k or []:
+        if name not in EVAL_SETS and not Path(name).is_file():
+            raise CLIError(f"Unknown evaluation set {name!r}: use one of {', '.join(EVAL_SETS)} or a .jsonl file.")
+    texts = load_corpus(args.corpus, n=args.n_texts, min_chars=args.min_chars, split=args.split)
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    lenses = resolve_lenses(args.lens, model, args.shrinkage)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bar = _bar(len(texts) * len(lenses), "eval", args.no_progress)
+    frame = evaluate(model, lenses, texts, max_seq_len=args.max_seq_len,
+                     progress=(lambda done, total: _advance(bar, done, total)) if bar else None)
+    if bar:
+        bar.close()
+    frame.to_csv(out / "eval.csv", index=False)
+    result = {"model": model.name, "corpus": args.corpus, "split": args.split, "n_texts": len(texts),
+              "max_seq_len": args.max_seq_len, "per_layer": frame.to_dict(orient="records")}
+    if args.pass_at_k:
+        tables = []
+        for name in args.pass_at_k:
+            table = pass_at_k(model, lenses, name, k=tuple(args.k))
+            table.insert(0, "set", name)
+            tables.append(table)
+        import pandas as pd
+
+        passes = pd.concat(tables, ignore_index=True)
+        passes.to_csv(out / "pass_at_k.csv", index=False)
+        result["pass_at_k"] = passes.to_dict(orient="records")
+    (out / "eval.json").write_text(json.dumps(result, indent=1, default=float))
+    plot = _plot(frame, out / "eval.png", f"{model.name}: {len(texts)} texts of {args.corpus} ({args.split})")
+    print(frame.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    if args.pass_at_k:
+        print()
+        print(passes.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(f"\nWrote {out / 'eval.csv'}, {out / 'eval.json'}" + (f", {plot}" if plot else ""), file=sys.stderr)
+    return 0
+
+
+def _bar(total: int, desc: str, disabled: bool):
+    if disabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="text", file=sys.stderr, dynamic_ncols=True)
+
+
+def _advance(bar, done: int, total: int) -> None:
+    bar.total = total
+    bar.n = done
+    bar.refresh()
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .analysis import read_prompt
+    from .layerspec import check_layer_spec, parse_layer_spec
+    from .loading import load_model
+
+    if not args.prompt:
+        raise CLIError("--prompt is empty: give some text to read.")
+    if args.layers:
+        check_layer_spec(args.layers)
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    lens = next(iter(resolve_lenses([args.lens], model).values()))
+    text = model.chat(args.prompt) if args.chat else args.prompt
+    layers = parse_layer_spec(args.layers, model.n_layers) if args.layers else None
+    if layers is not None and lens.target_layer not in layers:
+        layers.append(lens.target_layer)  # the model's own output is always the last row
+    reading = read_prompt(model, lens, text, top_k=1, layers=layers, max_seq_len=args.max_seq_len,
+                          show_whitespace=True)
+    positions = reading.positions[-args.last:] if args.last else reading.positions
+    width = args.width
+
+    def cell(s: str) -> str:
+        s = s.replace("\n", "↵")
+        return (s[: width - 1] + "…") if len(s) > width else s.ljust(width)
+
+    grid = reading.top1_grid()
+    cols = [reading.position_index(p) for p in positions]
+    print(f"{model.name} · {lens.kind} lens · top-1 token per layer (rows) and position (columns)")
+    print("layer ".rjust(7) + " ".join(cell(reading.tokens[c]) for c in cols))
+    print("-" * (7 + (width + 1) * len(cols)))
+    for i, layer in enumerate(reading.layers):
+        label = "out" if layer == reading.output_layer else str(layer)
+        print(f"{label:>6} " + " ".join(cell(grid[i][c]) for c in cols))
+    return 0
+
+
+def register(subparsers) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", default="smollm2-135m",
+                        help="'smollm2-135m' (embedded default), a Hugging Face id, a local folder or a .gguf file")
+    common.add_argument("--device", default=None, help="cuda, mps, cpu (default: best available)")
+    common.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default fp32 on CPU, bf16 on GPU)")
+
+    e = subparsers.add_parser("eval", parents=[common], help="per-layer KL and cross-entropy of lenses on a corpus",
+                              description="Mean KL(final || lens) and next-token cross-entropy (bits) per layer and "
+                                          "lens on texts not used for fitting; optional pass@k on evaluation sets. "
+                                          "Writes eval.csv, eval.json and eval.png to --out.")
+    e.add_argument("--lens", action="append", default=None,
+                   help="a lens file, 'default' (the shipped lens) or 'logit'; repeat to compare (default: logit "
+                        "and default)")
+    e.add_argument("--corpus", default="stdlib-docs", help="'stdlib-docs', a .txt or .jsonl file, or a HF dataset")
+    e.add_argument("--split", choices=["all", "fit", "eval"], default="eval",
+                   help="corpus part (default 'eval': disjoint from what `jlens fit` uses by default)")
+    e.add_argument("--n-texts", type=int, default=100, help="texts to evaluate on (default 100)")
+    e.add_argument("--min-chars", type=int, default=400, help="skip texts shorter than this (default 400)")
+    e.add_argument("--max-seq-len", type=int, default=128, help="truncate texts to this many tokens (default 128)")
+    e.add_argument("--shrinkage", type=float, action="append", default=None,
+                   help="also evaluate each Jacobian lens shrunk as (1-a) J + a I; repeat for several a")
+    e.add_argument("--pass-at-k", action="append", default=None, metavar="SET",
+                   help="also run pass@k on a shipped evaluation set (two_hop, ...) or a .jsonl; repeatable")
+    e.add_argument("--k", type=int, nargs="+", default=[1, 5, 10], help="k values for pass@k (default 1 5 10)")
+    e.add_argument("--out", required=True, help="folder for eval.csv, eval.json, eval.png")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e.set_defaults(func=_eval_defaults)
+
+    i = subparsers.add_parser("inspect", parents=[common], help="print a layer x position grid of top-1 tokens",
+                              description="Read one prompt through a lens and print the top-1 token of every "
+                                          "layer (rows; 'out' is the model's output) at every position (columns).")
+    i.add_argument("--lens", default="logit", help="a lens file, 'default' (the shipped lens) or 'logit' (default)")
+    i.add_argument("--prompt", required=True, help="the text to read")
+    i.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    i.add_argument("--layers", default=None, help="layers to show: '0,4,8', '0:12', '::2' (default all)")
+    i.add_argument("--last", type=int, default=12, help="show the last N positions (default 12; 0 = all)")
+    i.add_argument("--width", type=int, default=9, help="characters per cell (default 9)")
+    i.add_argument("--max-seq-len", type=int, default=None, help="truncate the prompt to this many tokens")
+    i.set_defaults(func=cmd_inspect)
+
+
+def _eval_defaults(args: argparse.Namespace) -> int:
+    if args.lens is None:
+        args.lens = ["logit", "default"]
+    return cmd_eval(args)
