@@ -140,9 +140,8 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
             from .fit import read_checkpoint
 
             resumed = read_checkpoint(checkpoint)["diagnostics"]
-        diag_file = open(diag_path, "w", encoding="utf-8")  # rewritten from the checkpoint, then appended
-        for rec in resumed:
-            diag_file.write(json.dumps(rec) + "\n")
+        diag_file = open(diag_path, "w", encoding="utf-8")  # noqa: SIM115 -- closed in finally; rewritten from the checkpoint, then appended
+        diag_file.writelines(json.dumps(rec) + "\n" for rec in resumed)
         diag_file.flush()
         if not args.no_progress:
             from tqdm import tqdm
@@ -154,8 +153,7 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
     def on_progress(event) -> None:
         nonlocal first_idx
         first_idx = event.prompt_index if first_idx is None else first_idx
-        for rec in event.records:
-            diag_file.write(json.dumps(rec) + "\n")
+        diag_file.writelines(json.dumps(rec) + "\n" for rec in event.records)
         diag_file.flush()
         done_here = event.next_idx - first_idx
         rate = (time.time() - t_start) / max(done_here, 1)

@@ -79,7 +79,7 @@ def _read_jsonl(path: Path, field: str) -> list[str]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno} is not valid JSON ({exc.msg}).") from None
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise ValueError(f"{path}:{lineno} has no string field {field!r}.")
+                raise ValueError(f"{path}:{lineno} has no string field {field!r}.")  # noqa: TRY004
             texts.append(record[field])
     return texts
 
@@ -93,7 +93,7 @@ def _hf_dataset(name: str, field: str) -> list[str]:
     dataset_name, _, config = name.partition(":")
     try:
         data = datasets.load_dataset(dataset_name, config or None, split="train")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- any hub/dataset failure becomes one sentence
         raise ValueError(f"Could not load the corpus {name!r}: it is not a built-in corpus or a file, and the "
                          f"Hugging Face hub did not provide it ({exc}). Use {BUILTIN_CORPUS!r}, a .txt or a "
                          ".jsonl file.") from None

@@ -79,9 +79,9 @@ def find_layout(model: nn.Module) -> ModelLayout:
         required = [layout.base, layout.layers, layout.embed, layout.head]
         if layout.final_norm is not None and layout.name != "opt":
             required.append(layout.final_norm)
-        if all(get_path(model, p) is not None for p in required):
-            if isinstance(get_path(model, layout.layers), (nn.ModuleList, nn.Sequential)):
-                return layout
+        if all(get_path(model, p) is not None for p in required) and isinstance(
+                get_path(model, layout.layers), (nn.ModuleList, nn.Sequential)):
+            return layout
     tried = "; ".join(
         f"{lay.name}: layers={lay.layers}, norm={lay.final_norm}, embed={lay.embed}, head={lay.head}"
         for lay in LAYOUTS

@@ -250,7 +250,7 @@ class JacobianLens:
                     raise LensFileError(f"{str(path)!r} is a safetensors file but not a jlens lens "
                                         "(no jlens metadata in its header).")
                 info = json.loads(meta["jlens"])
-                tensors = {int(k.split(".", 1)[1]): f.get_tensor(k) for k in f.keys() if k.startswith("J.")}
+                tensors = {int(k.split(".", 1)[1]): f.get_tensor(k) for k in f.keys() if k.startswith("J.")}  # noqa: SIM118
         except LensFileError:
             raise
         except Exception as exc:  # safetensors raises its own error types for bad headers

@@ -45,7 +45,7 @@ class ActivationRecorder:
     def __init__(self, blocks: Sequence[nn.Module], at: Iterable[int], *, start_graph_at: int | None = None,
                  stop_after: int | None = None) -> None:
         self.blocks = list(blocks)
-        self.at = sorted(set(int(i) for i in at))
+        self.at = sorted({int(i) for i in at})
         for i in self.at + [x for x in (start_graph_at, stop_after) if x is not None]:
             if not 0 <= i < len(self.blocks):
                 raise ValueError(f"Layer index {i} is out of range for a model with {len(self.blocks)} layers.")
@@ -71,7 +71,7 @@ class ActivationRecorder:
 
         return hook
 
-    def __enter__(self) -> ActivationRecorder:
+    def __enter__(self) -> ActivationRecorder:  # noqa: PYI034
         self.activations = {}
         wanted = set(self.at) | {x for x in (self.start_graph_at, self.stop_after) if x is not None}
         for i in sorted(wanted):
