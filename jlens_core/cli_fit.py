@@ -213,6 +213,15 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dim_batch(value: str):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer or 'auto'") from None
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("fit", help="fit a Jacobian lens on a corpus",
                               description="Fit a Jacobian lens: d_model backward passes per prompt, averaged over "
@@ -231,8 +240,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-seq-len", type=int, default=128, help="truncate prompts to this many tokens (default 128)")
     p.add_argument("--skip-first", type=int, default=16,
                    help="leading positions left out as attention sinks (default 16)")
-    p.add_argument("--dim-batch", type=int, default=8,
-                   help="output dimensions per backward pass: memory, not result (default 8)")
+    p.add_argument("--dim-batch", type=_dim_batch, default=8,
+                   help="output dimensions per backward pass: memory, not result (default 8; 'auto' sizes it "
+                        "from free GPU memory)")
     p.add_argument("--layers", default=None, help="source layers: '0,4,8', '0:12', '0:12:2', 'all' (default: all "
                                                   "below the target)")
     p.add_argument("--target-layer", type=int, default=-1, help="target layer, negative from the end (default -1)")

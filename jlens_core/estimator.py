@@ -118,6 +118,23 @@ def prompt_ids(model, prompt, max_seq_len: int) -> torch.Tensor:
     return ids[:, :max_seq_len].to(model.device)
 
 
+def auto_dim_batch(model, n_valid: int, n_layers_backward: int, *, fraction: float = 0.5,
+                   cap: int = 256) -> int:
+    """A ``dim_batch`` that fits in free accelerator memory (``"auto"``); 16 on the CPU.
+
+    The batched backward holds about ``dim_batch * n_valid * (d_model * 6 + d_ff * 3)`` activations
+    per backpropagated layer at its peak; ``fraction`` of the free memory is allowed for them.
+    """
+    device = model.device
+    if device.type != "cuda":
+        return 16
+    free, _total = torch.cuda.mem_get_info(device)
+    d = model.d_model
+    d_ff = getattr(model.config, "intermediate_size", None) or 4 * d
+    bytes_per_row = n_valid * (6 * d + 3 * d_ff) * max(n_layers_backward, 1) * torch.finfo(model.dtype).bits // 8
+    return int(max(1, min(cap, d, fraction * free // max(bytes_per_row, 1))))
+
+
 def _one_hot_cotangents(rows: range, batch: int, n_valid: int, d_model: int, like: torch.Tensor) -> torch.Tensor:
     # [k, batch, n_valid, d_model]: cotangent k is e_{rows[k]} at every valid target position
     cot = torch.zeros(len(rows), batch, n_valid, d_model, dtype=like.dtype, device=like.device)
@@ -144,7 +161,7 @@ def _forward_suffix(model, ids: torch.Tensor, sources: list[int], target: int, s
 
 
 def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = None,
-                        target_layer: int | None = None, dim_batch: int = 8, max_seq_len: int = 128,
+                        target_layer: int | None = None, dim_batch: int | str = 8, max_seq_len: int = 128,
                         skip_first: int = 16, method: str = "batched") -> PromptJacobian:
     """The per-prompt Jacobians ``{l: J_l}`` of SPEC §2.
 
@@ -153,7 +170,8 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
         prompt: text, or token ids ``[seq]`` / ``[1, seq]``.
         source_layers: layers to carry (default: every layer below the target).
         target_layer: default the last layer; negative counts from the end.
-        dim_batch: output dimensions (rows) per backward pass; memory, not result.
+        dim_batch: output dimensions (rows) per backward pass; memory, not result. ``"auto"``
+            sizes it from free GPU memory (:func:`auto_dim_batch`).
         max_seq_len: truncate the prompt to this many tokens.
         skip_first: leading positions excluded as attention sinks.
         method: ``"batched"`` (one forward, ``dim_batch`` cotangents batched in backward) or
@@ -168,8 +186,8 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}.")
-    if dim_batch < 1:
-        raise ValueError(f"dim_batch={dim_batch} must be >= 1.")
+    if dim_batch != "auto" and (not isinstance(dim_batch, int) or dim_batch < 1):
+        raise ValueError(f"dim_batch={dim_batch!r} must be an integer >= 1 or 'auto'.")
     sources, target = resolve_layers(model.n_layers, source_layers, target_layer)
     ids = prompt_ids(model, prompt, max_seq_len)
     seq_len = ids.shape[1]
@@ -177,6 +195,8 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
     n_valid = seq_len - 1 - skip_first
     d = model.d_model
     jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
+    if dim_batch == "auto":
+        dim_batch = auto_dim_batch(model, n_valid, target - sources[0])
 
     acts = _forward_suffix(model, ids, sources, target, skip_first, 1) if method == "batched" else None
     for start in range(0, d, dim_batch):

@@ -182,7 +182,7 @@ def _check_resume(path, payload: dict, settings: dict, prompts: Sequence) -> Non
 
 
 def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None, target_layer: int | None = None,
-        dim_batch: int = 8, max_seq_len: int = 128, skip_first: int = 16,
+        dim_batch: int | str = 8, max_seq_len: int = 128, skip_first: int = 16,
         checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 1, resume: bool = True,
         progress: Callable[[FitProgress], None] | None = None,
         should_stop: Callable[[FitState], str | None] | None = None, method: str = "batched",
@@ -216,8 +216,8 @@ def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None,
     # Settings errors must not pass for "prompt too short" (each prompt would be skipped, and recorded so).
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}.")
-    if dim_batch < 1:
-        raise ValueError(f"dim_batch={dim_batch} must be >= 1.")
+    if dim_batch != "auto" and (not isinstance(dim_batch, int) or dim_batch < 1):
+        raise ValueError(f"dim_batch={dim_batch!r} must be an integer >= 1 or 'auto'.")
     if skip_first < 0:
         raise ValueError(f"skip_first={skip_first} must be >= 0.")
     if max_seq_len < 2:

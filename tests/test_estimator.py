@@ -160,7 +160,7 @@ def test_dim_batch_changes_memory_not_result():
     ids = prompt_ids("llama")
     results = [jacobian_for_prompt(model, ids, skip_first=SKIP, dim_batch=k, method=method).jacobians
                for k, method in [(1, "batched"), (7, "batched"), (32, "batched"), (100, "batched"),
-                                 (3, "replicated")]]
+                                 ("auto", "batched"), (3, "replicated")]]
     for other in results[1:]:
         for layer in results[0]:
             assert rel_frob(other[layer], results[0][layer]) <= 1e-6

@@ -136,7 +136,7 @@ def test_zero_usable_prompts_is_an_error():
     ({"target_layer": -9}, r"target_layer=-9 is out of range"),
     ({"checkpoint_every": 0}, r"checkpoint_every=0"),
     # settings errors are not mistaken for too-short prompts
-    ({"dim_batch": 0}, r"dim_batch=0 must be >= 1"),
+    ({"dim_batch": 0}, r"dim_batch=0 must be an integer >= 1"),
     ({"method": "naive"}, r"method='naive' is not one of"),
     ({"skip_first": -1}, r"skip_first=-1 must be >= 0"),
     ({"max_seq_len": 1}, r"max_seq_len=1 must be at least 2"),
