@@ -397,6 +397,9 @@ def sidebar() -> Context:
         sb.info("No Jacobian lens loaded: the logit lens only. Fit one on the Fit page or load a lens file.")
     if ss.get("mode") is None:
         ss.mode = "side" if ctx.lens is not None else "logit"
+    elif ctx.lens is not None and ss.get("_lens_key") == "" and ss.mode == "logit":
+        ss.mode = "side"  # a lens was just loaded: compare the two
+    ss._lens_key = ctx.lens_key
     ss._ctx = ctx
     return ctx
 

@@ -1,7 +1,7 @@
 """The jlens app: ``streamlit run app/main.py`` (or ``jlens app``).
 
 A multipage Streamlit app over ``jlens_core``: the sidebar (model, lens) is drawn here for every
-page; the pages in ``app/pages/`` read what it loaded from :func:`common.context`.
+page; the pages in ``app/views/`` read what it loaded from :func:`common.context`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import common
 st.set_page_config(page_title="jlens", page_icon=":material/troubleshoot:", layout="wide")
 
 PAGES = [
-    st.Page("pages/inspect.py", title="Inspect", icon=":material/grid_on:", url_path="inspect", default=True),
-    st.Page("pages/fit.py", title="Fit", icon=":material/model_training:", url_path="fit"),
-    st.Page("pages/jacobians.py", title="Jacobians", icon=":material/functions:", url_path="jacobians"),
-    st.Page("pages/evaluate.py", title="Evaluate", icon=":material/monitoring:", url_path="evaluate"),
-    st.Page("pages/compare.py", title="Compare runs", icon=":material/difference:", url_path="compare"),
+    st.Page("views/inspect.py", title="Inspect", icon=":material/grid_on:", url_path="inspect", default=True),
+    st.Page("views/fit.py", title="Fit", icon=":material/model_training:", url_path="fit"),
+    st.Page("views/jacobians.py", title="Jacobians", icon=":material/functions:", url_path="jacobians"),
+    st.Page("views/evaluate.py", title="Evaluate", icon=":material/monitoring:", url_path="evaluate"),
+    st.Page("views/compare.py", title="Compare runs", icon=":material/difference:", url_path="compare"),
 ]
 
 common.init_state()

@@ -78,7 +78,7 @@ if diff is not None:
         st.warning(div.describe())
     for key, (va, vb) in diff.settings.items():
         st.caption(f"{key}: A = `{va}`, B = `{vb}`")
-    ops = list(dict.fromkeys(diff.table["op"]))
+    ops = sorted(dict.fromkeys(diff.table["op"]), key=lambda o: (o != "residual", o))  # residual first
     op = st.selectbox("Op", ops, key="cmp_op") if len(ops) > 1 else ops[0]
     curve = divergence_curve(diff, op)
     first = div.layer if div is not None and div.op == op else None

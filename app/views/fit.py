@@ -121,10 +121,8 @@ if b3.button("Resume", disabled=state not in ("stopped", "failed", "lost") or ru
         runs.resume(run)
         st.rerun()
 lens_key = f"run:{run.name}"
-if b4.button("Use this lens", disabled=state != "done" or run.followed or ctx.model is None,
-             icon=":material/check:", help="select it in the sidebar"):
-    ss.lens_choice = lens_key
-    st.rerun()
+b4.button("Use this lens", disabled=state != "done" or run.followed or ctx.model is None, icon=":material/check:",
+          help="select it in the sidebar", on_click=lambda: ss.update(lens_choice=lens_key))
 
 
 def _eta(seconds: float | None) -> str:

@@ -1,0 +1,403 @@
+"""The Streamlit app (issue #6, #9's Compare runs page) under ``streamlit.testing.v1.AppTest``.
+
+Every page runs on a tiny model saved to a temporary folder (named in the URL's ``model`` query
+parameter, as a user would share a view): the widgets, the heatmap's figure JSON (cell text,
+hover, last row = the model's output), an injected cell selection, a fit run as a subprocess and
+followed to the end, and the error paths (bad model id, bad lens file, empty prompt).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import LONG_TEXT, make_hf_model, make_tokenizer
+
+pytest.importorskip("streamlit")
+pytest.importorskip("plotly")
+from streamlit.proto.WidgetStates_pb2 import WidgetStates  # noqa: E402
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from jlens_core import JacobianLens, fit  # noqa: E402
+from jlens_core.loading import load_model  # noqa: E402
+from jlens_core.tokens import TokenDisplay  # noqa: E402
+
+APP = Path(__file__).resolve().parent.parent / "app" / "main.py"
+PROMPT = "The capital of France is Paris. The capital of Italy is"
+
+
+# -- fixtures -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-model")
+    make_hf_model("llama").save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_dir):
+    return load_model(tiny_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def lens_file(tiny_model, tmp_path_factory) -> str:
+    texts = [LONG_TEXT, LONG_TEXT.upper(), " ".join(reversed(LONG_TEXT.split()))]
+    lens = fit(tiny_model, texts, skip_first=4, max_seq_len=40)
+    return str(lens.save(tmp_path_factory.mktemp("lens") / "tiny.safetensors"))
+
+
+@pytest.fixture(autouse=True)
+def runs_root(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "runs"
+    monkeypatch.setenv("JLENS_RUNS_DIR", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return root
+
+
+def make_app(**query) -> AppTest:
+    at = AppTest.from_file(str(APP), default_timeout=180)
+    at.query_params.update({k: v for k, v in query.items() if v is not None})
+    return at
+
+
+def ok(at: AppTest) -> AppTest:
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def chart(at: AppTest, key: str) -> dict:
+    found = [c for c in at.get("plotly_chart") if c.proto.id.endswith(f"-{key}")]
+    assert found, f"no chart {key!r}; charts: {[c.proto.id for c in at.get('plotly_chart')]}"
+    return json.loads(found[0].proto.spec)
+
+
+def values(data) -> np.ndarray:
+    """A Plotly JSON array: a plain list, or Plotly's typed-array form ``{"dtype", "bdata", "shape"}``."""
+    if isinstance(data, dict) and "bdata" in data:
+        flat = np.frombuffer(base64.b64decode(data["bdata"]), dtype=np.dtype(data["dtype"]))
+        shape = [int(n) for n in str(data.get("shape", len(flat))).split(",")]
+        return flat.reshape(shape)
+    return np.asarray(data)
+
+
+def has_chart(at: AppTest, key: str) -> bool:
+    return any(c.proto.id.endswith(f"-{key}") for c in at.get("plotly_chart"))
+
+
+def select_point(at: AppTest, key: str, **point) -> AppTest:
+    """Send a Plotly selection event to the chart ``key``, as the browser does on a click."""
+    element = next(c for c in at.get("plotly_chart") if c.proto.id.endswith(f"-{key}"))
+    states = at._tree.get_widget_states()
+    merged = WidgetStates()
+    merged.widgets.extend([w for w in states.widgets if w.id != element.proto.id])
+    widget = merged.widgets.add()
+    widget.id = element.proto.id
+    widget.string_value = json.dumps({"selection": {"points": [point], "point_indices": [0], "box": [], "lasso": []}})
+    return at._run(merged)
+
+
+def button(at: AppTest, label: str):
+    return next(b for b in at.button if b.label == label)
+
+
+def expected_output_tokens(model, text: str) -> list[str]:
+    """The model's own top-1 at each position, as the heatmap writes it in a cell."""
+    ids = model.encode(text)
+    with torch.no_grad():
+        top = model.hf_model(ids).logits[0].argmax(-1).tolist()
+    strings = TokenDisplay.for_model(model).strings()
+    return [html.escape(s if len(s) <= 8 else s[:7] + "…", quote=False) for s in (strings[i] for i in top)]
+
+
+# -- Inspect ----------------------------------------------------------------------------------------
+def test_inspect_logit_only_heatmap(tiny_dir, tiny_model):
+    at = ok(make_app(model=tiny_dir, lens="none", prompt=PROMPT).run())
+    assert any("logit lens only" in i.value for i in at.sidebar.info)
+    assert "4 layers" in at.sidebar.caption[0].value and "width 32" in at.sidebar.caption[0].value
+    spec = chart(at, "heatmap")
+    (trace,) = spec["data"]
+    n_tokens = tiny_model.encode(PROMPT).shape[1]
+    assert spec["layout"]["yaxis"]["ticktext"] == ["L0", "L1", "L2", "output (L3)"]
+    assert values(trace["z"]).shape == (4, n_tokens)
+    assert trace["text"][-1] == expected_output_tokens(tiny_model, PROMPT)  # last row = the model's output
+    hover = trace["hovertext"][-1][-1]
+    assert "<b>L3</b>" in hover and hover.count("%<br>") + 1 >= 10 and "10. " in hover
+    assert trace["zmin"] == 0 and trace["zmax"] == 1  # top-1 probability
+    # a Jacobian mode without a lens falls back to the logit lens and says so
+    at.radio(key="mode").set_value("side").run()
+    assert any("No Jacobian lens is loaded" in i.value for i in ok(at).info)
+    assert len(chart(at, "heatmap")["data"]) == 1
+
+
+def test_inspect_lens_modes_and_statistics(tiny_dir, tiny_model, lens_file):
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT).run())
+    assert at.radio(key="mode").value == "side"  # the default when a lens is loaded
+    assert "Jacobian lens" in at.sidebar.caption[1].value and "3 prompts" in at.sidebar.caption[1].value
+    side = chart(at, "heatmap")
+    assert [t["name"] for t in side["data"]] == ["Logit lens", "Jacobian lens"]
+    expected = expected_output_tokens(tiny_model, PROMPT)
+    assert side["data"][0]["text"][-1] == side["data"][1]["text"][-1] == expected  # both end at the output
+    assert side["data"][0]["coloraxis"] == side["data"][1]["coloraxis"] == "coloraxis"
+    at.radio(key="mode").set_value("diff").run()
+    (diff,) = ok(at) and chart(at, "heatmap")["data"]
+    assert diff["zmid"] == 0 and np.all(values(diff["z"])[-1] == 0)  # both lenses are the model at the output
+    assert "Jacobian − logit" in diff["hovertext"][0][0]
+    at.radio(key="mode").set_value("jacobian")
+    at.selectbox(key="stat").set_value("next_token_rank").run()
+    (jac,) = ok(at) and chart(at, "heatmap")["data"]
+    assert jac["name"] == "Jacobian lens" and jac["colorbar"]["ticktext"][0] == "1"  # log-scaled ranks
+    for stat in ("entropy_bits", "kl_bits", "ce_bits", "final_top1_rank"):
+        at.selectbox(key="stat").set_value(stat).run()
+        assert ok(at) and np.isfinite(values(chart(at, "heatmap")["data"][0]["z"])[:, :-1]).all()
+    params = at.query_params
+    assert params["mode"] == ["jacobian"] or params["mode"] == "jacobian"
+
+
+def test_inspect_display_options(tiny_dir, tiny_model, lens_file):
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="logit").run())
+    at.number_input(key="stride").set_value(2).run()
+    assert chart(ok(at), "heatmap")["layout"]["yaxis"]["ticktext"] == ["L0", "L2", "output (L3)"]
+    n = tiny_model.encode(PROMPT).shape[1]
+    at.slider(key="pos_range").set_value((3, 9)).run()
+    trace = chart(ok(at), "heatmap")["data"][0]
+    assert values(trace["x"]).tolist() == list(range(3, 10))
+    at.slider(key="top_k").set_value(3).run()
+    hover = chart(ok(at), "heatmap")["data"][0]["hovertext"][0][0]
+    assert "3. " in hover and "4. " not in hover
+    at.toggle(key="show_ws").set_value(True).run()
+    assert "·" in "".join(chart(ok(at), "heatmap")["layout"]["xaxis"]["ticktext"])
+    at.toggle(key="word_like").set_value(True).run()
+    ok(at)
+    at.text_input(key="pinned").set_value(" Paris, Rome").run()
+    assert "rank_ Paris" in ok(at).selectbox(key="stat").options or \
+        any("Paris" in o for o in at.selectbox(key="stat").options)
+    assert has_chart(at, "pinned_ranks")
+    pinned = chart(at, "pinned_ranks")
+    assert len(pinned["data"]) == 4  # two tokens x two lenses
+    at.selectbox(key="stat").set_value("rank_ Paris").run()
+    assert chart(ok(at), "heatmap")["data"][0]["colorbar"]["ticktext"][0] == "1"
+    assert n > 9
+
+
+def test_inspect_examples_chat_template_and_downloads(tiny_dir):
+    at = ok(make_app(model=tiny_dir, lens="none").run())
+    examples = at.selectbox(key="example").options
+    assert len(examples) >= 5
+    at.selectbox(key="example").set_value("Counting").run()
+    assert ok(at).text_area(key="prompt").value.startswith("Monday")
+    plain = values(chart(at, "heatmap")["data"][0]["x"]).size
+    at.toggle(key="chat").set_value(True).run()
+    labels = chart(ok(at), "heatmap")["layout"]["xaxis"]["ticktext"]
+    assert labels[0] == "0: &lt;|bos|&gt;"  # the template's tokens are read too (escaped for Plotly)
+    assert values(chart(at, "heatmap")["data"][0]["x"]).size > plain
+    assert [b.label for b in at.get("download_button")] == ["Download table (CSV)", "Download figure (HTML)"]
+
+
+def test_inspect_cell_selection_opens_the_detail_panel(tiny_dir, tiny_model, lens_file):
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT).run())
+    # default cell: the model's output at the last position
+    n = tiny_model.encode(PROMPT).shape[1]
+    assert at.selectbox(key="cell_layer").value == 3 and at.selectbox(key="cell_pos").value == n - 1
+    ok(select_point(at, "heatmap", x=5, y=1, curve_number=1))  # a click on row 1 of the Jacobian panel
+    assert at.selectbox(key="cell_layer").value == 1 and at.selectbox(key="cell_pos").value == 5
+    bars = chart(at, "cell_bars")
+    assert [t["name"] for t in bars["data"]] == ["Logit lens", "Jacobian lens"]
+    assert len(bars["data"][0]["y"]) == 10
+    tokens = TokenDisplay.for_model(tiny_model).strings()
+    ids = tiny_model.encode(PROMPT)[0].tolist()
+    assert any(f"`{tokens[ids[5]]}`" in m.value and "position 5" in m.value for m in at.markdown)
+    table = at.dataframe[0].value
+    assert list(table["lens"]) == ["Logit lens", "Jacobian lens"]
+    # the same point again (a rerun) does not undo a choice made in the selectboxes
+    at.selectbox(key="cell_layer").set_value(2).run()
+    assert ok(at).selectbox(key="cell_layer").value == 2
+
+
+def test_query_params_restore_a_shared_view(tiny_dir, lens_file):
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt="Once upon a time there was", mode="diff",
+                     stat="kl_bits").run())
+    assert at.text_area(key="prompt").value == "Once upon a time there was"
+    assert at.radio(key="mode").value == "diff" and at.selectbox(key="stat").value == "kl_bits"
+    assert "Jacobian − logit" in chart(at, "heatmap")["layout"]["title"]["text"]
+    at.text_area(key="prompt").set_value("The capital of France is").run()
+    params = {k: (v[0] if isinstance(v, list) else v) for k, v in ok(at).query_params.items()}
+    assert params == {"model": tiny_dir, "lens": lens_file, "prompt": "The capital of France is", "mode": "diff",
+                      "stat": "kl_bits"}
+
+
+# -- error paths --------------------------------------------------------------------------------------
+def test_bad_model_id_keeps_the_app_usable(tiny_dir):
+    at = ok(make_app(model="no-such-org/no-such-model-xyz").run())
+    assert any("Could not load the model" in e.value for e in at.sidebar.error)
+    assert any("No model is loaded" in i.value for i in at.info)
+    for page in ("views/fit.py", "views/jacobians.py", "views/evaluate.py", "views/compare.py"):
+        ok(at.switch_page(page).run())
+    at.switch_page("views/inspect.py").run()
+    at.text_input(key="model_spec").set_value(tiny_dir).run()
+    assert not ok(at).sidebar.error and has_chart(at, "heatmap")
+
+
+def test_bad_lens_files_show_their_error(tiny_dir, tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"this is not a lens" * 10)
+    at = ok(make_app(model=tiny_dir, lens=str(junk), prompt=PROMPT).run())
+    assert any("Could not load the lens" in e.value for e in at.sidebar.error)
+    assert has_chart(at, "heatmap")  # the logit lens still reads
+    other = JacobianLens({0: torch.eye(16)}, n_prompts=1, d_model=16, target_layer=1)
+    other_path = other.save(tmp_path / "other.safetensors")
+    at.text_input(key="lens_path").set_value(str(other_path)).run()
+    assert any("d_model=16" in e.value for e in ok(at).sidebar.error)
+    at.text_input(key="lens_path").set_value(str(tmp_path / "missing.safetensors")).run()
+    assert any("No lens file" in e.value for e in ok(at).sidebar.error)
+
+
+def test_empty_prompt_is_a_message(tiny_dir):
+    at = ok(make_app(model=tiny_dir, lens="none").run())
+    at.text_area(key="prompt").set_value("").run()
+    assert any("prompt is empty" in w.value for w in ok(at).warning)
+    assert not has_chart(at, "heatmap")
+
+
+# -- Fit --------------------------------------------------------------------------------------------
+def _wait(at: AppTest, until, timeout: float = 150.0) -> AppTest:
+    start = time.time()
+    while time.time() - start < timeout:
+        at.run()
+        ok(at)
+        if until(at):
+            return at
+        time.sleep(0.5)
+    pytest.fail(f"timed out; markdown: {[m.value for m in at.markdown][:4]}, errors: {[e.value for e in at.error]}")
+
+
+def _state(at: AppTest) -> str:
+    line = next(m.value for m in at.markdown if m.value.startswith("**") and " · " in m.value)
+    return line.split(" · ")[1]
+
+
+def test_fit_page_start_stop_resume_and_use_the_lens(tiny_dir, tmp_path, runs_root):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Text number {i}. {LONG_TEXT}" for i in range(40)))
+    at = ok(make_app(model=tiny_dir, lens="none").run())
+    at.switch_page("views/fit.py").run()
+    assert any("No fits yet" in i.value for i in ok(at).info)
+    at.text_input(key="fit_name").set_value("tiny-fit")
+    at.radio(key="fit_source").set_value("path").run()
+    at.text_input(key="fit_corpus_path").set_value(str(corpus))
+    at.number_input(key="fit_n").set_value(40)
+    at.number_input(key="fit_len").set_value(32)
+    at.number_input(key="fit_min_chars").set_value(50)
+    at.number_input(key="fit_dim_batch").set_value(1)
+    button(at, "Start fit").click().run()
+    assert ok(at).selectbox(key="fit_run").value == "tiny-fit"
+    _wait(at, lambda a: _state(a) == "running" and has_chart(a, "fit_convergence"))
+    progress = at.get("progress")[0]
+    assert 0 < progress.proto.value < 100
+    button(at, "Stop").click().run()
+    _wait(at, lambda a: _state(a) == "stopped")
+    assert any("Resume continues" in w.value for w in at.warning)
+    # a new browser session (a reload) finds the run again from its files
+    again = ok(make_app(model=tiny_dir, lens="none").run())
+    again.switch_page("views/fit.py").run()
+    assert ok(again).selectbox(key="fit_run").value == "tiny-fit"
+    button(again, "Resume").click().run()
+    _wait(again, lambda a: _state(a) == "done")
+    assert any("Finished: 40 prompts" in s.value for s in again.success)
+    conv = chart(again, "fit_convergence")
+    assert conv["data"][-1]["name"] == "1/n guide" and conv["layout"]["xaxis"]["type"] == "log"
+    assert values(chart(again, "fit_norms")["data"][0]["z"]).shape[0] == 3  # three source layers
+    assert "Fitted here: tiny-fit (40 prompts)" in again.selectbox(key="lens_choice").options
+    button(again, "Use this lens").click().run()
+    assert ok(again).session_state["lens_choice"] == "run:tiny-fit"
+    assert any("Jacobian lens" in c.value and "40 prompts" in c.value for c in again.sidebar.caption)
+    again.switch_page("views/inspect.py").run()
+    assert len(chart(ok(again), "heatmap")["data"]) == 2  # side by side with the new lens
+
+
+def test_fit_page_reports_a_failed_fit(tiny_dir, tmp_path):
+    at = ok(make_app(model=tiny_dir, lens="none").run())
+    at.switch_page("views/fit.py").run()
+    at.text_input(key="fit_name").set_value("bad-corpus")
+    at.radio(key="fit_source").set_value("path").run()
+    at.text_input(key="fit_corpus_path").set_value(str(tmp_path / "no-such-corpus.txt"))
+    button(at, "Start fit").click().run()
+    _wait(at, lambda a: _state(a) == "failed")
+    assert any("No corpus file" in e.value for e in at.error)
+    # the same name again is refused with a sentence
+    at.text_input(key="fit_name").set_value("bad-corpus")
+    button(at, "Start fit").click().run()
+    assert any("exists already" in e.value for e in ok(at).error)
+
+
+# -- Jacobians, Evaluate, Compare runs ----------------------------------------------------------------
+def test_jacobians_page(tiny_dir, lens_file):
+    at = ok(make_app(model=tiny_dir, lens="none").run())
+    at.switch_page("views/jacobians.py").run()
+    assert any("No Jacobian lens" in i.value for i in ok(at).info)
+    at = ok(make_app(model=tiny_dir, lens=lens_file).run())
+    at.switch_page("views/jacobians.py").run()
+    stats = chart(ok(at), "jac_stats")
+    assert [t["name"] for t in stats["data"]] == ["‖J‖F / √d", "spectral norm", "‖J − I‖F / √d", "effective rank"]
+    assert values(stats["data"][0]["x"]).tolist() == [0, 1, 2]
+    assert [t["name"] for t in chart(at, "jac_spectrum")["data"]] == ["L0", "L1", "L2"]
+    at.multiselect(key="jac_layers").set_value([1]).run()
+    assert [t["name"] for t in chart(ok(at), "jac_spectrum")["data"]] == ["L1"]
+    at.selectbox(key="jac_dir_layer").set_value(2).run()
+    directions = ok(at).dataframe[-1].value
+    assert set(directions["side"]) == {"output", "input"} and set(directions["sign"]) == {"+", "-"}
+    assert has_chart(at, "jac_convergence") and has_chart(at, "jac_norms")
+
+
+def test_evaluate_page(tiny_dir, lens_file):
+    at = ok(make_app(model=tiny_dir, lens=lens_file).run())
+    at.switch_page("views/evaluate.py").run()
+    at.radio(key="eval_source").set_value("paste").run()
+    at.text_area(key="eval_paste").set_value(f"{LONG_TEXT}\n\n{LONG_TEXT.upper()}")
+    button(at, "Evaluate").click().run()
+    curves = chart(ok(at), "eval_curves")
+    names = {t["name"] for t in curves["data"]}
+    assert names == {"Logit lens", "Jacobian lens"}
+    logit_kl = next(t for t in curves["data"] if t["name"] == "Logit lens" and t["xaxis"] == "x")
+    assert values(logit_kl["x"]).tolist() == [0, 1, 2, 3] and values(logit_kl["y"])[-1] == 0  # KL 0 at the output
+    at.multiselect(key="pak_sets").set_value(["two_hop"])
+    at.multiselect(key="pak_k").set_value([1, 10])
+    button(at, "Run pass@k").click().run()
+    assert has_chart(ok(at), "pak_chart")
+    summary = at.dataframe[-2].value
+    assert len(summary) == 4 and set(summary["k"]) == {1, 10}
+    # no texts is a message, not a traceback
+    at.text_area(key="eval_paste").set_value("   ")
+    button(at, "Evaluate").click().run()
+    assert any("Paste at least one text" in e.value for e in ok(at).error)
+
+
+def test_compare_runs_page(tiny_dir, tmp_path):
+    at = ok(make_app(model=tiny_dir, lens="none").run())
+    at.switch_page("views/compare.py").run()
+    at.selectbox(key="cmp_dtype_a").set_value("float32")
+    at.selectbox(key="cmp_dtype_b").set_value("float64")
+    button(at, "Compare").click().run()
+    fig = chart(ok(at), "cmp_chart")
+    assert fig["data"][0]["name"] == "max abs error" and len(values(fig["data"][0]["x"])) >= 4
+    assert at.success or at.warning  # a match or the first divergence, as a sentence
+    at.radio(key="cmp_how").set_value("load").run()
+    at.text_input(key="cmp_a").set_value(str(tmp_path / "nope-a"))
+    at.text_input(key="cmp_b").set_value(str(tmp_path / "nope-b"))
+    button(at, "Compare").click().run()
+    assert any("does not exist" in e.value for e in ok(at).error)
+
+
+def test_jlens_app_command(capsys):
+    from jlens_core.cli import main
+
+    assert main(["app", "--print-command", "--server.port", "8999", "--headless", "--", "--theme.base", "dark"]) == 0
+    out = capsys.readouterr().out
+    assert "streamlit run" in out and out.strip().split()[4].endswith("app/main.py")
+    assert "--server.port 8999" in out and "--server.headless true" in out and "--theme.base dark" in out
