@@ -38,30 +38,12 @@ def resolve_lenses(specs: list[str], model, shrinkage: list[float] | None = None
 
 
 def _plot(frame, out: Path, title: str) -> Path | None:
-    try:
-        import matplotlib
+    from .plots import plot_eval_curves
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:
+        return plot_eval_curves(frame, out, title)
     except ImportError:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-    for name, part in frame.groupby("lens", sort=False):
-        part = part.sort_values("layer")
-        for ax, col in zip(axes, ("kl_bits", "ce_bits")):
-            ax.plot(part["layer"], part[col], marker=".", label=name)
-            se = col.replace("_bits", "_se")
-            if se in part:
-                ax.fill_between(part["layer"], part[col] - 2 * part[se], part[col] + 2 * part[se], alpha=0.2)
-    axes[0].set(xlabel="layer", ylabel="KL(final || lens) [bits]", title="KL to the model's output")
-    axes[1].set(xlabel="layer", ylabel="cross-entropy [bits]", title="next-token cross-entropy")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Regenerate the shipped lens of the default model, its evaluation and its figures:
+#   bash scripts/ship_default_lens.sh [N_PROMPTS]
+# Fits (or resumes: rerun after an interruption) the default model on the built-in corpus's "fit"
+# split, all source layers, target = last layer, max_seq_len 128, up to N_PROMPTS prompts (default
+# all 428 texts of >= 600 characters); then stores it in fp16 under assets/lenses/ and evaluates it
+# against the logit lens on held-out texts (the "eval" split) and on the shipped pass@k sets.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash run.sh setup
+PY=.venv/bin/python
+RUN="${JLENS_SHIP_DIR:-runs/shipped}"
+N="${1:-428}"
+EVAL_TEXTS="${EVAL_TEXTS:-40}"
+mkdir -p "$RUN" assets/lenses
+"$PY" -m jlens_core fit --model smollm2-135m --corpus stdlib-docs --split fit --min-chars 600 \
+    --n-prompts "$N" --max-seq-len 128 --skip-first 16 --dim-batch 16 --out "$RUN/smollm2-135m.safetensors"
+"$PY" - "$RUN" <<'PYEOF'
+import sys
+from jlens_core import JacobianLens
+from jlens_core.plots import plot_convergence
+lens = JacobianLens.load(f"{sys.argv[1]}/smollm2-135m.safetensors")
+lens.save("assets/lenses/smollm2-135m.safetensors", dtype="float16")
+plot_convergence(lens.diagnostics, "assets/lenses/smollm2-135m.convergence.png",
+                 f"SmolLM2-135M-Instruct: fit convergence over {lens.n_prompts} prompts")
+print(f"shipped {lens}")
+PYEOF
+"$PY" -m jlens_core eval --model smollm2-135m --lens logit --lens assets/lenses/smollm2-135m.safetensors \
+    --shrinkage 0.5 --corpus stdlib-docs --split eval --n-texts "$EVAL_TEXTS" --max-seq-len 128 \
+    --pass-at-k two_hop --pass-at-k arithmetic_chain --pass-at-k antonym_chain --pass-at-k translation_pivot \
+    --out assets/lenses/smollm2-135m.eval
