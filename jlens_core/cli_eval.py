@@ -19,6 +19,7 @@ def resolve_lenses(specs: list[str], model, shrinkage: list[float] | None = None
     from .shipped import default_lens, load_lens
 
     lenses = {}
+    n_files = sum(spec not in ("logit", "default") for spec in specs)
     for spec in specs:
         if spec == "logit":
             lenses["logit"] = LogitLens.for_model(model)
@@ -30,7 +31,7 @@ def resolve_lenses(specs: list[str], model, shrinkage: list[float] | None = None
             name = "jacobian"
         else:
             lens = load_lens(spec, model=model)
-            name = Path(spec).stem if len(specs) > 1 else "jacobian"
+            name = Path(spec).stem if n_files > 1 or "default" in specs else "jacobian"
         lenses[name] = lens
         for alpha in shrinkage or []:
             lenses[f"{name} (shrink {alpha:g})"] = lens.with_shrinkage(alpha)
