@@ -1,0 +1,131 @@
+"""``jlens eval`` / ``jlens inspect``, shipped-lens lookup, and the static plots, on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pandas as pd
+import pytest
+import torch
+from conftest import CORPUS, make_hf_model, make_tokenizer
+
+from jlens_core import JacobianLens, LogitLens, evaluate, fit, load_lens, load_model
+from jlens_core.cli import main
+from jlens_core.plots import convergence_frame, plot_convergence
+from jlens_core.shipped import default_lens, shipped_lens_path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-eval")
+    model_dir = root / "tiny"
+    make_hf_model("llama").save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    rng = random.Random(0)
+    words = CORPUS.split()
+    texts = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(6)]
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n\n".join(texts) + "\n")
+    model = load_model(str(model_dir), device="cpu")
+    lens = fit(model, texts[:3], max_seq_len=24, skip_first=4)
+    lens_path = lens.save(root / "lens.safetensors")
+    return {"root": root, "model_dir": model_dir, "corpus": corpus, "texts": texts, "model": model,
+            "lens": lens, "lens_path": lens_path}
+
+
+def test_eval_writes_table_json_and_plot_matching_evaluate(work, capsys):
+    out = work["root"] / "eval"
+    code = main(["eval", "--model", str(work["model_dir"]), "--lens", "logit", "--lens", str(work["lens_path"]),
+                 "--shrinkage", "0.5", "--corpus", str(work["corpus"]), "--split", "all", "--min-chars", "10",
+                 "--max-seq-len", "24", "--out", str(out), "--no-progress"])
+    assert code == 0
+    table = pd.read_csv(out / "eval.csv")
+    assert set(table["lens"]) == {"logit", "jacobian", "jacobian (shrink 0.5)"}
+    model, lens = work["model"], work["lens"]
+    expected = evaluate(model, {"logit": LogitLens.for_model(model), "jacobian": lens,
+                                "jacobian (shrink 0.5)": lens.with_shrinkage(0.5)},
+                        work["texts"], max_seq_len=24)
+    merged = table.merge(expected, on=["lens", "layer"], suffixes=("", "_direct"))
+    assert len(merged) == len(expected)
+    assert (merged["kl_bits"] - merged["kl_bits_direct"]).abs().max() < 1e-4
+    assert (merged["ce_bits"] - merged["ce_bits_direct"]).abs().max() < 1e-4
+    data = json.loads((out / "eval.json").read_text())
+    assert data["n_texts"] == 6 and len(data["per_layer"]) == len(table)
+    assert (out / "eval.png").stat().st_size > 10_000
+    assert "kl_bits" in capsys.readouterr().out
+
+
+def test_eval_pass_at_k_on_a_shipped_set(work):
+    out = work["root"] / "eval-pass"
+    code = main(["eval", "--model", str(work["model_dir"]), "--lens", "logit", "--corpus", str(work["corpus"]),
+                 "--split", "all", "--min-chars", "10", "--max-seq-len", "24", "--out", str(out),
+                 "--pass-at-k", "two_hop", "--k", "1", "300", "--no-progress"])
+    assert code == 0
+    passes = pd.read_csv(out / "pass_at_k.csv")
+    assert set(passes["k"]) == {1, 300}
+    # k = the whole vocabulary: every intermediate passes
+    assert passes.loc[passes["k"] == 300, "pass_rate"].iloc[0] == 1.0
+
+
+def test_inspect_prints_a_grid_with_the_output_row(work, capsys):
+    code = main(["inspect", "--model", str(work["model_dir"]), "--lens", str(work["lens_path"]),
+                 "--prompt", work["texts"][0], "--layers", "0,2", "--last", "4", "--max-seq-len", "24"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split()[0] for line in lines[3:]]
+    assert rows == ["0", "2", "out"]
+    assert "jacobian lens" in lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", "--prompt", ""], "--prompt is empty"),
+    (["eval", "--lens", "logit", "--out", "x", "--pass-at-k", "no_such_set"], "Unknown evaluation set"),
+    (["inspect", "--prompt", "hi", "--layers", "zero"], "zero"),
+])
+def test_bad_input_is_one_sentence(work, argv, message, capsys):
+    argv = [argv[0], "--model", str(work["model_dir"])] + argv[1:]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_default_lens_needs_a_shipped_lens(work, capsys):
+    assert default_lens(work["model"]) is None  # a tiny model has no shipped lens
+    assert main(["inspect", "--model", str(work["model_dir"]), "--lens", "default", "--prompt", "hi"]) == 2
+    assert "No shipped lens" in capsys.readouterr().err
+
+
+def test_load_lens_by_path_and_errors(work):
+    lens = load_lens(str(work["lens_path"]), model=work["model"])
+    assert isinstance(lens, JacobianLens) and lens.n_prompts == 3
+    with pytest.raises(FileNotFoundError, match="no shipped lens by that name"):
+        load_lens("no-such-model")
+
+
+def test_shipped_lens_when_present_belongs_to_the_default_model():
+    path = shipped_lens_path("smollm2-135m")
+    if path is None:
+        pytest.skip("no shipped lens in assets/lenses/ yet")
+    lens = JacobianLens.load(path)
+    assert lens.model_name == "smollm2-135m" and lens.d_model == 576 and lens.target_layer == 29
+    assert lens.source_layers == list(range(29)) and lens.settings["max_seq_len"] == 128
+    assert len(lens.diagnostics) == lens.n_prompts * 29
+
+
+def test_convergence_plot_and_frame(work, tmp_path):
+    frame = convergence_frame(work["lens"].diagnostics)
+    assert sorted(frame["n"].unique()) == [1, 2, 3]
+    assert frame.loc[frame["n"] == 1, "rel_change"].isna().all()
+    out = plot_convergence(work["lens"].diagnostics, tmp_path / "conv.png")
+    assert out.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="no fit diagnostics"):
+        convergence_frame([])
