@@ -21,6 +21,11 @@ class CLIError(Exception):
     """A user error: printed as one sentence, exit code 2."""
 
 
+def say(message: str) -> None:
+    """Progress of slow one-off steps (the default model's first conversion), on stderr."""
+    print(f"jlens: {message}", file=sys.stderr, flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jlens", description="Fit, inspect and evaluate Jacobian lenses.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")

@@ -10,7 +10,7 @@ import json
 import logging
 from pathlib import Path
 
-from .cli import CLIError
+from .cli import CLIError, say
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def run_dump(args: argparse.Namespace) -> int:
         raise CLIError("model loading (jlens_core.loading) is not available in this install.") from exc
 
     dtype = _torch_dtype(args.dtype)
-    model = load_model(args.model, device=args.device, dtype=dtype)
+    model = load_model(args.model, device=args.device, dtype=dtype, progress=say)
     if dtype is not None and model.dtype != dtype:
         log.info("Converting %s from %s to %s.", model.name, model.dtype, dtype)
         model.hf_model.to(dtype)

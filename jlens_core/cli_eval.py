@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import CLIError
+from .cli import CLIError, say
 
 
 def resolve_lenses(specs: list[str], model, shrinkage: list[float] | None = None) -> dict:
@@ -56,7 +56,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if name not in EVAL_SETS and not Path(name).is_file():
             raise CLIError(f"Unknown evaluation set {name!r}: use one of {', '.join(EVAL_SETS)} or a .jsonl file.")
     texts = load_corpus(args.corpus, n=args.n_texts, min_chars=args.min_chars, split=args.split)
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    model = load_model(args.model, device=args.device, dtype=args.dtype, progress=say)
     lenses = resolve_lenses(args.lens, model, args.shrinkage)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,7 +112,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise CLIError("--prompt is empty: give some text to read.")
     if args.layers:
         check_layer_spec(args.layers)
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    model = load_model(args.model, device=args.device, dtype=args.dtype, progress=say)
     lens = next(iter(resolve_lenses([args.lens], model).values()))
     text = model.chat(args.prompt) if args.chat else args.prompt
     layers = parse_layer_spec(args.layers, model.n_layers) if args.layers else None

@@ -16,7 +16,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .cli import CLIError
+from .cli import CLIError, say
 from .fit import RankFailedError
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
             raise CLIError(f"--first-prompt {args.first_prompt} is past the end of the corpus ({len(prompts)} texts).")
         end = len(prompts) if args.n_prompts is None else args.first_prompt + args.n_prompts
         prompts = prompts[args.first_prompt: end]
-        model = load_model(args.model, device=device, dtype=args.dtype)
+        model = load_model(args.model, device=device, dtype=args.dtype, progress=say)
         sources = parse_layer_spec(args.layers, model.n_layers) if args.layers else None
         if sources is not None:
             target = args.target_layer % model.n_layers
