@@ -17,7 +17,10 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from jlens_core.tokens import visible
+
 MAX_TEXT_CELLS = 3000  # cells above this are drawn without their top-1 token (hover still has it)
+PLOT_WIDTH_PX = 1000  # about the width of the heatmap in the wide layout
 MAX_HOVER_CELLS = 20000  # above this, hover lists only the top 3
 LENS_NAMES = {"logit": "Logit lens", "jacobian": "Jacobian lens"}
 LENS_COLORS = {"logit": "#6c8ebf", "jacobian": "#d6762b"}
@@ -95,54 +98,86 @@ def _hover(reading: Any, stat: str, layers: Sequence[int], values: np.ndarray, k
         probs = reading.top_probs[li, :, :k]
         line = []
         for pi, p in enumerate(positions):
-            head = (f"<b>L{layer}</b> · pos {p} <b>{esc(tokens[pi])}</b>"
-                    + (f" → next <b>{esc(nexts[pi])}</b>" if nexts[pi] else "")
+            head = (f"<b>L{layer}</b> · pos {p} <b>{esc(shown(tokens[pi]))}</b>"
+                    + (f" → next <b>{esc(shown(nexts[pi]))}</b>" if nexts[pi] else "")
                     + f"<br>{STAT_LABELS.get(stat, stat)}: {_fmt(stat, values[row, pi])}")
             tops = token_names(reading, ids[pi])
-            body = "<br>".join(f"{j + 1}. {esc(t)}  {pr:.1%}" for j, (t, pr) in enumerate(zip(tops, probs[pi])))
+            body = "<br>".join(f"{j + 1}. {esc(shown(t))}  {pr:.1%}" for j, (t, pr) in enumerate(zip(tops, probs[pi])))
             line.append(head + "<br>" + body)
         out.append(line)
     return out
 
 
-def _texts(reading: Any, layers: Sequence[int]) -> list[list[str]]:
+def shown(token: str) -> str:
+    """A whitespace-only token is shown with glyphs (``·`` for a space, ``∅`` if empty), so it can be seen."""
+    return token if token.strip() else (visible(token, show_whitespace=True) or "∅")
+
+
+def cell_text(token: str, max_chars: int) -> str:
+    """A token as written in a cell (escaped, shortened to ``max_chars``)."""
+    return esc(_short(shown(token), max_chars))
+
+
+def _texts(reading: Any, layers: Sequence[int], max_chars: int) -> list[list[str]]:
     grid = reading.top1_grid()
-    return [[esc(_short(t, 8)) for t in grid[reading.layers.index(layer)]] if layer in reading.layers
+    return [[cell_text(t, max_chars) for t in grid[reading.layers.index(layer)]] if layer in reading.layers
             else [""] * reading.n_positions for layer in layers]
 
 
-def _heatmap(reading: Any, stat: str, layers: Sequence[int], *, show_text: bool, hover_k: int, z=None,
-             colour: dict | None = None, name: str = "", coloraxis: str | None = None) -> go.Heatmap:
+def text_chars(n_positions: int, n_cells: int, max_text_cells: int = MAX_TEXT_CELLS) -> int:
+    """Characters of the top-1 token written per cell (0: none), from the cell's width on screen."""
+    if n_cells > max_text_cells or n_positions < 1:
+        return 0
+    chars = int(PLOT_WIDTH_PX / n_positions / 6.5)
+    return min(8, chars) if chars >= 1 else 0
+
+
+def _panel(reading: Any, stat: str, layers: Sequence[int], *, chars: int, hover_k: int, z=None,
+           colour: dict | None = None, name: str = "", coloraxis: str | None = None,
+           hovertext: list[list[str]] | None = None) -> tuple[go.Heatmap, go.Scatter]:
+    """One heatmap panel: the coloured cells with their top-1 text, and a layer of invisible markers
+    on the cell centres that carries the hover text and makes a cell clickable (Plotly heatmaps
+    cannot be selected; markers can: a click selects the marker and outlines the cell)."""
     values = stat_values(reading, stat, layers)
     zz, settings = _colour(stat, values) if z is None else (z, colour or {})
-    trace = {"z": zz, "x": reading.positions.tolist(), "y": list(range(len(layers))), "name": name,
-             "hovertext": _hover(reading, stat, layers, values, hover_k),
-             "hovertemplate": "%{hovertext}<extra></extra>", "xgap": 1, "ygap": 1}
-    if show_text:
-        trace.update(text=_texts(reading, layers), texttemplate="%{text}", textfont={"size": 10})
+    positions = reading.positions.tolist()
+    trace = {"z": zz, "x": positions, "y": list(range(len(layers))), "name": name, "hoverinfo": "skip",
+             "xgap": 1, "ygap": 1}
+    if chars:
+        trace.update(text=_texts(reading, layers, chars), texttemplate="%{text}", textfont={"size": 10})
     if coloraxis:
         trace["coloraxis"] = coloraxis
     else:
         trace.update(settings)
-    return go.Heatmap(**trace)
+    hover = hovertext if hovertext is not None else _hover(reading, stat, layers, values, hover_k)
+    n_rows, n_pos = len(layers), len(positions)
+    size = max(6, min(22, int(PLOT_WIDTH_PX / max(1, n_pos)) - 2))
+    scatter = go.Scattergl if n_rows * n_pos > 5000 else go.Scatter
+    cells = scatter(x=np.tile(positions, n_rows), y=np.repeat(np.arange(n_rows), n_pos), mode="markers",
+                    name=f"{name} cells", showlegend=False, hovertext=[h for row in hover for h in row],
+                    hovertemplate="%{hovertext}<extra></extra>",
+                    marker={"size": size, "symbol": "square-open", "color": "#ff2b2b", "opacity": 0,
+                            "line": {"width": 2}},
+                    selected={"marker": {"opacity": 1}}, unselected={"marker": {"opacity": 0}})
+    return go.Heatmap(**trace), cells
 
 
-def _axes(fig: go.Figure, reading: Any, layers: Sequence[int], n_cols: int = 1) -> None:
+def _axes(fig: go.Figure, reading: Any, layers: Sequence[int], n_panels: int = 1) -> None:
     labels = row_labels(layers, reading.output_layer)
     xlabels = column_labels(reading)
     n_pos = reading.n_positions
     step = max(1, math.ceil(n_pos / 60))
-    for col in range(1, n_cols + 1):
-        where = {"row": 1, "col": col} if n_cols > 1 else {}
+    for row in range(1, n_panels + 1):
+        where = {"row": row, "col": 1} if n_panels > 1 else {}
         fig.update_yaxes(tickvals=list(range(len(layers))), ticktext=labels, autorange="reversed", showgrid=False,
                          **where)
         fig.update_xaxes(tickvals=reading.positions.tolist()[::step], ticktext=[esc(t) for t in xlabels[::step]],
-                         tickangle=-60, showgrid=False, **where)
+                         tickangle=-60, showgrid=False, showticklabels=row == n_panels, **where)
 
 
 def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers: Sequence[int] | None = None,
                    max_text_cells: int = MAX_TEXT_CELLS, hover_k: int = 10) -> go.Figure:
-    """The layer x position heatmap of the Inspect page.
+    """The layer x position heatmap of the Inspect page (side by side: logit above, Jacobian below).
 
     Args:
         readings: ``{"logit": PromptReading, "jacobian": PromptReading}`` (``jacobian`` optional
@@ -154,28 +189,29 @@ def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers:
     """
     base = readings["logit"]
     layers = list(layers) if layers is not None else list(base.layers)
-    n_cells = len(layers) * base.n_positions * (2 if mode == "side" else 1)
-    show_text = n_cells <= max_text_cells
+    n_panels = 2 if mode == "side" else 1
+    n_cells = len(layers) * base.n_positions * n_panels
+    chars = text_chars(base.n_positions, n_cells, max_text_cells)
     hover_k = hover_k if n_cells <= MAX_HOVER_CELLS else min(hover_k, 3)
-    height = max(320, 28 * len(layers) + 170)
-    title = f"{STAT_LABELS.get(stat, stat)} — cells show the top-1 token" if show_text else \
+    height = max(320, n_panels * 24 * len(layers) + 150 + 40 * (n_panels - 1))
+    title = f"{STAT_LABELS.get(stat, stat)} — cells show the top-1 token" if chars else \
         f"{STAT_LABELS.get(stat, stat)} — {n_cells:,} cells: hover for tokens, narrow the range to see them"
     if mode in ("logit", "jacobian"):
         reading = readings[mode]
-        fig = go.Figure(_heatmap(reading, stat, layers, show_text=show_text, hover_k=hover_k,
-                                 name=LENS_NAMES[mode]))
+        fig = go.Figure(_panel(reading, stat, layers, chars=chars, hover_k=hover_k, name=LENS_NAMES[mode]))
         _axes(fig, reading, layers)
         fig.update_layout(title=f"{LENS_NAMES[mode]}: {title}")
     elif mode == "side":
         a, b = readings["logit"], readings["jacobian"]
         va, vb = stat_values(a, stat, layers), stat_values(b, stat, layers)
         _, settings = _colour(stat, np.concatenate([va, vb], axis=1))
-        fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.03,
+        fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08 if len(layers) < 12 else 0.04,
                             subplot_titles=(LENS_NAMES["logit"], LENS_NAMES["jacobian"]))
-        for col, reading in ((1, a), (2, b)):
-            fig.add_trace(_heatmap(reading, stat, layers, show_text=show_text, hover_k=hover_k,
-                                   name=LENS_NAMES[reading.lens_kind], coloraxis="coloraxis"), row=1, col=col)
-        _axes(fig, a, layers, n_cols=2)
+        for row, reading in ((1, a), (2, b)):
+            for trace in _panel(reading, stat, layers, chars=chars, hover_k=hover_k,
+                                name=LENS_NAMES[reading.lens_kind], coloraxis="coloraxis"):
+                fig.add_trace(trace, row=row, col=1)
+        _axes(fig, a, layers, n_panels=2)
         fig.update_layout(coloraxis={k: v for k, v in settings.items() if k != "zmin" and k != "zmax"}
                           | {"cmin": settings["zmin"], "cmax": settings["zmax"]}, title=title)
     elif mode == "diff":
@@ -191,27 +227,27 @@ def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers:
         span = span or 1.0
         # blue = the Jacobian lens is better (more probable top-1, lower entropy/KL/CE/rank)
         scale = "RdBu" if stat in HIGHER_IS_BETTER else "RdBu_r"
-        trace = _heatmap(b, stat, layers, show_text=show_text, hover_k=min(hover_k, 5), z=z,
-                         colour={"colorscale": scale, "zmid": 0.0, "zmin": -span, "zmax": span,
-                                 "colorbar": {"title": {"text": "Jac − logit"}}}, name="difference")
         hover_a = _hover(a, stat, layers, va, min(hover_k, 5))
         hover_b = _hover(b, stat, layers, vb, min(hover_k, 5))
-        trace.hovertext = [[f"<b>Jacobian − logit</b>: {dz:+.3g} ({esc(unit)})<br><br><i>Jacobian</i> · {hb}"
-                            f"<br><br><i>logit</i> · {ha.split('<br>', 2)[-1]}"
-                            for dz, ha, hb in zip(zrow, ra, rb)] for zrow, ra, rb in zip(z, hover_a, hover_b)]
-        fig = go.Figure(trace)
+        hover = [[f"<b>Jacobian − logit</b>: {dz:+.3g} ({esc(unit)})<br><br><i>Jacobian</i> · {hb}"
+                  f"<br><br><i>logit</i> · {ha.split('<br>', 2)[-1]}"
+                  for dz, ha, hb in zip(zrow, ra, rb)] for zrow, ra, rb in zip(z, hover_a, hover_b)]
+        fig = go.Figure(_panel(b, stat, layers, chars=chars, hover_k=min(hover_k, 5), z=z, name="difference",
+                               colour={"colorscale": scale, "zmid": 0.0, "zmin": -span, "zmax": span,
+                                       "colorbar": {"title": {"text": "Jac − logit"}}}, hovertext=hover))
         _axes(fig, b, layers)
         fig.update_layout(title=f"Jacobian − logit, {unit} (blue: the Jacobian lens is better); "
                                 f"cells show the Jacobian top-1")
     else:
         raise ValueError(f"Unknown mode {mode!r}.")
     fig.update_layout(height=height, margin={"l": 10, "r": 10, "t": 60, "b": 10}, hovermode="closest",
+                      hoverdistance=-1,
                       hoverlabel={"align": "left", "font": {"family": "monospace"}})
     return fig
 
 
 def cell_from_point(point: Mapping[str, Any], layers: Sequence[int]) -> tuple[int, int] | None:
-    """``(layer, position)`` of a clicked heatmap point (``x`` = position, ``y`` = row index)."""
+    """``(layer, position)`` of a clicked cell marker (``x`` = position, ``y`` = row index)."""
     try:
         x, y = point.get("x"), point.get("y")
         row, position = round(float(y)), round(float(x))
@@ -231,7 +267,7 @@ def topk_bars(cells: Mapping[str, dict], *, k: int = 10) -> go.Figure:
         cell = cells[name]
         if cell is None:
             continue
-        tokens = [esc(t) for t in cell["top_tokens"][:k]][::-1]
+        tokens = [esc(shown(t)) for t in cell["top_tokens"][:k]][::-1]
         probs = cell["top_probs"][:k][::-1]
         fig.add_trace(go.Bar(x=probs, y=[f"{len(tokens) - i}. {t}" for i, t in enumerate(tokens)], orientation="h",
                              marker_color=LENS_COLORS.get(name), name=LENS_NAMES.get(name, name),

@@ -18,15 +18,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import LONG_TEXT, make_hf_model, make_tokenizer
+from streamlit.proto.WidgetStates_pb2 import WidgetStates
+from streamlit.testing.v1 import AppTest
 
-pytest.importorskip("streamlit")
-pytest.importorskip("plotly")
-from streamlit.proto.WidgetStates_pb2 import WidgetStates  # noqa: E402
-from streamlit.testing.v1 import AppTest  # noqa: E402
-
-from jlens_core import JacobianLens, fit  # noqa: E402
-from jlens_core.loading import load_model  # noqa: E402
-from jlens_core.tokens import TokenDisplay  # noqa: E402
+from jlens_core import JacobianLens, fit
+from jlens_core.loading import load_model
+from jlens_core.tokens import TokenDisplay
 
 APP = Path(__file__).resolve().parent.parent / "app" / "main.py"
 PROMPT = "The capital of France is Paris. The capital of Italy is"
@@ -107,13 +104,19 @@ def button(at: AppTest, label: str):
     return next(b for b in at.button if b.label == label)
 
 
-def expected_output_tokens(model, text: str) -> list[str]:
-    """The model's own top-1 at each position, as the heatmap writes it in a cell."""
+def output_tokens(model, text: str) -> list[str]:
+    """The model's own top-1 at each position (display strings, escaped as Plotly text)."""
     ids = model.encode(text)
     with torch.no_grad():
         top = model.hf_model(ids).logits[0].argmax(-1).tolist()
     strings = TokenDisplay.for_model(model).strings()
-    return [html.escape(s if len(s) <= 8 else s[:7] + "…", quote=False) for s in (strings[i] for i in top)]
+    return [html.escape(s if s.strip() else s.replace(" ", "·"), quote=False) for s in (strings[i] for i in top)]
+
+
+def same_tokens(cells: list[str], tokens: list[str]) -> bool:
+    """Cell texts are the tokens, or their first characters and an ellipsis when the cells are narrow."""
+    return len(cells) == len(tokens) and all(
+        c == t or (c.endswith("…") and t.startswith(c[:-1])) for c, t in zip(cells, tokens))
 
 
 # -- Inspect ----------------------------------------------------------------------------------------
@@ -122,18 +125,19 @@ def test_inspect_logit_only_heatmap(tiny_dir, tiny_model):
     assert any("logit lens only" in i.value for i in at.sidebar.info)
     assert "4 layers" in at.sidebar.caption[0].value and "width 32" in at.sidebar.caption[0].value
     spec = chart(at, "heatmap")
-    (trace,) = spec["data"]
+    trace, cells = spec["data"]  # the heatmap, and the invisible markers that carry hover and clicks
+    assert trace["type"] == "heatmap" and cells["type"] == "scatter"
     n_tokens = tiny_model.encode(PROMPT).shape[1]
     assert spec["layout"]["yaxis"]["ticktext"] == ["L0", "L1", "L2", "output (L3)"]
     assert values(trace["z"]).shape == (4, n_tokens)
-    assert trace["text"][-1] == expected_output_tokens(tiny_model, PROMPT)  # last row = the model's output
-    hover = trace["hovertext"][-1][-1]
+    assert same_tokens(trace["text"][-1], output_tokens(tiny_model, PROMPT))  # last row = the model's output
+    hover = cells["hovertext"][-1]  # the last row's last cell
     assert "<b>L3</b>" in hover and hover.count("%<br>") + 1 >= 10 and "10. " in hover
     assert trace["zmin"] == 0 and trace["zmax"] == 1  # top-1 probability
     # a Jacobian mode without a lens falls back to the logit lens and says so
     at.radio(key="mode").set_value("side").run()
     assert any("No Jacobian lens is loaded" in i.value for i in ok(at).info)
-    assert len(chart(at, "heatmap")["data"]) == 1
+    assert len(chart(at, "heatmap")["data"]) == 2
 
 
 def test_inspect_lens_modes_and_statistics(tiny_dir, tiny_model, lens_file):
@@ -141,17 +145,20 @@ def test_inspect_lens_modes_and_statistics(tiny_dir, tiny_model, lens_file):
     assert at.radio(key="mode").value == "side"  # the default when a lens is loaded
     assert "Jacobian lens" in at.sidebar.caption[1].value and "3 prompts" in at.sidebar.caption[1].value
     side = chart(at, "heatmap")
-    assert [t["name"] for t in side["data"]] == ["Logit lens", "Jacobian lens"]
-    expected = expected_output_tokens(tiny_model, PROMPT)
-    assert side["data"][0]["text"][-1] == side["data"][1]["text"][-1] == expected  # both end at the output
-    assert side["data"][0]["coloraxis"] == side["data"][1]["coloraxis"] == "coloraxis"
+    assert [t["name"] for t in side["data"]] == ["Logit lens", "Logit lens cells", "Jacobian lens",
+                                                 "Jacobian lens cells"]
+    logit, jacobian = side["data"][0], side["data"][2]
+    assert logit["text"][-1] == jacobian["text"][-1]  # both end at the model's output
+    assert same_tokens(jacobian["text"][-1], output_tokens(tiny_model, PROMPT))
+    assert logit["coloraxis"] == jacobian["coloraxis"] == "coloraxis"
+    assert logit["yaxis"] == "y" and jacobian["yaxis"] == "y2"  # logit above, Jacobian below
     at.radio(key="mode").set_value("diff").run()
-    (diff,) = ok(at) and chart(at, "heatmap")["data"]
+    diff, diff_cells = ok(at) and chart(at, "heatmap")["data"]
     assert diff["zmid"] == 0 and np.all(values(diff["z"])[-1] == 0)  # both lenses are the model at the output
-    assert "Jacobian − logit" in diff["hovertext"][0][0]
+    assert "Jacobian − logit" in diff_cells["hovertext"][0]
     at.radio(key="mode").set_value("jacobian")
     at.selectbox(key="stat").set_value("next_token_rank").run()
-    (jac,) = ok(at) and chart(at, "heatmap")["data"]
+    jac = ok(at) and chart(at, "heatmap")["data"][0]
     assert jac["name"] == "Jacobian lens" and jac["colorbar"]["ticktext"][0] == "1"  # log-scaled ranks
     for stat in ("entropy_bits", "kl_bits", "ce_bits", "final_top1_rank"):
         at.selectbox(key="stat").set_value(stat).run()
@@ -169,7 +176,7 @@ def test_inspect_display_options(tiny_dir, tiny_model, lens_file):
     trace = chart(ok(at), "heatmap")["data"][0]
     assert values(trace["x"]).tolist() == list(range(3, 10))
     at.slider(key="top_k").set_value(3).run()
-    hover = chart(ok(at), "heatmap")["data"][0]["hovertext"][0][0]
+    hover = chart(ok(at), "heatmap")["data"][1]["hovertext"][0]
     assert "3. " in hover and "4. " not in hover
     at.toggle(key="show_ws").set_value(True).run()
     assert "·" in "".join(chart(ok(at), "heatmap")["layout"]["xaxis"]["ticktext"])
@@ -205,7 +212,7 @@ def test_inspect_cell_selection_opens_the_detail_panel(tiny_dir, tiny_model, len
     # default cell: the model's output at the last position
     n = tiny_model.encode(PROMPT).shape[1]
     assert at.selectbox(key="cell_layer").value == 3 and at.selectbox(key="cell_pos").value == n - 1
-    ok(select_point(at, "heatmap", x=5, y=1, curve_number=1))  # a click on row 1 of the Jacobian panel
+    ok(select_point(at, "heatmap", x=5, y=1, curve_number=3))  # a click on row 1 of the Jacobian panel
     assert at.selectbox(key="cell_layer").value == 1 and at.selectbox(key="cell_pos").value == 5
     bars = chart(at, "cell_bars")
     assert [t["name"] for t in bars["data"]] == ["Logit lens", "Jacobian lens"]
@@ -318,7 +325,7 @@ def test_fit_page_start_stop_resume_and_use_the_lens(tiny_dir, tmp_path, runs_ro
     assert ok(again).session_state["lens_choice"] == "run:tiny-fit"
     assert any("Jacobian lens" in c.value and "40 prompts" in c.value for c in again.sidebar.caption)
     again.switch_page("views/inspect.py").run()
-    assert len(chart(ok(again), "heatmap")["data"]) == 2  # side by side with the new lens
+    assert len(chart(ok(again), "heatmap")["data"]) == 4  # side by side with the new lens
 
 
 def test_fit_page_reports_a_failed_fit(tiny_dir, tmp_path):
