@@ -132,8 +132,8 @@ def _eta(seconds: float | None) -> str:
     return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m {seconds % 60:02d}s"
 
 
-def show_run(folder_or_run) -> None:
-    """Progress, ETA and the live charts of one run."""
+def show_run(folder_or_run, shown_state: str) -> None:
+    """Progress, ETA and the live charts of one run (``shown_state``: its state when the page was drawn)."""
     current = runs.load_run(folder_or_run) if not isinstance(folder_or_run, runs.Run) else \
         runs.follow(folder_or_run.lens_path) if folder_or_run.followed else runs.load_run(folder_or_run.folder)
     status, now_state = current.status, current.state
@@ -176,12 +176,9 @@ def show_run(folder_or_run) -> None:
     if not current.followed:
         with st.expander("Log"):
             st.code(current.log_tail(40) or "(empty)", language="text")
-    if ss.get("_fit_active") == current.name and now_state not in runs.ACTIVE:
-        ss._fit_active = None
-        st.rerun()  # the whole app: the sidebar lists the new lens, the live refresh stops
-    if now_state in runs.ACTIVE:
-        ss._fit_active = current.name
+    if now_state != shown_state:
+        st.rerun()  # the whole page: buttons, the run list and the sidebar's lenses follow; the refresh stops at the end
 
 
 live = st.fragment(run_every=REFRESH_SECONDS if state in runs.ACTIVE else None)(show_run)
-live(run)
+live(run, state)

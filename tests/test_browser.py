@@ -1,0 +1,244 @@
+"""End to end in a real browser: Debian's ``chromium`` driven by Python Playwright, against the app
+served by ``jlens app`` (``streamlit run app/main.py``) on a free localhost port.
+
+* Inspect on the embedded default model (the real SmolLM2-135M; its first load converts the GGUF,
+  later loads read the cache): the heatmap appears with token text and the model's real
+  prediction in the output row; a new prompt redraws it; hover shows the top-k; a click opens the
+  cell's detail; the lens mode switches.
+* Fit on a tiny model saved to a temporary folder: the progress bar and the convergence chart
+  update while the fit runs, survive a page reload, and the fit finishes.
+
+Nowhere an exception element. Screenshots go to ``$JLENS_SCREENSHOTS`` (default: the test's
+temporary folder). Skipped, with the reason, where chromium is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from conftest import LONG_TEXT, make_hf_model, make_tokenizer
+
+CHROMIUM = os.environ.get("JLENS_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+REPO = Path(__file__).resolve().parent.parent
+HEATMAP = '[data-testid="stPlotlyChart"] .js-plotly-plot'
+FIRST_LOAD_S = 420  # the default model's first launch converts a GGUF (tens of seconds; more on a busy CPU)
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).is_file(),
+                                reason=f"chromium is not installed ({CHROMIUM} not found): `apt-get install "
+                                       "chromium` (run.sh does it) to run the browser tests")
+sync_api = pytest.importorskip("playwright.sync_api", reason="Python Playwright is not installed (pip install "
+                                                            "playwright; no browser download is needed)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    folder = Path(os.environ.get("JLENS_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """``jlens app`` on a free port; yields its URL."""
+    work = tmp_path_factory.mktemp("server")
+    port = _free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JLENS_RUNS_DIR=str(work / "runs"), PYTHONUNBUFFERED="1")
+    log = open(work / "server.log", "wb")  # noqa: SIM115 - closed at teardown
+    proc = subprocess.Popen([sys.executable, "-m", "jlens_core", "app", "--headless", "--port", str(port),
+                             "--address", "127.0.0.1", "--server.fileWatcherType", "none"],
+                            cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
+                if response.read().strip() == b"ok":
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            log.flush()
+            pytest.fail(f"the app did not start: {(work / 'server.log').read_text(errors='replace')[-2000:]}")
+        time.sleep(0.5)
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        yield chromium
+        chromium.close()
+
+
+def _page(browser, height: int = 1000):
+    page = browser.new_page(viewport={"width": 1400, "height": height})
+    page.set_default_timeout(60_000)
+    return page
+
+
+def _no_exception(page) -> None:
+    assert page.locator('[data-testid="stException"]').count() == 0, page.locator(
+        '[data-testid="stException"]').all_inner_texts()
+
+
+def _heatmap(page, expr: str):
+    """Evaluate ``expr`` on the heatmap's graph div ``g`` (Plotly keeps the figure on it)."""
+    return page.evaluate(f"(() => {{ const g = document.querySelector('{HEATMAP}'); return {expr}; }})()")
+
+
+def _wait_heatmap(page, condition: str, timeout: float = 60_000) -> None:
+    page.wait_for_function(f"(() => {{ const g = document.querySelector('{HEATMAP}'); "
+                           f"return !!(g && g.data && ({condition})); }})()", timeout=timeout)
+
+
+def test_inspect_on_the_default_model(server, browser, shots):
+    page = _page(browser)
+    page.goto(server + "/")
+    # the first launch converts the embedded GGUF; later launches read the cache
+    _wait_heatmap(page, "g.data[0].text && g.querySelectorAll('.heatmap-label text').length > 50",
+                  timeout=FIRST_LOAD_S * 1000)
+    time.sleep(1.0)
+    _no_exception(page)
+    labels = _heatmap(page, "g.layout.yaxis.ticktext")
+    assert labels[0] == "L0" and labels[-1] == "output (L29)"  # SmolLM2-135M: 30 layers, output last
+    # the default example ends "... The capital of Italy is": the model's own prediction is written in
+    # the output row's last cell
+    assert "Rome" in _heatmap(page, "g.data[0].text.at(-1).at(-1)")
+    written = page.locator(f"{HEATMAP} .heatmap-label text").all_text_contents()
+    assert "Rome" in " ".join(written)
+    page.screenshot(path=str(shots / "inspect.png"))
+
+    # a new prompt: the heatmap follows
+    prompt = page.get_by_label("Prompt", exact=True)
+    prompt.fill("The Eiffel Tower is located in the city of")
+    prompt.press("Control+Enter")
+    _wait_heatmap(page, "g.data[0].text.at(-1).at(-1).includes('Paris')")
+    _no_exception(page)
+
+    # hover a cell: its top-k tokens with probabilities
+    drag = page.locator(f"{HEATMAP} .nsewdrag").first
+    drag.scroll_into_view_if_needed()
+    box = drag.bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.55, box["y"] + box["height"] * 0.6)
+    page.wait_for_selector(".hoverlayer .hovertext", timeout=15_000)
+    hover = page.locator(".hoverlayer .hovertext").first.text_content()
+    assert "1. " in hover and "10. " in hover and "%" in hover and "top-1 probability" in hover
+    page.screenshot(path=str(shots / "inspect-hover.png"))
+
+    # click a cell: the detail panel follows
+    before = page.get_by_text("at position", exact=False).first.inner_text()
+    page.mouse.click(box["x"] + box["width"] * 0.25, box["y"] + box["height"] * 0.3)
+    page.wait_for_function("(before) => { const e = [...document.querySelectorAll('[data-testid=stMarkdownContainer]')]"
+                           ".find(x => x.innerText.includes('at position')); return e && e.innerText !== before; }",
+                           arg=before, timeout=30_000)
+    _no_exception(page)
+
+    # switch the lens mode
+    jacobian_loaded = page.locator('[data-testid="stSidebar"]').get_by_text("No Jacobian lens loaded").count() == 0
+    modes = page.locator('[data-testid="stRadio"]')
+    modes.get_by_text("Side by side", exact=True).click()
+    if jacobian_loaded:
+        _wait_heatmap(page, "g.data.length === 4")
+        page.screenshot(path=str(shots / "inspect-side-by-side.png"))
+        modes.get_by_text("Difference (Jacobian − logit)", exact=True).click()
+        _wait_heatmap(page, "g.data.length === 2 && g.data[0].name === 'difference'")
+    else:
+        page.get_by_text("No Jacobian lens is loaded", exact=False).wait_for()
+        modes.get_by_text("Jacobian lens", exact=True).click()
+        page.get_by_text("No Jacobian lens is loaded", exact=False).wait_for()
+    modes.get_by_text("Logit lens", exact=True).click()
+    _wait_heatmap(page, "g.data.length === 2 && g.data[0].name === 'Logit lens'")
+    _no_exception(page)
+    page.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-model")
+    make_hf_model("llama").save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def _fit_sample(page) -> tuple[int, int]:
+    """(prompts done, points on the convergence chart), as the page shows them."""
+    progress = page.locator('[data-testid="stProgress"]')
+    text = progress.first.inner_text() if progress.count() else ""
+    done = int(text.split("/")[0].strip()) if "/" in text and text.split("/")[0].strip().isdigit() else 0
+    points = page.evaluate("""(() => { let n = 0;
+        for (const g of document.querySelectorAll('[data-testid=stPlotlyChart] .js-plotly-plot')) {
+            if (!g.layout || !g.layout.title || !String(g.layout.title.text).includes('Convergence')) continue;
+            for (const t of (g._fullData || [])) if (t.name !== '1/n guide') n += (t._length || 0);
+        } return n; })()""")
+    return done, points
+
+
+def test_fit_and_watch_it_converge(server, browser, shots, tiny_dir, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Text number {i}. {LONG_TEXT}" for i in range(400)))
+    page = _page(browser, height=1500)
+    page.goto(f"{server}/fit?model={quote(tiny_dir)}&lens=none")
+    page.get_by_text("Fit a Jacobian lens").wait_for()
+    page.get_by_label("Run name", exact=True).fill("browser-fit")
+    page.get_by_label("Run name", exact=True).press("Enter")
+    page.get_by_text("Path or dataset", exact=True).click()
+    path_box = page.get_by_label("Corpus path or Hugging Face dataset", exact=True)
+    path_box.fill(str(corpus))
+    path_box.press("Enter")
+    for label, value in (("Prompts", "400"), ("max_seq_len", "40"), ("dim_batch", "1"),
+                         ("min chars per text", "50")):
+        box = page.get_by_label(label, exact=True)
+        box.fill(value)
+        box.press("Enter")
+        time.sleep(0.3)
+    page.get_by_role("button", name="Start fit").click()
+
+    # follow the fit while it runs: the page refreshes itself from the fit's files
+    samples, reloaded, deadline = [], False, time.time() + 240
+    while time.time() < deadline and len(samples) < 6:
+        _no_exception(page)
+        done, points = _fit_sample(page)
+        if done and points and (not samples or samples[-1] != (done, points)):
+            samples.append((done, points))
+            if len(samples) == 2:
+                page.screenshot(path=str(shots / "fit-running.png"))
+            if len(samples) == 3 and not reloaded:  # a running fit survives a browser reload
+                page.reload()
+                page.get_by_text("browser-fit", exact=False).first.wait_for()
+                reloaded = True
+        time.sleep(0.5)
+    assert len(samples) >= 4, f"the page did not follow the fit: {samples}"
+    assert samples[-1][0] > samples[0][0] and samples[-1][1] > samples[0][1], samples  # progress and curves grew
+    assert page.get_by_text("running", exact=False).count()
+    page.get_by_role("button", name="Stop", exact=True).click()
+    page.get_by_text("Resume continues from the checkpoint", exact=False).wait_for(timeout=60_000)
+    done, points = _fit_sample(page)
+    assert done >= samples[-1][0] and points >= samples[-1][1]
+    page.screenshot(path=str(shots / "fit-stopped.png"))
+    _no_exception(page)
+    page.close()
