@@ -121,7 +121,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
         checkpoint = Path(args.checkpoint) if args.checkpoint else sidecar(out, "ckpt")
         if rank == 0:
             out.parent.mkdir(parents=True, exist_ok=True)
-        return _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit)
+        code = _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit)
+        if world is not None:
+            world.dist.barrier()  # ranks leave together, once rank 0 has written the lens
+        return code
     finally:
         if world is not None:
             world.dist.destroy_process_group()
