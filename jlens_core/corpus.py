@@ -135,6 +135,8 @@ def load_corpus(spec: str = BUILTIN_CORPUS, *, n: int | None = None, min_chars: 
         ordered = _read_jsonl(path, field)
     else:
         ordered = _hf_dataset(str(spec), field)
+    if not ordered:
+        raise ValueError(f"The corpus {str(spec)!r} is empty: it holds no text.")
     texts = [t for t in ordered if len(t) >= min_chars and in_split(t, split)]
     if n is not None:
         texts = texts[:n]

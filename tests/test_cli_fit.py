@@ -408,7 +408,7 @@ def bad_inputs(work, tmp: Path) -> dict[str, tuple[list[str], str]]:
                            str(tmp / "x.safetensors"), "--min-chars", "0", "--split", "all"],
                           "jlens fit: error: Could not load the model 'nobody-jlens/no-such-model'"),
         "empty corpus": (fit_args(work, tmp / "x.safetensors", corpus=str(tmp / "empty.txt")),
-                         "has no text of at least 0 characters"),
+                         "is empty: it holds no text"),
         "too-short corpus": (fit_args(work, tmp / "x.safetensors", "--skip-first", "16",
                                       corpus=str(tmp / "short.txt")),
                              "jlens fit: error: No prompt counted: all 2 prompts were skipped"),
