@@ -25,7 +25,7 @@ from typing import Any
 import streamlit as st
 
 from jlens_core.lens import JacobianLens, LensFileError, LogitLens
-from jlens_core.loading import DEFAULT_MODEL, cache_dir, load_model
+from jlens_core.loading import DEFAULT_ALIASES, DEFAULT_MODEL, cache_dir, load_model
 
 log = logging.getLogger("jlens.app")
 
@@ -80,18 +80,20 @@ def runs_dir() -> Path:
 
 
 def shipped_lens_path(model: Any) -> Path | None:
-    """The lens shipped in ``assets/lenses/`` for ``model`` (by its name), or ``None``."""
-    try:
-        import jlens_core
+    """The lens shipped in ``assets/lenses/`` for ``model`` (by its name), or ``None``.
 
-        finder = getattr(jlens_core, "default_lens_path", None)
-        if finder is not None:
-            found = finder(model)
-            if found is not None and Path(found).is_file():
-                return Path(found)
-    except Exception as exc:  # noqa: BLE001 - an optional helper of the core must not break the sidebar
-        log.debug("default_lens_path failed: %s", exc)
+    Asks :func:`jlens_core.shipped.shipped_lens_path` (the default model's lens), then looks for
+    ``assets/lenses/<model name>.safetensors``.
+    """
     name = str(getattr(model, "name", "") or "")
+    try:
+        from jlens_core.shipped import shipped_lens_path as core_shipped
+
+        found = core_shipped(name)
+        if found is not None:
+            return Path(found)
+    except ImportError:  # an older jlens_core
+        pass
     for candidate in dict.fromkeys([name, Path(name).name, name.replace("/", "--")]):
         if candidate:
             path = LENS_DIR / f"{candidate}.safetensors"
@@ -183,9 +185,14 @@ def guard(what: str) -> Iterator[None]:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         st.error(f"{what}: {message}")
     except Exception as exc:  # noqa: BLE001 - a bug shows as a message, the app stays usable
-        st.error(f"{what}: {type(exc).__name__}: {exc}")
-        with st.expander("Details (for a bug report)"):
-            st.code("".join(traceback.format_exception(exc)), language="text")
+        show_unexpected(what, exc)
+
+
+def show_unexpected(what: str, exc: BaseException) -> None:
+    """An unexpected error: its sentence, and the details folded away (for a bug report)."""
+    st.error(f"{what}: {type(exc).__name__}: {exc}")
+    with st.expander("Details (for a bug report)"):
+        st.code("".join(traceback.format_exception(exc)), language="text")
 
 
 # -- session & URL state -----------------------------------------------------------------------
@@ -353,18 +360,26 @@ def sidebar() -> Context:
     if not spec:
         ctx.model_error = "Give a model: a name, a Hugging Face id, a folder or a .gguf file."
     else:
-        first = spec.lower() in ("smollm2-135m", "default", "smollm2", "smollm2-135m-instruct")
-        note = " (the first launch converts the embedded GGUF: about a minute)" if first else ""
-        try:
-            with sb.spinner(f"Loading {spec}{note}…"):
-                ctx.model = load_model_cached(spec, ss.device, ss.dtype)
-            ctx.model_key = f"{spec}|{ss.device}|{ss.dtype}"
-            ctx.logit = LogitLens.for_model(ctx.model)
-        except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app stays usable
-            message = str(exc) if isinstance(exc, EXPECTED_ERRORS) else f"{type(exc).__name__}: {exc}"
-            ctx.model_error = f"Could not load the model {spec!r}: {message}"
+        key = f"{spec}|{ss.device}|{ss.dtype}"
+        failed = ss.setdefault("_failed_loads", {})
+        if key in failed:  # not retried on every rerun (a hub look-up can be slow); Retry does
+            ctx.model_error = failed[key]
+        else:
+            first = spec.lower() in DEFAULT_ALIASES
+            note = " (the first launch converts the embedded GGUF: about a minute; later ones take seconds)" \
+                if first else ""
+            try:
+                with sb.spinner(f"Loading {spec}{note}…"):
+                    ctx.model = load_model_cached(spec, ss.device, ss.dtype)
+                ctx.model_key = key
+                ctx.logit = LogitLens.for_model(ctx.model)
+            except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app stays usable
+                message = str(exc) if isinstance(exc, EXPECTED_ERRORS) else f"{type(exc).__name__}: {exc}"
+                ctx.model_error = failed[key] = f"Could not load the model {spec!r}: {message}"
     if ctx.model_error:
         sb.error(ctx.model_error)
+        if ss.get("_failed_loads"):
+            sb.button("Retry", key="retry_load", on_click=lambda: ss["_failed_loads"].clear())
     else:
         sb.caption(_model_summary(ctx.model))
 

@@ -35,5 +35,7 @@ page = st.navigation(PAGES)
 common.sidebar()
 try:
     page.run()
+except Exception as exc:  # noqa: BLE001 - a bug in a page shows as a message; the app stays usable
+    common.show_unexpected("This page failed", exc)
 finally:
     common.sync_query_params()

@@ -239,11 +239,29 @@ def test_query_params_restore_a_shared_view(tiny_dir, lens_file):
                       "stat": "kl_bits"}
 
 
+def test_lens_upload_and_state_across_pages(tiny_dir, lens_file):
+    at = ok(make_app(model=tiny_dir, lens="none").run())
+    at.selectbox(key="lens_choice").set_value("upload").run()
+    at.file_uploader(key="lens_upload").set_value(("tiny.safetensors", Path(lens_file).read_bytes(),
+                                                  "application/octet-stream"))
+    at.run()
+    assert any("Jacobian lens" in c.value and "3 prompts" in c.value for c in ok(at).sidebar.caption)
+    assert len(chart(at, "heatmap")["data"]) == 4  # a lens just loaded: side by side
+    at.text_area(key="prompt").set_value("Water boils at one hundred degrees.").run()
+    at.switch_page("views/jacobians.py").run()
+    assert has_chart(ok(at), "jac_stats")
+    at.switch_page("views/inspect.py").run()
+    assert ok(at).text_area(key="prompt").value == "Water boils at one hundred degrees."  # kept across pages
+    assert at.radio(key="mode").value == "side"
+
+
 # -- error paths --------------------------------------------------------------------------------------
 def test_bad_model_id_keeps_the_app_usable(tiny_dir):
     at = ok(make_app(model="no-such-org/no-such-model-xyz").run())
     assert any("Could not load the model" in e.value for e in at.sidebar.error)
     assert any("No model is loaded" in i.value for i in at.info)
+    button(at, "Retry").click().run()  # tries again, and says so again
+    assert any("Could not load the model" in e.value for e in ok(at).sidebar.error)
     for page in ("views/fit.py", "views/jacobians.py", "views/evaluate.py", "views/compare.py"):
         ok(at.switch_page(page).run())
     at.switch_page("views/inspect.py").run()

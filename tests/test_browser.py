@@ -167,6 +167,7 @@ def test_inspect_on_the_default_model(server, browser, shots):
         page.screenshot(path=str(shots / "inspect-side-by-side.png"))
         modes.get_by_text("Difference (Jacobian − logit)", exact=True).click()
         _wait_heatmap(page, "g.data.length === 2 && g.data[0].name === 'difference'")
+        page.screenshot(path=str(shots / "inspect-difference.png"))
     else:
         page.get_by_text("No Jacobian lens is loaded", exact=False).wait_for()
         modes.get_by_text("Jacobian lens", exact=True).click()
@@ -174,6 +175,11 @@ def test_inspect_on_the_default_model(server, browser, shots):
     modes.get_by_text("Logit lens", exact=True).click()
     _wait_heatmap(page, "g.data.length === 2 && g.data[0].name === 'Logit lens'")
     _no_exception(page)
+    if jacobian_loaded:  # the shipped lens: its spectra and directions
+        page.get_by_test_id("stSidebarNav").get_by_text("Jacobians").click()
+        page.get_by_text("decoded through the unembedding", exact=False).first.wait_for(timeout=180_000)
+        _no_exception(page)
+        page.screenshot(path=str(shots / "jacobians.png"))
     page.close()
 
 
@@ -235,7 +241,7 @@ def test_fit_and_watch_it_converge(server, browser, shots, tiny_dir, tmp_path):
     assert len(samples) >= 4, f"the page did not follow the fit: {samples}"
     assert samples[-1][0] > samples[0][0] and samples[-1][1] > samples[0][1], samples  # progress and curves grew
     assert page.get_by_text("running", exact=False).count()
-    page.get_by_role("button", name="Stop", exact=True).click()
+    page.get_by_test_id("stMainBlockContainer").get_by_role("button", name="Stop", exact=True).click()
     page.get_by_text("Resume continues from the checkpoint", exact=False).wait_for(timeout=60_000)
     done, points = _fit_sample(page)
     assert done >= samples[-1][0] and points >= samples[-1][1]
