@@ -361,6 +361,24 @@ def test_fit_page_reports_a_failed_fit(tiny_dir, tmp_path):
     assert any("exists already" in e.value for e in ok(at).error)
 
 
+def test_fit_page_follows_a_fit_started_elsewhere(tiny_dir, lens_file, tmp_path):
+    lens = JacobianLens.load(lens_file)
+    out = tmp_path / "shell-fit.safetensors"
+    out.write_bytes(Path(lens_file).read_bytes())
+    (tmp_path / "shell-fit.diagnostics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lens.diagnostics))
+    (tmp_path / "shell-fit.status.json").write_text(json.dumps(
+        {"state": "done", "pid": None, "n_total": 3, "n_done": 3, "next_idx": 3, "model": tiny_dir,
+         "corpus": "a shell", "out": str(out)}))
+    at = ok(make_app(model=tiny_dir, lens="none").run())
+    at.switch_page("views/fit.py").run()
+    at.text_input(key="fit_follow").set_value(str(out)).run()
+    assert _state(ok(at)) == "done" and has_chart(at, "fit_convergence")
+    button(at, "Use this lens").click().run()
+    assert any("Jacobian lens" in c.value and "3 prompts" in c.value for c in ok(at).sidebar.caption)
+    at.text_input(key="fit_follow").set_value(str(tmp_path / "nothing.safetensors")).run()
+    assert any("No fit status" in e.value for e in ok(at).error)
+
+
 # -- Jacobians, Evaluate, Compare runs ----------------------------------------------------------------
 def test_jacobians_page(tiny_dir, lens_file):
     at = ok(make_app(model=tiny_dir, lens="none").run())

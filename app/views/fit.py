@@ -120,9 +120,12 @@ if b3.button("Resume", disabled=state not in ("stopped", "failed", "lost") or ru
     with common.guard("Could not resume"):
         runs.resume(run)
         st.rerun()
-lens_key = f"run:{run.name}"
-b4.button("Use this lens", disabled=state != "done" or run.followed or ctx.model is None, icon=":material/check:",
-          help="select it in the sidebar", on_click=lambda: ss.update(lens_choice=lens_key))
+if run.followed:  # a fit started elsewhere: its lens file, by path
+    choice = {"lens_choice": "file", "lens_path": str(run.lens_path)}
+else:
+    choice = {"lens_choice": f"run:{run.name}"}
+b4.button("Use this lens", disabled=state != "done" or ctx.model is None or not run.lens_path.is_file(),
+          icon=":material/check:", help="select it in the sidebar", on_click=lambda: ss.update(choice))
 
 
 def _eta(seconds: float | None) -> str:
