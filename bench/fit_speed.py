@@ -1,0 +1,211 @@
+"""Side-by-side speed of the plain SPEC §2 estimator and ``jlens_core.jacobian_for_prompt``.
+
+In ONE run, on the same prompts, interleaved over repetitions, for the default model at
+``max_seq_len`` 64 and 128 (all source layers): seconds per prompt (median), the ratio, the
+relative Frobenius difference of the results, the peak memory (RSS) of each, and the achieved
+GFLOP/s of jlens against the fp32 matmul peak measured in the same run. Each measurement runs
+in its own subprocess so its peak memory is its own.
+
+    python bench/fit_speed.py                 # full: all 29 source layers, seq 64 and 128, 3 reps
+    python bench/fit_speed.py --quick         # source layers 24..28 only, 2 reps
+    python bench/fit_speed.py --json out.json
+
+Prints a table and writes the figures as JSON (default ``bench/fit_speed.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPT = ("The Jacobian lens carries an early residual into the last layer's basis with the average "
+          "input-output Jacobian, then decodes it with the model's own unembedding. It needs no training, "
+          "only d_model backward passes per prompt, averaged over a corpus of ordinary text such as this "
+          "paragraph, which goes on long enough to fill one hundred and twenty-eight tokens of context "
+          "without repeating itself: the quick brown fox jumps over the lazy dog, the capital of France is "
+          "Paris, water boils at one hundred degrees Celsius at sea level, and so on. A second paragraph follows, "
+          "because a tokenizer may pack ordinary English words into fewer tokens than one expects: it speaks of "
+          "rivers and mountains, of libraries whose shelves hold every book ever printed, of small models that "
+          "read each of their own layers one token at a time, and of the patient researcher who watches them.")
+
+
+# -- (a) the plain estimator, written straightforwardly as SPEC §2 defines it --------------------
+def plain_jacobian_for_prompt(model, ids, sources, target, dim_batch, skip_first):
+    """Prompt replicated ``dim_batch`` times, full sequence, full model forward (logits included)."""
+    hf, d = model.hf_model, model.d_model
+    seq_len = ids.shape[1]
+    valid = list(range(skip_first, seq_len - 1))
+    jac = {layer: torch.zeros(d, d) for layer in sources}
+    for start in range(0, d, dim_batch):
+        rows = list(range(start, min(start + dim_batch, d)))
+        batch = ids.expand(len(rows), -1)
+        acts = {}
+        hooks = [model.layers[layer].register_forward_hook(
+            lambda mod, args, out, layer=layer: acts.__setitem__(layer, out[0] if isinstance(out, tuple) else out))
+            for layer in sources + [target]]
+        try:
+            with torch.enable_grad():
+                embeds = model.embed(batch).detach().requires_grad_(True)
+                hf(inputs_embeds=embeds)
+                cot = torch.zeros_like(acts[target])
+                for j, row in enumerate(rows):
+                    cot[j, valid, row] = 1.0
+                grads = torch.autograd.grad(acts[target], [acts[layer] for layer in sources], grad_outputs=cot)
+        finally:
+            for h in hooks:
+                h.remove()
+        for layer, g in zip(sources, grads):
+            jac[layer][start: start + len(rows)] = g[:, valid].float().sum(dim=1) / len(valid)
+    return jac
+
+
+def backward_flops(model, seq_len: int, skip_first: int, sources: list[int], target: int) -> float:
+    """FLOPs of the d_model input-gradient backward passes that remain after the exact savings.
+
+    Per cotangent and backpropagated layer: 2 * n * (linear weights) for the projections, plus
+    8 * n * c * (heads * head_dim) for attention (dS, dV, dQ, dK), with n = |V| queries over c keys.
+    """
+    cfg = model.config
+    d = model.d_model
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or d // heads
+    ff = cfg.intermediate_size
+    linear = d * heads * head_dim * 2 + d * kv * head_dim * 2 + 3 * d * ff
+    n = seq_len - 1 - skip_first
+    c = seq_len - 1
+    per_layer = 2 * n * linear + 8 * n * c * heads * head_dim
+    return float(d * (target - sources[0]) * per_layer)
+
+
+def matmul_peak_gflops(seconds: float = 3.0) -> float:
+    """fp32 matmul throughput of this machine (best of repeated 1024x1536 @ 1536x1536 products)."""
+    a, b = torch.randn(1024 * 4, 1536), torch.randn(1536, 1536)
+    best = 0.0
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        best = max(best, 5 * 2 * a.shape[0] * a.shape[1] * b.shape[1] / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+# -- worker: one measurement in its own process -------------------------------------------------
+def worker(args) -> None:
+    from jlens_core import jacobian_for_prompt
+    from jlens_core.loading import load_model
+
+    model = load_model(args.model)
+    ids = model.encode(PROMPT, max_length=args.seq)
+    if ids.shape[1] < args.seq:
+        raise SystemExit(f"the benchmark prompt has only {ids.shape[1]} tokens, fewer than {args.seq}")
+    sources = list(range(args.first_layer, model.n_layers - 1))
+    target = model.n_layers - 1
+    t0 = time.perf_counter()
+    if args.method == "plain":
+        jac = plain_jacobian_for_prompt(model, ids, sources, target, args.dim_batch, args.skip_first)
+    else:
+        method = "replicated" if args.method == "jlens-replicated" else "batched"
+        jac = jacobian_for_prompt(model, ids, source_layers=sources, target_layer=target, dim_batch=args.dim_batch,
+                                  max_seq_len=args.seq, skip_first=args.skip_first, method=method).jacobians
+    seconds = time.perf_counter() - t0
+    torch.save({k: v.float() for k, v in jac.items()}, args.out)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    flops = backward_flops(model, args.seq, args.skip_first, sources, target)
+    print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb, "flops": flops}))
+
+
+def run_one(method: str, seq: int, args, out: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--method", method, "--seq", str(seq), "--out", out,
+           "--first-layer", str(args.first_layer), "--dim-batch", str(args.dim_batch),
+           "--skip-first", str(args.skip_first), "--model", args.model]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TRANSFORMERS_VERBOSITY="error"))
+    if proc.returncode != 0:
+        raise SystemExit(f"worker {method} seq={seq} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def rel_fro(a: dict, b: dict) -> float:
+    num = sum(float((a[k] - b[k]).double().norm() ** 2) for k in a)
+    den = sum(float(b[k].double().norm() ** 2) for k in a)
+    return (num / den) ** 0.5
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="source layers 24..28 only, 2 repetitions")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 2 with --quick)")
+    p.add_argument("--seqs", default="64,128", help="max_seq_len values (default 64,128)")
+    p.add_argument("--methods", default="plain,jlens", help="plain, jlens, jlens-replicated (comma-separated)")
+    p.add_argument("--dim-batch", type=int, default=8)
+    p.add_argument("--skip-first", type=int, default=16)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--json", default=str(ROOT / "bench" / "fit_speed.json"))
+    p.add_argument("--first-layer", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--method", help=argparse.SUPPRESS)
+    p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.first_layer is None:
+        args.first_layer = 24 if args.quick else 0
+    if args.worker:
+        return worker(args)
+    reps = args.reps or (2 if args.quick else 3)
+    seqs = [int(s) for s in args.seqs.split(",")]
+    methods = args.methods.split(",")
+    peak = matmul_peak_gflops()
+    print(f"fp32 matmul peak (measured): {peak:.1f} GFLOP/s; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; source layers {args.first_layer}..28 -> 29", flush=True)
+    times = {(m, s): [] for m in methods for s in seqs}
+    rss = {(m, s): [] for m in methods for s in seqs}
+    flops = {}
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(reps):
+            for seq in seqs:
+                for method in methods:  # interleaved: each repetition runs every method once
+                    out = os.path.join(tmp, f"{method}-{seq}.pt")
+                    r = run_one(method, seq, args, out)
+                    times[method, seq].append(r["seconds"])
+                    rss[method, seq].append(r["peak_rss_mb"])
+                    flops[seq] = r["flops"]
+                    results[method, seq] = torch.load(out)
+                    print(f"  rep {rep + 1}/{reps} seq {seq:4d} {method:17s} {r['seconds']:8.2f} s "
+                          f"peak {r['peak_rss_mb']:7.0f} MB", flush=True)
+    summary = {"matmul_peak_gflops": peak, "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "first_source_layer": args.first_layer, "dim_batch": args.dim_batch, "reps": reps, "rows": []}
+    print(f"\n{'seq':>4} {'method':17s} {'s/prompt':>9} {'ratio':>6} {'rel.diff':>9} {'peak MB':>8} "
+          f"{'GFLOP/s':>8} {'% peak':>7}")
+    for seq in seqs:
+        base = statistics.median(times[methods[0], seq])
+        for method in methods:
+            med = statistics.median(times[method, seq])
+            diff = rel_fro(results[method, seq], results[methods[0], seq])
+            gflops = flops[seq] / med / 1e9 if method != "plain" else None
+            row = {"seq": seq, "method": method, "seconds_median": med, "seconds_all": times[method, seq],
+                   "speedup_vs_" + methods[0]: base / med, "rel_frobenius_diff_vs_" + methods[0]: diff,
+                   "peak_rss_mb": max(rss[method, seq]), "gflops": gflops,
+                   "fraction_of_peak": gflops / peak if gflops else None}
+            summary["rows"].append(row)
+            print(f"{seq:4d} {method:17s} {med:9.2f} {base / med:6.2f} {diff:9.1e} {max(rss[method, seq]):8.0f} "
+                  + (f"{gflops:8.1f} {100 * gflops / peak:6.1f}%" if gflops else f"{'-':>8} {'-':>7}"))
+    Path(args.json).write_text(json.dumps(summary, indent=1))
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
