@@ -52,7 +52,7 @@ def tiny_config(family: str, *, n_layers: int = 4, d_model: int = 32):
     """A transformers config for a tiny model of ``family`` (vocab ``TINY_VOCAB``)."""
     import transformers as tf
 
-    common = dict(vocab_size=TINY_VOCAB, bos_token_id=0, eos_token_id=1)
+    common = {"vocab_size": TINY_VOCAB, "bos_token_id": 0, "eos_token_id": 1}
     heads = 4
     if family == "llama":
         return tf.LlamaConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
@@ -108,6 +108,15 @@ def make_tiny(family: str = "llama", *, seed: int = 0, **kwargs):
     from jlens_core import HFLensModel
 
     return HFLensModel(make_hf_model(family, seed=seed, **kwargs), make_tokenizer(), name=f"tiny-{family}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    # Tiny models: more threads only add contention (and a CI box may be busy); subprocesses pin theirs.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

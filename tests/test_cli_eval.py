@@ -7,21 +7,12 @@ import random
 
 import pandas as pd
 import pytest
-import torch
 from conftest import CORPUS, make_hf_model, make_tokenizer
 
 from jlens_core import JacobianLens, LogitLens, evaluate, fit, load_lens, load_model
 from jlens_core.cli import main
 from jlens_core.plots import convergence_frame, plot_convergence
 from jlens_core.shipped import default_lens, shipped_lens_path
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

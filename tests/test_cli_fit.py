@@ -33,14 +33,6 @@ SOURCES, TARGET = [0, 1, 2], 3
 RECORD_KEYS = {"prompt_index", "layer", "seq_len", "n_valid", "seconds", "jacobian_norm", "rel_change"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_texts(n: int, seed: int = 0) -> list[str]:
     """``n`` distinct paragraphs of 30 words drawn from the tokenizer's training text (> MAX_SEQ tokens)."""
     rng = random.Random(seed)

@@ -33,14 +33,6 @@ from jlens_core.loading import (
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @contextlib.contextmanager
 def cache_env(path: Path):
     """``JLENS_CACHE_DIR=path`` for the duration (session fixtures cannot use ``monkeypatch``)."""

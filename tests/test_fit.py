@@ -35,14 +35,6 @@ PROMPTS = [
 SETTINGS = {"skip_first": 2, "max_seq_len": 16, "dim_batch": 16}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @functools.cache
 def tiny(family: str = "llama", seed: int = 0):
     return make_tiny(family, seed=seed)

@@ -17,14 +17,6 @@ from jlens_core import ActivationRecorder, HFLensModel, JacobianLens, LensFileEr
 PROMPTS = [LONG_TEXT, "The capital of Italy is Rome. Water boils at one hundred degrees, so they say."]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @functools.cache
 def tiny(family: str = "llama", seed: int = 0, **kwargs):
     return make_tiny(family, seed=seed, **kwargs)

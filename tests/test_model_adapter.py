@@ -13,14 +13,6 @@ from jlens_core import LAYOUTS, ActivationRecorder, HFLensModel, LensModel, Mode
 from jlens_core.model import same_fingerprint
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @functools.cache
 def tiny(family: str):
     return make_tiny(family)
