@@ -26,6 +26,6 @@ plot_convergence(lens.diagnostics, "assets/lenses/smollm2-135m.convergence.png",
 print(f"shipped {lens}")
 PYEOF
 "$PY" -m jlens_core eval --model smollm2-135m --lens logit --lens assets/lenses/smollm2-135m.safetensors \
-    --shrinkage 0.5 --corpus stdlib-docs --split eval --n-texts "$EVAL_TEXTS" --max-seq-len 128 \
+    --shrinkage 0.25 --shrinkage 0.5 --corpus stdlib-docs --split eval --n-texts "$EVAL_TEXTS" --max-seq-len 128 \
     --pass-at-k two_hop --pass-at-k arithmetic_chain --pass-at-k antonym_chain --pass-at-k translation_pivot \
     --out assets/lenses/smollm2-135m.eval
