@@ -212,6 +212,7 @@ class JacobianLens:
         os.close(fd)
         try:
             save_file(tensors, tmp, metadata=meta)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; a lens file is meant to be shared
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
