@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .layerspec import wrap_index
 from .lens import LensFileError
 from .recorder import ActivationRecorder
 from .tokens import TokenDisplay, display_ids, encode_plain, token_id_for
@@ -83,11 +84,7 @@ def readable_layers(model: Any, lens: Any, layers: Iterable[int] | None = None) 
     else:
         wanted = set()
         for layer in layers:
-            i = int(layer)
-            if not -n <= i < n:
-                raise ValueError(f"layer {layer} is out of range: the model has {n} layers "
-                                 f"(valid: {-n}..{n - 1}).")
-            wanted.add(i % n)
+            wanted.add(wrap_index(layer, n, f"layer {layer}"))
         chosen = [layer for layer in available if layer in wanted]
         missing = sorted(wanted - set(chosen))
         if missing:
@@ -167,11 +164,7 @@ def resolve_positions(seq_len: int, positions: Iterable[int] | None) -> list[int
         return list(range(seq_len))
     out = set()
     for position in positions:
-        i = int(position)
-        if not -seq_len <= i < seq_len:
-            raise ValueError(f"position {position} is out of range: the prompt has {seq_len} tokens "
-                             f"(valid: {-seq_len}..{seq_len - 1}).")
-        out.add(i % seq_len)
+        out.add(wrap_index(position, seq_len, f"position {position}", what="tokens", owner="the prompt"))
     if not out:
         raise ValueError("positions is empty: give at least one position, or None for all.")
     return sorted(out)

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .layerspec import wrap_index
 from .recorder import block_output
 
 log = logging.getLogger(__name__)
@@ -231,11 +232,7 @@ def dump_hidden_states(model, text_or_ids: str | Sequence[int] | torch.Tensor, o
     else:
         layer_list = set()
         for layer in layers:
-            i = int(layer)
-            if not -n_layers <= i < n_layers:
-                raise ValueError(f"Layer {layer} is out of range: the model has {n_layers} layers "
-                                 f"(valid: {-n_layers}..{n_layers - 1}).")
-            layer_list.add(i % n_layers)
+            layer_list.add(wrap_index(layer, n_layers, f"Layer {layer}"))
         layer_list = sorted(layer_list)
         if not layer_list:
             raise ValueError("layers is empty: give at least one layer, or None for every layer.")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .layerspec import wrap_index
 from .recorder import ActivationRecorder
 
 log = logging.getLogger(__name__)
@@ -60,11 +61,7 @@ def resolve_layers(n_layers: int, source_layers: Iterable[int] | None = None,
     """
     if target_layer is None:
         target_layer = n_layers - 1
-    target = int(target_layer)
-    if not -n_layers <= target < n_layers:
-        raise ValueError(f"target_layer={target_layer} is out of range: the model has {n_layers} layers "
-                         f"(valid: {-n_layers}..{n_layers - 1}).")
-    target %= n_layers
+    target = wrap_index(target_layer, n_layers, f"target_layer={target_layer}")
     if source_layers is None:
         sources = list(range(target))
         if not sources:
@@ -75,11 +72,7 @@ def resolve_layers(n_layers: int, source_layers: Iterable[int] | None = None,
         raise ValueError("source_layers is empty: give at least one layer below the target, or None for all.")
     resolved = set()
     for layer in raw:
-        i = int(layer)
-        if not -n_layers <= i < n_layers:
-            raise ValueError(f"source layer {layer} is out of range: the model has {n_layers} layers "
-                             f"(valid: {-n_layers}..{n_layers - 1}).")
-        i %= n_layers
+        i = wrap_index(layer, n_layers, f"source layer {layer}")
         if i >= target:
             raise ValueError(f"source layer {layer} (= {i}) is not below the target layer {target}: "
                              "a Jacobian lens carries earlier layers to a later one.")

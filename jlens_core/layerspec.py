@@ -22,6 +22,19 @@ import re
 _INT = re.compile(r"^[+-]?\d+$")
 
 
+def wrap_index(value, n: int, name: str, what: str = "layers", owner: str = "the model") -> int:
+    """``value`` as an index into ``n`` items, negatives counting from the end.
+
+    Raises:
+        ValueError: ``value`` outside ``[-n, n)``, e.g. "source layer 7 is out of range: the model has
+            4 layers (valid: -4..3)." (``name`` starts the sentence; ``what`` / ``owner`` name the items).
+    """
+    i = int(value)
+    if not -n <= i < n:
+        raise ValueError(f"{name} is out of range: {owner} has {n} {what} (valid: {-n}..{n - 1}).")
+    return i % n
+
+
 def _parse_int(text: str, part: str, what: str) -> int | None:
     text = text.strip()
     if text == "":
