@@ -5,6 +5,8 @@
 # split, all source layers, target = last layer, max_seq_len 128, up to N_PROMPTS prompts (default
 # all 428 texts of >= 600 characters); then stores it in fp16 under assets/lenses/ and evaluates it
 # against the logit lens on held-out texts (the "eval" split) and on the shipped pass@k sets.
+# JLENS_SHIP_EXTEND=1: where no checkpoint exists, go on from the shipped lens's prompts instead of
+# refitting them (scripts/checkpoint_from_lens.py; those prompts keep the lens's fp16 rounding).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash run.sh setup
@@ -13,6 +15,10 @@ RUN="${JLENS_SHIP_DIR:-runs/shipped}"
 N="${1:-428}"
 EVAL_TEXTS="${EVAL_TEXTS:-40}"
 mkdir -p "$RUN" assets/lenses
+if [[ "${JLENS_SHIP_EXTEND:-0}" == 1 && ! -e "$RUN/smollm2-135m.ckpt" ]]; then
+    "$PY" scripts/checkpoint_from_lens.py assets/lenses/smollm2-135m.safetensors "$RUN/smollm2-135m.ckpt" \
+        --corpus stdlib-docs --split fit --min-chars 600
+fi
 "$PY" -m jlens_core fit --model smollm2-135m --corpus stdlib-docs --split fit --min-chars 600 \
     --n-prompts "$N" --max-seq-len 128 --skip-first 16 --dim-batch 16 --out "$RUN/smollm2-135m.safetensors"
 "$PY" - "$RUN" <<'PYEOF'
