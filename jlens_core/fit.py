@@ -140,6 +140,34 @@ def write_checkpoint(path: str | os.PathLike, state: FitState, settings: dict, d
             os.remove(tmp)
 
 
+def checkpoint_from_lens(lens, prompts: Sequence, path: str | os.PathLike) -> int:
+    """Write a checkpoint that resumes a fit from a saved lens (one whose checkpoint was lost).
+
+    The fp64 sums are ``lens.n_prompts * J_l`` from the lens, so a lens stored in fp16 carries its
+    rounding (relative ~5e-4 per entry) into the prompts it already counted. ``prompts`` must be the
+    original fit's prompt list (at least its first ``n_prompts + n_skipped`` entries, in order).
+
+    Returns:
+        The prompt index a resumed fit goes on at.
+
+    Raises:
+        ValueError: ``prompts`` is shorter than what the lens counted.
+    """
+    n_skipped = int(lens.settings.get("n_skipped", 0))
+    next_idx = lens.n_prompts + n_skipped
+    if next_idx > len(prompts):
+        raise ValueError(f"The lens counted {next_idx} prompts (skipped ones included) but only {len(prompts)} "
+                         "were given: pass the prompt list of the original fit.")
+    settings = {"source_layers": list(lens.source_layers), "target_layer": lens.target_layer,
+                "skip_first": lens.settings["skip_first"], "max_seq_len": lens.settings["max_seq_len"],
+                "model_name": lens.model_name, "model_fingerprint": lens.model_fingerprint}
+    state = FitState({layer: lens.jacobians[layer].double() * lens.n_prompts for layer in lens.source_layers},
+                     n_done=lens.n_prompts, next_idx=next_idx, n_skipped=n_skipped,
+                     diagnostics=list(lens.diagnostics))
+    write_checkpoint(path, state, settings, prompts_digest(prompts, next_idx))
+    return next_idx
+
+
 def read_checkpoint(path: str | os.PathLike) -> dict:
     """Load a checkpoint written by :func:`write_checkpoint`.
 

@@ -300,3 +300,21 @@ def test_fit_killed_mid_run_and_resumed_equals_uninterrupted(tmp_path):
     for got, want in zip(lens.diagnostics, uninterrupted().diagnostics):
         assert got["jacobian_norm"] == pytest.approx(want["jacobian_norm"], rel=1e-6)
         assert (got["rel_change"] is None) == (want["rel_change"] is None)
+
+
+def test_checkpoint_rebuilt_from_a_saved_lens_resumes_the_fit(tmp_path):
+    from jlens_core.fit import checkpoint_from_lens
+
+    partial = fit(tiny(), PROMPTS[:3], **SETTINGS)  # prompt 2 is skipped: the rebuilt fit goes on at 3
+    partial.save(tmp_path / "partial.safetensors")
+    ckpt = tmp_path / "rebuilt.ckpt"
+    assert checkpoint_from_lens(JacobianLens.load(tmp_path / "partial.safetensors"), PROMPTS, ckpt) == 3
+    events: list[FitProgress] = []
+    lens = fit(tiny(), PROMPTS, checkpoint_path=ckpt, progress=events.append, **SETTINGS)
+    assert [e.prompt_index for e in events] == [3, 4, 5]
+    assert lens.settings["n_skipped"] == 1
+    assert_same_lens(lens, uninterrupted(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"counted 3 prompts .* only 2 were given"):
+        checkpoint_from_lens(partial, PROMPTS[:2], tmp_path / "other.ckpt")
+    with pytest.raises(ValueError, match=r"made on another prompt list"):
+        fit(tiny(), PROMPTS[1:], checkpoint_path=ckpt, **SETTINGS)
