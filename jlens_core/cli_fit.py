@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 
 from .cli import CLIError, say
+from .estimator import METHODS
 from .fit import RankFailedError
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
     try:
         lens = fit(model, prompts, source_layers=sources, target_layer=args.target_layer, dim_batch=args.dim_batch,
                    max_seq_len=args.max_seq_len, skip_first=args.skip_first, checkpoint_path=checkpoint,
-                   checkpoint_every=args.checkpoint_every, resume=not args.no_resume,
+                   checkpoint_every=args.checkpoint_every, resume=not args.no_resume, method=args.method,
                    progress=on_progress if rank == 0 else None, should_stop=stop, world=world)
     except BaseException as exc:
         rank_failed = isinstance(exc, RankFailedError)
@@ -246,6 +247,10 @@ def register(subparsers) -> None:
     p.add_argument("--dim-batch", type=_dim_batch, default=8,
                    help="output dimensions per backward pass: memory, not result (default 8; 'auto' sizes it "
                         "from free GPU memory)")
+    p.add_argument("--method", choices=list(METHODS), default="auto",
+                   help="how the backward passes run, same result: 'fused' (analytic backward; Llama, Mistral, "
+                        "Qwen2 layouts), 'batched' (autograd, cotangents batched), 'replicated' (autograd, prompt "
+                        "replicated) or 'auto' (default: 'fused' where supported, else 'batched')")
     p.add_argument("--layers", default=None, help="source layers: '0,4,8', '0:12', '0:12:2', 'all' (default: all "
                                                   "below the target)")
     p.add_argument("--target-layer", type=int, default=-1, help="target layer, negative from the end (default -1)")

@@ -14,6 +14,12 @@ Exact savings used here (all follow from causality, SPEC §2):
 * the graph starts at the lowest source layer, so backward never runs below it;
 * the ``dim_batch`` cotangents of one backward pass are batched over one forward of batch 1
   (``is_grads_batched``), instead of replicating the prompt ``dim_batch`` times.
+
+Methods: ``"batched"`` (autograd, as above), ``"replicated"`` (autograd, the prompt replicated
+``dim_batch`` times), ``"fused"`` (the analytic backward of :mod:`jlens_core.fused`: Llama, Mistral
+and Qwen2 layouts; the backward coefficients are computed once per prompt instead of once per
+backward call) and ``"auto"`` (the default: ``"fused"`` where the model supports it, else
+``"batched"``). All give the same Jacobian.
 """
 
 from __future__ import annotations
@@ -24,12 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .fused import FusedMismatchError, fused_jacobians, fused_unsupported_reason
 from .layerspec import wrap_index
 from .recorder import ActivationRecorder
 
 log = logging.getLogger(__name__)
 
-METHODS = ("batched", "replicated")
+METHODS = ("auto", "fused", "batched", "replicated")
 
 
 @dataclass
@@ -153,9 +160,30 @@ def _forward_suffix(model, ids: torch.Tensor, sources: list[int], target: int, s
     return rec.activations
 
 
+def _fused_usable(model) -> bool:
+    """Whether ``method="auto"`` takes the fused path on ``model`` (decided once per model object)."""
+    usable = getattr(model, "_jlens_fused_usable", None)
+    if usable is None:
+        reason = fused_unsupported_reason(model) if hasattr(model, "config") and hasattr(model, "base") \
+            else "not a Hugging Face model adapter"
+        usable = reason is None
+        if not usable:
+            log.info("method='auto': autograd ('batched') for %s: the fused backward does not apply (%s).",
+                     getattr(model, "name", model), reason)
+        _remember(model, "_jlens_fused_usable", usable)
+    return usable
+
+
+def _remember(model, attr: str, value) -> None:
+    try:
+        setattr(model, attr, value)
+    except AttributeError:  # an object without a __dict__: decide again next time
+        pass
+
+
 def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = None,
                         target_layer: int | None = None, dim_batch: int | str = 8, max_seq_len: int = 128,
-                        skip_first: int = 16, method: str = "batched") -> PromptJacobian:
+                        skip_first: int = 16, method: str = "auto") -> PromptJacobian:
     """The per-prompt Jacobians ``{l: J_l}`` of SPEC §2.
 
     Args:
@@ -167,15 +195,17 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
             sizes it from free GPU memory (:func:`auto_dim_batch`).
         max_seq_len: truncate the prompt to this many tokens.
         skip_first: leading positions excluded as attention sinks.
-        method: ``"batched"`` (one forward, ``dim_batch`` cotangents batched in backward) or
-            ``"replicated"`` (the prompt replicated ``dim_batch`` times, one cotangent each).
+        method: ``"auto"`` (``"fused"`` where supported, else ``"batched"``), ``"fused"`` (the
+            analytic backward of :mod:`jlens_core.fused`), ``"batched"`` (autograd: one forward,
+            ``dim_batch`` cotangents batched in backward) or ``"replicated"`` (autograd: the prompt
+            replicated ``dim_batch`` times, one cotangent each). Same result; speed and memory differ.
 
     Returns:
         :class:`PromptJacobian` with fp32 CPU matrices ``[d_model, d_model]``.
 
     Raises:
-        ValueError: bad layer indices, ``dim_batch < 1``, an unknown method, or a prompt with no
-            valid position.
+        ValueError: bad layer indices, ``dim_batch < 1``, an unknown method, ``"fused"`` on a model
+            it does not support, or a prompt with no valid position.
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}.")
@@ -190,6 +220,21 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
     jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
     if dim_batch == "auto":
         dim_batch = auto_dim_batch(model, n_valid, target - sources[0])
+
+    auto = method == "auto"
+    if auto:
+        method = "fused" if _fused_usable(model) else "batched"
+    if method == "fused":
+        try:
+            jacobians = fused_jacobians(model, ids, sources, target, skip_first, dim_batch)
+            return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid)
+        except FusedMismatchError as exc:
+            if not auto:
+                raise
+            # Warned once: autograd from now on for this model object.
+            log.warning("%s Falling back to autograd ('batched').", exc)
+            _remember(model, "_jlens_fused_usable", False)
+            method = "batched"
 
     acts = _forward_suffix(model, ids, sources, target, skip_first, 1) if method == "batched" else None
     for start in range(0, d, dim_batch):

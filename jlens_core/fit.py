@@ -213,7 +213,7 @@ def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None,
         dim_batch: int | str = 8, max_seq_len: int = 128, skip_first: int = 16,
         checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 1, resume: bool = True,
         progress: Callable[[FitProgress], None] | None = None,
-        should_stop: Callable[[FitState], str | None] | None = None, method: str = "batched",
+        should_stop: Callable[[FitState], str | None] | None = None, method: str = "auto",
         world: World | None = None) -> JacobianLens:
     """Fit a Jacobian lens: the plain mean of per-prompt ``J_l`` over the prompts with valid positions.
 

@@ -20,7 +20,7 @@ if [[ "${JLENS_SHIP_EXTEND:-0}" == 1 && ! -e "$RUN/smollm2-135m.ckpt" ]]; then
         --corpus stdlib-docs --split fit --min-chars 600
 fi
 "$PY" -m jlens_core fit --model smollm2-135m --corpus stdlib-docs --split fit --min-chars 600 \
-    --n-prompts "$N" --max-seq-len 128 --skip-first 16 --dim-batch 16 --out "$RUN/smollm2-135m.safetensors"
+    --n-prompts "$N" --max-seq-len 128 --skip-first 16 --dim-batch 8 --out "$RUN/smollm2-135m.safetensors"
 "$PY" - "$RUN" <<'PYEOF'
 import sys
 from jlens_core import JacobianLens

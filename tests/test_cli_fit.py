@@ -200,6 +200,17 @@ def test_layers_and_target_layer_options_select_what_is_fitted(work, tmp_path, r
     assert (lens.source_layers, lens.target_layer) == ([0, 1], 2)
 
 
+def test_method_option_changes_speed_not_the_lens(work, tmp_path, reference):
+    default = reference(3)  # --method auto: the fused backward on this llama
+    assert default.settings["method"] == "auto"
+    for method in ("fused", "batched"):
+        out = tmp_path / f"{method}.safetensors"
+        assert main(fit_args(work, out, "--n-prompts", "3", "--method", method)) == 0
+        lens = JacobianLens.load(out)
+        assert lens.settings["method"] == method
+        assert max_abs_diff(lens, default) <= 1e-6
+
+
 def test_fit_killed_with_sigkill_and_resumed_equals_the_uninterrupted_fit(work, tmp_path, reference):
     n = 200
     out, ckpt = tmp_path / "killed.safetensors", tmp_path / "killed-run.ckpt"

@@ -24,6 +24,7 @@ from jlens_core import (
     resolve_layers,
     valid_position_mask,
 )
+from jlens_core.fused import FusedMismatchError, backward_layer, fused_unsupported_reason, prepare_layers
 
 SEQ = 14  # tokens per test prompt
 SKIP = 3  # a non-trivial skip_first
@@ -106,7 +107,10 @@ def reference(family: str, source: int, target: int, skip_first: int = SKIP) -> 
 
 
 # -- against the definition -----------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["batched", "replicated"])
+FUSED_FAMILIES = ("llama", "qwen2", "mistral")
+
+
+@pytest.mark.parametrize("method", ["batched", "replicated", "auto"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_matches_definition_at_every_source_layer(family, method):
     model = tiny(family)
@@ -122,8 +126,20 @@ def test_matches_definition_at_every_source_layer(family, method):
         assert rel_frob(mat, ref) <= REL_TOL, (family, method, layer, rel_frob(mat, ref))
 
 
-@pytest.mark.parametrize("method", ["batched", "replicated"])
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("family", FUSED_FAMILIES)
+def test_fused_matches_definition_at_every_source_layer(family):
+    model = tiny(family)
+    result = jacobian_for_prompt(model, prompt_ids(family), skip_first=SKIP, dim_batch=DIM_BATCH,
+                                 max_seq_len=64, method="fused")
+    assert result.seq_len == SEQ and result.n_valid == SEQ - 1 - SKIP
+    for layer, mat in result.jacobians.items():
+        assert mat.dtype == torch.float32 and mat.device.type == "cpu"
+        assert rel_frob(mat, reference(family, layer, model.n_layers - 1)) <= REL_TOL, (family, layer)
+
+
+@pytest.mark.parametrize(("method", "family"), [(m, f) for m in ("batched", "replicated")
+                                                for f in ("llama", "gpt2", "gpt_neox")]
+                         + [("fused", "llama"), ("fused", "qwen2")])
 def test_matches_definition_nondefault_target_and_source_subset(family, method):
     model = tiny(family)  # 4 layers
     # unsorted, duplicated, negative: resolves to [0, 1]; target -2 -> 2
@@ -137,10 +153,11 @@ def test_matches_definition_nondefault_target_and_source_subset(family, method):
         assert rel_frob(ref, reference(family, layer, 3)) > 1e-2
 
 
+@pytest.mark.parametrize("method", ["batched", "fused"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_matches_definition_with_skip_first_zero(family):
+def test_matches_definition_with_skip_first_zero(family, method):
     model = tiny(family)
-    result = jacobian_for_prompt(model, prompt_ids(family), skip_first=0, dim_batch=DIM_BATCH)
+    result = jacobian_for_prompt(model, prompt_ids(family), skip_first=0, dim_batch=DIM_BATCH, method=method)
     assert result.n_valid == SEQ - 1
     for layer, mat in result.jacobians.items():
         assert rel_frob(mat, reference(family, layer, model.n_layers - 1, 0)) <= REL_TOL
@@ -151,7 +168,8 @@ def test_dim_batch_changes_memory_not_result():
     ids = prompt_ids("llama")
     results = [jacobian_for_prompt(model, ids, skip_first=SKIP, dim_batch=k, method=method).jacobians
                for k, method in [(1, "batched"), (7, "batched"), (32, "batched"), (100, "batched"),
-                                 ("auto", "batched"), (3, "replicated")]]
+                                 ("auto", "batched"), (3, "replicated"), (1, "fused"), (7, "fused"),
+                                 (100, "fused"), ("auto", "auto")]]
     for other in results[1:]:
         for layer in results[0]:
             assert rel_frob(other[layer], results[0][layer]) <= 1e-6
@@ -166,13 +184,89 @@ def test_text_prompt_is_tokenized_and_truncated_to_max_seq_len():
         assert torch.allclose(from_text.jacobians[layer], from_ids.jacobians[layer], rtol=1e-6, atol=1e-7)
 
 
-def test_low_precision_model_accumulates_in_fp32():
+@pytest.mark.parametrize("method", ["batched", "fused"])
+def test_low_precision_model_accumulates_in_fp32(method):
     model = HFLensModel(make_hf_model("llama").to(torch.bfloat16), tiny("llama").tokenizer, name="bf16")
-    result = jacobian_for_prompt(model, prompt_ids("llama"), skip_first=SKIP, dim_batch=DIM_BATCH)
+    result = jacobian_for_prompt(model, prompt_ids("llama"), skip_first=SKIP, dim_batch=DIM_BATCH, method=method)
     for layer, mat in result.jacobians.items():
         assert mat.dtype == torch.float32
         # bf16 has ~3 significant digits; the estimate is still the same matrix
         assert rel_frob(mat, reference("llama", layer, 3)) < 5e-2
+
+
+# -- the fused path: which models, and what happens when a model is not what it looks like -----------
+@pytest.mark.parametrize(("family", "reason"), [
+    ("qwen3", r"model_type 'qwen3' is not one of"),
+    ("gemma", r"model_type 'gemma' is not one of"),
+    ("gpt2", r"model_type 'gpt2' is not one of"),
+])
+def test_fused_refuses_other_families(family, reason):
+    assert fused_unsupported_reason(tiny(family)) is not None
+    with pytest.raises(ValueError, match="The fused backward does not support 'tiny-" + family + "': " + reason):
+        jacobian_for_prompt(tiny(family), prompt_ids(family), skip_first=SKIP, method="fused")
+    assert fused_unsupported_reason(tiny("llama")) is None
+
+
+def test_fused_refuses_a_sliding_window_shorter_than_the_prompt():
+    model = make_tiny("mistral")
+    model.config.sliding_window = 6
+    with pytest.raises(ValueError, match=r"sliding window \(6\) shorter than the prompt \(13 tokens\)"):
+        jacobian_for_prompt(model, prompt_ids("mistral"), skip_first=SKIP, method="fused")
+
+
+def test_fused_checks_its_forward_against_the_model_and_auto_falls_back(caplog):
+    # A llama whose layer 2 MLP output is doubled: same module names, other computation. The fused
+    # re-run of layer 2 then differs from the model's; "fused" says so, "auto" warns and uses autograd.
+    model = make_tiny("llama")
+    mlp = model.layers[2].mlp
+    plain_forward = mlp.forward
+    mlp.forward = lambda x: 2 * plain_forward(x)
+    ids = prompt_ids("llama")
+    with pytest.raises(FusedMismatchError, match=r"re-run of layer 2 differs from the model's output by"):
+        jacobian_for_prompt(model, ids, skip_first=SKIP, dim_batch=DIM_BATCH, method="fused")
+    with caplog.at_level("WARNING", logger="jlens_core.estimator"):
+        auto = jacobian_for_prompt(model, ids, skip_first=SKIP, dim_batch=DIM_BATCH, method="auto")
+    assert "Falling back to autograd" in caplog.text
+    batched = jacobian_for_prompt(model, ids, skip_first=SKIP, dim_batch=DIM_BATCH, method="batched")
+    unmodified = reference("llama", 0, 3)
+    for layer in auto.jacobians:
+        assert rel_frob(auto.jacobians[layer], batched.jacobians[layer]) <= 1e-6
+    assert rel_frob(auto.jacobians[0], unmodified) > 1e-2  # the modification mattered
+    # decided once: the next call goes straight to autograd, without a second warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jlens_core.estimator"):
+        jacobian_for_prompt(model, ids, skip_first=SKIP, dim_batch=DIM_BATCH, method="auto")
+    assert "Falling back" not in caplog.text
+
+
+def test_fused_backward_of_one_layer_is_the_transposed_jacobian():
+    # backward_layer on random cotangents against torch.func.vjp through the model's own layer 3.
+    model = tiny("llama")
+    ids = prompt_ids("llama")
+    prep = prepare_layers(model, ids, 2, 3, SKIP)
+    with torch.no_grad(), ActivationRecorder(model.layers, [2, 3]) as rec:
+        model.run_with_cache(ids[:, : SEQ - 1])
+    h2 = rec.activations[2]  # [1, S, d]
+    prefix = h2[:, :SKIP]
+
+    def layer3_on_valid(x):  # x: [n, d] -> layer 3's output at the valid positions
+        with ActivationRecorder(model.layers, [3], stop_after=3) as inner:
+            hook = model.layers[2].register_forward_hook(
+                lambda m, a, o: (torch.cat([prefix, x[None]], dim=1),) + tuple(o[1:]) if isinstance(o, tuple)
+                else torch.cat([prefix, x[None]], dim=1))
+            try:
+                model.run_with_cache(ids[:, : SEQ - 1])
+            finally:
+                hook.remove()
+        return inner.activations[3][0, SKIP:]
+
+    torch.manual_seed(0)
+    cot = torch.randn(3, SEQ - 1 - SKIP, model.d_model)
+    with torch.enable_grad():
+        _, vjp = torch.func.vjp(layer3_on_valid, h2[0, SKIP:].clone())
+        expected = torch.stack([vjp(c)[0] for c in cot])
+    got = backward_layer(prep, 3, cot)
+    assert rel_frob(got, expected) <= 1e-5
 
 
 # -- a toy with a closed-form Jacobian --------------------------------------------------------------

@@ -1,0 +1,326 @@
+"""An analytic backward for Llama-style decoder layers: the ``"fused"`` estimator method.
+
+The per-prompt Jacobian (SPEC §2) is ``d_model`` vector-Jacobian products through the same
+forward pass. Every backward step is linear in the cotangent, and all its elementwise
+coefficients (RMSNorm scales, the gated-SiLU derivative, RoPE, the attention probabilities)
+depend on the forward pass only. Autograd recomputes them on every backward call; here they are
+computed once per prompt (:func:`prepare_layers`), and each chunk of ``dim_batch`` cotangents runs
+through a hand-written backward of matmuls and a few in-place elementwise passes
+(:func:`backward_layer`). The result is the same Jacobian (tests compare it with autograd).
+
+Supported: decoder layers laid out as Llama's (``input_layernorm`` RMSNorm, ``self_attn.{q,k,v,o}_proj``
+with rotary embeddings and grouped-query attention, ``post_attention_layernorm``, a gated-SiLU
+``mlp.{gate,up,down}_proj``) in the families Llama, Mistral (without a sliding window shorter than
+the prompt) and Qwen2. :func:`fused_unsupported_reason` says why a model is not supported; the
+forward pass is also checked layer by layer against the model's own layer outputs, and a
+mismatch raises :class:`FusedMismatchError` (the estimator then falls back to autograd).
+
+Exact savings shared with the autograd path (SPEC §2, causality): only the valid positions
+``V = [skip_first, seq_len - 1)`` carry gradients (the prefix enters as constant keys and
+values), the last token is dropped, nothing above the target layer or below the lowest source
+layer is differentiated. Specific to this path: the first backward step through the target
+layer's ``down_proj`` reads rows of the weight instead of multiplying by a one-hot cotangent.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .recorder import ActivationRecorder
+
+log = logging.getLogger(__name__)
+
+FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class FusedMismatchError(RuntimeError):
+    """The re-implemented forward pass does not reproduce the model's own layer outputs."""
+
+
+@dataclass
+class LayerCoefficients:
+    """Everything the backward of one decoder layer needs, for the ``n`` valid positions.
+
+    Shapes use ``n`` valid positions, ``S`` keys (all positions but the last), ``Hkv`` key/value
+    heads, ``rep`` query heads per key/value head, ``hd`` head width, ``ff`` MLP width.
+    """
+
+    # RMSNorm backward, g_x = A * g - C * sum(B * g): for the input norm (1) and post-attention norm (2)
+    a1: torch.Tensor  # [n, d]  weight * r
+    b1: torch.Tensor  # [n, d]  weight * x
+    c1: torch.Tensor  # [n, d]  x * r^3 / d
+    a2: torch.Tensor
+    b2: torch.Tensor
+    c2: torch.Tensor
+    silu_gate: torch.Tensor  # [n, ff]  d act / d up = silu(gate)
+    dact_gate: torch.Tensor  # [n, ff]  d act / d gate = up * silu'(gate)
+    probs: torch.Tensor  # [Hkv, rep * n, S]  attention probabilities of the valid queries
+    probs_valid_t: torch.Tensor  # [Hkv, n, rep * n]  their columns at valid keys, transposed
+    attn_out: torch.Tensor  # [Hkv, rep * n, hd]  probs @ values (per head, before o_proj)
+    keys_scaled: torch.Tensor  # [Hkv, S, hd]  rotated keys * softmax scale
+    queries_scaled: torch.Tensor  # [Hkv, rep * n, hd]  rotated valid queries * softmax scale
+    values_t: torch.Tensor  # [Hkv, hd, S]
+    layer: nn.Module
+
+
+def fused_unsupported_reason(model) -> str | None:
+    """Why the fused backward cannot run on ``model`` (``None`` when it can).
+
+    Checks the family (``config.model_type`` in :data:`FUSED_MODEL_TYPES`), the activation
+    (SiLU), the module names of every decoder layer and the rotary-embedding module.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FUSED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {FUSED_MODEL_TYPES}"
+    act = getattr(config, "hidden_act", None)
+    if act != "silu":
+        return f"hidden_act {act!r} is not 'silu'"
+    if getattr(config, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    if getattr(getattr(model, "base", None), "rotary_emb", None) is None:
+        return "no rotary_emb module on the decoder stack"
+    for i, layer in enumerate(model.layers):
+        for path in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                     "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            obj = layer
+            for part in path.split("."):
+                obj = getattr(obj, part, None)
+            if obj is None:
+                return f"layer {i} has no {path}"
+    return None
+
+
+def _sliding_window_shorter_than(config, seq_len: int) -> bool:
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return False
+    return int(window) < seq_len
+
+
+def _rms_coefficients(x: torch.Tensor, norm: nn.Module, dtype: torch.dtype):
+    """RMSNorm forward of ``x`` [m, d] and the backward coefficients (A, B, C) of its rows."""
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(norm, "eps", 1e-6)
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [m, 1]
+    weight = norm.weight.float()
+    normed = norm.weight * (xf * r).to(x.dtype)
+    d = x.shape[-1]
+    coefficients = (weight * r, weight * xf, xf * r.pow(3) / d)
+    return normed, tuple(c.to(dtype) for c in coefficients)
+
+
+def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+    return nn.functional.linear(x, module.weight, module.bias)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _rotate_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The transpose of :func:`_rotate` applied to a cotangent ``g`` [..., hd]."""
+    half = g.shape[-1] // 2
+    out = g * cos
+    out[..., :half].addcmul_(g[..., half:], sin[..., half:])
+    out[..., half:].addcmul_(g[..., :half], sin[..., :half], value=-1)
+    return out
+
+
+def _layer_forward(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, skip: int,
+                   config) -> tuple[torch.Tensor, LayerCoefficients]:
+    """Re-run one decoder layer on ``x`` [S, d]; return its output at the valid positions [n, d]."""
+    dtype = x.dtype
+    attn, mlp = layer.self_attn, layer.mlp
+    S, d = x.shape
+    n = S - skip
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(attn, "head_dim", None) or d // heads
+    rep = heads // kv_heads
+    scale = getattr(attn, "scaling", None) or hd ** -0.5
+
+    xn, (a1, b1, c1) = _rms_coefficients(x, layer.input_layernorm, dtype)  # xn: [S, d]
+    q = _linear(xn[skip:], attn.q_proj).view(n, heads, hd).transpose(0, 1)  # [H, n, hd]
+    k = _linear(xn, attn.k_proj).view(S, kv_heads, hd).transpose(0, 1)  # [Hkv, S, hd]
+    v = _linear(xn, attn.v_proj).view(S, kv_heads, hd).transpose(0, 1)  # [Hkv, S, hd]
+    q = _rotate(q, cos[skip:], sin[skip:])
+    k = _rotate(k, cos, sin)
+    # Query head h reads key/value head h // rep: group the queries by their key/value head.
+    q = q.reshape(kv_heads, rep * n, hd)  # [Hkv, rep * n, hd]
+    scores = (q @ k.transpose(1, 2)).float() * scale  # [Hkv, rep * n, S]
+    query_pos = (torch.arange(n, device=x.device) + skip).repeat(rep)  # [rep * n]
+    future = torch.arange(S, device=x.device)[None, :] > query_pos[:, None]  # [rep * n, S]
+    scores.masked_fill_(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(dtype)  # [Hkv, rep * n, S]
+    out = probs @ v  # [Hkv, rep * n, hd]
+    merged = out.view(kv_heads, rep, n, hd).permute(2, 0, 1, 3).reshape(n, heads * hd)
+    y = x[skip:] + _linear(merged, attn.o_proj)  # [n, d]
+
+    yn, (a2, b2, c2) = _rms_coefficients(y, layer.post_attention_layernorm, dtype)
+    gate = _linear(yn, mlp.gate_proj).float()  # [n, ff]
+    up = _linear(yn, mlp.up_proj).float()
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    dsilu = sig * (1 + gate * (1 - sig))
+    h = y + _linear((silu * up).to(dtype), mlp.down_proj)  # [n, d]
+    coefficients = LayerCoefficients(
+        a1=a1[skip:], b1=b1[skip:], c1=c1[skip:], a2=a2, b2=b2, c2=c2,
+        silu_gate=silu.to(dtype), dact_gate=(up * dsilu).to(dtype),
+        probs=probs, probs_valid_t=probs[:, :, skip:].transpose(1, 2).contiguous(), attn_out=out,
+        keys_scaled=(k * scale).contiguous(), queries_scaled=(q * scale).contiguous(),
+        values_t=v.transpose(1, 2).contiguous(), layer=layer)
+    return h, coefficients
+
+
+@dataclass
+class PreparedPrompt:
+    """The forward pass of one prompt, ready for any number of backward chunks."""
+
+    layers: dict[int, LayerCoefficients]  # {decoder layer j: coefficients}, lowest source + 1 .. target
+    cos: torch.Tensor  # [n, hd] at the valid positions
+    sin: torch.Tensor
+    cos_rep: torch.Tensor  # [rep * n, hd]: the same, for queries grouped by key/value head
+    sin_rep: torch.Tensor
+    n_valid: int
+    kv_heads: int
+    rep: int
+    head_dim: int
+
+
+def prepare_layers(model, ids: torch.Tensor, lowest_source: int, target: int, skip_first: int,
+                   rtol: float | None = None) -> PreparedPrompt:
+    """Forward pass of ``ids`` [1, seq] with the coefficients of layers ``lowest_source + 1 .. target``.
+
+    The model's own forward records the residual before each of those layers (the input of layer
+    ``j`` is exactly what the model computed); each layer is then re-run here and its output at the
+    valid positions compared with the model's.
+
+    Raises:
+        ValueError: the model is not supported (:func:`fused_unsupported_reason`).
+        FusedMismatchError: a re-run layer differs from the model's by more than ``rtol``
+            (relative L2; default 1e-4 in fp32, 2e-2 in half precision).
+    """
+    reason = fused_unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"The fused backward does not support {model.name!r}: {reason}.")
+    config = model.config
+    seq_len = ids.shape[1]
+    S = seq_len - 1
+    if _sliding_window_shorter_than(config, S):
+        raise ValueError(f"The fused backward does not support a sliding window ({config.sliding_window}) "
+                         f"shorter than the prompt ({S} tokens).")
+    if rtol is None:
+        rtol = 1e-4 if model.dtype == torch.float32 else 2e-2
+    n = S - skip_first
+    with torch.no_grad(), ActivationRecorder(model.layers, range(lowest_source, target + 1),
+                                             stop_after=target) as rec:
+        model.run_with_cache(ids[:, :S])
+    resid = {j: h[0] for j, h in rec.activations.items()}  # {j: [S, d]}
+    base = model.base
+    x0 = resid[lowest_source]
+    positions = torch.arange(S, device=x0.device)[None]
+    cos, sin = base.rotary_emb(x0[None], positions)
+    cos, sin = cos[0].to(x0.dtype), sin[0].to(x0.dtype)  # [S, hd]
+    layers = {}
+    with torch.no_grad():
+        for j in range(lowest_source + 1, target + 1):
+            out, coeffs = _layer_forward(model.layers[j], resid[j - 1], cos, sin, skip_first, config)
+            expected = resid[j][skip_first:].float()
+            err = float((out.float() - expected).norm() / expected.norm().clamp_min(1e-30))
+            if not err <= rtol:
+                raise FusedMismatchError(
+                    f"The fused backward's re-run of layer {j} differs from the model's output by {err:.2e} "
+                    f"(relative; allowed {rtol:.0e}): this model's layers are not the Llama layout it assumes.")
+            layers[j] = coeffs
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    rep = heads // kv_heads
+    hd = cos.shape[-1]
+    return PreparedPrompt(layers=layers, cos=cos[skip_first:], sin=sin[skip_first:],
+                          cos_rep=cos[skip_first:].repeat(rep, 1), sin_rep=sin[skip_first:].repeat(rep, 1),
+                          n_valid=n, kv_heads=kv_heads, rep=rep, head_dim=hd)
+
+
+def _rms_backward(g: torch.Tensor, residual: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  c: torch.Tensor) -> torch.Tensor:
+    """``residual + A * g - C * sum(B * g)`` over the last axis; ``g``, ``residual``: [k, n, d]."""
+    dot = (g * b).sum(-1, keepdim=True)  # [k, n, 1]
+    out = torch.addcmul(residual, g, a)
+    return out.addcmul_(c, dot, value=-1)
+
+
+def backward_layer(prep: PreparedPrompt, j: int, grad: torch.Tensor | None, rows: range | None = None) -> torch.Tensor:
+    """The cotangents ``[k, n, d]`` at layer ``j``'s input, from those at its output.
+
+    ``grad`` is ``[k, n, d]``; ``None`` means the one-hot cotangents ``e_i`` (``i`` in ``rows``) at every
+    valid position, whose ``down_proj`` backward is a row lookup.
+    """
+    c = prep.layers[j]
+    layer = c.layer
+    attn, mlp = layer.self_attn, layer.mlp
+    n, kv_heads, rep, hd = prep.n_valid, prep.kv_heads, prep.rep, prep.head_dim
+    if grad is None:
+        k = len(rows)
+        index = torch.tensor(list(rows), device=c.a1.device)
+        u = mlp.down_proj.weight[index][:, None, :].expand(k, n, -1)  # [k, n, ff]
+        grad = torch.zeros(k, n, c.a1.shape[-1], dtype=c.a1.dtype, device=c.a1.device)
+        grad[torch.arange(k), :, index] = 1
+    else:
+        k = grad.shape[0]
+        u = grad @ mlp.down_proj.weight  # [k, n, ff]
+    d = grad.shape[-1]
+    # MLP: act = silu(gate) * up
+    g_up = u * c.silu_gate  # [k, n, ff]
+    g_gate = u * c.dact_gate
+    g_norm = (g_gate.view(k * n, -1) @ mlp.gate_proj.weight).view(k, n, d)
+    g_norm.view(k * n, d).addmm_(g_up.view(k * n, -1), mlp.up_proj.weight)
+    del u, g_up, g_gate
+    grad = _rms_backward(g_norm, grad, c.a2, c.b2, c.c2)  # at the attention's residual output
+    # Attention
+    g_out = grad @ attn.o_proj.weight  # [k, n, H * hd]
+    g_out = g_out.view(k, n, kv_heads, rep, hd).permute(0, 2, 3, 1, 4).reshape(k, kv_heads, rep * n, hd)
+    g_probs = g_out @ c.values_t  # [k, Hkv, rep * n, S]
+    delta = (g_out * c.attn_out).sum(-1, keepdim=True)  # [k, Hkv, rep * n, 1]
+    g_scores = g_probs.sub_(delta).mul_(c.probs)  # softmax backward
+    skip = g_scores.shape[-1] - n
+    g_q = g_scores @ c.keys_scaled  # [k, Hkv, rep * n, hd]
+    g_k = g_scores[..., skip:].transpose(-1, -2) @ c.queries_scaled  # [k, Hkv, n, hd]
+    g_v = c.probs_valid_t @ g_out  # [k, Hkv, n, hd]
+    del g_probs, g_scores, g_out
+    g_q = _rotate_backward(g_q, prep.cos_rep, prep.sin_rep)
+    g_k = _rotate_backward(g_k, prep.cos, prep.sin)
+    g_q = g_q.view(k, kv_heads, rep, n, hd).permute(0, 3, 1, 2, 4).reshape(k * n, kv_heads * rep * hd)
+    g_k = g_k.permute(0, 2, 1, 3).reshape(k * n, kv_heads * hd)
+    g_v = g_v.permute(0, 2, 1, 3).reshape(k * n, kv_heads * hd)
+    g_norm = g_q @ attn.q_proj.weight  # [k * n, d]
+    g_norm.addmm_(g_k, attn.k_proj.weight).addmm_(g_v, attn.v_proj.weight)
+    return _rms_backward(g_norm.view(k, n, d), grad, c.a1, c.b1, c.c1)
+
+
+def fused_jacobians(model, ids: torch.Tensor, sources: list[int], target: int, skip_first: int,
+                    dim_batch: int, rtol: float | None = None) -> dict[int, torch.Tensor]:
+    """``{l: J_l}`` (fp32, CPU, ``[d, d]``) for one prompt ``ids`` [1, seq], by the analytic backward.
+
+    Same definition and result as the autograd estimator (SPEC §2). Raises as :func:`prepare_layers`.
+    """
+    prep = prepare_layers(model, ids, sources[0], target, skip_first, rtol)
+    d = model.d_model
+    n = prep.n_valid
+    wanted = set(sources)
+    jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
+    with torch.no_grad():
+        for start in range(0, d, dim_batch):
+            rows = range(start, min(start + dim_batch, d))
+            grad = None
+            for j in range(target, sources[0], -1):
+                grad = backward_layer(prep, j, grad, rows)  # [k, n, d] at h_{j-1}
+                if j - 1 in wanted:
+                    jacobians[j - 1][start: rows.stop] = grad.float().sum(dim=1).cpu() / n
+    return jacobians
