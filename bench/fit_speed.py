@@ -11,6 +11,8 @@ its own subprocess so its peak memory is its own.
     python bench/fit_speed.py                 # full: all 29 source layers, seq 64 and 128, 3 reps
     python bench/fit_speed.py --quick         # source layers 24..28 only, 2 reps
     python bench/fit_speed.py --json out.json
+    python bench/fit_speed.py --device cuda --dim-batch auto --json bench/fit_speed_gpu.json
+                                              # on a GPU: bf16 model, fp32 J, bf16 matmul peak
 
 Prints a table and writes the figures as JSON (default ``bench/fit_speed.json``).
 """
@@ -95,17 +97,34 @@ def backward_flops(model, seq_len: int, skip_first: int, sources: list[int], tar
     return float(d * ((target - sources[0]) * per_layer - saved))
 
 
-def matmul_peak_gflops(seconds: float = 3.0) -> float:
-    """fp32 matmul throughput of this machine (best of repeated 1024x1536 @ 1536x1536 products)."""
-    a, b = torch.randn(1024 * 4, 1536), torch.randn(1536, 1536)
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def matmul_peak_gflops(seconds: float = 3.0, device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    """Matmul throughput of this machine in ``dtype`` (best of repeated [m, 1536] @ [1536, 1536] products;
+    m = 4096 on the CPU, 32768 on a GPU)."""
+    m = 4096 if device == "cpu" else 32768
+    a = torch.randn(m, 1536, device=device, dtype=dtype)
+    b = torch.randn(1536, 1536, device=device, dtype=dtype)
     best = 0.0
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end:
+        _sync(device)
         t0 = time.perf_counter()
         for _ in range(5):
             a @ b
+        _sync(device)
         best = max(best, 5 * 2 * a.shape[0] * a.shape[1] * b.shape[1] / (time.perf_counter() - t0) / 1e9)
     return best
+
+
+def bench_dtype(device: str, dtype: str | None) -> torch.dtype:
+    """The model dtype of the run: ``--dtype``, else fp32 on the CPU and bf16 on a GPU (as load_model)."""
+    if dtype:
+        return getattr(torch, dtype)
+    return torch.float32 if device == "cpu" else torch.bfloat16
 
 
 # -- worker: one measurement in its own process -------------------------------------------------
@@ -114,23 +133,32 @@ def worker(args) -> None:
     from jlens_core.fused import fused_unsupported_reason
     from jlens_core.loading import load_model
 
-    model = load_model(args.model)
+    model = load_model(args.model, device=args.device, dtype=bench_dtype(args.device, args.dtype))
     ids = model.encode(PROMPT, max_length=args.seq)
     if ids.shape[1] < args.seq:
         raise SystemExit(f"the benchmark prompt has only {ids.shape[1]} tokens, fewer than {args.seq}")
-    sources = list(range(args.first_layer, model.n_layers - 1))
+    first = args.first_layer if args.first_layer >= 0 else model.n_layers - 1 + args.first_layer
+    sources = list(range(first, model.n_layers - 1))
     target = model.n_layers - 1
+    dim_batch = args.dim_batch if args.dim_batch == "auto" else int(args.dim_batch)
+    if args.method == "plain" and dim_batch == "auto":
+        dim_batch = 16
+    _sync(args.device)
     t0 = time.perf_counter()
     if args.method == "plain":
-        jac = plain_jacobian_for_prompt(model, ids, sources, target, args.dim_batch, args.skip_first)
+        jac = plain_jacobian_for_prompt(model, ids, sources, target, dim_batch, args.skip_first)
     else:
         method = {"jlens": "auto", "jlens-batched": "batched", "jlens-replicated": "replicated",
                   "jlens-fused": "fused"}[args.method]
-        jac = jacobian_for_prompt(model, ids, source_layers=sources, target_layer=target, dim_batch=args.dim_batch,
+        jac = jacobian_for_prompt(model, ids, source_layers=sources, target_layer=target, dim_batch=dim_batch,
                                   max_seq_len=args.seq, skip_first=args.skip_first, method=method).jacobians
+    _sync(args.device)
     seconds = time.perf_counter() - t0
-    torch.save({k: v.float() for k, v in jac.items()}, args.out)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    torch.save({k: v.float().cpu() for k, v in jac.items()}, args.out)
+    if args.device.startswith("cuda"):
+        peak_mb = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     fused = args.method in ("jlens", "jlens-fused") and not fused_unsupported_reason(model)
     flops = backward_flops(model, args.seq, args.skip_first, sources, target, fused=fused)
     print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb, "flops": flops}))
@@ -139,7 +167,9 @@ def worker(args) -> None:
 def run_one(method: str, seq: int, args, out: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--method", method, "--seq", str(seq), "--out", out,
            "--first-layer", str(args.first_layer), "--dim-batch", str(args.dim_batch),
-           "--skip-first", str(args.skip_first), "--model", args.model]
+           "--skip-first", str(args.skip_first), "--model", args.model, "--device", args.device]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TRANSFORMERS_VERBOSITY="error"))
     if proc.returncode != 0:
         raise SystemExit(f"worker {method} seq={seq} failed:\n{proc.stderr[-3000:]}")
@@ -154,14 +184,18 @@ def rel_fro(a: dict, b: dict) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="source layers 24..28 only, 2 repetitions")
+    p.add_argument("--quick", action="store_true", help="the 5 source layers below the last only (24..28 of "
+                                                        "SmolLM2-135M), 2 repetitions")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 2 with --quick)")
     p.add_argument("--seqs", default="64,128", help="max_seq_len values (default 64,128)")
     p.add_argument("--methods", default="plain,jlens-batched,jlens",
                    help="comma-separated: plain (SPEC §2 as written), jlens (the default method, 'auto': the fused "
                         "backward here), jlens-batched (autograd, cotangents batched), jlens-replicated, "
                         "jlens-fused (default: plain,jlens-batched,jlens)")
-    p.add_argument("--dim-batch", type=int, default=8)
+    p.add_argument("--dim-batch", default="8", help="rows per backward pass, or 'auto' (default 8)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", default=None, help="model dtype: float32 / bfloat16 / float16 (default fp32 on the CPU, "
+                                                 "bf16 on a GPU; J is accumulated in fp32 either way)")
     p.add_argument("--skip-first", type=int, default=16)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--json", default=str(ROOT / "bench" / "fit_speed.json"))
@@ -172,15 +206,23 @@ def main() -> None:
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.first_layer is None:
-        args.first_layer = 24 if args.quick else 0
+        args.first_layer = -5 if args.quick else 0  # --quick: the 5 layers below the last
     if args.worker:
         return worker(args)
     reps = args.reps or (2 if args.quick else 3)
     seqs = [int(s) for s in args.seqs.split(",")]
     methods = args.methods.split(",")
-    peaks = [matmul_peak_gflops()]
-    print(f"fp32 matmul peak (measured): {peaks[0]:.1f} GFLOP/s; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; source layers {args.first_layer}..28 -> 29", flush=True)
+    dtype = bench_dtype(args.device, args.dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+
+    def measure_peak() -> float:
+        return matmul_peak_gflops(device=args.device, dtype=dtype)
+
+    peaks = [measure_peak()]
+    where = (f"{torch.get_num_threads()} threads" if args.device == "cpu"
+             else torch.cuda.get_device_name(args.device))
+    print(f"{dtype_name} matmul peak (measured): {peaks[0]:.1f} GFLOP/s; torch {torch.__version__}, "
+          f"{where}; model {args.model}; source layers {args.first_layer}.. -> last", flush=True)
     times = {(m, s): [] for m in methods for s in seqs}
     rss = {(m, s): [] for m in methods for s in seqs}
     flops = {}
@@ -198,12 +240,13 @@ def main() -> None:
                     print(f"  rep {rep + 1}/{reps} seq {seq:4d} {method:17s} {r['seconds']:8.2f} s "
                           f"peak {r['peak_rss_mb']:7.0f} MB", flush=True)
             # The machine's speed may drift (shared hosts): the peak is re-measured after every repetition.
-            peaks.append(matmul_peak_gflops())
+            peaks.append(measure_peak())
             print(f"  matmul peak after rep {rep + 1}: {peaks[-1]:.1f} GFLOP/s", flush=True)
     peak = max(peaks)
-    summary = {"matmul_peak_gflops": peak, "matmul_peak_all": peaks, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    summary = {"matmul_peak_gflops": peak, "matmul_peak_all": peaks, "device": args.device, "dtype": dtype_name,
+               "model": args.model, "torch": torch.__version__, "threads": torch.get_num_threads(),
                "first_source_layer": args.first_layer, "dim_batch": args.dim_batch, "reps": reps, "rows": []}
-    print(f"\nfp32 matmul peak: {peak:.1f} GFLOP/s (best of {len(peaks)} measurements: "
+    print(f"\n{dtype_name} matmul peak: {peak:.1f} GFLOP/s (best of {len(peaks)} measurements: "
           + ", ".join(f"{x:.0f}" for x in peaks) + ")")
     print(f"{'seq':>4} {'method':17s} {'s/prompt':>9} {'ratio':>6} {'rel.diff':>9} {'peak MB':>8} "
           f"{'GFLOP/s':>8} {'% peak':>7}")

@@ -119,19 +119,27 @@ def prompt_ids(model, prompt, max_seq_len: int) -> torch.Tensor:
 
 
 def auto_dim_batch(model, n_valid: int, n_layers_backward: int, *, fraction: float = 0.5,
-                   cap: int = 256) -> int:
+                   cap: int = 256, fused: bool = False) -> int:
     """A ``dim_batch`` that fits in free accelerator memory (``"auto"``); 16 on the CPU.
 
-    The batched backward holds about ``dim_batch * n_valid * (d_model * 6 + d_ff * 3)`` activations
-    per backpropagated layer at its peak; ``fraction`` of the free memory is allowed for them.
+    Autograd (``fused=False``) holds about ``dim_batch * n_valid * (d_model * 6 + d_ff * 3)``
+    activations per backpropagated layer at its peak. The fused backward holds one layer's
+    cotangents at a time, about ``dim_batch * n_valid * (d_model * 6 + d_ff * 3 + 2 * heads * seq)``.
+    ``fraction`` of the free memory is allowed for them.
     """
     device = model.device
     if device.type != "cuda":
         return 16
     free, _total = torch.cuda.mem_get_info(device)
     d = model.d_model
-    d_ff = getattr(model.config, "intermediate_size", None) or 4 * d
-    bytes_per_row = n_valid * (6 * d + 3 * d_ff) * max(n_layers_backward, 1) * torch.finfo(model.dtype).bits // 8
+    config = model.config
+    d_ff = getattr(config, "intermediate_size", None) or 4 * d
+    per_position = 6 * d + 3 * d_ff
+    if fused:
+        heads = getattr(config, "num_attention_heads", 1)
+        per_position += 2 * heads * (n_valid + 64)  # attention scores over all keys (prefix bounded)
+        n_layers_backward = 1
+    bytes_per_row = n_valid * per_position * max(n_layers_backward, 1) * torch.finfo(model.dtype).bits // 8
     return int(max(1, min(cap, d, fraction * free // max(bytes_per_row, 1))))
 
 
@@ -218,12 +226,14 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
     n_valid = seq_len - 1 - skip_first
     d = model.d_model
     jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
-    if dim_batch == "auto":
-        dim_batch = auto_dim_batch(model, n_valid, target - sources[0])
-
     auto = method == "auto"
     if auto:
         method = "fused" if _fused_usable(model) else "batched"
+    fallback_dim_batch = dim_batch  # autograd (a fallback below) holds more per row than the fused path
+    if dim_batch == "auto":
+        fallback_dim_batch = auto_dim_batch(model, n_valid, target - sources[0])
+        dim_batch = (auto_dim_batch(model, n_valid, target - sources[0], fused=True) if method == "fused"
+                     else fallback_dim_batch)
     if method == "fused":
         try:
             jacobians = fused_jacobians(model, ids, sources, target, skip_first, dim_batch)
@@ -234,7 +244,7 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
             # Warned once: autograd from now on for this model object.
             log.warning("%s Falling back to autograd ('batched').", exc)
             _remember(model, "_jlens_fused_usable", False)
-            method = "batched"
+            method, dim_batch = "batched", fallback_dim_batch
 
     acts = _forward_suffix(model, ids, sources, target, skip_first, 1) if method == "batched" else None
     for start in range(0, d, dim_batch):

@@ -256,35 +256,26 @@ def _rms_backward(g: torch.Tensor, residual: torch.Tensor, a: torch.Tensor, b: t
     return out.addcmul_(c, dot, value=-1)
 
 
-def backward_layer(prep: PreparedPrompt, j: int, grad: torch.Tensor | None, rows: range | None = None) -> torch.Tensor:
-    """The cotangents ``[k, n, d]`` at layer ``j``'s input, from those at its output.
+def _mlp_backward(c: LayerCoefficients, grad: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Cotangents ``[k, n, d]`` through the MLP half (with its residual) of one layer.
 
-    ``grad`` is ``[k, n, d]``; ``None`` means the one-hot cotangents ``e_i`` (``i`` in ``rows``) at every
-    valid position, whose ``down_proj`` backward is a row lookup.
+    ``u`` [k, n, ff] is ``grad`` through ``down_proj`` (the cotangent of the activation).
     """
-    c = prep.layers[j]
-    layer = c.layer
-    attn, mlp = layer.self_attn, layer.mlp
-    n, kv_heads, rep, hd = prep.n_valid, prep.kv_heads, prep.rep, prep.head_dim
-    if grad is None:
-        k = len(rows)
-        index = torch.tensor(list(rows), device=c.a1.device)
-        u = mlp.down_proj.weight[index][:, None, :].expand(k, n, -1)  # [k, n, ff]
-        grad = torch.zeros(k, n, c.a1.shape[-1], dtype=c.a1.dtype, device=c.a1.device)
-        grad[torch.arange(k), :, index] = 1
-    else:
-        k = grad.shape[0]
-        u = grad @ mlp.down_proj.weight  # [k, n, ff]
-    d = grad.shape[-1]
-    # MLP: act = silu(gate) * up
-    g_up = u * c.silu_gate  # [k, n, ff]
+    mlp = c.layer.mlp
+    k, n, d = grad.shape
+    g_up = u * c.silu_gate  # [k, n, ff]; act = silu(gate) * up
     g_gate = u * c.dact_gate
     g_norm = (g_gate.view(k * n, -1) @ mlp.gate_proj.weight).view(k, n, d)
     g_norm.view(k * n, d).addmm_(g_up.view(k * n, -1), mlp.up_proj.weight)
-    del u, g_up, g_gate
-    grad = _rms_backward(g_norm, grad, c.a2, c.b2, c.c2)  # at the attention's residual output
-    # Attention
-    g_out = grad @ attn.o_proj.weight  # [k, n, H * hd]
+    return _rms_backward(g_norm, grad, c.a2, c.b2, c.c2)
+
+
+def _attention_backward(prep: PreparedPrompt, c: LayerCoefficients, grad: torch.Tensor) -> torch.Tensor:
+    """Cotangents ``[k, n, d]`` through the attention half (with its residual) of one layer."""
+    attn = c.layer.self_attn
+    n, kv_heads, rep, hd = prep.n_valid, prep.kv_heads, prep.rep, prep.head_dim
+    k, _, d = grad.shape
+    g_out = grad.reshape(k * n, d) @ attn.o_proj.weight  # [k * n, H * hd]
     g_out = g_out.view(k, n, kv_heads, rep, hd).permute(0, 2, 3, 1, 4).reshape(k, kv_heads, rep * n, hd)
     g_probs = g_out @ c.values_t  # [k, Hkv, rep * n, S]
     delta = (g_out * c.attn_out).sum(-1, keepdim=True)  # [k, Hkv, rep * n, 1]
@@ -304,11 +295,30 @@ def backward_layer(prep: PreparedPrompt, j: int, grad: torch.Tensor | None, rows
     return _rms_backward(g_norm.view(k, n, d), grad, c.a1, c.b1, c.c1)
 
 
+def backward_layer(prep: PreparedPrompt, j: int, grad: torch.Tensor | None, rows: range | None = None) -> torch.Tensor:
+    """The cotangents ``[k, n, d]`` at layer ``j``'s input, from those at its output.
+
+    ``grad`` is ``[k, n, d]``; ``None`` means the one-hot cotangents ``e_i`` (``i`` in ``rows``) at every
+    valid position, whose ``down_proj`` backward is a row lookup.
+    """
+    c = prep.layers[j]
+    if grad is None:
+        k, n, d = len(rows), prep.n_valid, c.a1.shape[-1]
+        index = torch.tensor(list(rows), device=c.a1.device)
+        u = c.layer.mlp.down_proj.weight[index][:, None, :].expand(k, n, -1)  # [k, n, ff]
+        grad = torch.zeros(k, n, d, dtype=c.a1.dtype, device=c.a1.device)
+        grad[torch.arange(k), :, index] = 1
+    else:
+        u = grad @ c.layer.mlp.down_proj.weight  # [k, n, ff]
+    return _attention_backward(prep, c, _mlp_backward(c, grad, u))
+
+
 def fused_jacobians(model, ids: torch.Tensor, sources: list[int], target: int, skip_first: int,
                     dim_batch: int, rtol: float | None = None) -> dict[int, torch.Tensor]:
     """``{l: J_l}`` (fp32, CPU, ``[d, d]``) for one prompt ``ids`` [1, seq], by the analytic backward.
 
-    Same definition and result as the autograd estimator (SPEC §2). Raises as :func:`prepare_layers`.
+    Same definition and result as the autograd estimator (SPEC §2): chunks of ``dim_batch`` rows
+    run through the layers from the target down to the lowest source. Raises as :func:`prepare_layers`.
     """
     prep = prepare_layers(model, ids, sources[0], target, skip_first, rtol)
     d = model.d_model

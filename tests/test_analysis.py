@@ -151,7 +151,8 @@ def test_positions_and_truncation(model, reading):
     part = read_prompt(model, LogitLens.for_model(model), TEXT, top_k=5, positions=[2, -1, 0, 2])
     seq = len(reading.input_ids)
     assert part.positions.tolist() == [0, 2, seq - 1]
-    np.testing.assert_allclose(part.kl_bits, reading.kl_bits[:, [0, 2, seq - 1]])
+    # other rows in the matmuls: fp32 rounding may differ in the last digits
+    np.testing.assert_allclose(part.kl_bits, reading.kl_bits[:, [0, 2, seq - 1]], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="position 99 is out of range"):
         read_prompt(model, LogitLens.for_model(model), TEXT, positions=[99])
     short = read_prompt(model, LogitLens.for_model(model), TEXT, max_seq_len=6)
