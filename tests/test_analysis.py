@@ -162,7 +162,9 @@ def test_positions_and_truncation(model, reading):
 def test_chunked_reading_is_identical(model, reading, monkeypatch):
     monkeypatch.setattr(analysis_mod, "CHUNK_ELEMENTS", 3 * 300)  # 3 positions per chunk
     chunked = read_prompt(model, LogitLens.for_model(model), TEXT, top_k=5, pinned=[" Paris", "is"])
-    pd.testing.assert_frame_equal(chunked.frame, reading.frame)
+    # tokens and ranks identical; the floats up to fp32 rounding (the BLAS may block other row counts differently)
+    pd.testing.assert_frame_equal(chunked.frame, reading.frame, check_exact=False, rtol=1e-5, atol=1e-6)
+    assert chunked.frame["top_tokens"].tolist() == reading.frame["top_tokens"].tolist()
 
 
 def test_grids_and_cells(model, reading):

@@ -55,7 +55,13 @@ def runs_root(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "runs"
     monkeypatch.setenv("JLENS_RUNS_DIR", str(root))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return root
+    yield root
+    # A test that failed while a fit it started was running must not leave that process behind.
+    from app import runs
+
+    if root.exists():
+        for run in runs.list_runs(root):
+            runs.stop(run, force=True)
 
 
 def make_app(**query) -> AppTest:
@@ -307,22 +313,26 @@ def _state(at: AppTest) -> str:
     return line.split(" · ")[1]
 
 
+N_FIT = 40  # prompts of the fit started from the page (each ~1 s with its checkpoint and status files)
+
+
 def test_fit_page_start_stop_resume_and_use_the_lens(tiny_dir, tmp_path, runs_root):
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n\n".join(f"Text number {i}. {LONG_TEXT}" for i in range(40)))
+    corpus.write_text("\n\n".join(f"Text number {i}. {LONG_TEXT}" for i in range(N_FIT)))
     at = ok(make_app(model=tiny_dir, lens="none").run())
     at.switch_page("views/fit.py").run()
     assert any("No fits yet" in i.value for i in ok(at).info)
     at.text_input(key="fit_name").set_value("tiny-fit")
     at.radio(key="fit_source").set_value("path").run()
     at.text_input(key="fit_corpus_path").set_value(str(corpus))
-    at.number_input(key="fit_n").set_value(40)
+    at.number_input(key="fit_n").set_value(N_FIT)
     at.number_input(key="fit_len").set_value(32)
     at.number_input(key="fit_min_chars").set_value(50)
     at.number_input(key="fit_dim_batch").set_value(1)
     button(at, "Start fit").click().run()
     assert ok(at).selectbox(key="fit_run").value == "tiny-fit"
-    _wait(at, lambda a: _state(a) == "running" and has_chart(a, "fit_convergence"))
+    _wait(at, lambda a: _state(a) == "running" and has_chart(a, "fit_convergence")
+          and a.get("progress")[0].proto.value > 0)  # the bar shows whole percent
     progress = at.get("progress")[0]
     assert 0 < progress.proto.value < 100
     button(at, "Stop").click().run()
@@ -334,14 +344,14 @@ def test_fit_page_start_stop_resume_and_use_the_lens(tiny_dir, tmp_path, runs_ro
     assert ok(again).selectbox(key="fit_run").value == "tiny-fit"
     button(again, "Resume").click().run()
     _wait(again, lambda a: _state(a) == "done")
-    assert any("Finished: 40 prompts" in s.value for s in again.success)
+    assert any(f"Finished: {N_FIT} prompts" in s.value for s in again.success)
     conv = chart(again, "fit_convergence")
     assert conv["data"][-1]["name"] == "1/n guide" and conv["layout"]["xaxis"]["type"] == "log"
     assert values(chart(again, "fit_norms")["data"][0]["z"]).shape[0] == 3  # three source layers
-    assert "Fitted here: tiny-fit (40 prompts)" in again.selectbox(key="lens_choice").options
+    assert f"Fitted here: tiny-fit ({N_FIT} prompts)" in again.selectbox(key="lens_choice").options
     button(again, "Use this lens").click().run()
     assert ok(again).session_state["lens_choice"] == "run:tiny-fit"
-    assert any("Jacobian lens" in c.value and "40 prompts" in c.value for c in again.sidebar.caption)
+    assert any("Jacobian lens" in c.value and f"{N_FIT} prompts" in c.value for c in again.sidebar.caption)
     again.switch_page("views/inspect.py").run()
     assert len(chart(ok(again), "heatmap")["data"]) == 4  # side by side with the new lens
 
