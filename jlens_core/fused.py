@@ -71,7 +71,8 @@ def fused_unsupported_reason(model) -> str | None:
     """Why the fused backward cannot run on ``model`` (``None`` when it can).
 
     Checks the family (``config.model_type`` in :data:`FUSED_MODEL_TYPES`), the activation
-    (SiLU), the module names of every decoder layer and the rotary-embedding module.
+    (SiLU), the rotary-embedding module, that the weights sit on one device (not
+    ``device_map="auto"``), and the module names of every decoder layer.
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -84,6 +85,9 @@ def fused_unsupported_reason(model) -> str | None:
         return "pretraining_tp > 1"
     if getattr(getattr(model, "base", None), "rotary_emb", None) is None:
         return "no rotary_emb module on the decoder stack"
+    hf_model = getattr(model, "hf_model", None)
+    if hf_model is not None and len({p.device for p in hf_model.parameters()}) > 1:
+        return "the model is spread over several devices"
     for i, layer in enumerate(model.layers):
         for path in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
                      "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):

@@ -207,6 +207,12 @@ def test_fused_refuses_other_families(family, reason):
     assert fused_unsupported_reason(tiny("llama")) is None
 
 
+def test_fused_refuses_a_model_spread_over_devices():
+    model = make_tiny("llama")
+    model.layers[1].to("meta")  # as device_map="auto" would place a layer elsewhere
+    assert fused_unsupported_reason(model) == "the model is spread over several devices"
+
+
 def test_fused_refuses_a_sliding_window_shorter_than_the_prompt():
     model = make_tiny("mistral")
     model.config.sliding_window = 6
