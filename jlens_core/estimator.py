@@ -172,8 +172,7 @@ def _fused_usable(model) -> bool:
     """Whether ``method="auto"`` takes the fused path on ``model`` (decided once per model object)."""
     usable = getattr(model, "_jlens_fused_usable", None)
     if usable is None:
-        reason = fused_unsupported_reason(model) if hasattr(model, "config") and hasattr(model, "base") \
-            else "not a Hugging Face model adapter"
+        reason = fused_unsupported_reason(model)
         usable = reason is None
         if not usable:
             log.info("method='auto': autograd ('batched') for %s: the fused backward does not apply (%s).",

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .layouts import get_path
 from .recorder import ActivationRecorder
 
 log = logging.getLogger(__name__)
@@ -91,10 +92,7 @@ def fused_unsupported_reason(model) -> str | None:
     for i, layer in enumerate(model.layers):
         for path in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
                      "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            obj = layer
-            for part in path.split("."):
-                obj = getattr(obj, part, None)
-            if obj is None:
+            if get_path(layer, path) is None:
                 return f"layer {i} has no {path}"
     return None
 
