@@ -3,8 +3,9 @@
 In ONE run, on the same prompts, interleaved over repetitions, for the default model at
 ``max_seq_len`` 64 and 128 (all source layers): seconds per prompt (median), the ratio, the
 relative Frobenius difference of the results, the peak memory (RSS) of each, and the achieved
-GFLOP/s of jlens against the fp32 matmul peak measured in the same run (re-measured after each
-repetition; the best is used). The jlens rows are its default method (``auto``: the fused
+GFLOP/s of jlens against the fp32 matmul peak measured in the same run: the best of the peaks
+measured at the start and after each repetition, and (because a shared host's speed drifts) the
+peak measured in the worker right before and right after each timed section. The jlens rows are its default method (``auto``: the fused
 analytic backward on this model) and the autograd method ``batched``. Each measurement runs in
 its own subprocess so its peak memory is its own.
 
@@ -143,6 +144,9 @@ def worker(args) -> None:
     dim_batch = args.dim_batch if args.dim_batch == "auto" else int(args.dim_batch)
     if args.method == "plain" and dim_batch == "auto":
         dim_batch = 16
+    # The matmul peak right before and right after the timed section: a shared host's speed drifts
+    # (neighbours), so the achieved rate is also compared with the peak of the same minutes.
+    peak_before = matmul_peak_gflops(seconds=1.5, device=args.device, dtype=bench_dtype(args.device, args.dtype))
     _sync(args.device)
     t0 = time.perf_counter()
     if args.method == "plain":
@@ -154,6 +158,7 @@ def worker(args) -> None:
                                   max_seq_len=args.seq, skip_first=args.skip_first, method=method).jacobians
     _sync(args.device)
     seconds = time.perf_counter() - t0
+    peak_after = matmul_peak_gflops(seconds=1.5, device=args.device, dtype=bench_dtype(args.device, args.dtype))
     torch.save({k: v.float().cpu() for k, v in jac.items()}, args.out)
     if args.device.startswith("cuda"):
         peak_mb = torch.cuda.max_memory_allocated() / 2**20
@@ -161,7 +166,8 @@ def worker(args) -> None:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     fused = args.method in ("jlens", "jlens-fused") and not fused_unsupported_reason(model)
     flops = backward_flops(model, args.seq, args.skip_first, sources, target, fused=fused)
-    print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb, "flops": flops}))
+    print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb, "flops": flops,
+                      "adjacent_peak_gflops": (peak_before + peak_after) / 2}))
 
 
 def run_one(method: str, seq: int, args, out: str) -> dict:
@@ -225,6 +231,7 @@ def main() -> None:
           f"{where}; model {args.model}; source layers {args.first_layer}.. -> last", flush=True)
     times = {(m, s): [] for m in methods for s in seqs}
     rss = {(m, s): [] for m in methods for s in seqs}
+    adjacent = {(m, s): [] for m in methods for s in seqs}  # achieved / the peak of the same minutes
     flops = {}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -236,9 +243,11 @@ def main() -> None:
                     times[method, seq].append(r["seconds"])
                     rss[method, seq].append(r["peak_rss_mb"])
                     flops[method, seq] = r["flops"]
+                    adjacent[method, seq].append(r["flops"] / r["seconds"] / 1e9 / r["adjacent_peak_gflops"])
                     results[method, seq] = torch.load(out)
                     print(f"  rep {rep + 1}/{reps} seq {seq:4d} {method:17s} {r['seconds']:8.2f} s "
-                          f"peak {r['peak_rss_mb']:7.0f} MB", flush=True)
+                          f"peak {r['peak_rss_mb']:7.0f} MB; matmul peak around it "
+                          f"{r['adjacent_peak_gflops']:.0f} GFLOP/s", flush=True)
             # The machine's speed may drift (shared hosts): the peak is re-measured after every repetition.
             peaks.append(measure_peak())
             print(f"  matmul peak after rep {rep + 1}: {peaks[-1]:.1f} GFLOP/s", flush=True)
@@ -249,7 +258,7 @@ def main() -> None:
     print(f"\n{dtype_name} matmul peak: {peak:.1f} GFLOP/s (best of {len(peaks)} measurements: "
           + ", ".join(f"{x:.0f}" for x in peaks) + ")")
     print(f"{'seq':>4} {'method':17s} {'s/prompt':>9} {'ratio':>6} {'rel.diff':>9} {'peak MB':>8} "
-          f"{'GFLOP/s':>8} {'% peak':>7}")
+          f"{'GFLOP/s':>8} {'% peak':>7} {'% adj.':>7}")
     for seq in seqs:
         base = statistics.median(times[methods[0], seq])
         for method in methods:
@@ -259,10 +268,15 @@ def main() -> None:
             row = {"seq": seq, "method": method, "seconds_median": med, "seconds_all": times[method, seq],
                    "speedup_vs_" + methods[0]: base / med, "rel_frobenius_diff_vs_" + methods[0]: diff,
                    "peak_rss_mb": max(rss[method, seq]), "gflops": gflops,
-                   "fraction_of_peak": gflops / peak if gflops else None}
+                   "fraction_of_peak": gflops / peak if gflops else None,
+                   "fraction_of_adjacent_peak_median": statistics.median(adjacent[method, seq]) if gflops else None,
+                   "fraction_of_adjacent_peak_all": adjacent[method, seq] if gflops else None}
             summary["rows"].append(row)
             print(f"{seq:4d} {method:17s} {med:9.2f} {base / med:6.2f} {diff:9.1e} {max(rss[method, seq]):8.0f} "
-                  + (f"{gflops:8.1f} {100 * gflops / peak:6.1f}%" if gflops else f"{'-':>8} {'-':>7}"))
+                  + (f"{gflops:8.1f} {100 * gflops / peak:6.1f}% {100 * row['fraction_of_adjacent_peak_median']:6.1f}%"
+                     if gflops else f"{'-':>8} {'-':>7} {'-':>7}"))
+    print("% peak: the median rate against the best matmul peak of the run; % adj.: the median over repetitions "
+          "of each measurement's rate against the matmul peak measured right before and after it")
     Path(args.json).write_text(json.dumps(summary, indent=1))
     print(f"\nwrote {args.json}")
 

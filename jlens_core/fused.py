@@ -252,10 +252,12 @@ def prepare_layers(model, ids: torch.Tensor, lowest_source: int, target: int, sk
 
 def _rms_backward(g: torch.Tensor, residual: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                   c: torch.Tensor) -> torch.Tensor:
-    """``residual + A * g - C * sum(B * g)`` over the last axis; ``g``, ``residual``: [k, n, d]."""
+    """``residual + A * g - C * sum(B * g)`` over the last axis; ``g``, ``residual``: [k, n, d].
+
+    Overwrites ``g`` (a temporary of the caller) with the result.
+    """
     dot = (g * b).sum(-1, keepdim=True)  # [k, n, 1]
-    out = torch.addcmul(residual, g, a)
-    return out.addcmul_(c, dot, value=-1)
+    return g.mul_(a).add_(residual).addcmul_(c, dot, value=-1)  # g is a temporary: reuse its memory
 
 
 def _mlp_backward(c: LayerCoefficients, grad: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -265,8 +267,9 @@ def _mlp_backward(c: LayerCoefficients, grad: torch.Tensor, u: torch.Tensor) -> 
     """
     mlp = c.layer.mlp
     k, n, d = grad.shape
-    g_up = u * c.silu_gate  # [k, n, ff]; act = silu(gate) * up
-    g_gate = u * c.dact_gate
+    g_gate = u * c.dact_gate  # [k, n, ff]; act = silu(gate) * up
+    # u is the down_proj product, a temporary, except at the target layer (an expanded weight row)
+    g_up = u.mul_(c.silu_gate) if u.is_contiguous() else u * c.silu_gate
     g_norm = (g_gate.view(k * n, -1) @ mlp.gate_proj.weight).view(k, n, d)
     g_norm.view(k * n, d).addmm_(g_up.view(k * n, -1), mlp.up_proj.weight)
     return _rms_backward(g_norm, grad, c.a2, c.b2, c.c2)
