@@ -5,9 +5,9 @@ In ONE run, on the same prompts, interleaved over repetitions, for the default m
 relative Frobenius difference of the results, the peak memory (RSS) of each, and the achieved
 GFLOP/s of jlens against the fp32 matmul peak measured in the same run: the best of the peaks
 measured at the start and after each repetition, and (because a shared host's speed drifts) the
-peak measured in the worker right before and right after each timed section. The jlens rows are its default method (``auto``: the fused
-analytic backward on this model) and the autograd method ``batched``. Each measurement runs in
-its own subprocess so its peak memory is its own.
+peak measured in the worker right before and right after each timed section. The jlens rows
+are its default method (``auto``: the fused analytic backward on this model) and the autograd
+method ``batched``. Each measurement runs in its own subprocess so its peak memory is its own.
 
     python bench/fit_speed.py                 # full: all 29 source layers, seq 64 and 128, 3 reps
     python bench/fit_speed.py --quick         # source layers 24..28 only, 2 reps
