@@ -59,7 +59,8 @@ def plain_jacobian_for_prompt(model, ids, sources, target, dim_batch, skip_first
         batch = ids.expand(len(rows), -1)
         acts = {}
         hooks = [model.layers[layer].register_forward_hook(
-            lambda mod, args, out, layer=layer: acts.__setitem__(layer, out[0] if isinstance(out, tuple) else out))
+            lambda mod, args, out, layer=layer, acts=acts: acts.__setitem__(
+                layer, out[0] if isinstance(out, tuple) else out))
             for layer in sources + [target]]
         try:
             with torch.enable_grad():
@@ -176,7 +177,7 @@ def run_one(method: str, seq: int, args, out: str) -> dict:
            "--skip-first", str(args.skip_first), "--model", args.model, "--device", args.device]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TRANSFORMERS_VERBOSITY="error"))
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=dict(os.environ, TRANSFORMERS_VERBOSITY="error"))
     if proc.returncode != 0:
         raise SystemExit(f"worker {method} seq={seq} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,44 @@
+"""bench/fit_speed.py's plain estimator (SPEC §2 as written) agrees with every jacobian_for_prompt method."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LONG_TEXT, make_tiny
+
+from jlens_core import jacobian_for_prompt
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "fit_speed.py"
+
+
+@pytest.fixture(scope="module")
+def fit_speed():
+    spec = importlib.util.spec_from_file_location("fit_speed", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("method", ["fused", "batched", "replicated"])
+def test_plain_estimator_matches_jlens(fit_speed, method):
+    model = make_tiny("llama")
+    ids = model.encode(LONG_TEXT, max_length=24)
+    sources, target = [0, 2], 3
+    plain = fit_speed.plain_jacobian_for_prompt(model, ids, sources, target, dim_batch=5, skip_first=4)
+    jlens = jacobian_for_prompt(model, ids, source_layers=sources, target_layer=target, dim_batch=7,
+                                max_seq_len=24, skip_first=4, method=method).jacobians
+    for layer in sources:
+        assert plain[layer].abs().max() > 0
+        torch.testing.assert_close(jlens[layer], plain[layer], rtol=1e-4, atol=1e-5)
+
+
+def test_backward_flops_counts_the_remaining_layers(fit_speed):
+    model = make_tiny("llama")
+    one = fit_speed.backward_flops(model, 24, 4, [2], 3)
+    three = fit_speed.backward_flops(model, 24, 4, [0, 2], 3)
+    assert three == pytest.approx(3 * one)  # layers 1..3 against layer 3 alone
+    cfg = model.config
+    saved = model.d_model * 2 * (24 - 1 - 4) * model.d_model * cfg.intermediate_size
+    assert fit_speed.backward_flops(model, 24, 4, [2], 3, fused=True) == pytest.approx(one - saved)
