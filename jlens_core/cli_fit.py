@@ -11,7 +11,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -90,6 +92,16 @@ def _init_world(device: str | None):
     return World(), device or "cpu"
 
 
+def _interruptible() -> None:
+    """Make SIGINT (Ctrl-C, the app's Stop) raise KeyboardInterrupt: the fit then stops with its checkpoint.
+
+    A process started as a background job of a non-interactive shell (``cmd &`` in a script, CI)
+    inherits SIGINT *ignored*, and Python then installs no handler, so a Stop would be lost.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def cmd_fit(args: argparse.Namespace) -> int:
     from .corpus import load_corpus
     from .fit import fit
@@ -106,6 +118,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise CLIError(f"--out {args.out!r} is a folder; give a file path such as {args.out.rstrip('/')}/lens.safetensors.")
+    _interruptible()
     world, device = _init_world(args.device)
     rank = world.rank if world is not None else 0
     try:

@@ -313,22 +313,13 @@ def _state(at: AppTest) -> str:
     return line.split(" · ")[1]
 
 
-N_FIT = 40  # prompts of the fit started from the page
+N_FIT = 40  # prompts of the fit started from the page (each ~1 s with its checkpoint and status files)
 
 
-@pytest.fixture(scope="module")
-def wide_dir(tmp_path_factory) -> str:
-    """A tiny model wide enough (256 backward passes per prompt) that a 40-prompt fit outlasts a Stop click."""
-    folder = tmp_path_factory.mktemp("wide-model")
-    make_hf_model("llama", d_model=256).save_pretrained(folder)
-    make_tokenizer().save_pretrained(folder)
-    return str(folder)
-
-
-def test_fit_page_start_stop_resume_and_use_the_lens(wide_dir, tmp_path, runs_root):
+def test_fit_page_start_stop_resume_and_use_the_lens(tiny_dir, tmp_path, runs_root):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"Text number {i}. {LONG_TEXT}" for i in range(N_FIT)))
-    at = ok(make_app(model=wide_dir, lens="none").run())
+    at = ok(make_app(model=tiny_dir, lens="none").run())
     at.switch_page("views/fit.py").run()
     assert any("No fits yet" in i.value for i in ok(at).info)
     at.text_input(key="fit_name").set_value("tiny-fit")
@@ -348,7 +339,7 @@ def test_fit_page_start_stop_resume_and_use_the_lens(wide_dir, tmp_path, runs_ro
     _wait(at, lambda a: _state(a) == "stopped")
     assert any("Resume continues" in w.value for w in at.warning)
     # a new browser session (a reload) finds the run again from its files
-    again = ok(make_app(model=wide_dir, lens="none").run())
+    again = ok(make_app(model=tiny_dir, lens="none").run())
     again.switch_page("views/fit.py").run()
     assert ok(again).selectbox(key="fit_run").value == "tiny-fit"
     button(again, "Resume").click().run()

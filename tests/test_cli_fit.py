@@ -253,6 +253,41 @@ def test_fit_killed_with_sigkill_and_resumed_equals_the_uninterrupted_fit(work, 
     assert json.loads(status_path.read_text())["state"] == "done"
 
 
+def test_sigint_stops_the_fit_with_its_checkpoint_even_when_started_with_sigint_ignored(work, tmp_path, reference):
+    # A background job of a non-interactive shell (``jlens fit ... &`` in a script, CI) starts with
+    # SIGINT ignored; the app's Stop and Ctrl-C must still stop the fit and keep its checkpoint.
+    n = 200
+    out, ckpt = tmp_path / "stopped.safetensors", tmp_path / "stopped-run.ckpt"
+    _, status_path, _ = sidecars(out)
+    args = fit_args(work, out, "--n-prompts", str(n), "--checkpoint", str(ckpt), "--checkpoint-every", "1")
+    with open(tmp_path / "stderr.txt", "w") as err:
+        ignoring = ["bash", "-c", 'trap "" INT; exec "$@"', "bash", sys.executable, "-m", "jlens_core", *args]
+        proc = subprocess.Popen(ignoring, cwd=REPO, env=sub_env(), stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + 240  # a hang guard, not a measurement
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    status = json.loads(status_path.read_text())
+                except (OSError, ValueError):
+                    status = {}
+                if status.get("n_done", 0) >= 3:
+                    break
+                time.sleep(0.01)
+            assert proc.poll() is None, "the fit ended before it could be stopped: " + (tmp_path / "stderr.txt").read_text()
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    status = json.loads(status_path.read_text())
+    assert status["state"] == "stopped", (tmp_path / "stderr.txt").read_text()
+    saved = read_checkpoint(ckpt)
+    assert 3 <= saved["n_done"] < n
+    assert main(args) == 0  # resumes from the checkpoint
+    assert max_abs_diff(JacobianLens.load(out), reference(n)) <= 1e-6
+
+
 def test_merge_of_two_shard_files_equals_one_fit(work, tmp_path, reference, capsys):
     texts = work["texts"][:16]
     a, b, merged = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "merged.safetensors"
