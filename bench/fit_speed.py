@@ -135,7 +135,8 @@ def worker(args) -> None:
     from jlens_core.fused import fused_unsupported_reason
     from jlens_core.loading import load_model
 
-    model = load_model(args.model, device=args.device, dtype=bench_dtype(args.device, args.dtype))
+    dtype = bench_dtype(args.device, args.dtype)
+    model = load_model(args.model, device=args.device, dtype=dtype)
     ids = model.encode(PROMPT, max_length=args.seq)
     if ids.shape[1] < args.seq:
         raise SystemExit(f"the benchmark prompt has only {ids.shape[1]} tokens, fewer than {args.seq}")
@@ -147,7 +148,7 @@ def worker(args) -> None:
         dim_batch = 16
     # The matmul peak right before and right after the timed section: a shared host's speed drifts
     # (neighbours), so the achieved rate is also compared with the peak of the same minutes.
-    peak_before = matmul_peak_gflops(seconds=1.5, device=args.device, dtype=bench_dtype(args.device, args.dtype))
+    peak_before = matmul_peak_gflops(seconds=1.5, device=args.device, dtype=dtype)
     _sync(args.device)
     t0 = time.perf_counter()
     if args.method == "plain":
@@ -159,7 +160,7 @@ def worker(args) -> None:
                                   max_seq_len=args.seq, skip_first=args.skip_first, method=method).jacobians
     _sync(args.device)
     seconds = time.perf_counter() - t0
-    peak_after = matmul_peak_gflops(seconds=1.5, device=args.device, dtype=bench_dtype(args.device, args.dtype))
+    peak_after = matmul_peak_gflops(seconds=1.5, device=args.device, dtype=dtype)
     torch.save({k: v.float().cpu() for k, v in jac.items()}, args.out)
     if args.device.startswith("cuda"):
         peak_mb = torch.cuda.max_memory_allocated() / 2**20

@@ -211,13 +211,14 @@ def test_method_option_changes_speed_not_the_lens(work, tmp_path, reference):
         assert max_abs_diff(lens, default) <= 1e-6
 
 
-def test_fit_killed_with_sigkill_and_resumed_equals_the_uninterrupted_fit(work, tmp_path, reference):
-    n = 200
-    out, ckpt = tmp_path / "killed.safetensors", tmp_path / "killed-run.ckpt"
-    diag_path, status_path, _ = sidecars(out)
-    args = fit_args(work, out, "--n-prompts", str(n), "--checkpoint", str(ckpt), "--checkpoint-every", "1")
-    with open(tmp_path / "stderr.txt", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "jlens_core", *args], cwd=REPO, env=sub_env(),
+def signal_fit_midway(args: list[str], status_path: Path, stderr_path: Path, sig: int, *, after: int,
+                      launcher: list[str] = ()) -> subprocess.Popen:
+    """Run ``jlens fit args`` (behind ``launcher``), send ``sig`` once its status counts ``after`` prompts.
+
+    Returns the ended process; fails the test when the fit ends on its own first.
+    """
+    with open(stderr_path, "w") as err:
+        proc = subprocess.Popen([*launcher, sys.executable, "-m", "jlens_core", *args], cwd=REPO, env=sub_env(),
                                 stdout=subprocess.DEVNULL, stderr=err)
         try:
             deadline = time.monotonic() + 240  # a hang guard, not a measurement
@@ -226,15 +227,25 @@ def test_fit_killed_with_sigkill_and_resumed_equals_the_uninterrupted_fit(work, 
                     status = json.loads(status_path.read_text())
                 except (OSError, ValueError):
                     status = {}
-                if status.get("n_done", 0) >= 5:
+                if status.get("n_done", 0) >= after:
                     break
                 time.sleep(0.01)
-            assert proc.poll() is None, "the fit ended before it could be killed: " + (tmp_path / "stderr.txt").read_text()
-            proc.send_signal(signal.SIGKILL)
+            assert proc.poll() is None, "the fit ended before it could be signalled: " + stderr_path.read_text()
+            proc.send_signal(sig)
+            proc.wait(timeout=120)
         finally:
             if proc.poll() is None:
                 proc.kill()
-            proc.wait()
+                proc.wait()
+    return proc
+
+
+def test_fit_killed_with_sigkill_and_resumed_equals_the_uninterrupted_fit(work, tmp_path, reference):
+    n = 200
+    out, ckpt = tmp_path / "killed.safetensors", tmp_path / "killed-run.ckpt"
+    diag_path, status_path, _ = sidecars(out)
+    args = fit_args(work, out, "--n-prompts", str(n), "--checkpoint", str(ckpt), "--checkpoint-every", "1")
+    proc = signal_fit_midway(args, status_path, tmp_path / "stderr.txt", signal.SIGKILL, after=5)
     assert proc.returncode == -signal.SIGKILL
     assert not out.exists()
     assert json.loads(status_path.read_text())["state"] == "running"  # a killed fit cannot say more
@@ -260,26 +271,8 @@ def test_sigint_stops_the_fit_with_its_checkpoint_even_when_started_with_sigint_
     out, ckpt = tmp_path / "stopped.safetensors", tmp_path / "stopped-run.ckpt"
     _, status_path, _ = sidecars(out)
     args = fit_args(work, out, "--n-prompts", str(n), "--checkpoint", str(ckpt), "--checkpoint-every", "1")
-    with open(tmp_path / "stderr.txt", "w") as err:
-        ignoring = ["bash", "-c", 'trap "" INT; exec "$@"', "bash", sys.executable, "-m", "jlens_core", *args]
-        proc = subprocess.Popen(ignoring, cwd=REPO, env=sub_env(), stdout=subprocess.DEVNULL, stderr=err)
-        try:
-            deadline = time.monotonic() + 240  # a hang guard, not a measurement
-            while proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    status = json.loads(status_path.read_text())
-                except (OSError, ValueError):
-                    status = {}
-                if status.get("n_done", 0) >= 3:
-                    break
-                time.sleep(0.01)
-            assert proc.poll() is None, "the fit ended before it could be stopped: " + (tmp_path / "stderr.txt").read_text()
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    signal_fit_midway(args, status_path, tmp_path / "stderr.txt", signal.SIGINT, after=3,
+                      launcher=["bash", "-c", 'trap "" INT; exec "$@"', "bash"])
     status = json.loads(status_path.read_text())
     assert status["state"] == "stopped", (tmp_path / "stderr.txt").read_text()
     saved = read_checkpoint(ckpt)
