@@ -17,7 +17,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from jlens_core.tokens import visible
+from jlens_core.reading.tokens import visible
 
 MAX_TEXT_CELLS = 3000  # cells above this are drawn without their top-1 token (hover still has it)
 PLOT_WIDTH_PX = 1000  # about the width of the heatmap in the wide layout

@@ -24,8 +24,8 @@ from typing import Any
 
 import streamlit as st
 
-from jlens_core.lens import JacobianLens, LensFileError, LogitLens
-from jlens_core.loading import DEFAULT_ALIASES, DEFAULT_MODEL, cache_dir, load_model
+from jlens_core.lenses.lens import JacobianLens, LensFileError, LogitLens
+from jlens_core.models.loading import DEFAULT_ALIASES, DEFAULT_MODEL, cache_dir, load_model
 
 log = logging.getLogger("jlens.app")
 
@@ -82,12 +82,12 @@ def runs_dir() -> Path:
 def shipped_lens_path(model: Any) -> Path | None:
     """The lens shipped in ``assets/lenses/`` for ``model`` (by its name), or ``None``.
 
-    Asks :func:`jlens_core.shipped.shipped_lens_path` (the default model's lens), then looks for
+    Asks :func:`jlens_core.lenses.shipped.shipped_lens_path` (the default model's lens), then looks for
     ``assets/lenses/<model name>.safetensors``.
     """
     name = str(getattr(model, "name", "") or "")
     try:
-        from jlens_core.shipped import shipped_lens_path as core_shipped
+        from jlens_core.lenses.shipped import shipped_lens_path as core_shipped
 
         found = core_shipped(name)
         if found is not None:
@@ -105,7 +105,7 @@ def shipped_lens_path(model: Any) -> Path | None:
 # -- cached resources ---------------------------------------------------------------------------
 @st.cache_resource(show_spinner=False, max_entries=3)
 def load_model_cached(spec: str, device: str, dtype: str):
-    """:func:`jlens_core.loading.load_model`, once per (spec, device, dtype) per server."""
+    """:func:`jlens_core.models.loading.load_model`, once per (spec, device, dtype) per server."""
     return load_model(spec, device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype)
 
 
@@ -119,8 +119,8 @@ def load_lens_cached(path: str, mtime: float, size: int) -> JacobianLens:
 def reading_cached(_model, model_key: str, _lens, lens_key: str, text: str, top_k: int, pinned: tuple,
                    show_ws: bool, word_like: bool, layers: tuple | None, positions: tuple | None,
                    max_seq_len: int):
-    """:func:`jlens_core.analysis.read_prompt`, cached by its inputs (the model and lens by key)."""
-    from jlens_core.analysis import read_prompt
+    """:func:`jlens_core.reading.readings.read_prompt`, cached by its inputs (the model and lens by key)."""
+    from jlens_core.reading.readings import read_prompt
 
     return read_prompt(_model, _lens, text, top_k=top_k, pinned=pinned, show_whitespace=show_ws,
                        word_like=word_like, layers=None if layers is None else list(layers),
@@ -420,7 +420,7 @@ def sidebar() -> Context:
 
 
 def token_strings(model: Any, ids: list[int], show_whitespace: bool = False) -> list[str]:
-    """Display strings of token ids (``jlens_core.tokens``), e.g. for the prompt's own tokens."""
-    from jlens_core.tokens import TokenDisplay, display_ids
+    """Display strings of token ids (``jlens_core.reading.tokens``), e.g. for the prompt's own tokens."""
+    from jlens_core.reading.tokens import TokenDisplay, display_ids
 
     return display_ids(TokenDisplay.for_model(model), ids, show_whitespace=show_whitespace)

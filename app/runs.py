@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jlens_core.cli_fit import sidecar
+from jlens_core.cli.fit import sidecar
 
 RUN_FILE = "run.json"
 LENS_FILE = "lens.safetensors"

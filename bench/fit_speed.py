@@ -132,8 +132,8 @@ def bench_dtype(device: str, dtype: str | None) -> torch.dtype:
 # -- worker: one measurement in its own process -------------------------------------------------
 def worker(args) -> None:
     from jlens_core import jacobian_for_prompt
-    from jlens_core.fused import fused_unsupported_reason
-    from jlens_core.loading import load_model
+    from jlens_core.fitting.fused import fused_unsupported_reason
+    from jlens_core.models.loading import load_model
 
     dtype = bench_dtype(args.device, args.dtype)
     model = load_model(args.model, device=args.device, dtype=dtype)

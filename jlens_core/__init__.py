@@ -4,19 +4,18 @@
 with respect to layer ``l``'s residual. See ``SPEC.md`` and the README.
 """
 
-from .analysis import PromptReading, read_prompt
+from ._version import __version__ as __version__
 from .corpus import load_corpus
-from .estimator import PromptJacobian, jacobian_for_prompt, resolve_layers, valid_position_mask
-from .evaluation import EVAL_SETS, evaluate, load_eval_set, pass_at_k
-from .fit import FitProgress, FitState, fit
-from .layouts import LAYOUTS, ModelLayout
-from .lens import JacobianLens, LensFileError, LogitLens
-from .loading import DEFAULT_MODEL, load_model
-from .model import HFLensModel, LensModel
-from .recorder import ActivationRecorder
-from .shipped import default_lens, load_lens
-
-__version__ = "0.1.0"
+from .fitting.estimator import PromptJacobian, jacobian_for_prompt, resolve_layers, valid_position_mask
+from .fitting.fit import FitProgress, FitState, fit
+from .lenses.lens import JacobianLens, LensFileError, LogitLens
+from .lenses.shipped import default_lens, load_lens
+from .models.layouts import LAYOUTS, ModelLayout
+from .models.loading import DEFAULT_MODEL, load_model
+from .models.model import HFLensModel, LensModel
+from .models.recorder import ActivationRecorder
+from .reading.evaluation import EVAL_SETS, evaluate, load_eval_set, pass_at_k
+from .reading.readings import PromptReading, read_prompt
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -27,7 +27,7 @@ def plot_eval_curves(frame: pd.DataFrame, out: str | Path, title: str = "") -> P
     """Per-layer KL(final || lens) and next-token cross-entropy (bits), one line per lens, ±2 SE bands.
 
     Args:
-        frame: the output of :func:`jlens_core.evaluation.evaluate` (``lens, layer, kl_bits, ce_bits``
+        frame: the output of :func:`jlens_core.reading.evaluation.evaluate` (``lens, layer, kl_bits, ce_bits``
             and optionally ``kl_se, ce_se``).
     """
     plt = _pyplot()

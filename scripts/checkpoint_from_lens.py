@@ -3,7 +3,7 @@
     python scripts/checkpoint_from_lens.py LENS CHECKPOINT [--corpus stdlib-docs --split fit --min-chars 600]
 
 The corpus options must be the ones of the original fit: the checkpoint records which prompts it has
-seen, and resuming checks them. See ``jlens_core.fit.checkpoint_from_lens`` for the precision caveat.
+seen, and resuming checks them. See ``jlens_core.fitting.fit.checkpoint_from_lens`` for the precision caveat.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import argparse
 
 from jlens_core import JacobianLens
 from jlens_core.corpus import load_corpus
-from jlens_core.fit import checkpoint_from_lens
+from jlens_core.fitting.fit import checkpoint_from_lens
 
 
 def main(argv: list[str] | None = None) -> int:

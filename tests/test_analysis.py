@@ -11,9 +11,9 @@ import torch
 from conftest import LONG_TEXT, make_tiny
 
 from jlens_core import JacobianLens, LensFileError, LogitLens
-from jlens_core import analysis as analysis_mod
-from jlens_core.analysis import FRAME_COLUMNS, compare_readings, difference, read_prompt
-from jlens_core.tokens import TokenDisplay, is_word_like, token_id_for
+from jlens_core.reading import readings as analysis_mod
+from jlens_core.reading.readings import FRAME_COLUMNS, compare_readings, difference, read_prompt
+from jlens_core.reading.tokens import TokenDisplay, is_word_like, token_id_for
 
 TEXT = "The capital of France is Paris. Water boils at one hundred degrees."
 

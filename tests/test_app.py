@@ -22,8 +22,8 @@ from streamlit.proto.WidgetStates_pb2 import WidgetStates
 from streamlit.testing.v1 import AppTest
 
 from jlens_core import JacobianLens, fit
-from jlens_core.loading import load_model
-from jlens_core.tokens import TokenDisplay
+from jlens_core.models.loading import load_model
+from jlens_core.reading.tokens import TokenDisplay
 
 APP = Path(__file__).resolve().parent.parent / "app" / "main.py"
 PROMPT = "The capital of France is Paris. The capital of Italy is"
@@ -448,7 +448,7 @@ def test_compare_runs_page(tiny_dir, tmp_path):
 
 
 def test_jlens_app_command(capsys):
-    from jlens_core.cli import main
+    from jlens_core.cli.main import main
 
     assert main(["app", "--print-command", "--server.port", "8999", "--headless", "--", "--theme.base", "dark"]) == 0
     out = capsys.readouterr().out

@@ -10,9 +10,9 @@ import pytest
 from conftest import CORPUS, make_hf_model, make_tokenizer
 
 from jlens_core import JacobianLens, LogitLens, evaluate, fit, load_lens, load_model
-from jlens_core.cli import main
+from jlens_core.cli.main import main
+from jlens_core.lenses.shipped import default_lens, shipped_lens_path
 from jlens_core.plots import convergence_frame, plot_convergence
-from jlens_core.shipped import default_lens, shipped_lens_path
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Issue #5: ``jlens fit`` / ``jlens merge`` on a tiny model saved to a folder and corpora written here.
 
-The fits run in-process through :func:`jlens_core.cli.main` where a process boundary does not
+The fits run in-process through :func:`jlens_core.cli.main.main` where a process boundary does not
 matter, and as ``python -m jlens_core`` subprocesses where it does (SIGKILL, exit codes).
 """
 
@@ -23,8 +23,8 @@ import torch
 from conftest import CORPUS, make_hf_model, make_tokenizer
 
 from jlens_core import JacobianLens
-from jlens_core.cli import build_parser, main
-from jlens_core.fit import read_checkpoint
+from jlens_core.cli.main import build_parser, main
+from jlens_core.fitting.fit import read_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_SEQ, SKIP = 24, 4
@@ -395,8 +395,8 @@ def test_torchrun_killed_and_resumed_with_the_same_k_equals_one_fit(work, tmp_pa
 
 FAILING_RANK = """
 import importlib, os, sys
-fit_module = importlib.import_module("jlens_core.fit")
-from jlens_core.cli import main
+fit_module = importlib.import_module("jlens_core.fitting.fit")
+from jlens_core.cli.main import main
 real, calls = fit_module.jacobian_for_prompt, []
 def failing(model, prompt, **kwargs):
     calls.append(prompt)
@@ -554,7 +554,7 @@ def test_console_script_entry_is_the_cli_main(capsys):
     pyproject = (REPO / "pyproject.toml").read_text()
     scripts = pyproject.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
     target = re.search(r'^jlens\s*=\s*"([^"]+)"', scripts, re.MULTILINE).group(1)
-    assert target == "jlens_core.cli:main"
+    assert target == "jlens_core.cli.main:main"
     module_name, _, attr = target.partition(":")
     import importlib
 

@@ -19,8 +19,9 @@ import pytest
 import torch
 from conftest import FAMILIES, LONG_TEXT, make_hf_model, make_tokenizer
 
-from jlens_core import ActivationRecorder, HFLensModel, loading
-from jlens_core.loading import (
+from jlens_core import ActivationRecorder, HFLensModel
+from jlens_core.models import loading
+from jlens_core.models.loading import (
     CACHE_ENV,
     COMPLETE_MARKER,
     DEFAULT_GGUF,

@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import make_hf_model, make_tiny, make_tokenizer
 
-from jlens_core.diff import diff_dumps, divergence_curve
-from jlens_core.dump import MANIFEST, RUN_FILE, dump_hidden_states, load_dump
+from jlens_core.debugging.diff import diff_dumps, divergence_curve
+from jlens_core.debugging.dump import MANIFEST, RUN_FILE, dump_hidden_states, load_dump
 from jlens_core.layerspec import check_layer_spec, parse_layer_spec
-from jlens_core.recorder import ActivationRecorder
+from jlens_core.models.recorder import ActivationRecorder
 
 PROMPT = "The capital of France is Paris. Once upon a time there was a small model."
 
@@ -255,12 +255,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cli_main():
-    """``jlens_core.cli.main``, with a folder-only stand-in for ``load_model`` while loading.py is missing."""
-    from jlens_core.cli import main
+    """``jlens_core.cli.main.main``, with a folder-only stand-in for ``load_model`` while loading.py is missing."""
+    from jlens_core.cli.main import main
 
     with pytest.MonkeyPatch.context() as mp:
         try:
-            importlib.import_module("jlens_core.loading")
+            importlib.import_module("jlens_core.models.loading")
         except ModuleNotFoundError:
             def load_model(spec, *, device=None, dtype=None):
                 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -270,7 +270,7 @@ def cli_main():
                 hf = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype or torch.float32)
                 return HFLensModel(hf.to(device or "cpu"), AutoTokenizer.from_pretrained(spec))
 
-            mp.setitem(sys.modules, "jlens_core.loading", types.SimpleNamespace(load_model=load_model))
+            mp.setitem(sys.modules, "jlens_core.models.loading", types.SimpleNamespace(load_model=load_model))
         yield main
 
 

@@ -24,7 +24,12 @@ from jlens_core import (
     resolve_layers,
     valid_position_mask,
 )
-from jlens_core.fused import FusedMismatchError, backward_layer, fused_unsupported_reason, prepare_layers
+from jlens_core.fitting.fused import (
+    FusedMismatchError,
+    backward_layer,
+    fused_unsupported_reason,
+    prepare_layers,
+)
 
 SEQ = 14  # tokens per test prompt
 SKIP = 3  # a non-trivial skip_first
@@ -230,7 +235,7 @@ def test_fused_checks_its_forward_against_the_model_and_auto_falls_back(caplog):
     ids = prompt_ids("llama")
     with pytest.raises(FusedMismatchError, match=r"re-run of layer 2 differs from the model's output by"):
         jacobian_for_prompt(model, ids, skip_first=SKIP, dim_batch=DIM_BATCH, method="fused")
-    with caplog.at_level("WARNING", logger="jlens_core.estimator"):
+    with caplog.at_level("WARNING", logger="jlens_core.fitting.estimator"):
         auto = jacobian_for_prompt(model, ids, skip_first=SKIP, dim_batch=DIM_BATCH, method="auto")
     assert "Falling back to autograd" in caplog.text
     batched = jacobian_for_prompt(model, ids, skip_first=SKIP, dim_batch=DIM_BATCH, method="batched")
@@ -240,7 +245,7 @@ def test_fused_checks_its_forward_against_the_model_and_auto_falls_back(caplog):
     assert rel_frob(auto.jacobians[0], unmodified) > 1e-2  # the modification mattered
     # decided once: the next call goes straight to autograd, without a second warning
     caplog.clear()
-    with caplog.at_level("WARNING", logger="jlens_core.estimator"):
+    with caplog.at_level("WARNING", logger="jlens_core.fitting.estimator"):
         jacobian_for_prompt(model, ids, skip_first=SKIP, dim_batch=DIM_BATCH, method="auto")
     assert "Falling back" not in caplog.text
 

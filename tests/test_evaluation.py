@@ -12,7 +12,7 @@ import torch
 from conftest import LONG_TEXT, make_tiny
 
 from jlens_core import JacobianLens, LensFileError, LogitLens
-from jlens_core.evaluation import (
+from jlens_core.reading.evaluation import (
     DETAIL_COLUMNS,
     EVAL_DIR,
     EVAL_SETS,
@@ -23,7 +23,7 @@ from jlens_core.evaluation import (
     pass_at_k,
     summarize_pass_at_k,
 )
-from jlens_core.tokens import word_token_ids
+from jlens_core.reading.tokens import word_token_ids
 
 TEXTS = [LONG_TEXT, "Once upon a time there was a small model that read every layer of itself.",
          "def add(a, b):\n    return a + b\n\nprint(add(12, 345))"]

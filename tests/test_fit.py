@@ -18,7 +18,7 @@ import torch
 from conftest import LONG_TEXT, make_tiny
 
 from jlens_core import FitProgress, JacobianLens, fit, jacobian_for_prompt
-from jlens_core.fit import CHECKPOINT_SETTINGS, read_checkpoint
+from jlens_core.fitting.fit import CHECKPOINT_SETTINGS, read_checkpoint
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
@@ -303,7 +303,7 @@ def test_fit_killed_mid_run_and_resumed_equals_uninterrupted(tmp_path):
 
 
 def test_checkpoint_rebuilt_from_a_saved_lens_resumes_the_fit(tmp_path):
-    from jlens_core.fit import checkpoint_from_lens
+    from jlens_core.fitting.fit import checkpoint_from_lens
 
     partial = fit(tiny(), PROMPTS[:3], **SETTINGS)  # prompt 2 is skipped: the rebuilt fit goes on at 3
     partial.save(tmp_path / "partial.safetensors")

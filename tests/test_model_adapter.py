@@ -10,7 +10,7 @@ from conftest import FAMILIES, LONG_TEXT, make_hf_model, make_tiny, make_tokeniz
 from torch import nn
 
 from jlens_core import LAYOUTS, ActivationRecorder, HFLensModel, LensModel, ModelLayout
-from jlens_core.model import same_fingerprint
+from jlens_core.models.model import same_fingerprint
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""jlens_core.spectra: per-layer matrix statistics, spectra, decoded directions, fit diagnostics."""
+"""jlens_core.lenses.spectra, reading.directions, fitting.diagnostics: per-layer matrix statistics, spectra, decoded directions, fit diagnostics."""
 
 from __future__ import annotations
 
@@ -10,22 +10,23 @@ import pytest
 import torch
 
 from jlens_core import JacobianLens, LogitLens
-from jlens_core.spectra import (
+from jlens_core.fitting.diagnostics import (
     DIAGNOSTIC_COLUMNS,
-    DIRECTION_COLUMNS,
-    LAYER_STATS_COLUMNS,
     convergence_frame,
     diagnostics_frame,
+    norm_matrix,
+    one_over_n_guide,
+    read_diagnostics,
+)
+from jlens_core.lenses.spectra import (
+    LAYER_STATS_COLUMNS,
     effective_rank,
     layer_spectrum,
     layer_stats,
     matrix_stats,
-    norm_matrix,
-    one_over_n_guide,
-    read_diagnostics,
     singular_values,
-    top_directions,
 )
+from jlens_core.reading.directions import DIRECTION_COLUMNS, top_directions
 
 
 def _lens(d=32, layers=(0, 1, 2), seed=0, **kwargs):
@@ -103,7 +104,7 @@ def test_top_directions_decode_through_unembedding(tiny_llama):
     x = math.sqrt(model.d_model) * u[:, 0].float()
     with torch.no_grad():
         score = model.unembed(x) - model.unembed(-x)
-    from jlens_core.tokens import TokenDisplay
+    from jlens_core.reading.tokens import TokenDisplay
 
     strings = TokenDisplay.for_model(model).strings()
     first = frame.iloc[0]

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from jlens_core.tokens import (
+from jlens_core.reading.tokens import (
     TokenDisplay,
     bytes_to_unicode,
     detect_kind,

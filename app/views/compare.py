@@ -9,8 +9,8 @@ import streamlit as st
 
 import charts
 import common
-from jlens_core.diff import diff_dumps, divergence_curve
-from jlens_core.dump import dump_hidden_states, load_dump
+from jlens_core.debugging.diff import diff_dumps, divergence_curve
+from jlens_core.debugging.dump import dump_hidden_states, load_dump
 
 ss = st.session_state
 ctx = common.context()

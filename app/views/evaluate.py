@@ -13,7 +13,7 @@ import streamlit as st
 import charts
 import common
 from jlens_core.corpus import BUILTIN_CORPUS, load_corpus
-from jlens_core.evaluation import EVAL_SETS, evaluate, load_eval_set, pass_at_k
+from jlens_core.reading.evaluation import EVAL_SETS, evaluate, load_eval_set, pass_at_k
 
 ss = st.session_state
 ctx = common.require_model()

@@ -11,7 +11,7 @@ import charts
 import common
 import runs
 from jlens_core.corpus import BUILTIN_CORPUS
-from jlens_core.spectra import (
+from jlens_core.fitting.diagnostics import (
     convergence_frame,
     diagnostics_frame,
     norm_matrix,

@@ -9,7 +9,7 @@ import streamlit as st
 
 import charts
 import common
-from jlens_core.tokens import token_id_for
+from jlens_core.reading.tokens import token_id_for
 
 MAX_TOKENS = 1024  # prompts are truncated to this many tokens
 DEFAULT_WINDOW = 256  # positions shown at first for a long prompt (the last ones)

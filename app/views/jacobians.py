@@ -7,7 +7,9 @@ import streamlit as st
 
 import charts
 import common
-from jlens_core import spectra
+from jlens_core.fitting import diagnostics
+from jlens_core.lenses import spectra
+from jlens_core.reading.directions import top_directions
 
 ss = st.session_state
 ctx = common.require_model()
@@ -33,7 +35,7 @@ def _spectrum(_lens, lens_key: str, layer: int):
 
 @st.cache_resource(show_spinner=False, max_entries=32)
 def _directions(_model, model_key: str, _lens, lens_key: str, layer: int, n: int, k: int, ws: bool) -> pd.DataFrame:
-    return spectra.top_directions(_model, _lens, layer, n_directions=n, top_k=k, show_whitespace=ws)
+    return top_directions(_model, _lens, layer, n_directions=n, top_k=k, show_whitespace=ws)
 
 
 with st.spinner("Singular values of every layer…"):
@@ -76,12 +78,12 @@ with common.guard("Could not decode the directions"):
                                 "tokens": st.column_config.TextColumn("top tokens", width="large")})
 
 st.subheader("Fit diagnostics")
-frame = spectra.diagnostics_frame(lens.diagnostics)
+frame = diagnostics.diagnostics_frame(lens.diagnostics)
 if frame.empty:
     st.caption("This lens file carries no fit diagnostics.")
 else:
-    conv = spectra.convergence_frame(frame)
+    conv = diagnostics.convergence_frame(frame)
     g1, g2 = st.columns(2)
-    g1.plotly_chart(charts.convergence_figure(conv, spectra.one_over_n_guide(conv)), key="jac_convergence",
+    g1.plotly_chart(charts.convergence_figure(conv, diagnostics.one_over_n_guide(conv)), key="jac_convergence",
                     config={"displaylogo": False})
-    g2.plotly_chart(charts.norm_heatmap(spectra.norm_matrix(frame)), key="jac_norms", config={"displaylogo": False})
+    g2.plotly_chart(charts.norm_heatmap(diagnostics.norm_matrix(frame)), key="jac_norms", config={"displaylogo": False})

@@ -18,9 +18,9 @@ import time
 import traceback
 from pathlib import Path
 
-from .cli import CLIError, say
-from .estimator import METHODS
-from .fit import RankFailedError
+from ..fitting.estimator import METHODS
+from ..fitting.fit import RankFailedError
+from .main import CLIError, say
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def _init_world(device: str | None):
     import torch
     import torch.distributed as dist
 
-    from .fit import World
+    from ..fitting.fit import World
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
@@ -103,10 +103,10 @@ def _interruptible() -> None:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    from .corpus import load_corpus
-    from .fit import fit
-    from .layerspec import check_layer_spec, parse_layer_spec
-    from .loading import load_model
+    from ..corpus import load_corpus
+    from ..fitting.fit import fit
+    from ..layerspec import check_layer_spec, parse_layer_spec
+    from ..models.loading import load_model
 
     if args.layers:
         check_layer_spec(args.layers)
@@ -154,7 +154,7 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
                             world_size=world.size if world else 1)
         resumed = []
         if checkpoint.exists() and not args.no_resume:
-            from .fit import read_checkpoint
+            from ..fitting.fit import read_checkpoint
 
             resumed = read_checkpoint(checkpoint)["diagnostics"]
         diag_file = open(diag_path, "w", encoding="utf-8")  # noqa: SIM115 -- closed in finally; rewritten from the checkpoint, then appended
@@ -221,7 +221,7 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from .lens import JacobianLens
+    from ..lenses.lens import JacobianLens
 
     lenses = [JacobianLens.load(path) for path in args.lenses]
     merged = JacobianLens.merge(lenses)

@@ -430,7 +430,7 @@ def token_id_for(tokenizer: Any, token: str | int, *, vocab_size: int | None = N
 def word_token_ids(tokenizer: Any, word: str) -> list[int]:
     """Candidate first-token ids of ``word``: without and with a leading space, de-duplicated.
 
-    This is how :func:`jlens_core.evaluation.pass_at_k` finds an intermediate word among the ranks.
+    This is how :func:`jlens_core.reading.evaluation.pass_at_k` finds an intermediate word among the ranks.
 
     Raises:
         ValueError: the word is empty or cannot be tokenized.

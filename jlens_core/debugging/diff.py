@@ -199,7 +199,7 @@ def diff_dumps(a_dir: str | Path | Dump, b_dir: str | Path | Dump, *, atol: floa
     """Compare dump ``A`` with the reference dump ``B``, tensor by tensor, in A's step order.
 
     Args:
-        a_dir, b_dir: dump folders (or :class:`~jlens_core.dump.Dump` objects from ``load_dump``).
+        a_dir, b_dir: dump folders (or :class:`~jlens_core.debugging.dump.Dump` objects from ``load_dump``).
         atol, rtol: tolerance; an element is bad when ``|a - b| > atol + rtol * |b|``.
 
     Returns:

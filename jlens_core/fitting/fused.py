@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layouts import get_path
-from .recorder import ActivationRecorder
+from ..models.layouts import get_path
+from ..models.recorder import ActivationRecorder
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import sys
 
 log = logging.getLogger("jlens")
 
-SUBCOMMAND_MODULES = ("cli_fit", "cli_eval", "cli_dump", "cli_app")
+SUBCOMMAND_MODULES = ("fit", "eval", "dump", "app")
 
 
 class CLIError(Exception):
@@ -33,9 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
         try:
-            module = importlib.import_module(f"jlens_core.{name}")
+            module = importlib.import_module(f"jlens_core.cli.{name}")
         except ModuleNotFoundError as exc:
-            if exc.name != f"jlens_core.{name}":
+            if exc.name != f"jlens_core.cli.{name}":
                 raise
             continue
         module.register(subparsers)

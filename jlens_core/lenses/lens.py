@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .model import same_fingerprint
+from ..models.model import same_fingerprint
 
 log = logging.getLogger(__name__)
 

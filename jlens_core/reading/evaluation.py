@@ -7,7 +7,7 @@
   at some layer, at the prompt's last position.
 * :func:`load_eval_set` / :data:`EVAL_SETS` - the example sets shipped in ``assets/evaluations/``.
 
-Ranks are 1-based over the full vocabulary (see :mod:`jlens_core.analysis`): an intermediate
+Ranks are 1-based over the full vocabulary (see :mod:`jlens_core.reading.readings`): an intermediate
 passes at ``k`` when its best rank is ``<= k``.
 """
 
@@ -24,7 +24,8 @@ from typing import Any
 import pandas as pd
 import torch
 
-from .analysis import (
+from .._paths import ASSETS_DIR
+from .readings import (
     check_lens,
     chunk_size,
     distribution_stats,
@@ -39,7 +40,7 @@ from .tokens import word_token_ids
 log = logging.getLogger(__name__)
 
 DEFAULT_SKIP_FIRST = 16
-EVAL_DIR = Path(__file__).resolve().parent.parent / "assets" / "evaluations"
+EVAL_DIR = ASSETS_DIR / "evaluations"
 EVAL_SETS: dict[str, str] = {
     "two_hop": "two-hop facts: a landmark or capital names a country, the country names the answer",
     "arithmetic_chain": "two-step arithmetic: the first operation's result is the intermediate",
@@ -250,7 +251,7 @@ def pass_at_k_detail(model: Any, lenses: Mapping[str, Any], items: Iterable[Mapp
     """Best ranks of each item's intermediate and target words, per lens, at the last position.
 
     A word's candidates are the first token of the word with and without a leading space
-    (:func:`jlens_core.tokens.word_token_ids`); its rank at a layer is the better (smaller) of the
+    (:func:`jlens_core.reading.tokens.word_token_ids`); its rank at a layer is the better (smaller) of the
     candidates' ranks, over the full vocabulary, 1-based.
 
     Args:

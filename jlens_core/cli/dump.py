@@ -10,7 +10,7 @@ import json
 import logging
 from pathlib import Path
 
-from .cli import CLIError, say
+from .main import CLIError, say
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def _torch_dtype(name: str | None):
 
 
 def run_dump(args: argparse.Namespace) -> int:
-    from .dump import dump_hidden_states, parse_ops
-    from .layerspec import check_layer_spec, parse_layer_spec
+    from ..debugging.dump import dump_hidden_states, parse_ops
+    from ..layerspec import check_layer_spec, parse_layer_spec
 
     ops = parse_ops(args.ops)
     check_layer_spec(args.layers)
@@ -71,11 +71,11 @@ def run_dump(args: argparse.Namespace) -> int:
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise CLIError(f"{str(out)!r} is not empty: choose a new folder, or --force to replace an earlier dump.")
     try:
-        from .loading import load_model
+        from ..models.loading import load_model
     except ModuleNotFoundError as exc:
-        if exc.name != "jlens_core.loading":
+        if exc.name != "jlens_core.models.loading":
             raise
-        raise CLIError("model loading (jlens_core.loading) is not available in this install.") from exc
+        raise CLIError("model loading (jlens_core.models.loading) is not available in this install.") from exc
 
     dtype = _torch_dtype(args.dtype)
     model = load_model(args.model, device=args.device, dtype=dtype, progress=say)
@@ -87,7 +87,7 @@ def run_dump(args: argparse.Namespace) -> int:
                         "dtype": args.dtype, "max_seq_len": args.max_seq_len}}
     path = dump_hidden_states(model, args.prompt, out, ops=ops, layers=layers, ends=not args.no_ends,
                               max_length=args.max_seq_len, extra_settings=settings, overwrite=args.force)
-    from .dump import load_dump
+    from ..debugging.dump import load_dump
 
     dump = load_dump(path, check_hashes=False)
     total = sum(e.bytes for e in dump.entries)
@@ -99,7 +99,7 @@ def run_dump(args: argparse.Namespace) -> int:
 
 
 def run_diff(args: argparse.Namespace) -> int:
-    from .diff import diff_dumps
+    from ..debugging.diff import diff_dumps
 
     if args.max_rows is not None and args.max_rows < 1:
         raise CLIError(f"--max-rows {args.max_rows} must be at least 1.")

@@ -46,7 +46,7 @@ class HFLensModel:
         n_layers: number of decoder layers ``L``.
         d_model: residual width ``d``.
         vocab_size: rows of the output head.
-        layout: where the parts were found (see :mod:`jlens_core.layouts`).
+        layout: where the parts were found (see :mod:`jlens_core.models.layouts`).
         name: model identity (``config._name_or_path`` unless given).
 
     Raises:

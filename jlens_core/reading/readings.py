@@ -35,17 +35,19 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .layerspec import wrap_index
-from .lens import LensFileError
-from .recorder import ActivationRecorder
-from .tokens import TokenDisplay, display_ids, encode_plain, token_id_for
+from ..layerspec import wrap_index
+from ..lenses.lens import LensFileError
+from ..models.recorder import ActivationRecorder
+from .edits import EditRunner, check_edits
+from .generation import Generation
+from .tokens import TokenDisplay, display_ids, encode_plain, is_word_like, token_id_for
 
 log = logging.getLogger(__name__)
 
 LN2 = math.log(2.0)
 # Logits held per array while reading (positions per chunk = CHUNK_ELEMENTS // vocab, at least 1).
 CHUNK_ELEMENTS = 1 << 24
-FRAME_COLUMNS = ("layer", "position", "token", "top_ids", "top_tokens", "top_probs", "entropy_bits",
+FRAME_COLUMNS = ("layer", "position", "token", "segment", "top_ids", "top_tokens", "top_probs", "entropy_bits",
                  "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank")
 GRID_STATS = ("entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank", "top1_prob")
 
@@ -95,20 +97,32 @@ def readable_layers(model: Any, lens: Any, layers: Iterable[int] | None = None) 
     return sorted(chosen)
 
 
-def record_residuals(model: Any, input_ids: torch.Tensor, layers: Iterable[int]) -> dict[int, torch.Tensor]:
+def record_residuals(model: Any, input_ids: torch.Tensor, layers: Iterable[int], *,
+                     edits: Iterable[Any] | None = None, n_prompt: int | None = None) -> dict[int, torch.Tensor]:
     """One forward pass (no gradients) recording decoder-layer outputs.
 
     Records ``layers`` and the last layer (the model's output is ``unembed`` of it); the pass
-    stops right after the last layer.
+    stops right after the last layer. With ``edits`` (:mod:`jlens_core.reading.edits`) the
+    recorded residuals are those of the edited run (positions ``>= n_prompt`` count as generated).
 
     Returns:
         ``{layer: Tensor[seq, d_model]}`` for batch row 0, on the model's device, model dtype.
     """
     top = model.n_layers - 1
     wanted = sorted({int(layer) for layer in layers} | {top})
-    with torch.no_grad(), ActivationRecorder(model.layers, wanted, stop_after=top) as rec:
-        model.forward(input_ids)
-    return {layer: rec.activations[layer][0].detach() for layer in wanted}  # [seq, d_model] each
+    seq = int(input_ids.shape[-1])
+    runner = EditRunner(model, edits, seq if n_prompt is None else n_prompt)
+    recorded: dict[int, torch.Tensor] = {}
+
+    def forward() -> None:
+        # entered inside the runner, so its hooks run after the edits and record the edited stream
+        with ActivationRecorder(model.layers, wanted, stop_after=top) as rec:
+            model.forward(input_ids)
+        recorded.update(rec.activations)
+
+    with torch.no_grad():
+        runner.run(forward, torch.arange(seq), clean_forward=lambda: model.forward(input_ids))
+    return {layer: recorded[layer][0].detach() for layer in wanted}  # [seq, d_model] each
 
 
 def rank_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -224,6 +238,9 @@ class PromptReading:
         pinned_ranks: ``{name: int64[n_layers, n_positions]}``, 1-based.
         next_ids: ``int64[n_positions]`` the actual next token (``-1`` at the last position).
         final_top1_ids: ``int64[n_positions]`` the model's own top-1 token.
+        n_prompt: how many of ``input_ids`` are the prompt; the rest were generated (a reading of a
+            :class:`~jlens_core.reading.generation.Generation`).
+        edits: ``repr`` of the residual edits the reading was taken under (empty: the clean model).
     """
 
     text: str
@@ -249,6 +266,12 @@ class PromptReading:
     next_ids: np.ndarray
     final_top1_ids: np.ndarray
     vocab_strings: list[str] = field(repr=False, default_factory=list)
+    n_prompt: int | None = None
+    edits: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.n_prompt is None:
+            self.n_prompt = len(self.input_ids)
 
     # -- shape -----------------------------------------------------------------------------------
     @property
@@ -270,6 +293,16 @@ class PromptReading:
             return self.layers.index(i)
         except ValueError:
             raise KeyError(f"Layer {layer} was not read; this reading has layers {self.layers}.") from None
+
+    @property
+    def n_generated(self) -> int:
+        """Tokens of the reading that the model generated (after the prompt)."""
+        return len(self.input_ids) - int(self.n_prompt)
+
+    @property
+    def segments(self) -> list[str]:
+        """``"prompt"`` or ``"generated"`` for each read position."""
+        return ["generated" if p >= self.n_prompt else "prompt" for p in self.positions.tolist()]
 
     def position_index(self, position: int) -> int:
         """Column of ``position`` in the arrays (negative positions count from the prompt's end).
@@ -318,6 +351,7 @@ class PromptReading:
         rank = self.next_token_rank[li, pi]
         return {"layer": self.layers[li], "position": int(self.positions[pi]),
                 "token": self.tokens[int(self.positions[pi])], "next_token": self.next_tokens[pi],
+                "segment": "generated" if int(self.positions[pi]) >= int(self.n_prompt) else "prompt",
                 "top_ids": self.top_ids[li, pi].tolist(), "top_tokens": self._names(self.top_ids[li, pi]),
                 "top_probs": [float(x) for x in self.top_probs[li, pi]],
                 "entropy_bits": float(self.entropy_bits[li, pi]), "kl_bits": float(self.kl_bits[li, pi]),
@@ -379,6 +413,7 @@ class PromptReading:
             "layer": layer_col,
             "position": position_col,
             "token": [self.tokens[p] for p in position_col.tolist()],
+            "segment": np.where(position_col >= int(self.n_prompt), "generated", "prompt"),
             "top_ids": flat_ids.tolist(),
             "top_tokens": [self._names(row) for row in flat_ids],
             "top_probs": self.top_probs.reshape(n_l * n_p, -1).astype(np.float64).tolist(),
@@ -417,28 +452,34 @@ def _resolve_pinned(model: Any, display: TokenDisplay, pinned: Iterable[str | in
     return out
 
 
-def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor, *, top_k: int = 10,
+def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor | Generation, *, top_k: int = 10,
                 layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                 pinned: Iterable[str | int] = (), show_whitespace: bool = False,
-                max_seq_len: int | None = None, word_like: bool = False) -> PromptReading:
+                max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
+                edits: Iterable[Any] | None = None) -> PromptReading:
     """Read a prompt through a lens at every layer x position (SPEC §6).
 
     Args:
         model: an :class:`~jlens_core.HFLensModel` (or anything with its interface and a tokenizer).
         lens: a :class:`~jlens_core.JacobianLens` or :class:`~jlens_core.LogitLens` for ``model``.
         text: the prompt (or its token ids, ``[seq]`` or ``[1, seq]``), tokenized with the model's
-            special tokens (e.g. BOS).
+            special tokens (e.g. BOS); or a :class:`~jlens_core.reading.generation.Generation`, read as
+            prompt + continuation in one pass.
         top_k: tokens kept per cell (capped at the vocabulary size).
         layers: layers to read (default all of ``lens.layers``; negatives count from the end).
             Layers a Jacobian lens was not fitted at are absent, never read as a logit lens.
         positions: positions to read (default all; negatives count from the end).
         pinned: tokens whose rank to track in a ``rank_<token>`` column each: an id, a raw vocabulary
             entry (``"ĠParis"``), or a string whose first token is used (``" Paris"``, see
-            :func:`jlens_core.tokens.token_id_for`).
+            :func:`jlens_core.reading.tokens.token_id_for`).
         show_whitespace: display whitespace as glyphs (``·`` ``↵`` ``→``) in token strings.
         max_seq_len: truncate the prompt to this many tokens (default: no truncation).
-        word_like: restrict the top-k lists to word-like tokens (:func:`~jlens_core.tokens.is_word_like`);
+        word_like: restrict the top-k lists to word-like tokens (:func:`~jlens_core.reading.tokens.is_word_like`);
             probabilities stay those of the full softmax and ranks stay over the full vocabulary.
+        n_prompt: with token ids, how many of them are the prompt (the rest are marked ``generated``);
+            taken from a ``Generation``; default: all of them.
+        edits: residual edits (:mod:`jlens_core.reading.edits`) applied during the forward pass: the
+            reading is of the edited stream, and "final" means the edited model's own output.
 
     Returns:
         A :class:`PromptReading` (its ``.frame`` is the long DataFrame).
@@ -447,8 +488,14 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor,
         ValueError: empty text, ``top_k < 1``, bad layers or positions, an unknown pinned token.
         LensFileError: the lens belongs to another model.
     """
+    if isinstance(text, Generation):
+        if n_prompt is not None and int(n_prompt) != text.n_prompt:
+            raise ValueError(f"n_prompt={n_prompt} contradicts the generation's {text.n_prompt} prompt tokens.")
+        n_prompt, text = text.n_prompt, text.ids
     if isinstance(text, str) and not text:
         raise ValueError("The prompt is empty: give some text to read.")
+    if n_prompt is not None and int(n_prompt) < 0:
+        raise ValueError(f"n_prompt={n_prompt} must be >= 0.")
     if int(top_k) < 1:
         raise ValueError(f"top_k={top_k} must be at least 1.")
     if max_seq_len is not None and int(max_seq_len) < 1:
@@ -464,7 +511,9 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor,
     top = model.n_layers - 1
     k = min(int(top_k), vocab)
 
-    resid = record_residuals(model, ids, layer_list)  # {layer: [seq, d_model]}
+    n_prompt = seq_len if n_prompt is None else min(int(n_prompt), seq_len)
+    edit_list = check_edits(model, edits)
+    resid = record_residuals(model, ids, layer_list, edits=edit_list, n_prompt=n_prompt)  # {layer: [seq, d]}
     device = resid[top].device
     ids_row = ids[0].to(device)  # [seq]
     pos_t = torch.tensor(pos_list, dtype=torch.long, device=device)  # [n_pos]
@@ -530,7 +579,84 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor,
         show_whitespace=bool(show_whitespace), word_like=bool(word_like), pinned=pins,
         top_ids=top_ids, top_probs=top_probs, entropy_bits=entropy, kl_bits=kl, ce_bits=ce,
         next_token_rank=next_rank, final_top1_rank=final_rank, pinned_ranks=pin_ranks,
-        next_ids=next_t.cpu().numpy().astype(np.int64), final_top1_ids=final_top1, vocab_strings=strings)
+        next_ids=next_t.cpu().numpy().astype(np.int64), final_top1_ids=final_top1, vocab_strings=strings,
+        n_prompt=n_prompt, edits=[repr(e) for e in edit_list])
+
+
+# -- most common tokens -------------------------------------------------------------------------------
+MOST_COMMON_COLUMNS = ("token_id", "token", "count", "n_layers", "per_layer")
+
+
+def band_layers(reading: PromptReading, band: tuple[int, int] | Sequence[int] | None = None, *,
+                include_output: bool = False) -> list[int]:
+    """The reading's layers inside ``band``: ``(lo, hi)`` inclusive, or a list of layers.
+
+    ``None`` is every layer of the reading below the model's output row (``include_output`` keeps it).
+
+    Raises:
+        ValueError: a band that holds none of the reading's layers.
+    """
+    if band is None:
+        chosen = [layer for layer in reading.layers if include_output or layer != reading.output_layer]
+    elif isinstance(band, tuple) and len(band) == 2:
+        lo, hi = sorted(int(x) for x in band)
+        chosen = [layer for layer in reading.layers if lo <= layer <= hi]
+    else:
+        wanted = {int(x) for x in band}
+        chosen = [layer for layer in reading.layers if layer in wanted]
+    if not chosen:
+        raise ValueError(f"The layer band {band} holds none of the reading's layers {reading.layers}.")
+    return chosen
+
+
+def most_common_tokens(reading: PromptReading, *, layers: tuple[int, int] | Sequence[int] | None = None,
+                       positions: Iterable[int] | None = None, word_like: bool = False,
+                       top_n: int = 20) -> pd.DataFrame:
+    """The tokens that are a lens's top-1 most often across positions, within a band of layers.
+
+    Each (layer, position) cell of the band contributes its top-1 token. With ``word_like`` a cell
+    contributes its most probable *word-like* token among its top-k (:func:`~jlens_core.reading.tokens.is_word_like`)
+    and nothing when its top-k holds none.
+
+    Args:
+        reading: a :class:`PromptReading`.
+        layers: a band ``(lo, hi)`` (inclusive) or a list of layers; default every layer below the
+            model's output row (what the middle layers hold, not the model's own answer).
+        positions: positions to count over (default all of the reading's).
+        word_like: count word-like tokens only.
+        top_n: rows returned (the most frequent first; ties by token id).
+
+    Returns:
+        DataFrame with columns :data:`MOST_COMMON_COLUMNS`: ``count`` (cells where it is top-1),
+        ``n_layers`` (layers where it is top-1 at least once) and ``per_layer`` (``{layer: count}``).
+    """
+    chosen = band_layers(reading, layers)
+    pos = reading.positions.tolist() if positions is None else [int(p) for p in positions]
+    cols = [reading.position_index(p) for p in pos]
+    word: dict[int, bool] | None = {} if word_like else None
+    counts: dict[int, dict[int, int]] = {}
+    for layer in chosen:
+        li = reading.layer_index(layer)
+        for pi in cols:
+            row = reading.top_ids[li, pi]  # [top_k]
+            token = int(row[0])
+            if word is not None:
+                token = -1
+                for candidate in row.tolist():
+                    if candidate not in word:
+                        name = reading.vocab_strings[candidate] if candidate < len(reading.vocab_strings) else ""
+                        word[candidate] = is_word_like(name)
+                    if word[candidate]:
+                        token = int(candidate)
+                        break
+                if token < 0:
+                    continue
+            per_layer = counts.setdefault(token, {})
+            per_layer[layer] = per_layer.get(layer, 0) + 1
+    rows = [{"token_id": tid, "token": reading._names([tid])[0], "count": sum(per.values()),
+             "n_layers": len(per), "per_layer": dict(sorted(per.items()))} for tid, per in counts.items()]
+    rows.sort(key=lambda r: (-r["count"], r["token_id"]))
+    return pd.DataFrame(rows[: max(0, int(top_n))], columns=list(MOST_COMMON_COLUMNS))
 
 
 # -- comparing two readings ------------------------------------------------------------------------
@@ -599,7 +725,7 @@ def compare_readings(a: PromptReading, b: PromptReading, *, names: tuple[str, st
     return pd.DataFrame(data)
 
 
-__all__ = ["CHUNK_ELEMENTS", "COMPARE_STATS", "FRAME_COLUMNS", "GRID_STATS", "PromptReading", "check_lens",
-           "chunk_size", "compare_readings", "difference", "distribution_stats", "encode_prompt",
-           "model_vocab_size", "rank_of", "read_prompt",
-           "readable_layers", "record_residuals", "resolve_positions"]
+__all__ = ["CHUNK_ELEMENTS", "COMPARE_STATS", "FRAME_COLUMNS", "GRID_STATS", "MOST_COMMON_COLUMNS", "PromptReading",
+           "band_layers", "check_lens", "chunk_size", "compare_readings", "difference", "distribution_stats",
+           "encode_prompt", "model_vocab_size", "most_common_tokens", "rank_of", "read_prompt", "readable_layers",
+           "record_residuals", "resolve_positions"]

@@ -16,7 +16,7 @@ Exact savings used here (all follow from causality, SPEC §2):
   (``is_grads_batched``), instead of replicating the prompt ``dim_batch`` times.
 
 Methods: ``"batched"`` (autograd, as above), ``"replicated"`` (autograd, the prompt replicated
-``dim_batch`` times), ``"fused"`` (the analytic backward of :mod:`jlens_core.fused`: Llama, Mistral
+``dim_batch`` times), ``"fused"`` (the analytic backward of :mod:`jlens_core.fitting.fused`: Llama, Mistral
 and Qwen2 layouts; the backward coefficients are computed once per prompt instead of once per
 backward call) and ``"auto"`` (the default: ``"fused"`` where the model supports it, else
 ``"batched"``). All give the same Jacobian.
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layerspec import wrap_index
+from ..models.recorder import ActivationRecorder
 from .fused import FusedMismatchError, fused_jacobians, fused_unsupported_reason
-from .layerspec import wrap_index
-from .recorder import ActivationRecorder
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
     """The per-prompt Jacobians ``{l: J_l}`` of SPEC §2.
 
     Args:
-        model: an :class:`~jlens_core.model.HFLensModel` (or anything with its interface).
+        model: an :class:`~jlens_core.models.model.HFLensModel` (or anything with its interface).
         prompt: text, or token ids ``[seq]`` / ``[1, seq]``.
         source_layers: layers to carry (default: every layer below the target).
         target_layer: default the last layer; negative counts from the end.
@@ -203,7 +203,7 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
         max_seq_len: truncate the prompt to this many tokens.
         skip_first: leading positions excluded as attention sinks.
         method: ``"auto"`` (``"fused"`` where supported, else ``"batched"``), ``"fused"`` (the
-            analytic backward of :mod:`jlens_core.fused`), ``"batched"`` (autograd: one forward,
+            analytic backward of :mod:`jlens_core.fitting.fused`), ``"batched"`` (autograd: one forward,
             ``dim_batch`` cotangents batched in backward) or ``"replicated"`` (autograd: the prompt
             replicated ``dim_batch`` times, one cotangent each). Same result; speed and memory differ.
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..lenses.lens import JacobianLens
 from .estimator import METHODS, jacobian_for_prompt, resolve_layers
-from .lens import JacobianLens
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def _check_resume(path, payload: dict, settings: dict, prompts: Sequence) -> Non
     for key in CHECKPOINT_SETTINGS:
         if saved.get(key) != settings.get(key):
             if key == "model_fingerprint":
-                from .model import same_fingerprint
+                from ..models.model import same_fingerprint
 
                 if same_fingerprint(saved.get(key), settings.get(key)):
                     continue
@@ -218,10 +218,10 @@ def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None,
     """Fit a Jacobian lens: the plain mean of per-prompt ``J_l`` over the prompts with valid positions.
 
     Args:
-        model: an :class:`~jlens_core.model.HFLensModel`.
+        model: an :class:`~jlens_core.models.model.HFLensModel`.
         prompts: texts (or token-id sequences), in a fixed order.
         source_layers, target_layer, dim_batch, max_seq_len, skip_first, method: as in
-            :func:`~jlens_core.estimator.jacobian_for_prompt`.
+            :func:`~jlens_core.fitting.estimator.jacobian_for_prompt`.
         checkpoint_path: if given, the running state is written there atomically every
             ``checkpoint_every`` prompts and at the end, and (with ``resume``) read back to go on.
         progress: called once per prompt (on rank 0) with a :class:`FitProgress`.
@@ -231,7 +231,7 @@ def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None,
             prompts ``r, r + K, ...``; sums are all-reduced at each checkpoint and at the end).
 
     Returns:
-        The fitted :class:`~jlens_core.lens.JacobianLens`, with the diagnostics of every prompt x layer.
+        The fitted :class:`~jlens_core.lenses.lens.JacobianLens`, with the diagnostics of every prompt x layer.
 
     Raises:
         ValueError: bad layers or settings, a checkpoint made with other settings or prompts, or no

@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .layerspec import wrap_index
-from .recorder import block_output
+from ..layerspec import wrap_index
+from ..models.recorder import block_output
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _token_ids(model, text_or_ids, max_length: int | None) -> tuple[torch.Tensor
 def _versions() -> dict[str, str]:
     import transformers
 
-    from . import __version__
+    from .._version import __version__
 
     return {"jlens": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "numpy": np.__version__, "python": platform.python_version()}
@@ -202,7 +202,7 @@ def dump_hidden_states(model, text_or_ids: str | Sequence[int] | torch.Tensor, o
     """Run one forward pass and write the selected hidden states to ``out_dir`` (format: module docstring).
 
     Args:
-        model: an :class:`~jlens_core.model.HFLensModel` (needs ``layers``, ``layout``, ``encode``,
+        model: an :class:`~jlens_core.models.model.HFLensModel` (needs ``layers``, ``layout``, ``encode``,
             ``forward``, ``name``, ``fingerprint()``, ``device``, ``dtype``, ``n_layers``, ``d_model``).
         text_or_ids: the prompt text (tokenized with ``model.encode``) or token ids ``[seq]`` /
             ``[1, seq]``.
@@ -244,7 +244,7 @@ def dump_hidden_states(model, text_or_ids: str | Sequence[int] | torch.Tensor, o
                              "lists and dicts.") from exc
     ids, text = _token_ids(model, text_or_ids, max_length)
 
-    from .layouts import get_path
+    from ..models.layouts import get_path
 
     layout = model.layout
     missing: list[str] = []

@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .cli import CLIError
+from .._paths import APP_DIR
+from .main import CLIError
 
 APP_ENV = "JLENS_APP_DIR"  # override where app/main.py is looked for
 # Streamlit options accepted as they are (others go after `--`).
@@ -31,7 +32,7 @@ def app_script() -> Path:
     """
     env = os.environ.get(APP_ENV)
     candidates = [Path(env) / "main.py"] if env else []
-    candidates.append(Path(__file__).resolve().parent.parent / "app" / "main.py")
+    candidates.append(APP_DIR / "main.py")
     for path in candidates:
         if path.is_file():
             return path

@@ -1,0 +1,115 @@
+"""Studying the fitted Jacobians: norms and spectra of ``J_l``.
+
+Per source layer ``l`` of a :class:`~jlens_core.JacobianLens` (``d = d_model``, shrinkage applied,
+i.e. the matrix :meth:`~jlens_core.JacobianLens.matrix` returns):
+
+* ``fro_norm``: ``||J_l||_F / sqrt(d)`` (the identity scores 1; the RMS gain over directions);
+* ``spectral_norm``: the largest singular value ``s_1``;
+* ``dist_identity``: ``||J_l - I||_F / sqrt(d)`` (0 for the logit lens; on the scale of ``fro_norm``);
+* ``effective_rank``: ``exp(H(p))`` with ``p_i = s_i / sum_j s_j`` (Roy & Vetterli, 2007): ``d`` for
+  a multiple of the identity, 1 for a rank-one matrix;
+* ``stable_rank``: ``||J_l||_F^2 / s_1^2`` (at most the rank; robust to tiny singular values).
+
+Decoding the singular directions into tokens needs the token display, so it lives with the readings
+(:mod:`jlens_core.reading.directions`); the fit's per-prompt diagnostics live with the fit
+(:mod:`jlens_core.fitting.diagnostics`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+log = logging.getLogger(__name__)
+
+LAYER_STATS_COLUMNS = ("layer", "fro_norm", "spectral_norm", "dist_identity", "effective_rank", "stable_rank")
+
+
+# -- matrices ------------------------------------------------------------------------------------
+def _jacobian_layers(lens: Any) -> list[int]:
+    jacobians = getattr(lens, "jacobians", None)
+    if not jacobians:
+        raise ValueError("This is not a fitted Jacobian lens (the logit lens has J = I at every layer): load or "
+                         "fit a Jacobian lens to study its matrices.")
+    return sorted(jacobians)
+
+
+def jacobian_matrix(lens: Any, layer: int) -> torch.Tensor:
+    """``J_layer`` of a fitted lens (shrinkage applied) in fp64, ``[d, d]``; a clear error for a logit lens
+    or a layer the lens was not fitted at."""
+    layers = _jacobian_layers(lens)
+    if int(layer) not in layers:
+        raise ValueError(f"The lens has no matrix at layer {layer}: it was fitted at layers {layers}.")
+    return lens.matrix(int(layer)).double()
+
+
+def singular_values(matrix: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Singular values of a square matrix, descending, as ``float64[d]`` (computed in fp64)."""
+    mat = torch.as_tensor(np.asarray(matrix) if not isinstance(matrix, torch.Tensor) else matrix).double()
+    if mat.dim() != 2:
+        raise ValueError(f"Expected a matrix, got shape {tuple(mat.shape)}.")
+    return torch.linalg.svdvals(mat).numpy()
+
+
+def effective_rank(s: Sequence[float] | np.ndarray) -> float:
+    """``exp`` of the entropy of the normalised singular values ``p = s / sum(s)`` (Roy & Vetterli).
+
+    Returns 0 for an all-zero spectrum.
+    """
+    s = np.asarray(s, dtype=np.float64)
+    total = float(s.sum())
+    if total <= 0:
+        return 0.0
+    p = s[s > 0] / total
+    return float(math.exp(-(p * np.log(p)).sum()))
+
+
+def matrix_stats(matrix: torch.Tensor | np.ndarray) -> dict[str, float]:
+    """The per-layer statistics of the module docstring for one ``[d, d]`` matrix.
+
+    Returns:
+        ``{"fro_norm", "spectral_norm", "dist_identity", "effective_rank", "stable_rank"}``.
+    """
+    mat = torch.as_tensor(np.asarray(matrix) if not isinstance(matrix, torch.Tensor) else matrix).double()
+    if mat.dim() != 2 or mat.shape[0] != mat.shape[1]:
+        raise ValueError(f"Expected a square matrix, got shape {tuple(mat.shape)}.")
+    d = mat.shape[0]
+    s = singular_values(mat)
+    fro = float(mat.norm())
+    top = float(s[0]) if len(s) else 0.0
+    return {"fro_norm": fro / math.sqrt(d), "spectral_norm": top,
+            "dist_identity": float((mat - torch.eye(d, dtype=mat.dtype)).norm()) / math.sqrt(d),
+            "effective_rank": effective_rank(s), "stable_rank": fro * fro / (top * top) if top > 0 else 0.0}
+
+
+def layer_stats(lens: Any, layers: Iterable[int] | None = None) -> pd.DataFrame:
+    """:func:`matrix_stats` of every fitted layer of ``lens`` (or of ``layers``), one row each.
+
+    Returns:
+        DataFrame with columns :data:`LAYER_STATS_COLUMNS`, layers ascending.
+
+    Raises:
+        ValueError: a logit lens (no matrices), or a layer the lens was not fitted at.
+    """
+    chosen = _jacobian_layers(lens) if layers is None else sorted({int(x) for x in layers})
+    rows = [{"layer": layer, **matrix_stats(jacobian_matrix(lens, layer))} for layer in chosen]
+    return pd.DataFrame(rows, columns=list(LAYER_STATS_COLUMNS))
+
+
+def layer_spectrum(lens: Any, layer: int) -> np.ndarray:
+    """Singular values of ``J_layer`` (shrinkage applied), descending, ``float64[d_model]``.
+
+    Raises:
+        ValueError: a logit lens, or a layer the lens was not fitted at.
+    """
+    return singular_values(jacobian_matrix(lens, layer))
+
+
+__all__ = ["LAYER_STATS_COLUMNS", "effective_rank", "jacobian_matrix", "layer_spectrum", "layer_stats", "matrix_stats",
+           "singular_values"]

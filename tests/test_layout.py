@@ -1,0 +1,133 @@
+"""The package layout: dependencies between jlens_core's subpackages point one way (README, Layout).
+
+Every import inside ``jlens_core`` is read with ``ast`` (relative and absolute, at module level or
+inside functions) and checked against the order below: a module may import its own subpackage, a
+leaf, or a subpackage of a lower rank. Siblings of one rank (``fitting`` / ``reading``) do not
+import each other.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import jlens_core
+
+PACKAGE = Path(jlens_core.__file__).resolve().parent
+
+# Leaves: top-level modules that import nothing from jlens_core.
+LEAVES = {"_version", "_paths", "corpus", "layerspec", "plots"}
+RANKS = {"models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4, "cli": 5}
+# The package's front door re-exports from everywhere; `python -m jlens_core` starts the CLI.
+EXEMPT = {"__init__", "__main__"}
+
+PUBLIC_NAMES = [
+    "DEFAULT_MODEL", "EVAL_SETS", "LAYOUTS", "ActivationRecorder", "FitProgress", "FitState", "HFLensModel",
+    "JacobianLens", "LensFileError", "LensModel", "LogitLens", "ModelLayout", "PromptJacobian", "PromptReading",
+    "default_lens", "evaluate", "fit", "jacobian_for_prompt", "load_corpus", "load_eval_set", "load_lens",
+    "load_model", "pass_at_k", "read_prompt", "resolve_layers", "valid_position_mask",
+]
+
+
+def module_name(path: Path) -> str:
+    """``jlens_core.fitting.fit`` for ``.../jlens_core/fitting/fit.py`` (packages end in ``__init__``)."""
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(rel.parts)
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """``(line, absolute module)`` for every ``jlens_core`` import in the file."""
+    name = module_name(path)
+    package = name.rsplit(".", 1)[0]  # the package a relative import starts from
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if node.module is None:
+                # `from . import x`: each name may be a module
+                found.extend((node.lineno, f"{target}.{a.name}") for a in node.names)
+            else:
+                found.append((node.lineno, target))
+        elif isinstance(node, ast.Import):
+            found.extend((node.lineno, a.name) for a in node.names)
+    return [(line, mod) for line, mod in found if mod == "jlens_core" or mod.startswith("jlens_core.")]
+
+
+def place(module: str) -> tuple[str, int | None]:
+    """``(group, rank)`` of a jlens_core module: its subpackage, or a leaf / exempt name with rank 0 / None."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "jlens_core", None
+    top = parts[1]
+    if top in RANKS:
+        return top, RANKS[top]
+    if top in LEAVES:
+        return top, 0
+    if top in EXEMPT:
+        return top, None
+    raise AssertionError(f"{module}: not in the layout (add it to a subpackage, or to LEAVES if it imports nothing)")
+
+
+def all_modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_every_module_has_a_place_in_the_layout():
+    for path in all_modules():
+        place(module_name(path))
+
+
+def test_dependencies_point_one_way():
+    problems = []
+    for path in all_modules():
+        name = module_name(path)
+        group, rank = place(name)
+        if group in EXEMPT:
+            continue
+        for line, target in imported_modules(path):
+            t_group, t_rank = place(target)
+            where = f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
+            if t_group in EXEMPT or t_rank is None:
+                problems.append(f"{where}: import from the named subpackage, not the package's front door")
+            elif rank == 0:
+                problems.append(f"{where}: a leaf imports nothing from jlens_core")
+            elif t_group == group or t_rank == 0:
+                continue
+            elif t_rank >= rank:
+                problems.append(f"{where}: {group} (rank {rank}) may not import {t_group} (rank {t_rank})")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
+    """The rule itself: a lenses module importing reading is reported (guards the test above)."""
+    fake = tmp_path / "jlens_core"
+    (fake / "lenses").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "lenses" / "__init__.py").write_text("")
+    (fake / "lenses" / "bad.py").write_text("def f():\n    from ..reading.tokens import TokenDisplay\n")
+    (fake / "corpus.py").write_text("from .models.model import HFLensModel\n")
+    monkeypatch.setattr(f"{__name__}.PACKAGE", fake)
+    with pytest.raises(AssertionError, match=r"lenses/bad.py:2 imports jlens_core.reading.tokens: lenses \(rank 2\)"):
+        test_dependencies_point_one_way()
+    with pytest.raises(AssertionError, match="corpus.py:1 imports jlens_core.models.model: a leaf"):
+        test_dependencies_point_one_way()
+
+
+def test_public_names_are_unchanged():
+    assert sorted(jlens_core.__all__) == sorted(PUBLIC_NAMES)
+    for name in PUBLIC_NAMES:
+        assert getattr(jlens_core, name) is not None
+
+
+def test_cli_subcommands_are_all_found():
+    from jlens_core.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert set(sub.choices) >= {"fit", "merge", "eval", "inspect", "dump", "diff", "app"}
