@@ -61,8 +61,14 @@ def row_labels(layers: Sequence[int], output_layer: int) -> list[str]:
     return [f"output (L{layer})" if layer == output_layer else f"L{layer}" for layer in layers]
 
 
+GENERATED_COLOUR = "#c2410c"  # tick labels of generated tokens
+
+
 def column_labels(reading: Any) -> list[str]:
-    return [f"{p}: {_short(t)}" for p, t in zip(reading.positions.tolist(), reading.position_tokens)]
+    """``"<position>: <token>"`` per read position; generated tokens end in ``" ✎"``."""
+    n_prompt = int(getattr(reading, "n_prompt", None) or len(reading.input_ids))
+    return [f"{p}: {_short(t)}" + (" ✎" if p >= n_prompt else "")
+            for p, t in zip(reading.positions.tolist(), reading.position_tokens)]
 
 
 def stat_values(reading: Any, stat: str, layers: Sequence[int]) -> np.ndarray:
@@ -171,8 +177,19 @@ def _axes(fig: go.Figure, reading: Any, layers: Sequence[int], n_panels: int = 1
         where = {"row": row, "col": 1} if n_panels > 1 else {}
         fig.update_yaxes(tickvals=list(range(len(layers))), ticktext=labels, autorange="reversed", showgrid=False,
                          **where)
-        fig.update_xaxes(tickvals=reading.positions.tolist()[::step], ticktext=[esc(t) for t in xlabels[::step]],
+        ticks = [f'<span style="color:{GENERATED_COLOUR}">{esc(t)}</span>' if t.endswith(" ✎") else esc(t)
+                 for t in xlabels[::step]]
+        fig.update_xaxes(tickvals=reading.positions.tolist()[::step], ticktext=ticks,
                          tickangle=-60, showgrid=False, showticklabels=row == n_panels, **where)
+    n_prompt = int(getattr(reading, "n_prompt", None) or len(reading.input_ids))
+    shown_positions = reading.positions.tolist()
+    if shown_positions and shown_positions[0] < n_prompt <= shown_positions[-1]:
+        # where the model's own continuation starts
+        for row in range(1, n_panels + 1):
+            where = {"row": row, "col": 1} if n_panels > 1 else {}
+            fig.add_vline(x=n_prompt - 0.5, line={"color": GENERATED_COLOUR, "width": 2, "dash": "dot"}, **where)
+        fig.add_annotation(x=n_prompt - 0.5, y=1.0, yref="paper", xanchor="left", yanchor="bottom",
+                           text="generated →", showarrow=False, font={"color": GENERATED_COLOUR, "size": 11})
 
 
 def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers: Sequence[int] | None = None,

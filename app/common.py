@@ -44,12 +44,14 @@ MODES = {"logit": "Logit lens", "jacobian": "Jacobian lens", "side": "Side by si
 STATS = {"top1_prob": "Top-1 probability", "entropy_bits": "Entropy (bits)", "kl_bits": "KL to final (bits)",
          "ce_bits": "Cross-entropy of the next token (bits)", "next_token_rank": "Rank of the next token",
          "final_top1_rank": "Rank of the final top-1"}
+MAX_GEN_TOKENS = 256  # the Generate control's range
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Widget values kept when the user moves to another page (Streamlit drops a widget's state when
 # the widget is not drawn; writing it back each run keeps it).
 PERSISTENT_KEYS = ("prompt", "mode", "stat", "chat", "top_k", "pinned", "stride", "show_ws", "word_like",
-                   "lens_path", "eval_source", "eval_n", "fit_run")
+                   "lens_path", "eval_source", "eval_n", "fit_run", "gen_n", "gen_temp", "gen_seed", "band",
+                   "mc_word_like")
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, LensFileError, KeyError, OSError)
 
 
@@ -116,15 +118,19 @@ def load_lens_cached(path: str, mtime: float, size: int) -> JacobianLens:
 
 
 @st.cache_resource(show_spinner=False, max_entries=48)
-def reading_cached(_model, model_key: str, _lens, lens_key: str, text: str, top_k: int, pinned: tuple,
+def reading_cached(_model, model_key: str, _lens, lens_key: str, text: str | tuple, top_k: int, pinned: tuple,
                    show_ws: bool, word_like: bool, layers: tuple | None, positions: tuple | None,
-                   max_seq_len: int):
-    """:func:`jlens_core.reading.readings.read_prompt`, cached by its inputs (the model and lens by key)."""
+                   max_seq_len: int, n_prompt: int | None = None):
+    """:func:`jlens_core.reading.readings.read_prompt`, cached by its inputs (the model and lens by key).
+
+    ``text`` is the prompt, or a tuple of token ids (a generation: the first ``n_prompt`` are the prompt).
+    """
     from jlens_core.reading.readings import read_prompt
 
-    return read_prompt(_model, _lens, text, top_k=top_k, pinned=pinned, show_whitespace=show_ws,
-                       word_like=word_like, layers=None if layers is None else list(layers),
-                       positions=None if positions is None else list(positions), max_seq_len=max_seq_len)
+    return read_prompt(_model, _lens, list(text) if isinstance(text, tuple) else text, top_k=top_k, pinned=pinned,
+                       show_whitespace=show_ws, word_like=word_like, layers=None if layers is None else list(layers),
+                       positions=None if positions is None else list(positions), max_seq_len=max_seq_len,
+                       n_prompt=n_prompt)
 
 
 # -- the loaded state ---------------------------------------------------------------------------
@@ -214,10 +220,48 @@ def init_state() -> None:
         ss.mode = mode if mode in MODES else None  # decided once the lens is known
         stat = _query_value("stat")
         ss.stat = stat if stat in STATS else "top1_prob"
+        _seed_generation_state(ss)
         ss._initialised = True
     for key in PERSISTENT_KEYS:
         if key in ss:
             ss[key] = ss[key]
+
+
+def _int_or(value: str | None, default: int | None) -> int | None:
+    try:
+        return int(value) if value is not None else default
+    except ValueError:
+        return default
+
+
+def _seed_generation_state(ss) -> None:
+    """``gen`` (new tokens), ``temp``, ``seed`` and ``band`` (``lo-hi``) from the URL, when given."""
+    gen = _int_or(_query_value("gen"), None)
+    if gen is not None:
+        ss.gen_n = max(0, min(gen, MAX_GEN_TOKENS))
+    try:
+        temp = float(_query_value("temp") or "nan")
+        if temp >= 0:
+            ss.gen_temp = min(temp, 2.0)
+    except ValueError:
+        pass
+    seed = _int_or(_query_value("seed"), None)
+    if seed is not None and seed >= 0:
+        ss.gen_seed = seed
+    band = (_query_value("band") or "").split("-")
+    if len(band) == 2 and all(part.isdigit() for part in band):
+        ss.band_request = (int(band[0]), int(band[1]))  # clamped to the model's layers by the page
+
+
+def generation_query() -> dict[str, str | None]:
+    """The generation and band part of the URL (``None``: leave the key out)."""
+    ss = st.session_state
+    n = int(ss.get("gen_n") or 0)
+    band = ss.get("band")
+    return {"gen": str(n) if n else None,
+            "temp": f"{float(ss.get('gen_temp') or 0):g}" if n and ss.get("gen_temp") else None,
+            "seed": str(int(ss.get("gen_seed") or 0)) if n and ss.get("gen_temp") else None,
+            "band": f"{int(band[0])}-{int(band[1])}" if band and ss.get("band_is_custom") else None}
 
 
 def sync_query_params() -> None:
@@ -229,9 +273,13 @@ def sync_query_params() -> None:
         lens_value = ss.get("lens_path") or "none"
     wanted = {"model": ctx.model_spec or ss.get("model_spec") or DEFAULT_MODEL, "lens": lens_value,
               "prompt": ss.get("prompt") or "", "mode": ss.get("mode") or "logit", "stat": ss.get("stat") or "top1_prob"}
+    wanted.update(generation_query())
     try:
         for key, value in wanted.items():
-            if st.query_params.get(key) != value:
+            if value is None:
+                if key in st.query_params:
+                    del st.query_params[key]
+            elif st.query_params.get(key) != value:
                 st.query_params[key] = value
     except Exception as exc:  # noqa: BLE001 - the URL is a convenience; never fail a page on it
         log.debug("could not write query params: %s", exc)

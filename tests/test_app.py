@@ -245,6 +245,78 @@ def test_query_params_restore_a_shared_view(tiny_dir, lens_file):
                       "stat": "kl_bits"}
 
 
+def test_inspect_generates_and_reads_the_continuation(tiny_dir, tiny_model, lens_file):
+    from jlens_core.reading.generation import generate
+
+    prompt = "The capital of France is"
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=prompt, gen="6", band="1-2", mode="side").run())
+    expected = generate(tiny_model, prompt, max_new_tokens=6)
+    n_prompt, n_gen = expected.n_prompt, expected.n_generated
+    assert at.number_input(key="gen_n").value == 6 and at.slider(key="band").value == (1, 2)
+    assert any(m.value.startswith(f"**Continuation** ({n_gen} tokens, greedy") for m in at.markdown)
+    spec = chart(at, "heatmap")
+    logit, jacobian = spec["data"][0], spec["data"][2]
+    assert values(logit["z"]).shape == (3, n_prompt + n_gen)  # band rows L1, L2 + the output; prompt + continuation
+    assert spec["layout"]["yaxis"]["ticktext"] == ["L1", "L2", "output (L3)"]
+    ticks = spec["layout"]["xaxis2"]["ticktext"]
+    assert [("✎" in tick) for tick in ticks] == [False] * n_prompt + [True] * n_gen
+    assert any(s.get("x0") == n_prompt - 0.5 for s in spec["layout"]["shapes"])  # the boundary line
+    # the output row over the continuation is what the model wrote
+    strings = TokenDisplay.for_model(tiny_model).strings()
+    written = [html.escape(s if s.strip() else s.replace(" ", "·"), quote=False)
+               for s in (strings[i] for i in expected.generated_ids.tolist())]
+    assert same_tokens(logit["text"][-1][n_prompt - 1:-1], written)
+    assert jacobian["name"] == "Jacobian lens"
+    params = {k: (v[0] if isinstance(v, list) else v) for k, v in at.query_params.items()}
+    assert params["gen"] == "6" and params["band"] == "1-2" and "temp" not in params
+
+    # the most common tokens of the band (the Jacobian reading's layers 1-2); a click pins the first
+    from jlens_core.reading.readings import most_common_tokens, read_prompt
+    from jlens_core.reading.tokens import token_id_for
+
+    lens = JacobianLens.load(lens_file)
+    reading = read_prompt(tiny_model, lens, expected, layers=[1, 2, 3], top_k=10)
+    top = most_common_tokens(reading, layers=[1, 2], top_n=1)
+    at.button(key="mc_pin_jacobian_0").click().run()
+    pinned = ok(at).session_state["pinned"]
+    assert token_id_for(tiny_model.tokenizer, pinned) == int(top["token_id"][0])
+    assert f"Rank of pinned {pinned!r}" in at.selectbox(key="stat").options
+
+    # sampled: reproducible with the seed, in the URL
+    at.number_input(key="gen_temp").set_value(1.0).run()
+    at.number_input(key="gen_seed").set_value(5).run()
+    sampled = generate(tiny_model, prompt, max_new_tokens=6, temperature=1.0, seed=5)
+    assert any(f"`{sampled.continuation.strip() or '∅'}`" in m.value for m in ok(at).markdown)
+    params = {k: (v[0] if isinstance(v, list) else v) for k, v in at.query_params.items()}
+    assert params["temp"] == "1" and params["seed"] == "5"
+    at.number_input(key="gen_n").set_value(0).run()
+    assert "gen" not in ok(at).query_params
+    assert values(chart(at, "heatmap")["data"][0]["z"]).shape[1] == n_prompt
+
+
+def test_inspect_stop_keeps_the_partial_generation(tiny_dir, tiny_model):
+    from jlens_core.reading.generation import generate
+
+    prompt = "Once upon a time"
+    at = ok(make_app(model=tiny_dir, lens="none", prompt=prompt).run())
+    key = (at.session_state["_ctx"].model_key, prompt, 12, 0.0, None)
+    partial = generate(tiny_model, prompt, max_new_tokens=12, stop_at_eos=False, progress=lambda p: p.step == 3)
+    partial.stop_reason = "max_new_tokens"  # as the page holds it while generating
+    at.session_state["_gen_partial"] = (key, partial)
+    at.session_state["_gen_stop"] = True  # the Stop button's callback
+    at.number_input(key="gen_n").set_value(12).run()
+    assert any(m.value.startswith("**Continuation** (3 tokens, greedy; stopped)") for m in ok(at).markdown)
+    n_prompt = tiny_model.encode(prompt).shape[1]
+    assert values(chart(at, "heatmap")["data"][0]["z"]).shape[1] == n_prompt + 3
+
+
+def test_inspect_generation_bad_input(tiny_dir):
+    at = ok(make_app(model=tiny_dir, lens="none", prompt="hi", gen="999", temp="-3", band="9-1").run())
+    assert at.number_input(key="gen_n").value == 256  # clamped to the control's range
+    assert at.number_input(key="gen_temp").value == 0.0  # a negative temperature is ignored
+    assert at.slider(key="band").value == (1, 3)
+
+
 def test_lens_upload_and_state_across_pages(tiny_dir, lens_file):
     at = ok(make_app(model=tiny_dir, lens="none").run())
     at.selectbox(key="lens_choice").set_value("upload").run()

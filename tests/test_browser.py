@@ -5,6 +5,7 @@ served by ``jlens app`` (``streamlit run app/main.py``) on a free localhost port
   later loads read the cache): the heatmap appears with token text and the model's real
   prediction in the output row; a new prompt redraws it; hover shows the top-k; a click opens the
   cell's detail; the lens mode switches.
+* Generate on the default model: 8 new tokens, the heatmap grows by 8 columns marked as generated.
 * Fit on a tiny model saved to a temporary folder: the progress bar and the convergence chart
   update while the fit runs, survive a page reload, and the fit finishes.
 
@@ -180,6 +181,27 @@ def test_inspect_on_the_default_model(server, browser, shots):
         page.get_by_text("decoded through the unembedding", exact=False).first.wait_for(timeout=180_000)
         _no_exception(page)
         page.screenshot(path=str(shots / "jacobians.png"))
+    page.close()
+
+
+def test_generate_on_the_default_model(server, browser, shots):
+    """Generate 8 tokens from the Inspect page: the heatmap grows by 8 columns, marked as generated."""
+    page = _page(browser, height=1300)
+    page.goto(server + "/?prompt=" + quote("Once upon a time, in a small village by the sea, there lived"))
+    _wait_heatmap(page, "g.data[0].text && g.data[0].text.length > 0", timeout=FIRST_LOAD_S * 1000)
+    before = _heatmap(page, "g.data[0].text[0].length")
+    page.get_by_text("Generate a continuation", exact=True).click()
+    new_tokens = page.get_by_role("spinbutton", name="New tokens")
+    new_tokens.fill("8")
+    new_tokens.press("Enter")
+    _wait_heatmap(page, f"g.data[0].text[0].length === {before + 8}", timeout=180_000)
+    _no_exception(page)
+    ticks = _heatmap(page, "g.layout.xaxis.ticktext")
+    assert sum("✎" in tick for tick in ticks) == 8
+    page.get_by_text("Continuation (8 tokens, greedy", exact=False).wait_for()
+    assert "gen=8" in page.url
+    page.get_by_text("Most common tokens", exact=False).first.scroll_into_view_if_needed()
+    page.screenshot(path=str(shots / "inspect-generate.png"), full_page=True)
     page.close()
 
 

@@ -77,10 +77,30 @@ def test_inspect_prints_a_grid_with_the_output_row(work, capsys):
     assert "jacobian lens" in lines[0]
 
 
+def test_inspect_generate_prints_the_continuation_and_reads_it(work, capsys):
+    from jlens_core.reading.generation import generate
+
+    prompt = work["texts"][0][:60]
+    code = main(["inspect", "--model", str(work["model_dir"]), "--lens", "logit", "--prompt", prompt,
+                 "--generate", "5", "--no-progress", "--width", "12"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    expected = generate(work["model"], prompt, max_new_tokens=5)
+    assert lines[0] == (f"continuation ({expected.n_generated} tokens, {expected.stop_reason}): "
+                        f"{expected.continuation!r}")
+    # columns: the prompt's last token, then the continuation, marked (gen)
+    marks = lines[3].split()
+    assert marks == ["(gen)"] * expected.n_generated
+    rows = [line.split()[0] for line in lines[5:]]
+    assert rows == [str(layer) for layer in range(work["model"].n_layers - 1)] + ["out"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["inspect", "--prompt", ""], "--prompt is empty"),
     (["eval", "--lens", "logit", "--out", "x", "--pass-at-k", "no_such_set"], "Unknown evaluation set"),
     (["inspect", "--prompt", "hi", "--layers", "zero"], "zero"),
+    (["inspect", "--prompt", "hi", "--generate", "5000"], "max_new_tokens=5000 is out of range"),
+    (["inspect", "--prompt", "hi", "--generate", "3", "--temperature", "-1"], "temperature=-1.0 must be"),
 ])
 def test_bad_input_is_one_sentence(work, argv, message, capsys):
     argv = [argv[0], "--model", str(work["model_dir"])] + argv[1:]

@@ -201,3 +201,19 @@ def test_large_vocabulary_is_fast():
     elapsed = time.perf_counter() - start
     assert display.vocab_size == 50_000 and display.kind == "byte_level"
     assert elapsed < 5.0, f"building the display of a 50k vocabulary took {elapsed:.2f} s"
+
+
+def test_pin_spec_maps_back_to_the_token(tokenizer):
+    from jlens_core.reading.tokens import pin_spec
+
+    display = TokenDisplay.for_tokenizer(tokenizer)
+    named = 0
+    for tid in range(display.vocab_size):
+        spec = pin_spec(tokenizer, tid)
+        assert token_id_for(tokenizer, spec) == tid and "," not in spec
+        named += spec == display.texts[tid]
+    assert named > display.vocab_size // 2  # mostly the readable text, not the raw entry
+    comma = display.token_to_id[","]
+    assert pin_spec(tokenizer, comma) == f"<id:{comma}>"
+    with pytest.raises(ValueError, match="out of range"):
+        pin_spec(tokenizer, display.vocab_size)

@@ -9,7 +9,9 @@ import streamlit as st
 
 import charts
 import common
-from jlens_core.reading.tokens import token_id_for
+from jlens_core.reading.generation import generate
+from jlens_core.reading.readings import most_common_tokens
+from jlens_core.reading.tokens import pin_spec, token_id_for
 
 MAX_TOKENS = 1024  # prompts are truncated to this many tokens
 DEFAULT_WINDOW = 256  # positions shown at first for a long prompt (the last ones)
@@ -21,10 +23,30 @@ n_layers = model.n_layers
 examples = common.example_prompts()
 has_template = bool(getattr(model.tokenizer, "chat_template", None))
 for key, value in (("chat", False), ("top_k", 10), ("pinned", ""), ("stride", 1), ("show_ws", False),
-                   ("word_like", False)):
+                   ("word_like", False), ("gen_n", 0), ("gen_temp", 0.0), ("gen_seed", 0), ("mc_word_like", False)):
     ss.setdefault(key, value)
 if ss.mode not in common.MODES:
     ss.mode = "logit"
+
+
+if "band_request" in ss:  # from the URL, once the model's depth is known
+    lo, hi = sorted(max(0, min(int(x), n_layers - 1)) for x in ss.pop("band_request"))
+    ss.band = (lo, hi)
+if not isinstance(ss.get("band"), (tuple, list)) or max(ss.band) > n_layers - 1:
+    ss.band = (0, n_layers - 1)
+ss.band_is_custom = tuple(ss.band) != (0, n_layers - 1)
+MAX_GEN = common.MAX_GEN_TOKENS
+GEN_KEEP = 8  # generations kept per session (the last ones)
+
+
+def _request_stop() -> None:
+    ss._gen_stop = True
+
+
+def _pin(spec: str) -> None:
+    current = [p for p in (ss.get("pinned") or "").split(",") if p.strip()]
+    if spec not in current:
+        ss.pinned = ",".join(current + [spec])
 
 
 def _use_example() -> None:
@@ -45,6 +67,16 @@ right.selectbox("Examples", [e["label"] for e in examples], index=None, key="exa
 right.toggle("Chat template", key="chat", disabled=not has_template,
              help="Wrap the prompt in the model's chat template (instruct models); the reading then "
                   "starts inside the assistant's answer." if has_template else "This tokenizer has no chat template.")
+
+with st.expander("Generate a continuation", expanded=int(ss.gen_n) > 0):
+    g1, g2, g3 = st.columns(3)
+    g1.number_input("New tokens", min_value=0, max_value=MAX_GEN, step=1, key="gen_n",
+                    help=f"0 reads the prompt alone. 1-{MAX_GEN}: the model writes that many tokens first (it stops "
+                         "early at its end-of-sequence token) and the heatmap reads prompt + continuation.")
+    g2.number_input("Temperature", min_value=0.0, max_value=2.0, step=0.1, key="gen_temp",
+                    help="0 = greedy (the model's top-1 at each step); above 0 samples, reproducibly with the seed.")
+    g3.number_input("Seed", min_value=0, max_value=2**31 - 1, step=1, key="gen_seed", disabled=not ss.gen_temp,
+                    help="The sampling seed (used when the temperature is above 0).")
 
 pins_raw = [p for p in (ss.get("pinned") or "").split(",") if p.strip()]
 pins, bad_pins = [], []
@@ -73,8 +105,51 @@ try:
 except ValueError as exc:
     st.error(f"Cannot read this prompt: {exc}")
     st.stop()
+
+# -- the continuation -----------------------------------------------------------------------------------
+generation = None
+n_new = int(ss.gen_n)
+if n_new > 0:
+    temp = float(ss.gen_temp)
+    gen_key = (ctx.model_key, text, n_new, temp, int(ss.gen_seed) if temp else None)
+    store = ss.setdefault("_generations", {})
+    generation = store.get(gen_key)
+    partial = ss.get("_gen_partial")
+    if generation is None and ss.get("_gen_stop") and partial is not None and partial[0] == gen_key:
+        generation = partial[1]  # Stop: keep what was generated
+        if generation.n_generated < n_new and generation.stop_reason == "max_new_tokens":
+            generation.stop_reason = "stopped"
+        store[gen_key] = generation
+    ss._gen_stop = False
+    if generation is None:
+        bar = st.progress(0.0, text=f"Generating {n_new} tokens…")
+        stop_slot = st.empty()
+        stop_slot.button("Stop generating", key="gen_stop", on_click=_request_stop, icon=":material/stop:",
+                         help="Keep the tokens generated so far.")
+
+        def _progress(p) -> None:
+            ss._gen_partial = (gen_key, p.generation)
+            bar.progress(p.step / p.total, text=f"Generating… {p.step}/{p.total} tokens: "
+                                                f"{p.generation.continuation[-80:]!r}")
+
+        try:
+            generation = generate(model, text, max_new_tokens=n_new, temperature=temp,
+                                  seed=int(ss.gen_seed) if temp else None, progress=_progress)
+        except common.EXPECTED_ERRORS as exc:
+            st.error(f"Cannot generate: {exc}")
+            st.stop()
+        store[gen_key] = generation
+        for old in list(store)[:-GEN_KEEP]:
+            del store[old]
+        bar.empty()
+        stop_slot.empty()
+    how = "greedy" if not temp else f"temperature {temp:g}, seed {int(ss.gen_seed)}"
+    ended = {"eos": "it ended its answer", "stopped": "stopped", "max_new_tokens": "the token budget"}
+    st.markdown(f"**Continuation** ({generation.n_generated} tokens, {how}; {ended[generation.stop_reason]}): "
+                f"`{generation.continuation.strip() or '∅'}`")
+    full_ids = generation.ids[None, :]
 n_tokens = min(int(full_ids.shape[1]), MAX_TOKENS)
-tokens = common.token_strings(model, full_ids[0, :n_tokens].tolist(), ss.show_ws)
+tokens = common.token_strings(model, [int(x) for x in full_ids[0, :n_tokens]], ss.show_ws)
 
 with st.expander("Display options", expanded=False):
     d1, d2, d3 = st.columns(3)
@@ -84,6 +159,11 @@ with st.expander("Display options", expanded=False):
                        "Their rank over layers shows in the cell detail; colour by it above.")
     d2.number_input("Layer stride", min_value=1, max_value=max(1, n_layers - 1), step=1, key="stride",
                     help="Show every n-th layer (the model's output row is always shown).")
+    if n_layers > 1:
+        d1.slider("Layer band", 0, n_layers - 1, key="band",
+                  help="Layers the heatmap and the most common tokens cover (the output row is always shown). "
+                       "The first layers of a Jacobian lens are often degenerate (it reads every token the same "
+                       "way there): start the band above them to see what the middle layers hold.")
     if n_tokens > 1:
         if ss.get("_pos_for") != (text, n_tokens) or "pos_range" not in ss:
             ss.pos_range = (max(0, n_tokens - DEFAULT_WINDOW), n_tokens - 1)
@@ -100,15 +180,18 @@ if int(full_ids.shape[1]) > MAX_TOKENS:
 lo, hi = ss.pos_range if n_tokens > 1 else (0, 0)
 positions = tuple(range(int(lo), int(hi) + 1))
 stride = int(ss.stride)
-layers = sorted(set(range(0, n_layers, stride)) | {n_layers - 1})
+band_lo, band_hi = (int(x) for x in ss.band)
+layers = sorted(set(range(band_lo, band_hi + 1, stride)) | {n_layers - 1})
+source = tuple(int(x) for x in generation.ids) if generation is not None else text
+n_prompt = generation.n_prompt if generation is not None else None
 
 readings = {}
 with st.spinner("Reading the prompt…"):
     for name, lens in ctx.lenses().items():
         try:
             readings[name] = common.reading_cached(
-                model, ctx.model_key, lens, ctx.lens_keys()[name], text, int(ss.top_k), tuple(pins),
-                bool(ss.show_ws), bool(ss.word_like), tuple(layers), positions, MAX_TOKENS)
+                model, ctx.model_key, lens, ctx.lens_keys()[name], source, int(ss.top_k), tuple(pins),
+                bool(ss.show_ws), bool(ss.word_like), tuple(layers), positions, MAX_TOKENS, n_prompt)
         except common.EXPECTED_ERRORS as exc:
             st.error(f"The {charts.LENS_NAMES[name].lower()} cannot read this prompt: {exc}")
 if "logit" not in readings:
@@ -123,6 +206,38 @@ if mode != "logit" and "jacobian" not in readings:
 fig = charts.heatmap_figure(readings, mode, ss.stat, layers=layers)
 event = st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points",
                         config={"displaylogo": False, "toImageButtonOptions": {"filename": "jlens-heatmap"}})
+
+# -- most common tokens ---------------------------------------------------------------------------------
+shown_lenses = ["logit", "jacobian"] if mode in ("side", "diff") else [mode]
+band_rows = [layer for layer in layers if layer != n_layers - 1]
+with st.expander(f"Most common tokens, layers {band_lo}–{band_hi}", expanded=True):
+    st.toggle("Word-like tokens only", key="mc_word_like",
+              help="Count each cell's most probable word-like token instead of its top-1.")
+    if not band_rows:
+        st.caption("The band holds only the output row: widen it (Display options) to count the layers' top-1 tokens.")
+    else:
+        panels = st.columns(len(shown_lenses))
+        for panel, name in zip(panels, shown_lenses):
+            table = most_common_tokens(readings[name], layers=band_rows, word_like=bool(ss.mc_word_like), top_n=10)
+            panel.markdown(f"**{charts.LENS_NAMES[name]}**: top-1 most often across {len(positions)} positions "
+                           f"× {len(band_rows)} layers. Click a token to pin it.")
+            if table.empty:
+                panel.caption("No word-like token in these cells' top-k.")
+                continue
+            table["by layer"] = [[row["per_layer"].get(layer, 0) for layer in band_rows]
+                                 for _, row in table.iterrows()]
+            table["token"] = [charts.shown(token) for token in table["token"]]
+            panel.dataframe(table[["token", "count", "n_layers", "by layer"]], hide_index=True, width="stretch",
+                            column_config={"token": st.column_config.TextColumn("token"),
+                                           "n_layers": st.column_config.NumberColumn("layers"),
+                                           "by layer": st.column_config.BarChartColumn(
+                                               f"count by layer ({band_rows[0]}…{band_rows[-1]})", y_min=0)})
+            pin_cols = panel.columns(5)
+            for i, (_, row) in enumerate(table.head(10).iterrows()):
+                spec = pin_spec(model.tokenizer, int(row["token_id"]), vocab_size=model.vocab_size)
+                pin_cols[i % 5].button(f"{charts.shown(row['token'])}", key=f"mc_pin_{name}_{i}",
+                                       on_click=_pin, args=(spec,), help=f"Pin {spec!r} ({row['count']} cells)",
+                                       width="stretch")
 
 # -- cell detail ------------------------------------------------------------------------------------
 points = list(event.selection.points) if event is not None and event.selection else []

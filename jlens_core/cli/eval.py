@@ -89,12 +89,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bar(total: int, desc: str, disabled: bool):
+def _bar(total: int, desc: str, disabled: bool, unit: str = "text"):
     if disabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="text", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
 
 
 def _advance(bar, done: int, total: int) -> None:
@@ -103,23 +103,42 @@ def _advance(bar, done: int, total: int) -> None:
     bar.refresh()
 
 
+LAST_DEFAULT = 12
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..layerspec import check_layer_spec, parse_layer_spec
     from ..models.loading import load_model
+    from ..reading.generation import check_generate_args, generate
     from ..reading.readings import read_prompt
 
     if not args.prompt:
         raise CLIError("--prompt is empty: give some text to read.")
     if args.layers:
         check_layer_spec(args.layers)
+    if args.generate:
+        check_generate_args(args.prompt, args.generate, args.temperature, 1)
     model = load_model(args.model, device=args.device, dtype=args.dtype, progress=say)
     lens = next(iter(resolve_lenses([args.lens], model).values()))
-    text = model.chat(args.prompt) if args.chat else args.prompt
     layers = parse_layer_spec(args.layers, model.n_layers) if args.layers else None
     if layers is not None and lens.target_layer not in layers:
         layers.append(lens.target_layer)  # the model's own output is always the last row
-    reading = read_prompt(model, lens, text, top_k=1, layers=layers, max_seq_len=args.max_seq_len,
+    if args.generate:
+        bar = _bar(args.generate, "generating", args.no_progress, unit="token")
+        try:
+            source = generate(model, args.prompt, max_new_tokens=args.generate, temperature=args.temperature,
+                              seed=args.seed, chat=args.chat,
+                              progress=(lambda p: _advance(bar, p.step, p.total)) if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        print(f"continuation ({source.n_generated} tokens, {source.stop_reason}): {source.continuation!r}")
+    else:
+        source = model.chat(args.prompt) if args.chat else args.prompt
+    reading = read_prompt(model, lens, source, top_k=1, layers=layers, max_seq_len=args.max_seq_len,
                           show_whitespace=True)
+    if args.generate and args.last == LAST_DEFAULT:
+        args.last = reading.n_generated + 1  # the continuation and the prompt's last token
     positions = reading.positions[-args.last:] if args.last else reading.positions
     width = args.width
 
@@ -131,6 +150,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     cols = [reading.position_index(p) for p in positions]
     print(f"{model.name} · {lens.kind} lens · top-1 token per layer (rows) and position (columns)")
     print("layer ".rjust(7) + " ".join(cell(reading.tokens[c]) for c in cols))
+    if reading.n_generated:
+        print("".rjust(7) + " ".join(cell("(gen)" if reading.segments[c] == "generated" else "") for c in cols))
     print("-" * (7 + (width + 1) * len(cols)))
     for i, layer in enumerate(reading.layers):
         label = "out" if layer == reading.output_layer else str(layer)
@@ -174,7 +195,13 @@ def register(subparsers) -> None:
     i.add_argument("--prompt", required=True, help="the text to read")
     i.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     i.add_argument("--layers", default=None, help="layers to show: '0,4,8', '0:12', '::2' (default all)")
-    i.add_argument("--last", type=int, default=12, help="show the last N positions (default 12; 0 = all)")
+    i.add_argument("--last", type=int, default=LAST_DEFAULT,
+                   help="show the last N positions (default 12, or the continuation with --generate; 0 = all)")
+    i.add_argument("--generate", type=int, default=0, metavar="N",
+                   help="let the model write N tokens first (1-4096), print them, and read prompt + continuation")
+    i.add_argument("--temperature", type=float, default=0.0, help="with --generate: 0 = greedy (default)")
+    i.add_argument("--seed", type=int, default=None, help="with --generate and a temperature: the sampling seed")
+    i.add_argument("--no-progress", action="store_true", help="no progress bar while generating")
     i.add_argument("--width", type=int, default=9, help="characters per cell (default 9)")
     i.add_argument("--max-seq-len", type=int, default=None, help="truncate the prompt to this many tokens")
     i.set_defaults(func=cmd_inspect)

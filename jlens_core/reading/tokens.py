@@ -400,12 +400,17 @@ def first_token_id(tokenizer: Any, text: str) -> int:
     return int(chosen)
 
 
+_ID_SPEC = re.compile(r"<id:(\d+)>")
+
+
 def token_id_for(tokenizer: Any, token: str | int, *, vocab_size: int | None = None) -> int:
     """The id a pinned token names: an id, a raw vocabulary entry, or the first token of a string.
 
     * an ``int`` is taken as an id (it must lie in ``[0, vocab_size)``);
     * a string that is exactly a raw vocabulary entry (``"ĠParis"``, ``"▁Paris"``, ``"<|eos|>"``,
       or ``"Paris"`` where that is a token) is that entry's id;
+    * ``"<id:N>"`` is id ``N`` (how readings name an id without a vocabulary entry; also a way to
+      name any id as a string);
     * any other string maps to the first token of its encoding (:func:`first_token_id`): ``" Paris"``
       is the space-prefixed token; a word split into several tokens is tracked by its first one.
 
@@ -424,7 +429,35 @@ def token_id_for(tokenizer: Any, token: str | int, *, vocab_size: int | None = N
     vocab = display.token_to_id
     if token in vocab and 0 <= vocab[token] < size:
         return int(vocab[token])
+    by_id = _ID_SPEC.fullmatch(token)
+    if by_id:
+        return token_id_for(tokenizer, int(by_id.group(1)), vocab_size=size)
     return first_token_id(tokenizer, token)
+
+
+def pin_spec(tokenizer: Any, token_id: int, *, vocab_size: int | None = None) -> str:
+    """A string that :func:`token_id_for` maps back to ``token_id``, as readable as possible.
+
+    The token's text (``" Paris"``) when it names that token and holds no comma (pins are typed as a
+    comma-separated list), else the raw vocabulary entry (``"ĠParis"``), else ``"<id:N>"``.
+
+    Raises:
+        ValueError: an id outside the vocabulary.
+    """
+    display = TokenDisplay.for_tokenizer(tokenizer, vocab_size=vocab_size)
+    tid = int(token_id)
+    if not 0 <= tid < display.vocab_size:
+        raise ValueError(f"Token id {tid} is out of range: the vocabulary has ids 0..{display.vocab_size - 1}.")
+    text = display.texts[tid]
+    candidates = [text] + [raw for raw, i in display.token_to_id.items() if i == tid]
+    for candidate in candidates:
+        if candidate and "," not in candidate:
+            try:
+                if token_id_for(tokenizer, candidate, vocab_size=vocab_size) == tid:
+                    return candidate
+            except ValueError:
+                continue
+    return f"<id:{tid}>"
 
 
 def word_token_ids(tokenizer: Any, word: str) -> list[int]:
@@ -454,4 +487,4 @@ def display_ids(display: TokenDisplay, ids: Sequence[int], *, show_whitespace: b
 
 
 __all__ = ["KINDS", "TokenDisplay", "bytes_to_unicode", "detect_kind", "display_ids", "encode_plain", "first_token_id",
-           "is_word_like", "token_display", "token_id_for", "visible", "word_token_ids"]
+           "is_word_like", "pin_spec", "token_display", "token_id_for", "visible", "word_token_ids"]
