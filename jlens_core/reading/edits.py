@@ -140,14 +140,22 @@ class EditRunner:
 
         return hook
 
-    def run(self, forward, positions: torch.Tensor, clean_forward=None):
+    def clean_residuals(self, clean_forward) -> dict[int, torch.Tensor]:
+        """``{layer: [batch, seq, d_model]}``: the edited layers' outputs in an unedited ``clean_forward()``."""
+        with torch.no_grad(), ActivationRecorder(self.model.layers, self.layers) as rec:
+            clean_forward()
+        return {layer: rec.activations[layer].detach() for layer in self.layers}
+
+    def run(self, forward, positions: torch.Tensor, clean_forward=None,
+            clean: dict[int, torch.Tensor] | None = None):
         """``forward()`` with the edits hooked, at the absolute ``positions [seq]`` of this pass.
 
         Args:
             forward: a zero-argument callable running the model on this pass's tokens.
             positions: ``LongTensor[seq]``, the absolute positions of the tokens ``forward`` runs.
             clean_forward: a zero-argument callable running the same tokens without edits (its own
-                cache); required when an edit needs the clean residuals.
+                cache); required when an edit needs the clean residuals and ``clean`` is not given.
+            clean: the clean residuals already recorded (:meth:`clean_residuals`), to reuse them.
 
         Returns:
             What ``forward()`` returns.
@@ -155,11 +163,9 @@ class EditRunner:
         if not self.edits:
             return forward()
         if self.needs_clean:
-            if clean_forward is None:
+            if clean is None and clean_forward is None:
                 raise ValueError("An edit needs the clean residuals, but no clean forward was given.")
-            with torch.no_grad(), ActivationRecorder(self.model.layers, self.layers) as rec:
-                clean_forward()
-            self._clean = {layer: rec.activations[layer].detach() for layer in self.layers}
+            self._clean = clean if clean is not None else self.clean_residuals(clean_forward)
         self._positions = positions
         handles = [self.model.layers[layer].register_forward_hook(self._hook(layer)) for layer in self.layers]
         try:

@@ -460,6 +460,65 @@ def pin_spec(tokenizer: Any, token_id: int, *, vocab_size: int | None = None) ->
     return f"<id:{tid}>"
 
 
+def _text_to_id(display: TokenDisplay) -> dict[str, int]:
+    """``{text: id}`` over the non-special tokens (the smallest id where two share a text)."""
+    cached = getattr(display, "_text_to_id", None)
+    if cached is None:
+        cached = {}
+        for i, text in enumerate(display.texts):
+            if i not in display.special_ids and text not in cached:
+                cached[text] = i
+        display._text_to_id = cached
+    return cached
+
+
+def spelling_variants(word: str) -> list[str]:
+    """The spellings of a word that count as it: as written, lower-cased, capitalised, each with and
+    without a leading space (de-duplicated, in that order, the leading-space forms first)."""
+    core = word.strip() if isinstance(word, str) else ""
+    if not core:
+        raise ValueError(f"Cannot look up the word {word!r}: it is empty.")
+    forms = dict.fromkeys([core, core.lower(), core[:1].upper() + core[1:]])
+    return list(dict.fromkeys([" " + f for f in forms] + list(forms)))
+
+
+def single_token_spellings(tokenizer: Any, word: str, *, vocab_size: int | None = None) -> dict[str, int]:
+    """``{spelling: id}`` for each spelling of ``word`` (:func:`spelling_variants`) that one
+    vocabulary token stands for exactly (its text equals the spelling; special tokens excluded).
+
+    Empty when the word has no complete single-token spelling: it is then not scored by a prefix.
+
+    Raises:
+        ValueError: an empty word.
+    """
+    display = TokenDisplay.for_tokenizer(tokenizer, vocab_size=vocab_size)
+    table = _text_to_id(display)
+    return {v: table[v] for v in spelling_variants(word) if v in table}
+
+
+def single_token_id(tokenizer: Any, token: str | int, *, vocab_size: int | None = None) -> int:
+    """The id of a token named as one vocabulary token: an id, ``"<id:N>"``, a raw vocabulary entry
+    (``"ĠParis"``), or a text one token stands for exactly (``" Paris"``).
+
+    Raises:
+        ValueError: an id out of range, an empty string, or a text that is several tokens (the
+            message shows its pieces) or none.
+    """
+    display = TokenDisplay.for_tokenizer(tokenizer, vocab_size=vocab_size)
+    if isinstance(token, (int, np.integer)) and not isinstance(token, bool) or (
+            isinstance(token, str) and (_ID_SPEC.fullmatch(token) or token in display.token_to_id)):
+        return token_id_for(tokenizer, token, vocab_size=vocab_size)
+    if not isinstance(token, str) or not token:
+        raise ValueError(f"Cannot map {token!r} to a token: give a non-empty string or a token id.")
+    exact = _text_to_id(display).get(token)
+    if exact is not None:
+        return exact
+    pieces = [display.texts[i] if i < display.vocab_size else f"<id:{i}>" for i in encode_plain(tokenizer, token)]
+    raise ValueError(f"{token!r} is not a single vocabulary token: it is {len(pieces)} pieces "
+                     f"{' '.join(repr(p) for p in pieces)}; pick one of them, or a word that is one token "
+                     f"(often with a leading space, like ' Paris').")
+
+
 def word_token_ids(tokenizer: Any, word: str) -> list[int]:
     """Candidate first-token ids of ``word``: without and with a leading space, de-duplicated.
 
@@ -487,4 +546,5 @@ def display_ids(display: TokenDisplay, ids: Sequence[int], *, show_whitespace: b
 
 
 __all__ = ["KINDS", "TokenDisplay", "bytes_to_unicode", "detect_kind", "display_ids", "encode_plain", "first_token_id",
-           "is_word_like", "pin_spec", "token_display", "token_id_for", "visible", "word_token_ids"]
+           "is_word_like", "pin_spec", "single_token_id", "single_token_spellings",
+           "spelling_variants", "token_display", "token_id_for", "visible", "word_token_ids"]
