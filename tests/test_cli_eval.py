@@ -141,3 +141,55 @@ def test_convergence_plot_and_frame(work, tmp_path):
     assert out.stat().st_size > 10_000
     with pytest.raises(ValueError, match="no fit diagnostics"):
         convergence_frame([])
+
+
+# -- jlens intervene / jlens eval --swap -------------------------------------------------------------
+def test_intervene_prints_clean_and_edited_runs(work, capsys):
+    from jlens_core.interventions import Swap
+    from jlens_core.reading.generation import generate
+
+    model, prompt = work["model"], work["texts"][1][:80]
+    code = main(["intervene", "--model", str(work["model_dir"]), "--lens", str(work["lens_path"]),
+                 "--prompt", prompt, "--swap", " capital: time", "--alpha", "4", "--layers", "1:3",
+                 "--max-new-tokens", "6"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    lens = JacobianLens.load(work["lens_path"])
+    swap = Swap(model, lens, " capital", " time", 4.0, layers=[1, 2])
+    clean = generate(model, prompt, max_new_tokens=6)
+    edited = generate(model, prompt, max_new_tokens=6, edits=[swap])
+    assert lines[0] == f"edit: {swap!r}"
+    assert f"clean : {clean.continuation!r}" in lines and f"edited: {edited.continuation!r}" in lines
+    top = lines[2].split()
+    assert top[0] == "1" and top[-1] == f"{edited.top_probs[0][0]:.1%}"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--ablate", "capital city"], "'capital city' is not a single vocabulary token"),
+    (["--steer", " capital:9"], "Steering strength 9.0 is out of range"),
+    (["--swap", " capital: capital"], "Cannot swap ' capital' with itself"),
+    (["--swap", " capital: time", "--layers", "3"], "Layer 3 is outside the lens"),
+    ([], "No edit given"),
+])
+def test_intervene_bad_input_is_one_sentence(work, extra, message, capsys):
+    argv = ["intervene", "--model", str(work["model_dir"]), "--lens", str(work["lens_path"]), "--prompt", "hi there"]
+    assert main(argv + extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_eval_swap_writes_swap_success_csv(work, tmp_path, capsys):
+    items = [{"name": f"i{n}", "prompt": text[:60], "source": " capital", "replacement": " time",
+              "answer": "The", "swap_answer": "time"} for n, text in enumerate(work["texts"][:3])]
+    set_file = tmp_path / "mine.jsonl"
+    set_file.write_text("\n".join(json.dumps(item) for item in items) + "\n")
+    out = tmp_path / "eval"
+    code = main(["eval", "--model", str(work["model_dir"]), "--lens", str(work["lens_path"]), "--n-texts", "0",
+                 "--swap", str(set_file), "--alpha", "1", "4", "--out", str(out), "--no-progress"])
+    assert code == 0
+    table = pd.read_csv(out / "swap_success.csv")
+    assert set(table["lens"]) == {"jacobian", "logit", "random"} and set(table["alpha"]) == {1.0, 4.0}
+    assert (table["set"] == "mine").all() and (table["items"] == 3).all()
+    per_item = pd.read_csv(out / "swap_items.csv")
+    assert len(per_item) == 3 and not (out / "eval.csv").exists()  # --n-texts 0: no per-layer evaluation
+    assert json.loads((out / "eval.json").read_text())["swap_success"]

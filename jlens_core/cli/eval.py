@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import csv
+import functools
 import json
 import sys
 from pathlib import Path
@@ -49,25 +51,33 @@ def _plot(frame, out: Path, title: str) -> Path | None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from ..corpus import load_corpus
+    from ..interventions.swap_success import load_swap_set, swap_success
     from ..models.loading import load_model
     from ..reading.evaluation import EVAL_SETS, evaluate, pass_at_k
 
     for name in args.pass_at_k or []:
         if name not in EVAL_SETS and not Path(name).is_file():
             raise CLIError(f"Unknown evaluation set {name!r}: use one of {', '.join(EVAL_SETS)} or a .jsonl file.")
-    texts = load_corpus(args.corpus, n=args.n_texts, min_chars=args.min_chars, split=args.split)
+    swap_sets = [(name, load_swap_set(name)) for name in args.swap or []]  # bad files fail before loading
+    if args.n_texts < 0:
+        raise CLIError(f"--n-texts {args.n_texts} must be >= 0 (0 skips the per-layer evaluation).")
+    texts = load_corpus(args.corpus, n=args.n_texts, min_chars=args.min_chars, split=args.split) \
+        if args.n_texts else []
     model = load_model(args.model, device=args.device, dtype=args.dtype, progress=say)
     lenses = resolve_lenses(args.lens, model, args.shrinkage)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bar = _bar(len(texts) * len(lenses), "eval", args.no_progress)
-    frame = evaluate(model, lenses, texts, max_seq_len=args.max_seq_len,
-                     progress=(lambda done, total: _advance(bar, done, total)) if bar else None)
-    if bar:
-        bar.close()
-    frame.to_csv(out / "eval.csv", index=False)
     result = {"model": model.name, "corpus": args.corpus, "split": args.split, "n_texts": len(texts),
-              "max_seq_len": args.max_seq_len, "per_layer": frame.to_dict(orient="records")}
+              "max_seq_len": args.max_seq_len}
+    frame = None
+    if texts:
+        bar = _bar(len(texts) * len(lenses), "eval", args.no_progress)
+        frame = evaluate(model, lenses, texts, max_seq_len=args.max_seq_len,
+                         progress=(lambda done, total: _advance(bar, done, total)) if bar else None)
+        if bar:
+            bar.close()
+        frame.to_csv(out / "eval.csv", index=False)
+        result["per_layer"] = frame.to_dict(orient="records")
     if args.pass_at_k:
         tables = []
         for name in args.pass_at_k:
@@ -79,13 +89,40 @@ def cmd_eval(args: argparse.Namespace) -> int:
         passes = pd.concat(tables, ignore_index=True)
         passes.to_csv(out / "pass_at_k.csv", index=False)
         result["pass_at_k"] = passes.to_dict(orient="records")
+    written = [out / "eval.json"]
+    if swap_sets:
+        import pandas as pd
+
+        summaries, item_tables = [], []
+        for name, items in swap_sets:
+            bar = _bar(len(items), f"swap {Path(name).stem}", args.no_progress, unit="item")
+            report = swap_success(model, lenses, items, alphas=tuple(args.alpha),
+                                  progress=functools.partial(_advance, bar) if bar else None)
+            if bar:
+                bar.close()
+            summaries.append(report.summary.assign(set=Path(name).stem, items=report.n_items,
+                                                   skipped=report.n_skipped,
+                                                   seconds_per_item=round(report.seconds_per_item, 3)))
+            item_tables.append(report.items.assign(set=Path(name).stem))
+        swaps = pd.concat(summaries, ignore_index=True)
+        swaps.to_csv(out / "swap_success.csv", index=False)
+        # tokens may hold a bare carriage return, which pandas leaves unquoted unless asked
+        pd.concat(item_tables, ignore_index=True).to_csv(out / "swap_items.csv", index=False,
+                                                         quoting=csv.QUOTE_NONNUMERIC)
+        result["swap_success"] = swaps.to_dict(orient="records")
+        written += [out / "swap_success.csv", out / "swap_items.csv"]
     (out / "eval.json").write_text(json.dumps(result, indent=1, default=float))
-    plot = _plot(frame, out / "eval.png", f"{model.name}: {len(texts)} texts of {args.corpus} ({args.split})")
-    print(frame.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    if frame is not None:
+        plot = _plot(frame, out / "eval.png", f"{model.name}: {len(texts)} texts of {args.corpus} ({args.split})")
+        written = [out / "eval.csv"] + written + ([plot] if plot else [])
+        print(frame.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     if args.pass_at_k:
         print()
         print(passes.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    print(f"\nWrote {out / 'eval.csv'}, {out / 'eval.json'}" + (f", {plot}" if plot else ""), file=sys.stderr)
+    if swap_sets:
+        print()
+        print(swaps.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print("\nWrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
 
 
@@ -176,7 +213,8 @@ def register(subparsers) -> None:
     e.add_argument("--corpus", default="stdlib-docs", help="'stdlib-docs', a .txt or .jsonl file, or a HF dataset")
     e.add_argument("--split", choices=["all", "fit", "eval"], default="eval",
                    help="corpus part (default 'eval': disjoint from what `jlens fit` uses by default)")
-    e.add_argument("--n-texts", type=int, default=100, help="texts to evaluate on (default 100)")
+    e.add_argument("--n-texts", type=int, default=100,
+                   help="texts to evaluate on (default 100; 0 skips the per-layer evaluation)")
     e.add_argument("--min-chars", type=int, default=400, help="skip texts shorter than this (default 400)")
     e.add_argument("--max-seq-len", type=int, default=128, help="truncate texts to this many tokens (default 128)")
     e.add_argument("--shrinkage", type=float, action="append", default=None,
@@ -184,6 +222,11 @@ def register(subparsers) -> None:
     e.add_argument("--pass-at-k", action="append", default=None, metavar="SET",
                    help="also run pass@k on a shipped evaluation set (two_hop, ...) or a .jsonl; repeatable")
     e.add_argument("--k", type=int, nargs="+", default=[1, 5, 10], help="k values for pass@k (default 1 5 10)")
+    e.add_argument("--swap", action="append", default=None, metavar="SET",
+                   help="also measure swap success on a swap set ('swaps', shipped, or a .jsonl); writes "
+                        "swap_success.csv and swap_items.csv")
+    e.add_argument("--alpha", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0],
+                   help="swap scales for --swap (default 0.5 1 2 4)")
     e.add_argument("--out", required=True, help="folder for eval.csv, eval.json, eval.png")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=_eval_defaults)

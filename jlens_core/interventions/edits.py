@@ -28,8 +28,7 @@ from typing import Any
 import torch
 
 from ..reading.edits import PositionRule
-from ..reading.tokens import single_token_id
-from .directions import check_layers, default_layers, token_direction
+from .directions import check_layers, concept_token, default_layers, token_direction
 
 MAX_STRENGTH = 4.0
 MAX_ALPHA = 16.0
@@ -81,9 +80,10 @@ class Steer(_LensEdit):
             raise ValueError(f"Steering strength {strength!r} is out of range: give a number in "
                              f"[-{MAX_STRENGTH:g}, {MAX_STRENGTH:g}] (multiples of the residual's norm).")
         super().__init__(model, lens, layers, positions, on_generated)
-        self.token = token
+        self.token_id = concept_token(model.tokenizer, token, vocab_size=model.vocab_size)
+        self.token = model.decode([self.token_id])
         self.strength = float(strength)
-        self.directions = {layer: token_direction(model, lens, layer, token) for layer in self.layers}
+        self.directions = {layer: token_direction(model, lens, layer, self.token_id) for layer in self.layers}
 
     def apply(self, layer: int, h: torch.Tensor, clean: torch.Tensor | None) -> torch.Tensor:
         if self.strength == 0.0:
@@ -102,8 +102,9 @@ class Ablate(_LensEdit):
     def __init__(self, model: Any, lens: Any, token: str | int, *, layers: Iterable[int] | None = None,
                  positions: Iterable[int] | None = None, on_generated: bool = False) -> None:
         super().__init__(model, lens, layers, positions, on_generated)
-        self.token = token
-        self.directions = {layer: token_direction(model, lens, layer, token) for layer in self.layers}
+        self.token_id = concept_token(model.tokenizer, token, vocab_size=model.vocab_size)
+        self.token = model.decode([self.token_id])
+        self.directions = {layer: token_direction(model, lens, layer, self.token_id) for layer in self.layers}
 
     def apply(self, layer: int, h: torch.Tensor, clean: torch.Tensor | None) -> torch.Tensor:
         v = self.directions[layer].to(device=h.device, dtype=torch.float32)  # [d]
@@ -139,11 +140,12 @@ class Swap(_LensEdit):
             raise ValueError(f"Swap scale alpha={alpha!r} is out of range: give a number in [0, {MAX_ALPHA:g}] "
                              "(1 exchanges the two coordinates).")
         super().__init__(model, lens, layers, positions, on_generated)
-        a = single_token_id(model.tokenizer, source, vocab_size=model.vocab_size)
-        b = single_token_id(model.tokenizer, replacement, vocab_size=model.vocab_size)
+        a = concept_token(model.tokenizer, source, vocab_size=model.vocab_size)
+        b = concept_token(model.tokenizer, replacement, vocab_size=model.vocab_size)
         if a == b:
             raise ValueError(f"Cannot swap {source!r} with itself: give two different tokens.")
-        self.source, self.replacement, self.alpha = source, replacement, float(alpha)
+        self.source_id, self.replacement_id = a, b
+        self.source, self.replacement, self.alpha = model.decode([a]), model.decode([b]), float(alpha)
         self.bases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer: (V [d, 2], V⁺ [2, d])
         self.skipped_layers: list[int] = []
         for layer in self.layers:

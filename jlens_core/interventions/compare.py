@@ -1,0 +1,46 @@
+"""A clean and an edited run of the same prompt, side by side: next-token top-k and continuations."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from ..reading.generation import Generation, generate
+
+
+@dataclass
+class RunComparison:
+    """What :func:`compare_runs` returns.
+
+    Attributes:
+        clean, edited: the two :class:`~jlens_core.reading.generation.Generation` runs (greedy).
+        next_tokens: the first step's top-k, ``rank`` rows with ``clean_token, clean_prob,
+            edited_token, edited_prob`` (probabilities of the next token after the prompt).
+        first_difference: the index of the first generated token where they differ (``None``: same).
+    """
+
+    clean: Generation
+    edited: Generation
+    next_tokens: pd.DataFrame
+    first_difference: int | None
+
+
+def compare_runs(model: Any, prompt: str, edits: Sequence[Any], *, max_new_tokens: int = 20, chat: bool = False,
+                 top_k: int = 10, progress=None) -> RunComparison:
+    """Greedy continuations of ``prompt`` without and with ``edits``, and their next-token top-k."""
+    clean = generate(model, prompt, max_new_tokens=max_new_tokens, chat=chat, top_k=top_k, progress=progress)
+    edited = generate(model, prompt, max_new_tokens=max_new_tokens, chat=chat, top_k=top_k, edits=list(edits),
+                      progress=progress)
+    rows = [{"clean_token": model.decode([int(a)]), "clean_prob": float(pa),
+             "edited_token": model.decode([int(b)]), "edited_prob": float(pb)}
+            for a, pa, b, pb in zip(clean.top_ids[0], clean.top_probs[0], edited.top_ids[0], edited.top_probs[0])]
+    first = next((i for i, (a, b) in enumerate(zip(clean.generated_ids, edited.generated_ids)) if a != b), None)
+    if first is None and clean.n_generated != edited.n_generated:
+        first = min(clean.n_generated, edited.n_generated)
+    return RunComparison(clean, edited, pd.DataFrame(rows), first)
+
+
+__all__ = ["RunComparison", "compare_runs"]
