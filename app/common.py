@@ -51,7 +51,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # the widget is not drawn; writing it back each run keeps it).
 PERSISTENT_KEYS = ("prompt", "mode", "stat", "chat", "top_k", "pinned", "stride", "show_ws", "word_like",
                    "lens_path", "eval_source", "eval_n", "fit_run", "gen_n", "gen_temp", "gen_seed", "band",
-                   "mc_word_like")
+                   "mc_word_like", "iv_op", "iv_token", "iv_replacement", "iv_strength", "iv_alpha", "iv_layers",
+                   "iv_pos_mode", "iv_pos_range", "iv_on_generated", "iv_new", "iv_edited_heatmap")
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, LensFileError, KeyError, OSError)
 
 
@@ -120,17 +121,18 @@ def load_lens_cached(path: str, mtime: float, size: int) -> JacobianLens:
 @st.cache_resource(show_spinner=False, max_entries=48)
 def reading_cached(_model, model_key: str, _lens, lens_key: str, text: str | tuple, top_k: int, pinned: tuple,
                    show_ws: bool, word_like: bool, layers: tuple | None, positions: tuple | None,
-                   max_seq_len: int, n_prompt: int | None = None):
+                   max_seq_len: int, n_prompt: int | None = None, edits_key: str = "", _edits=None):
     """:func:`jlens_core.reading.readings.read_prompt`, cached by its inputs (the model and lens by key).
 
-    ``text`` is the prompt, or a tuple of token ids (a generation: the first ``n_prompt`` are the prompt).
+    ``text`` is the prompt, or a tuple of token ids (a generation: the first ``n_prompt`` are the prompt);
+    ``_edits`` are residual edits to read under (named by ``edits_key``).
     """
     from jlens_core.reading.readings import read_prompt
 
     return read_prompt(_model, _lens, list(text) if isinstance(text, tuple) else text, top_k=top_k, pinned=pinned,
                        show_whitespace=show_ws, word_like=word_like, layers=None if layers is None else list(layers),
                        positions=None if positions is None else list(positions), max_seq_len=max_seq_len,
-                       n_prompt=n_prompt)
+                       n_prompt=n_prompt, edits=_edits)
 
 
 # -- the loaded state ---------------------------------------------------------------------------

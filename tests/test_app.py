@@ -317,6 +317,57 @@ def test_inspect_generation_bad_input(tiny_dir):
     assert at.slider(key="band").value == (1, 3)
 
 
+def test_inspect_intervene_panel(tiny_dir, tiny_model, lens_file):
+    from jlens_core.interventions import Swap
+    from jlens_core.reading.generation import generate
+
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT).run())
+    # the token is prefilled from the selected cell's top-1 (here the default cell: the output's last position)
+    top1 = tiny_model.hf_model(tiny_model.encode(PROMPT)).logits[0, -1].argmax().item()
+    assert at.text_input(key="iv_token").value == tiny_model.decode([top1])
+    assert at.slider(key="iv_layers").value == (1, 2)  # n_layers // 3 .. the lens's last source layer
+    at.text_input(key="iv_token").set_value(" capital")
+    at.selectbox(key="iv_replacement").set_value(" time")
+    at.number_input(key="iv_alpha").set_value(4.0)
+    at.number_input(key="iv_new").set_value(6)
+    at.button(key="iv_run").click().run()
+    lens = JacobianLens.load(lens_file)
+    swap = Swap(tiny_model, lens, " capital", " time", 4.0, layers=[1, 2])
+    clean = generate(tiny_model, PROMPT, max_new_tokens=6)
+    edited = generate(tiny_model, PROMPT, max_new_tokens=6, edits=[swap])
+    assert any(c.value == f"Edit: `{swap!r}`" for c in ok(at).caption)
+    bars = chart(at, "iv_bars")
+    assert [d["name"] for d in bars["data"]] == ["clean", "edited"]
+    np.testing.assert_allclose(values(bars["data"][1]["x"])[::-1], edited.top_probs[0], rtol=1e-5)
+    texts = [m.value for m in at.markdown]
+    i = texts.index("**Edited continuation**")
+    first = next((k for k, (a, b) in enumerate(zip(clean.generated_ids, edited.generated_ids)) if a != b), None)
+    if first is not None:
+        assert ":orange-background[**" in texts[i + 1] and ":orange-background[**" in texts[i - 1]
+    # the heatmap of the edited run
+    at.toggle(key="iv_edited_heatmap").set_value(True).run()
+    assert chart(ok(at), "heatmap")["layout"]["title"]["text"].startswith(f"Edited run ({swap!r})")
+    # steer and ablate; a changed setting asks for a new run
+    at.radio(key="iv_op").set_value("steer").run()
+    assert any("Settings changed" in c.value for c in ok(at).caption)
+    at.slider(key="iv_strength").set_value(2.0)
+    at.button(key="iv_run").click().run()
+    assert any(c.value.startswith("Edit: `Steer(' capital', strength=2") for c in ok(at).caption)
+    # bad input: one sentence naming the pieces
+    at.radio(key="iv_op").set_value("ablate")
+    at.text_input(key="iv_token").set_value(" capital city")
+    at.button(key="iv_run").click().run()
+    assert any("' capital city' is not a single vocabulary token: it is" in e.value for e in ok(at).error)
+
+
+def test_intervene_panel_with_the_logit_lens_only(tiny_dir):
+    at = ok(make_app(model=tiny_dir, lens="none", prompt=PROMPT).run())
+    at.radio(key="iv_op").set_value("ablate")
+    at.text_input(key="iv_token").set_value(" capital")
+    at.button(key="iv_run").click().run()
+    assert any(c.value.startswith("Edit: `Ablate(' capital', layers 1..2, logit lens)`") for c in ok(at).caption)
+
+
 def test_lens_upload_and_state_across_pages(tiny_dir, lens_file):
     at = ok(make_app(model=tiny_dir, lens="none").run())
     at.selectbox(key="lens_choice").set_value("upload").run()

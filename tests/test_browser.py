@@ -6,6 +6,7 @@ served by ``jlens app`` (``streamlit run app/main.py``) on a free localhost port
   prediction in the output row; a new prompt redraws it; hover shows the top-k; a click opens the
   cell's detail; the lens mode switches.
 * Generate on the default model: 8 new tokens, the heatmap grows by 8 columns marked as generated.
+* Intervene on the default model: a swap France -> Germany turns the answer Paris into Berlin.
 * Fit on a tiny model saved to a temporary folder: the progress bar and the convergence chart
   update while the fit runs, survive a page reload, and the fit finishes.
 
@@ -202,6 +203,31 @@ def test_generate_on_the_default_model(server, browser, shots):
     assert "gen=8" in page.url
     page.get_by_text("Most common tokens", exact=False).first.scroll_into_view_if_needed()
     page.screenshot(path=str(shots / "inspect-generate.png"), full_page=True)
+    page.close()
+
+
+def test_intervene_swap_on_the_default_model(server, browser, shots):
+    """The Intervene panel: swap France -> Germany on the Eiffel Tower prompt; the model answers Berlin."""
+    page = _page(browser, height=1400)
+    page.goto(server + "/?prompt=" + quote("The capital of the country where the Eiffel Tower stands is"))
+    _wait_heatmap(page, "g.data[0].text && g.data[0].text.length > 0", timeout=FIRST_LOAD_S * 1000)
+    page.get_by_text("Intervene", exact=True).scroll_into_view_if_needed()
+    token = page.get_by_role("textbox", name="A (the concept to replace)")
+    token.fill("France")
+    token.press("Enter")
+    replacement = page.locator('[data-testid="stSelectbox"]').filter(has_text="B (the replacement)")
+    replacement.locator("input").click()
+    replacement.locator("input").fill("Germany")
+    page.keyboard.press("Enter")
+    page.get_by_role("button", name="Run").click()
+    page.get_by_text("Edited continuation", exact=True).wait_for(timeout=120_000)
+    _no_exception(page)
+    page.get_by_text("Edit: Swap(' France' -> ' Germany'", exact=False).wait_for()
+    edited = page.locator('[data-testid="stColumn"]').filter(has_text="Edited continuation").last.inner_text()
+    clean = page.locator('[data-testid="stColumn"]').filter(has_text="Clean continuation").last.inner_text()
+    assert "Paris" in clean and "Berlin" in edited
+    page.get_by_text("Edited continuation", exact=True).scroll_into_view_if_needed()
+    page.screenshot(path=str(shots / "inspect-intervene.png"))
     page.close()
 
 

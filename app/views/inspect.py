@@ -9,6 +9,7 @@ import streamlit as st
 
 import charts
 import common
+import intervene
 from jlens_core.reading.generation import generate
 from jlens_core.reading.readings import most_common_tokens
 from jlens_core.reading.tokens import pin_spec, token_id_for
@@ -184,6 +185,10 @@ band_lo, band_hi = (int(x) for x in ss.band)
 layers = sorted(set(range(band_lo, band_hi + 1, stride)) | {n_layers - 1})
 source = tuple(int(x) for x in generation.ids) if generation is not None else text
 n_prompt = generation.n_prompt if generation is not None else None
+intervene.init(model, intervene.directions_lens(ctx)[1])
+intervene.run_if_requested(ctx, prompt, text)
+edited_view = intervene.heatmap_edits(ctx, text)
+edits, edits_key = edited_view if edited_view else (None, "")
 
 readings = {}
 with st.spinner("Reading the prompt…"):
@@ -191,7 +196,8 @@ with st.spinner("Reading the prompt…"):
         try:
             readings[name] = common.reading_cached(
                 model, ctx.model_key, lens, ctx.lens_keys()[name], source, int(ss.top_k), tuple(pins),
-                bool(ss.show_ws), bool(ss.word_like), tuple(layers), positions, MAX_TOKENS, n_prompt)
+                bool(ss.show_ws), bool(ss.word_like), tuple(layers), positions, MAX_TOKENS, n_prompt,
+                edits_key, edits)
         except common.EXPECTED_ERRORS as exc:
             st.error(f"The {charts.LENS_NAMES[name].lower()} cannot read this prompt: {exc}")
 if "logit" not in readings:
@@ -204,6 +210,8 @@ if mode != "logit" and "jacobian" not in readings:
     mode = "logit"
 
 fig = charts.heatmap_figure(readings, mode, ss.stat, layers=layers)
+if edits:
+    fig.update_layout(title=f"Edited run ({'; '.join(repr(e) for e in edits)}) · " + fig.layout.title.text)
 event = st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points",
                         config={"displaylogo": False, "toImageButtonOptions": {"filename": "jlens-heatmap"}})
 
@@ -285,6 +293,10 @@ if pinned_fig is not None:
     st.plotly_chart(pinned_fig, key="pinned_ranks", config={"displaylogo": False})
 elif not pins:
     st.caption("Pin tokens (Display options) to follow their rank across layers here.")
+
+# -- intervene ----------------------------------------------------------------------------------------------
+intervene.prefill_token(model, readings, layer, position)
+intervene.panel(ctx, readings, text, int(model.encode(text).shape[1]))
 
 # -- downloads ------------------------------------------------------------------------------------------
 table = pd.concat([r.frame.assign(lens=name) for name, r in readings.items()], ignore_index=True)

@@ -1,0 +1,219 @@
+"""The Inspect page's Intervene panel: steer / ablate / swap along a lens's read directions.
+
+The edits are built from the panel's widget values (session state) *before* the heatmap is drawn,
+so that "heatmap of the edited run" shows the edit just run. Every number comes from
+``jlens_core.interventions``; this module only gathers settings and draws.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import streamlit as st
+
+import charts
+import common
+from jlens_core.interventions import Ablate, Steer, Swap
+from jlens_core.interventions.compare import compare_runs
+from jlens_core.interventions.directions import default_layers
+from jlens_core.reading.tokens import TokenDisplay, is_word_like
+
+OPS = {"swap": "Swap A → B", "steer": "Steer toward a token", "ablate": "Ablate a token"}
+POSITION_MODES = {"all": "all but the first", "from": "from the clicked one", "range": "a range"}
+VOCAB_OPTIONS = 8000  # word-like tokens offered by the replacement's autocomplete (the most frequent merges)
+
+ss = st.session_state
+
+
+def init(model: Any, lens: Any) -> None:
+    band = default_layers(model, lens)
+    for key, value in (("iv_op", "swap"), ("iv_token", ""), ("iv_replacement", None), ("iv_strength", 1.0),
+                       ("iv_alpha", 1.0), ("iv_pos_mode", "all"), ("iv_on_generated", False), ("iv_new", 20),
+                       ("iv_edited_heatmap", False)):
+        ss.setdefault(key, value)
+    if not isinstance(ss.get("iv_layers"), (tuple, list)) or max(ss.iv_layers) >= model.n_layers - 1:
+        ss.iv_layers = (band[0], band[-1])
+
+
+def directions_lens(ctx: Any) -> tuple[str, Any]:
+    """The lens whose read directions the edits use: the Jacobian lens when one is loaded."""
+    lenses = ctx.lenses()
+    name = "jacobian" if "jacobian" in lenses else "logit"
+    return name, lenses[name]
+
+
+def prefill_token(model: Any, readings: dict, layer: int, position: int) -> None:
+    """The token box takes the clicked cell's top-1 (once per clicked cell)."""
+    if ss.get("_iv_prefill_for") == (layer, position):
+        return
+    ss._iv_prefill_for = (layer, position)
+    reading = readings.get("jacobian") or readings["logit"]
+    if layer in reading.layers:
+        ss.iv_token = model.decode([reading.cell(layer, position)["top_ids"][0]])
+
+
+def _positions(n_prompt: int) -> list[int] | None:
+    mode = ss.iv_pos_mode
+    if mode == "from":
+        start = min(int(ss.get("cell_pos") or 1), n_prompt - 1)
+        return list(range(max(0, start), n_prompt))
+    if mode == "range":
+        lo, hi = ss.get("iv_pos_range") or (1, n_prompt - 1)
+        return list(range(int(lo), min(int(hi), n_prompt - 1) + 1))
+    return None
+
+
+def build_edits(model: Any, lens: Any, n_prompt: int) -> list:
+    """The edit the panel describes (raises ``ValueError`` with one sentence on bad input)."""
+    lo, hi = (int(x) for x in ss.iv_layers)
+    layers = list(range(lo, hi + 1))
+    common_kw = {"layers": layers, "positions": _positions(n_prompt), "on_generated": bool(ss.iv_on_generated)}
+    token = ss.iv_token or ""
+    if not token.strip():
+        raise ValueError("The token is empty: click a cell (its top-1 is filled in) or type one.")
+    if ss.iv_op == "swap":
+        replacement = ss.get("iv_replacement") or ""
+        if not replacement.strip():
+            raise ValueError("The replacement is empty: type the token to swap in.")
+        return [Swap(model, lens, token, replacement, float(ss.iv_alpha), **common_kw)]
+    if ss.iv_op == "steer":
+        return [Steer(model, lens, token, float(ss.iv_strength), **common_kw)]
+    return [Ablate(model, lens, token, **common_kw)]
+
+
+def settings_key(model_key: str, lens_key: str, text: str) -> tuple:
+    return (model_key, lens_key, text, ss.iv_op, ss.iv_token, ss.get("iv_replacement"), float(ss.iv_strength),
+            float(ss.iv_alpha), tuple(ss.iv_layers), ss.iv_pos_mode, tuple(ss.get("iv_pos_range") or ()),
+            int(ss.get("cell_pos") or 0) if ss.iv_pos_mode == "from" else None, bool(ss.iv_on_generated),
+            int(ss.iv_new))
+
+
+def request_run() -> None:
+    ss._iv_requested = True
+
+
+def run_if_requested(ctx: Any, text: str, chat_text: str) -> None:
+    """Run the clean and edited continuations when *Run* was clicked; keep the result in the session."""
+    if not ss.pop("_iv_requested", False):
+        return
+    model = ctx.model
+    name, lens = directions_lens(ctx)
+    key = settings_key(ctx.model_key, ctx.lens_keys()[name], chat_text)
+    try:
+        n_prompt = int(model.encode(chat_text).shape[1])
+        edits = build_edits(model, lens, n_prompt)
+        with st.spinner("Running the clean and the edited model…"):
+            result = compare_runs(model, chat_text, edits, max_new_tokens=int(ss.iv_new), top_k=10)
+    except common.EXPECTED_ERRORS as exc:
+        ss.iv_result = {"key": key, "error": str(exc)}
+        return
+    ss.iv_result = {"key": key, "edits": edits, "result": result, "lens": name}
+
+
+def current(ctx: Any, chat_text: str) -> dict | None:
+    """The stored result when it matches the panel's settings (else ``None``: settings changed)."""
+    result = ss.get("iv_result")
+    if not result:
+        return None
+    name, _ = directions_lens(ctx)
+    return result if result["key"] == settings_key(ctx.model_key, ctx.lens_keys()[name], chat_text) else None
+
+
+@st.cache_data(show_spinner=False, max_entries=4)
+def vocabulary_words(_model: Any, model_key: str) -> list[str]:
+    """Word-like tokens with a leading space (the first ``VOCAB_OPTIONS`` by id), for the autocomplete."""
+    display = TokenDisplay.for_model(_model)
+    words = [t for t in display.texts if t.startswith(" ") and is_word_like(t)]
+    return words[:VOCAB_OPTIONS]
+
+
+def _escape_md(text: str) -> str:
+    special = "\\`*_{}[]()#+-.!|~<>$:"
+    return "".join("\\" + ch if ch in special else ch for ch in text)
+
+
+def marked_continuation(model: Any, ids, first_difference: int | None) -> str:
+    """Markdown of a continuation with the first differing token highlighted."""
+    parts = []
+    for i, tid in enumerate(ids):
+        piece = model.decode([int(tid)]).replace("\n", "↵")
+        if i == first_difference:  # Markdown bold needs the spaces outside the markers
+            core = piece.strip() or "·"
+            lead = piece[: len(piece) - len(piece.lstrip())]
+            parts.append(f"{lead}:orange-background[**{_escape_md(core)}**]")
+        else:
+            parts.append(_escape_md(piece))
+    return "".join(parts) or "∅"
+
+
+def panel(ctx: Any, readings: dict, chat_text: str, n_prompt: int) -> None:
+    """The Intervene panel: settings, Run, and the clean-vs-edited comparison."""
+    model = ctx.model
+    name, lens = directions_lens(ctx)
+    st.subheader("Intervene")
+    st.caption(f"Edit the residual stream along the directions the {charts.LENS_NAMES[name].lower()} reads as "
+               "tokens, and see whether the model follows. Swap exchanges the read coordinates of A and B "
+               "(targets from the clean run); steer adds s·‖h‖ along a token's direction; ablate removes it.")
+    c1, c2, c3 = st.columns([2, 2, 2])
+    c1.radio("Operation", list(OPS), key="iv_op", format_func=OPS.get, horizontal=False)
+    c2.text_input("Token" if ss.iv_op != "swap" else "A (the concept to replace)", key="iv_token",
+                  help="One vocabulary token: filled in from the clicked cell's top-1; a bare word means its "
+                       "leading-space form (' France').")
+    if ss.iv_op == "swap":
+        c3.selectbox("B (the replacement)", vocabulary_words(model, ctx.model_key), key="iv_replacement",
+                     index=None, accept_new_options=True, placeholder="Type a word…",
+                     help="Pick or type one vocabulary token.")
+        c3.number_input("α (1 exchanges the coordinates)", min_value=0.0, max_value=16.0, step=0.5, key="iv_alpha")
+    elif ss.iv_op == "steer":
+        c3.slider("Strength s", -4.0, 4.0, step=0.25, key="iv_strength", help="h ← h + s‖h‖ v̂")
+    d1, d2, d3 = st.columns([3, 2, 2])
+    readable = [x for x in lens.layers if x != lens.target_layer]
+    d1.slider("Layers", readable[0], readable[-1], key="iv_layers",
+              help="Decoder layers whose output is edited (default: n_layers // 3 to the lens's last source layer).")
+    d2.radio("Positions", list(POSITION_MODES), key="iv_pos_mode", format_func=POSITION_MODES.get)
+    if ss.iv_pos_mode == "range" and n_prompt > 2:
+        if not isinstance(ss.get("iv_pos_range"), (tuple, list)) or max(ss.iv_pos_range) > n_prompt - 1:
+            ss.iv_pos_range = (1, n_prompt - 1)
+        d2.slider("Prompt positions", 0, n_prompt - 1, key="iv_pos_range")
+    d3.number_input("New tokens", min_value=1, max_value=common.MAX_GEN_TOKENS, step=1, key="iv_new")
+    d3.toggle("Also on generated tokens", key="iv_on_generated")
+    st.button("Run", key="iv_run", on_click=request_run, type="primary", icon=":material/science:")
+
+    stored = current(ctx, chat_text)
+    if stored is None:
+        if ss.get("iv_result"):
+            st.caption("Settings changed: Run again to see their effect.")
+        return
+    if "error" in stored:
+        st.error(f"Cannot run this edit: {stored['error']}")
+        return
+    result = stored["result"]
+    for edit in stored["edits"]:
+        skipped = getattr(edit, "skipped_layers", [])
+        st.caption(f"Edit: `{edit!r}`" + (f"; layers {skipped} skipped (|cos(v_A, v_B)| > 0.999)" if skipped else ""))
+    bars = {"clean": _cell(result.next_tokens, "clean"), "edited": _cell(result.next_tokens, "edited")}
+    st.plotly_chart(charts.topk_bars(bars, k=10), key="iv_bars", config={"displaylogo": False})
+    left, right = st.columns(2)
+    first = result.first_difference
+    left.markdown("**Clean continuation**")
+    left.markdown(marked_continuation(model, result.clean.generated_ids, first))
+    right.markdown("**Edited continuation**")
+    right.markdown(marked_continuation(model, result.edited.generated_ids, first))
+    st.caption("The same continuation." if first is None else
+               f"They part at generated token {first} (highlighted).")
+    st.toggle("Heatmap of the edited run", key="iv_edited_heatmap",
+              help="Draw the heatmap above from the edited forward pass over the same tokens.")
+    if ss.iv_edited_heatmap:
+        st.caption("The heatmap above reads the edited run.")
+
+
+def _cell(frame, which: str) -> dict:
+    return {"top_tokens": [str(t) for t in frame[f"{which}_token"]], "top_probs": list(frame[f"{which}_prob"])}
+
+
+def heatmap_edits(ctx: Any, chat_text: str) -> tuple[list, str] | None:
+    """``(edits, key)`` for the heatmap when "heatmap of the edited run" is on and a result matches."""
+    stored = current(ctx, chat_text)
+    if not ss.get("iv_edited_heatmap") or not stored or "edits" not in stored:
+        return None
+    return stored["edits"], repr(stored["edits"])
