@@ -548,6 +548,15 @@ def test_evaluate_page(tiny_dir, lens_file):
     assert has_chart(ok(at), "pak_chart")
     summary = at.dataframe[-2].value
     assert len(summary) == 4 and set(summary["k"]) == {1, 10}
+    assert {"ci_low", "ci_high", "items_scored", "words_scored", "n_words"} <= set(summary.columns)
+    at.multiselect(key="pak_sets").set_value(["two_hop", "antonym_chain"])
+    at.selectbox(key="pak_readout").set_value("last_newline")
+    button(at, "Run pass@k").click().run()  # no newline in these prompts: one sentence, no traceback
+    assert any("the prompt has no token with a newline" in e.value for e in ok(at).error)
+    at.selectbox(key="pak_readout").set_value("set")
+    button(at, "Run pass@k").click().run()
+    summary = ok(at).dataframe[-2].value
+    assert summary["set"].tolist()[-2:] == ["macro mean", "macro mean"]
     # no texts is a message, not a traceback
     at.text_area(key="eval_paste").set_value("   ")
     button(at, "Evaluate").click().run()

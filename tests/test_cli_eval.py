@@ -59,12 +59,21 @@ def test_eval_pass_at_k_on_a_shipped_set(work):
     out = work["root"] / "eval-pass"
     code = main(["eval", "--model", str(work["model_dir"]), "--lens", "logit", "--corpus", str(work["corpus"]),
                  "--split", "all", "--min-chars", "10", "--max-seq-len", "24", "--out", str(out),
-                 "--pass-at-k", "two_hop", "--k", "1", "300", "--no-progress"])
+                 "--pass-at-k", "two_hop", "--pass-at-k", "antonym_chain", "--k", "1", "300", "--no-progress",
+                 "--spelling", "first_token"])
     assert code == 0
     passes = pd.read_csv(out / "pass_at_k.csv")
     assert set(passes["k"]) == {1, 300}
-    # k = the whole vocabulary: every intermediate passes
-    assert passes.loc[passes["k"] == 300, "pass_rate"].iloc[0] == 1.0
+    assert passes["set"].tolist() == ["two_hop", "two_hop", "antonym_chain", "antonym_chain", "macro mean", "macro mean"]
+    # k = the whole vocabulary: every intermediate passes (the first-token rule scores every word)
+    assert (passes.loc[passes["k"] == 300, "pass_rate"] == 1.0).all()
+    detail = pd.read_csv(out / "pass_at_k_detail.csv")
+    assert set(detail["set"]) == {"two_hop", "antonym_chain"}
+    # whole-word spellings: the tiny vocabulary has few whole words, and coverage says so
+    main(["eval", "--model", str(work["model_dir"]), "--lens", "logit", "--n-texts", "0", "--out", str(out),
+          "--pass-at-k", "two_hop", "--no-progress"])
+    whole = pd.read_csv(out / "pass_at_k.csv")
+    assert (whole["words_scored"] < whole["n_words"]).all() and (whole["n_words"] == 28).all()
 
 
 def test_inspect_prints_a_grid_with_the_output_row(work, capsys):
@@ -97,7 +106,9 @@ def test_inspect_generate_prints_the_continuation_and_reads_it(work, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["inspect", "--prompt", ""], "--prompt is empty"),
-    (["eval", "--lens", "logit", "--out", "x", "--pass-at-k", "no_such_set"], "Unknown evaluation set"),
+    (["eval", "--lens", "logit", "--out", "x", "--pass-at-k", "no_such_set"], "No evaluation set 'no_such_set'"),
+    (["eval", "--lens", "logit", "--out", "x", "--pass-at-k", "two_hop", "--readout", "middle"],
+     "unknown readout rule 'middle'"),
     (["inspect", "--prompt", "hi", "--layers", "zero"], "zero"),
     (["inspect", "--prompt", "hi", "--generate", "5000"], "max_new_tokens=5000 is out of range"),
     (["inspect", "--prompt", "hi", "--generate", "3", "--temperature", "-1"], "temperature=-1.0 must be"),

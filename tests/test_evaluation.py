@@ -134,13 +134,14 @@ ITEMS = [
 ]
 
 
-def test_pass_at_k_frames_and_values(model):
+def test_pass_at_k_first_token_rule_frames_and_values(model):
+    """``spelling="first_token"``: the older rule, every word scored; checked against HF's own hidden states."""
     lenses = {"logit": LogitLens.for_model(model), "jac": identity_lens(model, layers=[1])}
-    summary, detail = pass_at_k(model, lenses, ITEMS, k=(1, 5, 50, 300), return_detail=True)
+    summary, detail = pass_at_k(model, lenses, ITEMS, k=(1, 5, 50, 300), return_detail=True, spelling="first_token")
     assert list(summary.columns) == list(PASS_COLUMNS)
     assert list(detail.columns) == list(DETAIL_COLUMNS)
     assert summary[["lens", "k"]].values.tolist() == [[n, k] for n in ("logit", "jac") for k in (1, 5, 50, 300)]
-    assert (summary["n_items"] == 3).all() and (summary["n_intermediates"] == 4).all()
+    assert (summary["n_items"] == 3).all() and (summary["n_words"] == 4).all() and (summary["words_scored"] == 4).all()
     assert len(detail) == 2 * (4 + 3)
     # every rank is in the full vocabulary: k = vocab passes everything
     assert (summary[summary.k == 300]["pass_rate"] == 1.0).all()
@@ -159,9 +160,10 @@ def test_pass_at_k_frames_and_values(model):
             assert row.final_rank == int(ranks[-1])
             jrow = detail[(detail.item == i) & (detail.lens == "jac") & (detail.word == word)].iloc[0]
             assert jrow.best_rank == int(ranks[[1, 3]].min()) and jrow.best_layer in (1, 3)
+    # the set's score: the mean over items of each item's share of intermediates found
     logit_inter = detail[(detail.lens == "logit") & (detail.role == "intermediate")]
     for k in (1, 5, 50):
-        expected = float((logit_inter.best_rank <= k).mean())
+        expected = float((logit_inter.best_rank <= k).groupby(logit_inter.item).mean().mean())
         got = summary[(summary.lens == "logit") & (summary.k == k)].pass_rate.item()
         assert got == pytest.approx(expected)
     again = summarize_pass_at_k(detail, 5)
@@ -172,25 +174,35 @@ def test_pass_at_k_bad_input(model):
     lens = {"logit": LogitLens.for_model(model)}
     with pytest.raises(ValueError, match="k=0"):
         pass_at_k(model, lens, ITEMS, k=0)
-    with pytest.raises(ValueError, match=r"item 0: missing field\(s\) \['target'\]"):
-        pass_at_k(model, lens, [{"prompt": "x", "intermediates": ["y"]}])
+    with pytest.raises(ValueError, match=r"item 0: missing field\(s\) \['intermediates'\]"):
+        pass_at_k(model, lens, [{"prompt": "x", "target": "y"}])
+    with pytest.raises(ValueError, match=r"item 0: missing field\(s\) \['prompt'\]"):
+        pass_at_k(model, lens, [{"intermediates": ["y"]}])
     with pytest.raises(ValueError, match="item 0: 'intermediates' must be a list"):
         pass_at_k(model, lens, [{"prompt": "x", "intermediates": [""], "target": "z"}])
     with pytest.raises(ValueError, match="items is empty"):
         pass_at_k(model, lens, [])
+    with pytest.raises(ValueError, match="unknown readout rule 'middle'"):
+        pass_at_k(model, lens, ITEMS, readout="middle")
+    with pytest.raises(ValueError, match=r"item 0: readout \{'before': 'zebra'\}: 'zebra' is not in the prompt"):
+        pass_at_k(model, lens, ITEMS[:1], readout={"before": "zebra"})
 
 
 def test_shipped_eval_sets(model):
-    shipped = sorted(p.stem for p in EVAL_DIR.glob("*.jsonl"))
-    assert shipped == sorted(EVAL_SETS) and len(shipped) >= 3 and "two_hop" in shipped
+    shipped = sorted(p.stem for p in EVAL_DIR.glob("*.json"))
+    assert shipped == sorted(EVAL_SETS) and "two_hop" in shipped
     for name in shipped:
         items = load_eval_set(name)
-        assert 20 <= len(items) <= 40, name
+        assert len(items) >= 20, name
+        names = [item["name"] for item in items]
+        assert len(set(names)) == len(names), name
         for item in items:
-            assert item["prompt"].strip() and item["target"].strip()
+            assert item["prompt"].strip()
             assert item["intermediates"] and all(isinstance(w, str) and w.strip() for w in item["intermediates"])
+            assert item["readout"] in ("last", "last_newline")
     two_hop = load_eval_set("two_hop")
     assert two_hop[0]["intermediates"] == ["France"] and two_hop[0]["target"] == "Paris"
+    assert load_eval_set("arithmetic_chain")[0]["synonyms"] == "numbers_ops"
     summary = pass_at_k(model, {"logit": LogitLens.for_model(model)}, "antonym_chain", k=(1, 10))
     assert summary["n_items"].tolist() == [28, 28]
 
@@ -204,3 +216,19 @@ def test_load_eval_set_errors(tmp_path):
         load_eval_set(path)
     path.write_text(json.dumps({"prompt": "a", "intermediates": "b", "target": "c", "note": "kept"}) + "\n")
     assert load_eval_set(str(path)) == [{"prompt": "a", "intermediates": ["b"], "target": "c", "note": "kept"}]
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"sets": []}))
+    with pytest.raises(ValueError, match="has no 'items' list"):
+        load_eval_set(ref)
+    ref.write_text(json.dumps({"items": [{"name": "x", "prompt": "p"}]}))
+    with pytest.raises(ValueError, match=r"ref.json item 1 \(x\): missing field\(s\) \['intermediates'\]"):
+        load_eval_set(ref)
+    ref.write_text(json.dumps({"readout": "sideways", "items": [{"prompt": "p", "intermediates": ["q"]}]}))
+    with pytest.raises(ValueError, match="unknown readout rule 'sideways'"):
+        load_eval_set(ref)
+    ref.write_text(json.dumps({"readout": "last_newline", "synonyms": "numbers_ops",
+                               "items": [{"prompt": "p", "intermediates": ["q"]},
+                                         {"prompt": "p", "intermediates": ["q"], "readout": -2}]}))
+    items = load_eval_set(ref)
+    assert items[0]["readout"] == "last_newline" and items[1]["readout"] == -2
+    assert items[0]["synonyms"] == "numbers_ops" and "target" not in items[0]

@@ -13,7 +13,8 @@ import streamlit as st
 import charts
 import common
 from jlens_core.corpus import BUILTIN_CORPUS, load_corpus
-from jlens_core.reading.evaluation import EVAL_SETS, evaluate, load_eval_set, pass_at_k
+from jlens_core.reading.evaluation import EVAL_SETS, evaluate
+from jlens_core.reading.passk import load_eval_set, macro_mean, pass_at_k
 
 ss = st.session_state
 ctx = common.require_model()
@@ -24,8 +25,22 @@ if ctx.lens is None:
     st.info("No Jacobian lens is loaded: the curves show the logit lens alone.")
 
 
+READOUTS = {"set": "the set's own", "last": "last token", "last_newline": "last newline"}
+
+
 def _key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def _uploaded_items(upload) -> list[dict]:
+    """An uploaded set, read by :func:`load_eval_set` from a temporary file of the same suffix."""
+    suffix = Path(upload.name).suffix.lower()
+    with tempfile.NamedTemporaryFile("wb", suffix=suffix, delete=False) as f:
+        f.write(upload.getvalue())
+    try:
+        return load_eval_set(f.name)
+    finally:
+        Path(f.name).unlink(missing_ok=True)
 
 
 # -- per-layer KL and CE ----------------------------------------------------------------------------
@@ -91,34 +106,52 @@ if result and result["key"] == _key(ctx.model_key, ctx.lens_key):
 # -- pass@k --------------------------------------------------------------------------------------------
 st.subheader("pass@k on latent steps")
 st.caption("Prompts whose answer needs an intermediate step (e.g. *the country of the Eiffel Tower* → France → "
-           "Paris). An intermediate passes at k when, at the prompt's last position, some layer ranks its first "
-           "token in the top k.")
+           "Paris). An intermediate passes at k when, at the set's readout position, some layer ranks one of its "
+           "complete single-token spellings in the top k; a word with no such spelling is unscored (coverage "
+           "columns). An item's score is the share of its scored intermediates found; a set's is the mean over "
+           "scored items, with a bootstrap 95 % interval.")
 ss.setdefault("pak_sets", list(EVAL_SETS))
-p1, p2 = st.columns([3, 1])
+p1, p2, p3 = st.columns([3, 1, 1])
 p1.multiselect("Evaluation sets", list(EVAL_SETS), key="pak_sets", help="\n".join(f"- {k}: {v}"
                                                                               for k, v in EVAL_SETS.items()))
 ss.setdefault("pak_k", [1, 5, 10])
 p2.multiselect("k", [1, 2, 3, 5, 10, 20, 50, 100], key="pak_k")
+p3.selectbox("Readout", READOUTS, key="pak_readout", format_func=READOUTS.get,
+             help="Where each prompt is read: the set's own rule, or one for every item.")
+uploaded_set = st.file_uploader("…or your own set (.json with items, or .jsonl)", type=["json", "jsonl"],
+                                key="pak_upload")
 if st.button("Run pass@k", icon=":material/play_arrow:", key="pak_go"):
     with common.guard("Could not compute pass@k"):
-        if not ss.pak_sets or not ss.pak_k:
+        chosen = [(name, load_eval_set(name)) for name in ss.pak_sets]
+        if uploaded_set is not None:
+            chosen.append((Path(uploaded_set.name).stem, _uploaded_items(uploaded_set)))
+        if not chosen or not ss.pak_k:
             raise ValueError("Choose at least one evaluation set and one k.")
         parts, details = [], []
         bar = st.progress(0.0)
-        for i, name in enumerate(ss.pak_sets):
-            bar.progress(i / len(ss.pak_sets), text=f"{name}…")
-            summary, detail = pass_at_k(model, lenses, load_eval_set(name), k=sorted(ss.pak_k), return_detail=True)
+        for i, (name, items) in enumerate(chosen):
+            bar.progress(i / len(chosen), text=f"{name}…")
+            summary, detail = pass_at_k(model, lenses, items, k=sorted(ss.pak_k), return_detail=True,
+                                        readout=None if ss.pak_readout == "set" else ss.pak_readout)
             parts.append(summary.assign(set=name))
             details.append(detail.assign(set=name))
         bar.empty()
-        ss.pak_result = {"key": _key(ctx.model_key, ctx.lens_key), "summary": pd.concat(parts, ignore_index=True),
+        summary = pd.concat(parts, ignore_index=True)
+        if len(chosen) > 1:
+            summary = pd.concat([summary, macro_mean(summary)], ignore_index=True)
+        ss.pak_result = {"key": _key(ctx.model_key, ctx.lens_key), "summary": summary,
                          "detail": pd.concat(details, ignore_index=True)}
 pak = ss.get("pak_result")
 if pak and pak["key"] == _key(ctx.model_key, ctx.lens_key):
     st.plotly_chart(charts.pass_at_k_figure(pak["summary"]), key="pak_chart", config={"displaylogo": False})
-    st.dataframe(pak["summary"][["set", "lens", "k", "pass_rate", "n_passed", "n_intermediates", "n_items"]],
+    st.dataframe(pak["summary"][["set", "lens", "k", "pass_rate", "ci_low", "ci_high", "items_scored", "n_items",
+                                 "words_scored", "n_words"]],
                  hide_index=True, width="stretch",
-                 column_config={"pass_rate": st.column_config.ProgressColumn("pass rate", min_value=0, max_value=1,
-                                                                            format="percent")})
+                 column_config={"pass_rate": st.column_config.ProgressColumn("pass@k", min_value=0, max_value=1,
+                                                                            format="percent"),
+                                "ci_low": st.column_config.NumberColumn("95 % low", format="%.2f"),
+                                "ci_high": st.column_config.NumberColumn("95 % high", format="%.2f"),
+                                "items_scored": "items scored", "n_items": "items", "words_scored": "words scored",
+                                "n_words": "words"})
     with st.expander("Per item"):
         st.dataframe(pak["detail"], hide_index=True, width="stretch")

@@ -53,11 +53,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ..corpus import load_corpus
     from ..interventions.swap_success import load_swap_set, swap_success
     from ..models.loading import load_model
-    from ..reading.evaluation import EVAL_SETS, evaluate, pass_at_k
+    from ..reading.evaluation import evaluate
+    from ..reading.passk import load_eval_set, macro_mean, pass_at_k
 
-    for name in args.pass_at_k or []:
-        if name not in EVAL_SETS and not Path(name).is_file():
-            raise CLIError(f"Unknown evaluation set {name!r}: use one of {', '.join(EVAL_SETS)} or a .jsonl file.")
+    readout = parse_readout(args.readout)
+    eval_sets = [(name, load_eval_set(name)) for name in args.pass_at_k or []]  # bad files fail before loading
     swap_sets = [(name, load_swap_set(name)) for name in args.swap or []]  # bad files fail before loading
     if args.n_texts < 0:
         raise CLIError(f"--n-texts {args.n_texts} must be >= 0 (0 skips the per-layer evaluation).")
@@ -78,16 +78,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
             bar.close()
         frame.to_csv(out / "eval.csv", index=False)
         result["per_layer"] = frame.to_dict(orient="records")
-    if args.pass_at_k:
-        tables = []
-        for name in args.pass_at_k:
-            table = pass_at_k(model, lenses, name, k=tuple(args.k))
-            table.insert(0, "set", name)
-            tables.append(table)
+    if eval_sets:
         import pandas as pd
 
+        tables, details = [], []
+        for name, items in eval_sets:
+            bar = _bar(len(items), f"pass@k {Path(name).stem}", args.no_progress, unit="item")
+            table, detail = pass_at_k(model, lenses, items, k=tuple(args.k), readout=readout, spelling=args.spelling,
+                                      progress=functools.partial(_advance, bar) if bar else None, return_detail=True)
+            if bar:
+                bar.close()
+            table.insert(0, "set", Path(name).stem)
+            tables.append(table)
+            details.append(detail.assign(set=Path(name).stem))
         passes = pd.concat(tables, ignore_index=True)
+        if len(eval_sets) > 1:
+            passes = pd.concat([passes, macro_mean(passes)], ignore_index=True)
         passes.to_csv(out / "pass_at_k.csv", index=False)
+        pd.concat(details, ignore_index=True).to_csv(out / "pass_at_k_detail.csv", index=False,
+                                                     quoting=csv.QUOTE_NONNUMERIC)
         result["pass_at_k"] = passes.to_dict(orient="records")
     written = [out / "eval.json"]
     if swap_sets:
@@ -124,6 +133,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(swaps.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print("\nWrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
+
+
+def parse_readout(value: str | None):
+    """``--readout``: ``last``, ``last_newline``, an integer, or ``before:TEXT``."""
+    if value is None:
+        return None
+    if value.startswith("before:"):
+        return {"before": value[len("before:"):]}
+    from ..reading.passk import check_readout
+
+    return check_readout(value, "--readout")
 
 
 def _bar(total: int, desc: str, disabled: bool, unit: str = "text"):
@@ -220,7 +240,13 @@ def register(subparsers) -> None:
     e.add_argument("--shrinkage", type=float, action="append", default=None,
                    help="also evaluate each Jacobian lens shrunk as (1-a) J + a I; repeat for several a")
     e.add_argument("--pass-at-k", action="append", default=None, metavar="SET",
-                   help="also run pass@k on a shipped evaluation set (two_hop, ...) or a .jsonl; repeatable")
+                   help="also run pass@k on a shipped evaluation set (two_hop, multilingual, ...) or a .json / "
+                        ".jsonl file; repeatable (a macro mean is added over several)")
+    e.add_argument("--readout", default=None,
+                   help="pass@k readout for every item: last, last_newline, a token position, or before:TEXT "
+                        "(default: each set's own)")
+    e.add_argument("--spelling", choices=["whole", "first_token"], default="whole",
+                   help="pass@k word matching: complete single-token spellings (default) or the older first-token rule")
     e.add_argument("--k", type=int, nargs="+", default=[1, 5, 10], help="k values for pass@k (default 1 5 10)")
     e.add_argument("--swap", action="append", default=None, metavar="SET",
                    help="also measure swap success on a swap set ('swaps', shipped, or a .jsonl); writes "

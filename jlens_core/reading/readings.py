@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -68,6 +68,20 @@ def check_lens(model: Any, lens: Any) -> None:
                             f"d_model={lens.d_model} and {n_layers} layers; {model.name!r} has "
                             f"d_model={model.d_model} and {model.n_layers} layers. Use "
                             "LogitLens.for_model(model).")
+
+
+def as_lens_dict(lenses: Any) -> dict[str, Any]:
+    """``{name: lens}`` from a dict or a single lens (named by its kind); a clear error when empty."""
+    if isinstance(lenses, Mapping):
+        out = {str(name): lens for name, lens in lenses.items()}
+    elif hasattr(lenses, "transport"):
+        out = {str(getattr(lenses, "kind", "lens")): lenses}
+    else:
+        raise ValueError("lenses must be a dict {name: lens}, e.g. {'jacobian': lens, 'logit': "
+                         "LogitLens.for_model(model)}.")
+    if not out:
+        raise ValueError("lenses is empty: give at least one lens, e.g. {'logit': LogitLens.for_model(model)}.")
+    return out
 
 
 def readable_layers(model: Any, lens: Any, layers: Iterable[int] | None = None) -> list[int]:
@@ -726,6 +740,6 @@ def compare_readings(a: PromptReading, b: PromptReading, *, names: tuple[str, st
 
 
 __all__ = ["CHUNK_ELEMENTS", "COMPARE_STATS", "FRAME_COLUMNS", "GRID_STATS", "MOST_COMMON_COLUMNS", "PromptReading",
-           "band_layers", "check_lens", "chunk_size", "compare_readings", "difference", "distribution_stats",
+           "as_lens_dict", "band_layers", "check_lens", "chunk_size", "compare_readings", "difference", "distribution_stats",
            "encode_prompt", "model_vocab_size", "most_common_tokens", "rank_of", "read_prompt", "readable_layers",
            "record_residuals", "resolve_positions"]

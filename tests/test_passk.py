@@ -1,0 +1,172 @@
+"""pass@k's protocol (SPEC §8) on a tiny model with a character tokenizer: readout rules, complete
+single-token spellings, synonyms and coverage, each against ranks computed by hand from HF's own
+hidden states."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from jlens_core import HFLensModel, LogitLens
+from jlens_core.reading.passk import (
+    bootstrap_interval,
+    load_eval_set,
+    macro_mean,
+    number_synonyms,
+    pass_at_k,
+    readout_position,
+    word_spellings,
+)
+
+CHARS = list("abcdefghijklmnopqrstuvwxyz .,\n+*=") + [str(d) for d in range(10)]
+# " cat" is one token (made by merges); "dog" is three; "7" is one: "seven" scores only through it
+MERGES = [(" ", "c"), (" c", "a"), (" ca", "t")]
+
+
+def char_tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(["<bos>", "<eos>"] + CHARS + ["".join(m) for m in MERGES])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=1)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return HFLensModel(hf, tokenizer, name="tiny-chars")
+
+
+def hand_best_rank(model, prompt: str, position: int, token_ids: list[int]) -> int:
+    """Best 1-based rank of ``token_ids`` over every layer's logit lens (HF hidden states; last = the output)."""
+    ids = model.encode(prompt)
+    with torch.no_grad():
+        out = model.hf_model(ids, output_hidden_states=True)
+    best = None
+    for layer in range(model.n_layers):
+        if layer == model.n_layers - 1:
+            logits = out.logits[0, position].float()
+        else:
+            logits = model.hf_model.lm_head(model.final_norm(out.hidden_states[layer + 1][0, position])).float()
+        for t in token_ids:
+            rank = int((logits > logits[t]).sum()) + 1
+            best = rank if best is None else min(best, rank)
+    return best
+
+
+def test_spellings_whole_word_only(model):
+    tok = model.tokenizer
+    cat = tok.convert_tokens_to_ids(" cat")
+    assert word_spellings(tok, "cat") == {" cat": cat}
+    assert word_spellings(tok, "Cat") == {" cat": cat}  # lower-cased with a leading space
+    assert word_spellings(tok, "dog") == {}  # three tokens: unscored, never by a prefix
+    assert word_spellings(tok, "seven") == {}
+    assert word_spellings(tok, "seven", synonyms="numbers_ops") == {"7": tok.convert_tokens_to_ids("7")}
+    assert word_spellings(tok, "dog", spelling="first_token")  # the older rule scores its first letter
+    assert number_synonyms("12") == ["12", "twelve"] and "+" in number_synonyms("plus")
+
+
+def test_readout_rules(model):
+    prompt = "a cat sat\nthe dog"
+    ids = model.encode(prompt)
+    tokens = [model.tokenizer.convert_ids_to_tokens(i) for i in ids[0].tolist()]
+    assert readout_position(model, prompt, ids, "last") == len(tokens) - 1
+    assert tokens[readout_position(model, prompt, ids, "last_newline")] == "\n"
+    assert readout_position(model, prompt, ids, 2) == 2 and readout_position(model, prompt, ids, -3) == len(tokens) - 3
+    before = readout_position(model, prompt, ids, {"before": "sat"})
+    assert "".join(tokens[: before + 1]) == "a cat "
+    with pytest.raises(ValueError, match="the prompt has no token with a newline"):
+        readout_position(model, "a cat", model.encode("a cat"), "last_newline")
+    with pytest.raises(ValueError, match="'cow' is not in the prompt"):
+        readout_position(model, prompt, ids, {"before": "cow"})
+    with pytest.raises(ValueError, match="no token of the prompt comes before 'a cat'"):
+        readout_position(model, prompt, ids, {"before": "a cat"})
+    with pytest.raises(ValueError, match="out of range"):
+        readout_position(model, prompt, ids, 40)
+
+
+def test_pass_at_k_against_hand_ranks(model):
+    items = [
+        {"name": "newline", "prompt": "a cat sat\nthe", "intermediates": ["cat", "dog"], "readout": "last_newline"},
+        {"name": "before", "prompt": "one and six is seven", "intermediates": ["seven"], "readout": {"before": "is"},
+         "synonyms": "numbers_ops"},
+        {"name": "unscored", "prompt": "the dog ran", "intermediates": ["dog"]},
+        {"name": "last", "prompt": "my cat is", "intermediates": ["Cat"], "target": "cat"},
+    ]
+    lens = {"logit": LogitLens.for_model(model)}
+    summary, detail = pass_at_k(model, lens, items, k=(1, 5, 20), return_detail=True)
+    tok = model.tokenizer
+    cat, seven = tok.convert_tokens_to_ids(" cat"), tok.convert_tokens_to_ids("7")
+    rows = detail.set_index(["name", "word"])
+    expected = {("newline", "cat"): ("a cat sat\nthe", "last_newline", [cat]),
+                ("before", "seven"): ("one and six is seven", {"before": "is"}, [seven]),
+                ("last", "Cat"): ("my cat is", "last", [cat])}
+    for key, (prompt, rule, cands) in expected.items():
+        position = readout_position(model, prompt, model.encode(prompt), rule)
+        row = rows.loc[key]
+        assert row["scored"] and row["position"] == position and row["token_ids"] == cands
+        assert row["best_rank"] == hand_best_rank(model, prompt, position, cands)
+    assert not rows.loc[("newline", "dog"), "scored"] and not rows.loc[("unscored", "dog"), "scored"]
+    assert np.isnan(rows.loc[("unscored", "dog"), "best_rank"])
+    assert rows.loc[("last", "cat"), "role"] == "target"  # looked up, never scored in pass@k
+    # unscored words leave the denominators: 3 items of 4 are scored, 3 words of 5
+    for k in (1, 5, 20):
+        got = summary[summary.k == k].iloc[0]
+        assert got["items_scored"] == 3 and got["n_items"] == 4
+        assert got["words_scored"] == 3 and got["n_words"] == 5
+        hits = [rows.loc[key, "best_rank"] <= k for key in expected]
+        assert got["pass_rate"] == pytest.approx(np.mean(hits))
+        assert got["ci_low"] <= got["pass_rate"] <= got["ci_high"]
+
+
+def test_readout_override_and_first_token_rule(model):
+    items = [{"prompt": "a cat sat\nthe", "intermediates": ["cat"], "readout": "last_newline"}]
+    lens = {"logit": LogitLens.for_model(model)}
+    _, set_rule = pass_at_k(model, lens, items, k=1, return_detail=True)
+    _, overridden = pass_at_k(model, lens, items, k=1, readout="last", return_detail=True)
+    ids = model.encode(items[0]["prompt"])[0].tolist()
+    assert set_rule["position"].iloc[0] == ids.index(model.tokenizer.convert_tokens_to_ids("\n"))
+    assert overridden["position"].iloc[0] == len(ids) - 1
+    _, first = pass_at_k(model, lens, [{"prompt": "the", "intermediates": ["dog"]}], k=1, spelling="first_token",
+                         return_detail=True)
+    # the first token of "dog" and of " dog" (a lone leading space is skipped): the letter d
+    assert first["scored"].iloc[0] and first["token_ids"].iloc[0] == [model.tokenizer.convert_tokens_to_ids("d")]
+    with pytest.raises(ValueError, match="Unknown spelling 'prefix'"):
+        pass_at_k(model, lens, items, spelling="prefix")
+
+
+def test_bootstrap_interval_contains_the_mean_and_narrows():
+    few = [0.0, 1.0] * 5
+    many = [0.0, 1.0] * 50
+    lo_few, hi_few = bootstrap_interval(few)
+    lo_many, hi_many = bootstrap_interval(many)
+    assert lo_few <= 0.5 <= hi_few and lo_many <= 0.5 <= hi_many
+    assert hi_many - lo_many < hi_few - lo_few
+    assert all(np.isnan(bootstrap_interval([])))
+
+
+def test_reference_format_file_and_macro_mean(model, tmp_path):
+    path = tmp_path / "ref.json"
+    path.write_text(json.dumps({"readout": "last_newline", "items": [
+        {"name": "a", "prompt": "a cat\nb", "intermediates": ["cat"]},
+        {"name": "b", "prompt": "the cat\nis", "intermediates": ["cat"], "target": "cat"}]}))
+    summary = pass_at_k(model, {"logit": LogitLens.for_model(model)}, str(path), k=(1, 50))
+    assert summary["n_items"].tolist() == [2, 2] and summary.loc[1, "pass_rate"] == 1.0  # vocab < 50
+    both = summary.assign(set="x")
+    other = summary.assign(set="y", pass_rate=[0.0, 0.5])
+    import pandas as pd
+
+    macro = macro_mean(pd.concat([both, other]))
+    assert macro["pass_rate"].tolist() == [pytest.approx((summary.loc[0, "pass_rate"] + 0.0) / 2), 0.75]
+    assert (macro["set"] == "macro mean").all()
+    assert load_eval_set(path)[0]["readout"] == "last_newline"
