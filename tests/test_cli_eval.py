@@ -7,6 +7,7 @@ import random
 
 import pandas as pd
 import pytest
+import torch
 from conftest import CORPUS, make_hf_model, make_tokenizer
 
 from jlens_core import JacobianLens, LogitLens, evaluate, fit, load_lens, load_model
@@ -204,3 +205,34 @@ def test_eval_swap_writes_swap_success_csv(work, tmp_path, capsys):
     per_item = pd.read_csv(out / "swap_items.csv")
     assert len(per_item) == 3 and not (out / "eval.csv").exists()  # --n-texts 0: no per-layer evaluation
     assert json.loads((out / "eval.json").read_text())["swap_success"]
+
+
+# -- jlens tune ---------------------------------------------------------------------------------------
+def test_tune_then_eval_three_lenses(work, tmp_path, capsys):
+    out = tmp_path / "tuned.safetensors"
+    code = main(["tune", "--model", str(work["model_dir"]), "--corpus", str(work["corpus"]), "--split", "all",
+                 "--min-chars", "10", "--heldout-texts", "0", "--steps", "4", "--tokens-per-step", "16",
+                 "--skip-first", "4", "--out", str(out), "--no-progress"])
+    assert code == 0 and out.is_file() and out.with_suffix(".ckpt").is_file()
+    from jlens_core.lenses.tuned import TunedLens
+
+    lens = TunedLens.load(out, model=work["model"])
+    assert lens.settings["steps"] == 4 and lens.settings["corpus"] == str(work["corpus"])
+    # rerun: resumes from the finished checkpoint, same lens
+    assert main(["tune", "--model", str(work["model_dir"]), "--corpus", str(work["corpus"]), "--split", "all",
+                 "--min-chars", "10", "--heldout-texts", "0", "--steps", "4", "--tokens-per-step", "16",
+                 "--skip-first", "4", "--out", str(out), "--no-progress"]) == 0
+    again = TunedLens.load(out)
+    assert all(torch.equal(a, b) for layer in lens.source_layers
+               for a, b in zip(lens.translators[layer], again.translators[layer]))
+    eval_out = tmp_path / "eval"
+    assert main(["eval", "--model", str(work["model_dir"]), "--lens", str(out), "--lens", str(work["lens_path"]),
+                 "--lens", "logit", "--corpus", str(work["corpus"]), "--split", "all", "--min-chars", "10",
+                 "--n-texts", "2", "--max-seq-len", "24", "--out", str(eval_out), "--no-progress"]) == 0
+    frame = pd.read_csv(eval_out / "eval.csv")
+    assert set(frame["lens"]) == {"tuned", "jacobian", "logit"}
+    capsys.readouterr()
+    assert main(["tune", "--model", str(work["model_dir"]), "--corpus", str(work["corpus"]), "--split", "all",
+                 "--min-chars", "10", "--heldout-texts", "0", "--steps", "4", "--tokens-per-step", "16",
+                 "--skip-first", "4", "--lr", "0.5", "--out", str(out), "--no-progress"]) == 2
+    assert "was written with lr=0.001, this run has lr=0.5" in capsys.readouterr().err

@@ -13,30 +13,36 @@ from .main import CLIError, say
 
 
 def resolve_lenses(specs: list[str], model, shrinkage: list[float] | None = None) -> dict:
-    """``--lens`` values to ``{name: lens}``: ``logit``, ``default`` (the shipped lens) or a lens file.
+    """``--lens`` values to ``{name: lens}``: ``logit``, ``default`` (the shipped Jacobian lens),
+    ``tuned`` (the shipped tuned lens), a lens file (Jacobian or tuned) or a tuned-lens folder.
 
-    Each Jacobian lens also appears shrunk, ``(1 - a) J + a I``, once per ``shrinkage`` value ``a``.
+    A lens is named by its kind (``jacobian``, ``tuned``) unless two of a kind are given, then by its
+    file name. Each Jacobian lens also appears shrunk, ``(1 - a) J + a I``, once per ``shrinkage`` value.
     """
     from ..lenses.lens import LogitLens
-    from ..lenses.shipped import default_lens, load_lens
+    from ..lenses.shipped import default_lens, default_tuned_lens, load_lens
 
-    lenses = {}
-    n_files = sum(spec not in ("logit", "default") for spec in specs)
+    loaded = []
     for spec in specs:
         if spec == "logit":
-            lenses["logit"] = LogitLens.for_model(model)
+            loaded.append(("logit", spec, LogitLens.for_model(model)))
             continue
-        if spec == "default":
-            lens = default_lens(model)
+        if spec in ("default", "tuned"):
+            lens = default_lens(model) if spec == "default" else default_tuned_lens(model)
             if lens is None:
-                raise CLIError(f"No shipped lens for {model.name!r}: give a lens file, or 'logit'.")
-            name = "jacobian"
+                what = "Jacobian" if spec == "default" else "tuned"
+                raise CLIError(f"No shipped {what} lens for {model.name!r}: give a lens file, or 'logit'.")
         else:
             lens = load_lens(spec, model=model)
-            name = Path(spec).stem if n_files > 1 or "default" in specs else "jacobian"
+        loaded.append((str(getattr(lens, "kind", "jacobian")), spec, lens))
+    kinds = [kind for kind, _, _ in loaded]
+    lenses = {}
+    for kind, spec, lens in loaded:
+        name = kind if kinds.count(kind) == 1 or spec in ("default", "tuned", "logit") else Path(spec).stem
         lenses[name] = lens
-        for alpha in shrinkage or []:
-            lenses[f"{name} (shrink {alpha:g})"] = lens.with_shrinkage(alpha)
+        if hasattr(lens, "with_shrinkage"):
+            for alpha in shrinkage or []:
+                lenses[f"{name} (shrink {alpha:g})"] = lens.with_shrinkage(alpha)
     return lenses
 
 
@@ -228,8 +234,8 @@ def register(subparsers) -> None:
                                           "lens on texts not used for fitting; optional pass@k on evaluation sets. "
                                           "Writes eval.csv, eval.json and eval.png to --out.")
     e.add_argument("--lens", action="append", default=None,
-                   help="a lens file, 'default' (the shipped lens) or 'logit'; repeat to compare (default: logit "
-                        "and default)")
+                   help="a lens file (Jacobian or tuned), a tuned-lens folder, 'default' (the shipped Jacobian lens), "
+                        "'tuned' (the shipped tuned lens) or 'logit'; repeat to compare (default: logit and default)")
     e.add_argument("--corpus", default="stdlib-docs", help="'stdlib-docs', a .txt or .jsonl file, or a HF dataset")
     e.add_argument("--split", choices=["all", "fit", "eval"], default="eval",
                    help="corpus part (default 'eval': disjoint from what `jlens fit` uses by default)")

@@ -8,11 +8,41 @@ from pathlib import Path
 from .._paths import ASSETS_DIR
 from ..models.loading import DEFAULT_ALIASES, DEFAULT_MODEL
 from .lens import JacobianLens
+from .tuned import FORMAT_NAME as TUNED_FORMAT
+from .tuned import TunedLens
 
 log = logging.getLogger(__name__)
 
 LENS_DIR = ASSETS_DIR / "lenses"
 SHIPPED_LENSES = {DEFAULT_MODEL: LENS_DIR / f"{DEFAULT_MODEL}.safetensors"}
+SHIPPED_TUNED_LENSES = {DEFAULT_MODEL: LENS_DIR / f"{DEFAULT_MODEL}.tuned.safetensors"}
+
+
+def shipped_tuned_lens_path(name: str = DEFAULT_MODEL) -> Path | None:
+    """The shipped tuned lens for model ``name``, or ``None``."""
+    key = DEFAULT_MODEL if str(name).lower() in DEFAULT_ALIASES else str(name)
+    path = SHIPPED_TUNED_LENSES.get(key)
+    return path if path is not None and path.is_file() else None
+
+
+def is_tuned_lens_file(path: str | Path) -> bool:
+    """Whether ``path`` is a tuned lens: a tuned-lens folder, or a safetensors file of format ``jlens-tuned``."""
+    import json
+    import struct
+
+    path = Path(path)
+    if path.is_dir():
+        return (path / "config.json").is_file() and (path / "params.pt").is_file()
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 1 << 26:
+                return False
+            header = json.loads(f.read(size))
+        info = json.loads(header.get("__metadata__", {}).get("jlens", "{}"))
+    except (OSError, ValueError, struct.error, AttributeError):
+        return False
+    return info.get("format") == TUNED_FORMAT
 
 
 def shipped_lens_path(name: str = DEFAULT_MODEL) -> Path | None:
@@ -22,8 +52,9 @@ def shipped_lens_path(name: str = DEFAULT_MODEL) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def load_lens(spec: str = DEFAULT_MODEL, *, model=None) -> JacobianLens:
-    """A lens by model name (the shipped lens, e.g. :data:`DEFAULT_MODEL`) or by file path.
+def load_lens(spec: str = DEFAULT_MODEL, *, model=None) -> JacobianLens | TunedLens:
+    """A lens by model name (the shipped lens, e.g. :data:`DEFAULT_MODEL`) or by path: a Jacobian lens
+    file, a tuned lens file, or a tuned-lens folder (``config.json`` + ``params.pt``).
 
     Args:
         model: if given, the lens must belong to it.
@@ -35,11 +66,19 @@ def load_lens(spec: str = DEFAULT_MODEL, *, model=None) -> JacobianLens:
     path = shipped_lens_path(spec)
     if path is None:
         path = Path(spec).expanduser()
+        if path.is_dir() or (path.is_file() and is_tuned_lens_file(path)):
+            return TunedLens.load(path, model=model)
         if not path.is_file():
             shipped = ", ".join(sorted(k for k, v in SHIPPED_LENSES.items() if v.is_file())) or "none"
             raise FileNotFoundError(f"No lens file at {spec!r}, and no shipped lens by that name (shipped: "
                                     f"{shipped}). Fit one with `jlens fit --out LENS`.")
     return JacobianLens.load(path, model=model)
+
+
+def default_tuned_lens(model) -> TunedLens | None:
+    """The shipped tuned lens for ``model``, or ``None``."""
+    path = shipped_tuned_lens_path(getattr(model, "name", ""))
+    return None if path is None else TunedLens.load(path, model=model)
 
 
 def default_lens(model) -> JacobianLens | None:

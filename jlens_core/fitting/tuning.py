@@ -1,0 +1,306 @@
+"""Training a tuned lens (Belrose et al., 2023) on a corpus, with checkpoints and resume.
+
+The objective is tuned-lens's: for every layer ``l``, ``KL(p_final || p_lens_l)`` averaged over the
+corpus tokens, summed over layers; the model is frozen and only the translators ``A_l, b_l`` learn
+(they start at zero: the logit lens). Adam, a constant learning rate after a short linear warm-up.
+
+The token stream is fixed by the texts: each text truncated to ``max_seq_len`` tokens, positions
+``>= skip_first`` kept (the first are attention sinks, as in the Jacobian lens's fit), concatenated
+in order and cycled. Step ``s`` takes tokens ``[s T, (s + 1) T)`` of that stream (``T =
+tokens_per_step``), so a step's batch depends only on ``s``: a resumed run sees exactly the batches
+of an uninterrupted one. A step runs the model (no gradients) over the texts it touches, then one
+layer at a time: unembed, KL, backward, so neither layers x positions x vocabulary nor the corpus is
+ever held.
+
+Checkpoints (a ``torch.save`` dict, written atomically every ``checkpoint_every`` steps and at the
+end) hold the translators, the optimizer state, the step and the settings; resuming with other
+settings is a ``ValueError`` naming the setting.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..lenses.tuned import TunedLens
+from ..models.recorder import ActivationRecorder
+
+log = logging.getLogger(__name__)
+
+LN2 = math.log(2.0)
+# Settings that shape the result: a checkpoint written with others cannot be resumed.
+TUNE_SETTINGS = ("layers", "tokens_per_step", "lr", "warmup_steps", "max_seq_len", "skip_first", "seed",
+                 "corpus_digest")
+
+
+@dataclass
+class TuneProgress:
+    """What the progress callback gets after each step.
+
+    Attributes:
+        step: steps done (1-based); steps: the total asked for.
+        train_kl_bits: this step's ``KL(final || lens)`` per token, mean over layers (bits).
+        heldout_kl_bits: ``{layer: bits}`` on the held-out texts when measured at this step, else ``None``.
+        tokens: tokens trained on so far; seconds: wall time of this step.
+    """
+
+    step: int
+    steps: int
+    train_kl_bits: float
+    heldout_kl_bits: dict[int, float] | None
+    tokens: int
+    seconds: float
+
+
+@dataclass
+class _Stream:
+    """The fixed token stream: per text its ids ``[1, n]`` and the positions used (``>= skip_first``)."""
+
+    ids: list[torch.Tensor]
+    lengths: list[int]
+    starts: list[int] = field(default_factory=list)  # stream offset of each text's first used token
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+
+def _build_stream(model: Any, texts: Sequence[str], max_seq_len: int, skip_first: int) -> _Stream:
+    ids, lengths = [], []
+    for text in texts:
+        encoded = model.encode(text, max_length=max_seq_len)  # [1, seq]
+        used = max(0, int(encoded.shape[1]) - skip_first)
+        if used:
+            ids.append(encoded)
+            lengths.append(used)
+    stream = _Stream(ids, lengths)
+    offset = 0
+    for n in lengths:
+        stream.starts.append(offset)
+        offset += n
+    return stream
+
+
+def _digest(texts: Sequence[str]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for text in texts:
+        h.update(hashlib.sha256(text.encode("utf-8")).digest())
+    return h.hexdigest()[:16]
+
+
+def _record(model: Any, ids: torch.Tensor, layers: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """Residuals ``{layer: [seq, d]}`` and the final log-probabilities ``[seq, vocab]`` (fp32), no grad."""
+    top = model.n_layers - 1
+    with torch.no_grad(), ActivationRecorder(model.layers, sorted(set(layers) | {top}), stop_after=top) as rec:
+        model.forward(ids)
+    resid = {layer: rec.activations[layer][0].detach() for layer in layers}
+    with torch.no_grad():
+        final = model.unembed(rec.activations[top][0]).float().log_softmax(-1)
+    return resid, final
+
+
+def _batch(model: Any, stream: _Stream, step: int, tokens_per_step: int, layers: list[int], skip_first: int
+           ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """Step ``step``'s tokens: residuals ``{layer: [T, d]}`` and final log-probs ``[T, vocab]``."""
+    start = step * tokens_per_step
+    need = tokens_per_step
+    parts_h: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+    parts_f: list[torch.Tensor] = []
+    pos = start % stream.total
+    while need > 0:
+        # the text holding stream offset `pos`
+        index = max(i for i, s in enumerate(stream.starts) if s <= pos)
+        within = pos - stream.starts[index]
+        take = min(need, stream.lengths[index] - within)
+        resid, final = _record(model, stream.ids[index], layers)
+        sl = slice(skip_first + within, skip_first + within + take)
+        for layer in layers:
+            parts_h[layer].append(resid[layer][sl])
+        parts_f.append(final[sl])
+        need -= take
+        pos = (pos + take) % stream.total
+    return {layer: torch.cat(parts_h[layer]) for layer in layers}, torch.cat(parts_f)
+
+
+def _kl_nats(final_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of ``KL(final || softmax(logits))`` in nats (a scalar with grad)."""
+    logp = logits.float().log_softmax(-1)
+    return (final_logp.exp() * (final_logp - logp)).sum(-1).mean()
+
+
+def heldout_kl(model: Any, lens: TunedLens, texts: Sequence[str], *, max_seq_len: int = 128,
+               skip_first: int = 16) -> dict[int, float]:
+    """Mean ``KL(final || lens)`` per layer (bits) over the positions ``>= skip_first`` of ``texts``."""
+    layers = lens.source_layers
+    sums = dict.fromkeys(layers, 0.0)
+    count = 0
+    for text in texts:
+        ids = model.encode(text, max_length=max_seq_len)
+        if int(ids.shape[1]) <= skip_first:
+            continue
+        resid, final = _record(model, ids, layers)
+        final = final[skip_first:]
+        with torch.no_grad():
+            for layer in layers:
+                logits = model.unembed(lens.transport(resid[layer][skip_first:].float(), layer))
+                sums[layer] += float(_kl_nats(final, logits)) * final.shape[0]
+        count += int(final.shape[0])
+    if count == 0:
+        raise ValueError("The held-out texts have no token past skip_first: give longer texts.")
+    return {layer: sums[layer] / count / LN2 for layer in layers}
+
+
+def _atomic_save(obj: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def train_tuned_lens(model: Any, texts: Sequence[str], *, layers: Sequence[int] | None = None, steps: int = 100,
+                     tokens_per_step: int = 256, lr: float = 1e-3, warmup_steps: int = 5, max_seq_len: int = 128,
+                     skip_first: int = 16, heldout_texts: Sequence[str] = (), heldout_every: int = 10,
+                     checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 10,
+                     resume: bool = True, seed: int = 0,
+                     progress: Callable[[TuneProgress], None] | None = None) -> TunedLens:
+    """Train a tuned lens for ``model`` on ``texts`` (see the module docstring).
+
+    Args:
+        model: an :class:`~jlens_core.HFLensModel` (frozen; only the translators learn).
+        texts: the training corpus (e.g. ``load_corpus(..., split="fit")``).
+        layers: source layers to translate (default: every layer below the last; negatives count from
+            the end).
+        steps: optimisation steps; tokens_per_step: tokens per step (memory: one layer's
+            ``[tokens_per_step, vocab]`` logits at a time).
+        lr: Adam's learning rate (after ``warmup_steps`` of linear warm-up).
+        max_seq_len, skip_first: the tokens used: each text truncated, positions ``>= skip_first``.
+        heldout_texts: texts to measure held-out KL on, every ``heldout_every`` steps and at the end.
+        checkpoint_path: where to write the resumable state (every ``checkpoint_every`` steps).
+        resume: go on from ``checkpoint_path`` when it exists (same settings, more or equal steps).
+        seed: reserved for data order (kept in the settings).
+        progress: called after every step with a :class:`TuneProgress`.
+
+    Returns:
+        The :class:`~jlens_core.lenses.tuned.TunedLens`, with ``settings`` and ``metrics``
+        (``heldout_kl_bits`` per layer, the ``history`` of train and held-out KL).
+
+    Raises:
+        ValueError: zero training tokens, a layer outside the model, bad step counts or learning
+            rate, or a checkpoint written with other settings (names the setting).
+    """
+    top = model.n_layers - 1
+    if layers is None:
+        chosen = list(range(top))
+    else:
+        chosen = sorted({int(x) + model.n_layers if int(x) < 0 else int(x) for x in layers})
+        bad = [x for x in chosen if not 0 <= x < top]
+        if bad or not chosen:
+            raise ValueError(f"Layer {bad[0] if bad else layers!r} is outside the model's source layers 0..{top - 1} "
+                             f"(the last layer, {top}, is the model's output).")
+    if int(steps) < 1 or int(tokens_per_step) < 1:
+        raise ValueError(f"steps={steps} and tokens_per_step={tokens_per_step} must be at least 1.")
+    if not lr > 0:
+        raise ValueError(f"lr={lr} must be positive.")
+    stream = _build_stream(model, list(texts), int(max_seq_len), int(skip_first))
+    if stream.total == 0:
+        raise ValueError(f"Zero training tokens: no text has more than skip_first={skip_first} tokens (max_seq_len "
+                         f"{max_seq_len}); give longer or more texts.")
+    settings = {"layers": chosen, "tokens_per_step": int(tokens_per_step), "lr": float(lr),
+                "warmup_steps": int(warmup_steps), "max_seq_len": int(max_seq_len), "skip_first": int(skip_first),
+                "seed": int(seed), "corpus_digest": _digest(list(texts))}
+    d = model.d_model
+    params = {layer: (torch.zeros(d, d, requires_grad=True), torch.zeros(d, requires_grad=True)) for layer in chosen}
+    optimizer = torch.optim.Adam([p for pair in params.values() for p in pair], lr=float(lr))
+    history: list[dict] = []
+    done = 0
+    ckpt = Path(checkpoint_path) if checkpoint_path is not None else None
+    if ckpt is not None and resume and ckpt.is_file():
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+        for key in TUNE_SETTINGS:
+            if state["settings"].get(key) != settings[key]:
+                raise ValueError(f"The checkpoint {str(ckpt)!r} was written with {key}={state['settings'].get(key)!r}, "
+                                 f"this run has {key}={settings[key]!r}: use the same setting to resume, or "
+                                 "resume=False (--no-resume) to start over.")
+        with torch.no_grad():
+            for layer, (a, b) in params.items():
+                a.copy_(state["A"][layer])
+                b.copy_(state["b"][layer])
+        optimizer.load_state_dict(state["optimizer"])
+        done, history = int(state["step"]), list(state["history"])
+        log.info("resumed the tuned lens at step %d from %s", done, ckpt)
+
+    def snapshot() -> TunedLens:
+        return TunedLens({layer: (a.detach().clone(), b.detach().clone()) for layer, (a, b) in params.items()}, d,
+                         target_layer=top, n_layers=model.n_layers, model_name=model.name,
+                         model_fingerprint=model.fingerprint(), settings={**settings, "steps": done})
+
+    def save_checkpoint() -> None:
+        if ckpt is None:
+            return
+        _atomic_save({"A": {layer: a.detach().clone() for layer, (a, _) in params.items()},
+                      "b": {layer: b.detach().clone() for layer, (_, b) in params.items()},
+                      "optimizer": optimizer.state_dict(), "step": done, "settings": settings,
+                      "history": history}, ckpt)
+
+    heldout = list(heldout_texts)
+    last_heldout: dict[int, float] | None = None
+    try:
+        while done < int(steps):
+            started = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = float(lr) * min(1.0, (done + 1) / max(1, int(warmup_steps)))
+            optimizer.zero_grad(set_to_none=True)
+            resid, final = _batch(model, stream, done, int(tokens_per_step), chosen, int(skip_first))
+            total = 0.0
+            for layer in chosen:
+                a, b = params[layer]
+                h = resid[layer].float()  # [T, d]
+                logits = model.unembed(h + h @ a.T + b)  # [T, vocab]
+                loss = _kl_nats(final, logits)
+                loss.backward()
+                total += float(loss.detach())
+                del logits, loss
+            optimizer.step()
+            done += 1
+            record: dict[str, Any] = {"step": done, "train_kl_bits": total / len(chosen) / LN2}
+            measured = None
+            if heldout and (done % max(1, int(heldout_every)) == 0 or done == int(steps)):
+                measured = heldout_kl(model, snapshot(), heldout, max_seq_len=int(max_seq_len), skip_first=int(skip_first))
+                last_heldout = measured
+                record["heldout_kl_bits"] = sum(measured.values()) / len(measured)
+            history.append(record)
+            if done % max(1, int(checkpoint_every)) == 0 or done == int(steps):
+                save_checkpoint()
+            if progress is not None:
+                progress(TuneProgress(done, int(steps), record["train_kl_bits"], measured, done * int(tokens_per_step),
+                                      time.perf_counter() - started))
+    except KeyboardInterrupt:
+        save_checkpoint()  # Ctrl-C / the app's Stop: the steps done so far are kept
+        log.info("tuned-lens training interrupted at step %d; checkpoint written", done)
+        raise
+    if heldout and last_heldout is None:  # resumed a finished run
+        last_heldout = heldout_kl(model, snapshot(), heldout, max_seq_len=int(max_seq_len), skip_first=int(skip_first))
+    lens = snapshot()
+    lens.metrics = {"history": history}
+    if last_heldout is not None:
+        lens.metrics["heldout_kl_bits"] = {str(k): v for k, v in last_heldout.items()}
+    return lens
+
+
+__all__ = ["TUNE_SETTINGS", "TuneProgress", "heldout_kl", "train_tuned_lens"]
