@@ -22,8 +22,8 @@ from jlens_core.reading.tokens import visible
 MAX_TEXT_CELLS = 3000  # cells above this are drawn without their top-1 token (hover still has it)
 PLOT_WIDTH_PX = 1000  # about the width of the heatmap in the wide layout
 MAX_HOVER_CELLS = 20000  # above this, hover lists only the top 3
-LENS_NAMES = {"logit": "Logit lens", "jacobian": "Jacobian lens"}
-LENS_COLORS = {"logit": "#6c8ebf", "jacobian": "#d6762b"}
+LENS_NAMES = {"logit": "Logit lens", "jacobian": "Jacobian lens", "tuned": "Tuned lens"}
+LENS_COLORS = {"logit": "#6c8ebf", "jacobian": "#d6762b", "tuned": "#4c9a5a"}
 STAT_LABELS = {"top1_prob": "top-1 probability", "entropy_bits": "entropy (bits)", "kl_bits": "KL to final (bits)",
                "ce_bits": "next-token CE (bits)", "next_token_rank": "rank of next token",
                "final_top1_rank": "rank of final top-1"}
@@ -193,46 +193,52 @@ def _axes(fig: go.Figure, reading: Any, layers: Sequence[int], n_panels: int = 1
 
 
 def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers: Sequence[int] | None = None,
-                   max_text_cells: int = MAX_TEXT_CELLS, hover_k: int = 10) -> go.Figure:
+                   max_text_cells: int = MAX_TEXT_CELLS, hover_k: int = 10,
+                   pair: tuple[str, str] = ("logit", "jacobian")) -> go.Figure:
     """The layer x position heatmap of the Inspect page (side by side: logit above, Jacobian below).
 
     Args:
         readings: ``{"logit": PromptReading, "jacobian": PromptReading}`` (``jacobian`` optional
             except for the modes that need it).
-        mode: ``"logit"``, ``"jacobian"``, ``"side"`` (both, one axis) or ``"diff"`` (Jacobian − logit).
+        mode: one lens (``"logit"``, ``"jacobian"``, ``"tuned"``), ``"side"`` (the two lenses of ``pair``,
+            one above the other), ``"diff"`` (``pair[1] − pair[0]``) or ``"three"`` (every lens given).
+        pair: the two lenses of ``"side"`` and ``"diff"``.
         stat: a statistic of :meth:`PromptReading.grid` (``top1_prob``, ``entropy_bits``, ...).
         layers: the rows (default: the logit reading's layers, i.e. every requested layer).
         max_text_cells: above this many cells, the top-1 token is not written in the cells.
     """
     base = readings["logit"]
     layers = list(layers) if layers is not None else list(base.layers)
-    n_panels = 2 if mode == "side" else 1
+    n_panels = {"side": 2, "three": len(readings)}.get(mode, 1)
     n_cells = len(layers) * base.n_positions * n_panels
     chars = text_chars(base.n_positions, n_cells, max_text_cells)
     hover_k = hover_k if n_cells <= MAX_HOVER_CELLS else min(hover_k, 3)
     height = max(320, n_panels * 24 * len(layers) + 150 + 40 * (n_panels - 1))
     title = f"{STAT_LABELS.get(stat, stat)} — cells show the top-1 token" if chars else \
         f"{STAT_LABELS.get(stat, stat)} — {n_cells:,} cells: hover for tokens, narrow the range to see them"
-    if mode in ("logit", "jacobian"):
+    if mode in ("logit", "jacobian", "tuned"):
         reading = readings[mode]
         fig = go.Figure(_panel(reading, stat, layers, chars=chars, hover_k=hover_k, name=LENS_NAMES[mode]))
         _axes(fig, reading, layers)
         fig.update_layout(title=f"{LENS_NAMES[mode]}: {title}")
-    elif mode == "side":
-        a, b = readings["logit"], readings["jacobian"]
-        va, vb = stat_values(a, stat, layers), stat_values(b, stat, layers)
-        _, settings = _colour(stat, np.concatenate([va, vb], axis=1))
-        fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08 if len(layers) < 12 else 0.04,
-                            subplot_titles=(LENS_NAMES["logit"], LENS_NAMES["jacobian"]))
-        for row, reading in ((1, a), (2, b)):
+    elif mode in ("side", "three"):
+        names = list(pair) if mode == "side" else [n for n in ("logit", "jacobian", "tuned") if n in readings]
+        panels = [readings[n] for n in names]
+        values_all = [stat_values(r, stat, layers) for r in panels]
+        _, settings = _colour(stat, np.concatenate(values_all, axis=1))
+        fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True,
+                            vertical_spacing=0.08 if len(layers) < 12 else 0.04,
+                            subplot_titles=[LENS_NAMES.get(n, n) for n in names])
+        for row, (name, reading) in enumerate(zip(names, panels), start=1):
             for trace in _panel(reading, stat, layers, chars=chars, hover_k=hover_k,
-                                name=LENS_NAMES[reading.lens_kind], coloraxis="coloraxis"):
+                                name=LENS_NAMES.get(name, name), coloraxis="coloraxis"):
                 fig.add_trace(trace, row=row, col=1)
-        _axes(fig, a, layers, n_panels=2)
+        _axes(fig, panels[0], layers, n_panels=len(panels))
         fig.update_layout(coloraxis={k: v for k, v in settings.items() if k != "zmin" and k != "zmax"}
                           | {"cmin": settings["zmin"], "cmax": settings["zmax"]}, title=title)
     elif mode == "diff":
-        a, b = readings["logit"], readings["jacobian"]
+        a, b = readings[pair[0]], readings[pair[1]]
+        name_a, name_b = (LENS_NAMES.get(n, n).replace(" lens", "") for n in pair)
         va, vb = stat_values(a, stat, layers), stat_values(b, stat, layers)
         if stat in RANK_STATS:
             z = np.log10(np.clip(vb, 1, None)) - np.log10(np.clip(va, 1, None))
@@ -242,19 +248,19 @@ def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers:
             unit = STAT_LABELS.get(stat, stat)
         span = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 1.0
         span = span or 1.0
-        # blue = the Jacobian lens is better (more probable top-1, lower entropy/KL/CE/rank)
+        # blue = lens B is better (more probable top-1, lower entropy/KL/CE/rank)
         scale = "RdBu" if stat in HIGHER_IS_BETTER else "RdBu_r"
         hover_a = _hover(a, stat, layers, va, min(hover_k, 5))
         hover_b = _hover(b, stat, layers, vb, min(hover_k, 5))
-        hover = [[f"<b>Jacobian − logit</b>: {dz:+.3g} ({esc(unit)})<br><br><i>Jacobian</i> · {hb}"
-                  f"<br><br><i>logit</i> · {ha.split('<br>', 2)[-1]}"
+        hover = [[f"<b>{name_b} − {name_a.lower()}</b>: {dz:+.3g} ({esc(unit)})<br><br><i>{name_b}</i> · {hb}"
+                  f"<br><br><i>{name_a.lower()}</i> · {ha.split('<br>', 2)[-1]}"
                   for dz, ha, hb in zip(zrow, ra, rb)] for zrow, ra, rb in zip(z, hover_a, hover_b)]
         fig = go.Figure(_panel(b, stat, layers, chars=chars, hover_k=min(hover_k, 5), z=z, name="difference",
                                colour={"colorscale": scale, "zmid": 0.0, "zmin": -span, "zmax": span,
-                                       "colorbar": {"title": {"text": "Jac − logit"}}}, hovertext=hover))
+                                       "colorbar": {"title": {"text": f"{name_b[:3]} − {name_a[:5].lower()}"}}}, hovertext=hover))
         _axes(fig, b, layers)
-        fig.update_layout(title=f"Jacobian − logit, {unit} (blue: the Jacobian lens is better); "
-                                f"cells show the Jacobian top-1")
+        fig.update_layout(title=f"{name_b} − {name_a.lower()}, {unit} (blue: the {name_b} lens is better); "
+                                f"cells show the {name_b} top-1")
     else:
         raise ValueError(f"Unknown mode {mode!r}.")
     fig.update_layout(height=height, margin={"l": 10, "r": 10, "t": 60, "b": 10}, hovermode="closest",
@@ -412,6 +418,22 @@ def pass_at_k_figure(frame: pd.DataFrame) -> go.Figure:
                                  hovertemplate="%{x}: %{y:.0%}<extra>" + name + "</extra>"), row=1, col=col)
     fig.update_yaxes(tickformat=".0%", range=[0, 1])
     fig.update_layout(barmode="group", height=360, margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    return fig
+
+
+def tune_figure(history: Sequence[Mapping[str, Any]]) -> go.Figure:
+    """Tuned-lens training: KL(final || lens) per step (train batch) and on held-out texts (bits)."""
+    frame = pd.DataFrame(list(history))
+    fig = go.Figure()
+    if not frame.empty:
+        fig.add_trace(go.Scatter(x=frame["step"], y=frame["train_kl_bits"], mode="lines", name="train batch",
+                                 line={"color": LENS_COLORS["tuned"]}))
+        if "heldout_kl_bits" in frame:
+            held = frame.dropna(subset=["heldout_kl_bits"])
+            fig.add_trace(go.Scatter(x=held["step"], y=held["heldout_kl_bits"], mode="lines+markers", name="held-out",
+                                     line={"color": "#222", "dash": "dot"}))
+    fig.update_layout(title="Tuned-lens training: KL(final ‖ lens), mean over layers", height=340,
+                      xaxis_title="step", yaxis_title="KL (bits)", margin={"l": 10, "r": 10, "t": 50, "b": 10})
     return fig
 
 

@@ -39,8 +39,9 @@ ENV_MODEL = "JLENS_APP_MODEL"  # the model preselected when the URL names none
 ENV_LENS = "JLENS_APP_LENS"  # the lens preselected when the URL names none
 ENV_RUNS = "JLENS_RUNS_DIR"  # where the Fit page keeps its runs
 
-MODES = {"logit": "Logit lens", "jacobian": "Jacobian lens", "side": "Side by side",
-         "diff": "Difference (Jacobian − logit)"}
+MODES = {"logit": "Logit lens", "jacobian": "Jacobian lens", "tuned": "Tuned lens", "side": "Side by side",
+         "diff": "Difference", "three": "All three"}
+LENS_KINDS = ("logit", "jacobian", "tuned")
 STATS = {"top1_prob": "Top-1 probability", "entropy_bits": "Entropy (bits)", "kl_bits": "KL to final (bits)",
          "ce_bits": "Cross-entropy of the next token (bits)", "next_token_rank": "Rank of the next token",
          "final_top1_rank": "Rank of the final top-1"}
@@ -52,7 +53,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PERSISTENT_KEYS = ("prompt", "mode", "stat", "chat", "top_k", "pinned", "stride", "show_ws", "word_like",
                    "lens_path", "eval_source", "eval_n", "fit_run", "gen_n", "gen_temp", "gen_seed", "band",
                    "mc_word_like", "iv_op", "iv_token", "iv_replacement", "iv_strength", "iv_alpha", "iv_layers",
-                   "iv_pos_mode", "iv_pos_range", "iv_on_generated", "iv_new", "iv_edited_heatmap")
+                   "iv_pos_mode", "iv_pos_range", "iv_on_generated", "iv_new", "iv_edited_heatmap", "pair_a", "pair_b",
+                   "tuned_path")
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, LensFileError, KeyError, OSError)
 
 
@@ -118,6 +120,14 @@ def load_lens_cached(path: str, mtime: float, size: int) -> JacobianLens:
     return JacobianLens.load(path)
 
 
+@st.cache_resource(show_spinner=False, max_entries=6)
+def load_tuned_cached(path: str, mtime: float, size: int):
+    """:meth:`TunedLens.load` (a file or a tuned-lens folder), once per version."""
+    from jlens_core.lenses.tuned import TunedLens
+
+    return TunedLens.load(path)
+
+
 @st.cache_resource(show_spinner=False, max_entries=48)
 def reading_cached(_model, model_key: str, _lens, lens_key: str, text: str | tuple, top_k: int, pinned: tuple,
                    show_ws: bool, word_like: bool, layers: tuple | None, positions: tuple | None,
@@ -149,20 +159,26 @@ class Context:
     lens_label: str = "none"
     lens_error: str | None = None
     logit: LogitLens | None = None
+    tuned: Any = None
+    tuned_key: str = ""
+    tuned_label: str = "none"
+    tuned_error: str | None = None
 
     @property
     def has_lens(self) -> bool:
         return self.lens is not None
 
     def lenses(self) -> dict[str, Any]:
-        """``{"logit": ..., "jacobian": ...}`` (the Jacobian lens only when one is loaded)."""
+        """``{"logit": ..., "jacobian": ..., "tuned": ...}`` (the Jacobian and tuned lenses when loaded)."""
         out: dict[str, Any] = {"logit": self.logit}
         if self.lens is not None:
             out["jacobian"] = self.lens
+        if self.tuned is not None:
+            out["tuned"] = self.tuned
         return out
 
     def lens_keys(self) -> dict[str, str]:
-        return {"logit": "logit", "jacobian": self.lens_key}
+        return {"logit": "logit", "jacobian": self.lens_key, "tuned": self.tuned_key}
 
 
 def context() -> Context:
@@ -217,6 +233,10 @@ def init_state() -> None:
         ss.device = "auto"
         ss.dtype = "auto"
         ss.lens_request = _query_value("lens") or os.environ.get(ENV_LENS) or "auto"
+        ss.tuned_request = _query_value("tuned") or "auto"
+        pair = (_query_value("pair") or "").split(",")
+        if len(pair) == 2 and all(x in LENS_KINDS for x in pair) and pair[0] != pair[1]:
+            ss.pair_a, ss.pair_b = pair
         ss.prompt = _query_value("prompt") or default_prompt()
         mode = _query_value("mode")
         ss.mode = mode if mode in MODES else None  # decided once the lens is known
@@ -276,6 +296,13 @@ def sync_query_params() -> None:
     wanted = {"model": ctx.model_spec or ss.get("model_spec") or DEFAULT_MODEL, "lens": lens_value,
               "prompt": ss.get("prompt") or "", "mode": ss.get("mode") or "logit", "stat": ss.get("stat") or "top1_prob"}
     wanted.update(generation_query())
+    tuned_value = ss.get("tuned_choice") or "none"
+    if tuned_value == "file":
+        tuned_value = ss.get("tuned_path") or "none"
+    wanted["tuned"] = tuned_value if tuned_value != "none" else None
+    pair = (ss.get("pair_a"), ss.get("pair_b"))
+    wanted["pair"] = ",".join(pair) if ss.get("mode") in ("side", "diff") and pair != ("logit", "jacobian") \
+        and all(pair) else None
     try:
         for key, value in wanted.items():
             if value is None:
@@ -456,10 +483,15 @@ def sidebar() -> Context:
                 _load_lens_file(ctx, _save_upload(upload), upload.name)
     if ctx.lens_error:
         sb.error(f"Could not load the lens: {ctx.lens_error}")
+    _tuned_picker(ctx, sb)
     if ctx.lens is not None:
         sb.caption(f"**Jacobian lens** · {lens_summary(ctx.lens)}")
     elif ctx.model is not None:
         sb.info("No Jacobian lens loaded: the logit lens only. Fit one on the Fit page or load a lens file.")
+    if ctx.tuned is not None:
+        sb.caption(f"**Tuned lens** · {tuned_summary(ctx.tuned)}")
+    if ctx.tuned_error:
+        sb.error(f"Could not load the tuned lens: {ctx.tuned_error}")
     if ss.get("mode") is None:
         ss.mode = "side" if ctx.lens is not None else "logit"
     elif ctx.lens is not None and ss.get("_lens_key") == "" and ss.mode == "logit":
@@ -467,6 +499,105 @@ def sidebar() -> Context:
     ss._lens_key = ctx.lens_key
     ss._ctx = ctx
     return ctx
+
+
+def tuned_summary(lens: Any) -> str:
+    """One line about a tuned lens: layers, training, held-out KL."""
+    layers = lens.source_layers
+    parts = [f"layers {layers[0]}..{layers[-1]} → {lens.target_layer}" if layers else "no layers"]
+    s = lens.settings
+    if s.get("source") == "tuned-lens":
+        parts.append("tuned-lens format")
+    if s.get("steps"):
+        parts.append(f"{s['steps']} steps × {s.get('tokens_per_step', '?')} tokens")
+    kl = (lens.metrics or {}).get("heldout_kl_bits")
+    if kl:
+        parts.append(f"held-out KL {sum(kl.values()) / len(kl):.2f} bits")
+    return " · ".join(parts)
+
+
+def tuned_runs_dir() -> Path:
+    """Where the Tune page writes its tuned lenses (``<runs>/tuned``)."""
+    path = runs_dir() / "tuned"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def tuned_run_name(model: Any) -> str:
+    """A file-name stem for the model: a local folder's name, or a Hub id with ``/`` as ``--``."""
+    name = str(getattr(model, "name", "model"))
+    if Path(name).exists():
+        name = Path(name).resolve().name
+    return name.replace("/", "--").replace(" ", "_")
+
+
+def _tuned_options(model: Any) -> tuple[list[str], dict[str, str], dict[str, Path]]:
+    from jlens_core.lenses.shipped import shipped_tuned_lens_path
+
+    options, labels, paths = ["none"], {"none": "None"}, {}
+    shipped = shipped_tuned_lens_path(getattr(model, "name", "")) if model is not None else None
+    if shipped is not None:
+        options.append("shipped")
+        labels["shipped"] = f"Shipped tuned lens ({shipped.name})"
+        paths["shipped"] = shipped
+    if model is not None:
+        for path in sorted(tuned_runs_dir().glob(f"{tuned_run_name(model)}*.safetensors")):
+            key = f"run:{path.stem}"
+            options.append(key)
+            labels[key] = f"Trained here: {path.stem}"
+            paths[key] = path
+    options += ["file", "upload"]
+    labels["file"] = "Tuned lens file or folder (path)…"
+    labels["upload"] = "Upload a tuned lens file…"
+    return options, labels, paths
+
+
+def _load_tuned_file(ctx: Context, path: Path, label: str) -> None:
+    try:
+        probe = path / "params.pt" if path.is_dir() else path
+        if not probe.exists():
+            from jlens_core.lenses.tuned import TunedLens
+
+            TunedLens.load(path)  # raises the sentence that says what is missing
+        stat = probe.stat()
+        lens = load_tuned_cached(str(path), stat.st_mtime, stat.st_size)
+        lens.check_model(ctx.model)
+    except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app stays usable
+        ctx.tuned_error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, EXPECTED_ERRORS) else str(exc)
+        return
+    ctx.tuned, ctx.tuned_label = lens, label
+    ctx.tuned_key = f"tuned|{path}|{stat.st_mtime}|{stat.st_size}"
+
+
+def _tuned_picker(ctx: Context, sb) -> None:
+    ss = st.session_state
+    if ctx.model is None:
+        return
+    options, labels, paths = _tuned_options(ctx.model)
+    if "tuned_request" in ss:
+        request = ss.pop("tuned_request")
+        if request == "auto" or request.startswith("run:") and request not in options:
+            request = "none"
+        if request not in options:
+            ss.tuned_path, request = request, "file"
+        ss.tuned_choice = request
+    if ss.get("tuned_choice") not in options:
+        ss.tuned_choice = "none"
+    sb.selectbox("Tuned lens", options, key="tuned_choice", format_func=lambda o: labels.get(o, o),
+                 help="A third lens to compare: affine translators trained on the model's own output (Tune page), "
+                      "a jlens tuned-lens file, or a folder in tuned-lens's format (config.json + params.pt).")
+    choice = ss.tuned_choice
+    if choice in paths:
+        _load_tuned_file(ctx, paths[choice], labels[choice])
+    elif choice == "file":
+        sb.text_input("Tuned lens path", key="tuned_path", placeholder="/path/to/tuned.safetensors or folder")
+        text = (ss.get("tuned_path") or "").strip()
+        if text:
+            _load_tuned_file(ctx, Path(text).expanduser(), Path(text).name)
+    elif choice == "upload":
+        upload = sb.file_uploader("Tuned lens file", type=["safetensors"], key="tuned_upload")
+        if upload is not None:
+            _load_tuned_file(ctx, _save_upload(upload), upload.name)
 
 
 def token_strings(model: Any, ids: list[int], show_whitespace: bool = False) -> list[str]:

@@ -25,6 +25,7 @@ st.set_page_config(page_title="jlens", page_icon=":material/troubleshoot:", layo
 PAGES = [
     st.Page("views/inspect.py", title="Inspect", icon=":material/grid_on:", url_path="inspect", default=True),
     st.Page("views/fit.py", title="Fit", icon=":material/model_training:", url_path="fit"),
+    st.Page("views/tune.py", title="Tune", icon=":material/tune:", url_path="tune"),
     st.Page("views/jacobians.py", title="Jacobians", icon=":material/functions:", url_path="jacobians"),
     st.Page("views/evaluate.py", title="Evaluate", icon=":material/monitoring:", url_path="evaluate"),
     st.Page("views/compare.py", title="Compare runs", icon=":material/difference:", url_path="compare"),

@@ -368,6 +368,58 @@ def test_intervene_panel_with_the_logit_lens_only(tiny_dir):
     assert any(c.value.startswith("Edit: `Ablate(' capital', layers 1..2, logit lens)`") for c in ok(at).caption)
 
 
+def test_tune_page_and_three_lenses(tiny_dir, tiny_model, lens_file, runs_root):
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT).run())
+    at.switch_page("views/tune.py").run()
+    for key, value in (("tune_n", 20), ("tune_steps", 4), ("tune_tokens", 32), ("tune_heldout", 2)):
+        at.number_input(key=key).set_value(value)
+    at.button(key="tune_go").click().run()
+    assert any(s.value.startswith("Trained:") for s in ok(at).success)
+    assert has_chart(at, "tune_chart_4")  # the loss curve, drawn live at every step
+    trained = sorted((runs_root / "tuned").glob("*.safetensors"))
+    assert len(trained) == 1
+    from jlens_core.lenses.tuned import TunedLens
+
+    assert TunedLens.load(trained[0], model=tiny_model).settings["steps"] == 4
+    at.button(key="tune_use").click().run()
+    assert at.session_state["tuned_choice"] == f"run:{trained[0].stem}"
+    assert any(c.value.startswith("**Tuned lens** · layers 0..2 → 3 · 4 steps") for c in ok(at).sidebar.caption)
+    at.switch_page("views/inspect.py").run()
+    assert ok(at).radio(key="mode").options[-1] == "All three"
+    at.radio(key="mode").set_value("three").run()
+    spec = chart(ok(at), "heatmap")
+    assert [t["name"] for t in spec["data"][::2]] == ["Logit lens", "Jacobian lens", "Tuned lens"]
+    assert [a["text"] for a in spec["layout"]["annotations"][:3]] == ["Logit lens", "Jacobian lens", "Tuned lens"]
+    # any two: the difference tuned - Jacobian
+    at.radio(key="mode").set_value("diff").run()
+    at.selectbox(key="pair_a").set_value("jacobian")
+    at.selectbox(key="pair_b").set_value("tuned").run()
+    assert chart(ok(at), "heatmap")["layout"]["title"]["text"].startswith("Tuned − jacobian")
+    params = {k: (v[0] if isinstance(v, list) else v) for k, v in at.query_params.items()}
+    assert params["tuned"] == f"run:{trained[0].stem}" and params["pair"] == "jacobian,tuned"
+    # Evaluate: three curves
+    at.switch_page("views/evaluate.py").run()
+    at.radio(key="eval_source").set_value("paste").run()
+    at.text_area(key="eval_paste").set_value(LONG_TEXT)
+    button(at, "Evaluate").click().run()
+    assert {t["name"] for t in chart(ok(at), "eval_curves")["data"]} == {"Logit lens", "Jacobian lens", "Tuned lens"}
+
+
+def test_a_tuned_lens_folder_from_the_url(tiny_dir, tiny_model, tmp_path):
+    folder = tmp_path / "tl"
+    from jlens_core.lenses.tuned import TunedLens
+
+    TunedLens.zeros(tiny_model).save_tuned_lens_folder(folder)
+    at = ok(make_app(model=tiny_dir, lens="none", tuned=str(folder), prompt=PROMPT, mode="tuned").run())
+    assert at.session_state["tuned_choice"] == "file"
+    assert any("tuned-lens format" in c.value for c in at.sidebar.caption)
+    assert chart(at, "heatmap")["data"][0]["name"] == "Tuned lens"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    at = ok(make_app(model=tiny_dir, lens="none", tuned=str(bad), prompt=PROMPT).run())
+    assert any("needs config.json and params.pt" in e.value for e in at.sidebar.error)
+
+
 def test_lens_upload_and_state_across_pages(tiny_dir, lens_file):
     at = ok(make_app(model=tiny_dir, lens="none").run())
     at.selectbox(key="lens_choice").set_value("upload").run()

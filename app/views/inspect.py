@@ -91,10 +91,36 @@ stat_options = list(common.STATS) + [f"rank_{p}" for p in pins]
 if ss.get("stat") not in stat_options:
     ss.stat = "top1_prob"
 
+available = list(ctx.lenses())
+mode_options = ["logit", "jacobian"] + (["tuned"] if "tuned" in available else []) + ["side", "diff"] + (
+    ["three"] if len(available) == 3 else [])
+if ss.mode not in mode_options:
+    ss.mode = "logit"
+for key, default in (("pair_a", "logit"),
+                     ("pair_b", "tuned" if "tuned" in available and "jacobian" not in available else "jacobian")):
+    if ss.get(key) not in common.LENS_KINDS:
+        ss[key] = default
+if ss.pair_a == ss.pair_b:
+    ss.pair_b = next(k for k in common.LENS_KINDS if k != ss.pair_a)
+pair = (ss.pair_a, ss.pair_b)
+
+
+def _mode_label(m: str) -> str:
+    if m == "diff":
+        return f"Difference ({charts.LENS_NAMES[pair[1]].replace(' lens', '')} − {pair[0]})"
+    return common.MODES.get(m, m)
+
+
 c1, c2 = st.columns([3, 2])
-c1.radio("Lens", list(common.MODES), key="mode", format_func=common.MODES.get, horizontal=True)
+c1.radio("Lens", mode_options, key="mode", format_func=_mode_label, horizontal=True)
 c2.selectbox("Colour by", stat_options, key="stat",
              format_func=lambda s: common.STATS.get(s) or f"Rank of pinned {s[5:]!r}")
+if ss.mode in ("side", "diff") and len(available) > 2:
+    q1, q2, _ = st.columns([1, 1, 3])
+    q1.selectbox("Lens A", common.LENS_KINDS, key="pair_a", format_func=charts.LENS_NAMES.get)
+    q2.selectbox("Lens B", common.LENS_KINDS, key="pair_b", format_func=charts.LENS_NAMES.get,
+                 help="Side by side: A above B. Difference: B − A.")
+    pair = (ss.pair_a, ss.pair_b)
 
 prompt = ss.get("prompt") or ""
 if not prompt.strip():
@@ -204,19 +230,22 @@ if "logit" not in readings:
     st.stop()
 
 mode = ss.mode
-if mode != "logit" and "jacobian" not in readings:
-    st.info("No Jacobian lens is loaded, so this shows the logit lens. Pick or fit a lens (sidebar, Fit page) "
-            "to compare the two.")
+needed = {"side": list(pair), "diff": list(pair), "three": list(common.LENS_KINDS)}.get(mode, [mode])
+missing = [name for name in needed if name not in readings]
+if missing or (mode in ("side", "diff") and pair[0] == pair[1]):
+    what = " and ".join(charts.LENS_NAMES[m] for m in missing) or "second lens"
+    st.info(f"No {what} {'are' if len(missing) > 1 else 'is'} loaded, so this shows the logit lens. Pick, fit or "
+            "train a lens (sidebar, Fit and Tune pages) to compare.")
     mode = "logit"
 
-fig = charts.heatmap_figure(readings, mode, ss.stat, layers=layers)
+fig = charts.heatmap_figure(readings, mode, ss.stat, layers=layers, pair=pair)
 if edits:
     fig.update_layout(title=f"Edited run ({'; '.join(repr(e) for e in edits)}) · " + fig.layout.title.text)
 event = st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points",
                         config={"displaylogo": False, "toImageButtonOptions": {"filename": "jlens-heatmap"}})
 
 # -- most common tokens ---------------------------------------------------------------------------------
-shown_lenses = ["logit", "jacobian"] if mode in ("side", "diff") else [mode]
+shown_lenses = list(pair) if mode in ("side", "diff") else (list(readings) if mode == "three" else [mode])
 band_rows = [layer for layer in layers if layer != n_layers - 1]
 with st.expander(f"Most common tokens, layers {band_lo}–{band_hi}", expanded=True):
     st.toggle("Word-like tokens only", key="mc_word_like",

@@ -13,7 +13,7 @@ layer at a time: unembed, KL, backward, so neither layers x positions x vocabula
 ever held.
 
 Checkpoints (a ``torch.save`` dict, written atomically every ``checkpoint_every`` steps and at the
-end) hold the translators, the optimizer state, the step and the settings; resuming with other
+end, and when training stops on Ctrl-C or an error) hold the translators, the optimizer state, the step and the settings; resuming with other
 settings is a ``ValueError`` naming the setting.
 """
 
@@ -290,9 +290,9 @@ def train_tuned_lens(model: Any, texts: Sequence[str], *, layers: Sequence[int] 
             if progress is not None:
                 progress(TuneProgress(done, int(steps), record["train_kl_bits"], measured, done * int(tokens_per_step),
                                       time.perf_counter() - started))
-    except KeyboardInterrupt:
-        save_checkpoint()  # Ctrl-C / the app's Stop: the steps done so far are kept
-        log.info("tuned-lens training interrupted at step %d; checkpoint written", done)
+    except BaseException:
+        save_checkpoint()  # Ctrl-C, the app's Stop, a crash: the steps done so far are kept
+        log.info("tuned-lens training stopped at step %d; checkpoint written", done)
         raise
     if heldout and last_heldout is None:  # resumed a finished run
         last_heldout = heldout_kl(model, snapshot(), heldout, max_seq_len=int(max_seq_len), skip_first=int(skip_first))
