@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -82,10 +83,41 @@ def cmd_app(args: argparse.Namespace) -> int:
     if args.print_command:
         print(" ".join(cmd))
         return 0
+    return run_server(cmd, env)
+
+
+def run_server(cmd: list[str], env: dict) -> int:
+    """Run the Streamlit server as a child and stop it with this process.
+
+    SIGTERM, SIGINT and SIGHUP sent to ``jlens app`` are passed on to the server, which is then
+    waited for (and killed if it has not stopped within 15 s), so no server is left serving after
+    ``kill`` of the command that started it.
+    """
+    proc = subprocess.Popen(cmd, env=env)
+    received: list[int] = []
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)):
+        if signum is not None:
+            previous[signum] = signal.signal(signum, forward)
     try:
-        return subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        return 130
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 + received[0] if received else code
 
 
 def register(subparsers) -> None:
