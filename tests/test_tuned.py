@@ -97,6 +97,10 @@ def test_file_round_trip_and_load_lens(model, tmp_path):
     for layer in lens.source_layers:
         assert all(torch.equal(x, y) for x, y in zip(lens.translators[layer], back.translators[layer]))
     assert back.metrics == {"heldout_kl_bits": {"0": 1.5}}
+    half = TunedLens.load(lens.save(tmp_path / "h.safetensors", dtype="float16"))
+    assert half.translators[0][0].dtype == torch.float32
+    torch.testing.assert_close(half.translators[0][0], lens.translators[0][0], rtol=1e-3, atol=1e-4)
+    assert (tmp_path / "h.safetensors").stat().st_size < 0.6 * path.stat().st_size
     other = make_tiny("llama", seed=1)
     with pytest.raises(LensFileError, match="unembedding differs"):
         TunedLens.load(path, model=other)

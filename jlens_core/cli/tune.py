@@ -57,7 +57,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if bar is not None:
         bar.close()
     lens.settings.update(corpus=args.corpus, split=args.split, n_texts=len(texts), heldout_texts=len(heldout))
-    lens.save(out)
+    lens.save(out, dtype=args.save_dtype)
     kl = lens.metrics.get("heldout_kl_bits")
     note = f"; held-out KL {sum(kl.values()) / len(kl):.3f} bits (mean over layers)" if kl else ""
     print(f"Wrote {out} ({lens!r}){note}", file=sys.stderr)
@@ -92,5 +92,7 @@ def register(subparsers) -> None:
     p.add_argument("--warmup-steps", type=int, default=5, help="linear warm-up steps (default 5)")
     p.add_argument("--max-seq-len", type=int, default=128, help="truncate texts to this many tokens (default 128)")
     p.add_argument("--skip-first", type=int, default=16, help="leave out the first positions of each text (default 16)")
+    p.add_argument("--save-dtype", choices=["float32", "float16"], default="float32",
+                   help="storage of the lens file (float16 halves it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_tune)

@@ -143,16 +143,26 @@ class TunedLens:
                 "target_layer": self.target_layer, "n_layers": self.n_layers, "settings": self.settings,
                 "metrics": self.metrics}
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write safetensors (fp32) with the metadata in its header, atomically."""
+    def save(self, path: str | os.PathLike, *, dtype: str | torch.dtype = "float32") -> Path:
+        """Write safetensors with the metadata in its header, atomically; ``dtype`` ``"float32"`` or
+        ``"float16"`` (half the size; read back as fp32).
+
+        Raises:
+            ValueError: another dtype, or fp16 storage of values beyond fp16's range.
+        """
         from safetensors.torch import save_file
 
+        store = {"float32": torch.float32, "float16": torch.float16}.get(str(dtype).replace("torch.", ""))
+        if store is None:
+            raise ValueError(f"dtype={dtype!r}: a tuned lens is stored as float32 or float16.")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for layer, (a, b) in self.translators.items():
-            tensors[f"A.{layer}"] = a.contiguous()
-            tensors[f"b.{layer}"] = b.contiguous()
+            if store == torch.float16 and max(float(a.abs().max()), float(b.abs().max())) > 65504.0:
+                raise ValueError(f"Translator {layer} holds values beyond fp16's range: save as float32.")
+            tensors[f"A.{layer}"] = a.to(store).contiguous()
+            tensors[f"b.{layer}"] = b.to(store).contiguous()
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         os.close(fd)
         try:
