@@ -47,7 +47,47 @@ PROMPT = ("The Jacobian lens carries an early residual into the last layer's bas
           "read each of their own layers one token at a time, and of the patient researcher who watches them.")
 
 
-# -- (a) the plain estimator, written straightforwardly as SPEC §2 defines it --------------------
+# -- (a) the reference jlens's own algorithm (a faithful port, written for this benchmark) ----------
+def reference_jacobian_for_prompt(model, ids, sources, target, dim_batch, skip_first):
+    """The reference library's estimator: ONE forward of the prompt replicated ``dim_batch`` times
+    (the whole model, full sequence, no prefix cache, last token kept), its graph started at the
+    lowest source layer (backward stops there) and retained, reused by every backward pass; the
+    cotangents sit at the valid positions and the rows are averaged over them (SPEC §2's numbers)."""
+    from jlens_core.models.recorder import ActivationRecorder
+
+    d = model.d_model
+    seq_len = ids.shape[1]
+    valid = list(range(skip_first, seq_len - 1))
+    batch = ids.expand(dim_batch, -1)
+    with torch.enable_grad(), ActivationRecorder(model.layers, sources + [target], start_graph_at=sources[0]) as rec:
+        model.hf_model(input_ids=batch)
+    outs = rec.activations
+    jac = {layer: torch.zeros(d, d) for layer in sources}
+    for start in range(0, d, dim_batch):
+        rows = list(range(start, min(start + dim_batch, d)))
+        cot = torch.zeros_like(outs[target])  # [dim_batch, seq, d]
+        for j, row in enumerate(rows):
+            cot[j, valid, row] = 1.0
+        grads = torch.autograd.grad(outs[target], [outs[layer] for layer in sources], grad_outputs=cot,
+                                    retain_graph=True)
+        for layer, g in zip(sources, grads):
+            jac[layer][start: start + len(rows)] = g[: len(rows), valid].float().sum(dim=1) / len(valid)
+    return jac
+
+
+def reference_flops(model, seq_len: int, sources: list[int], target: int) -> float:
+    """Input-gradient FLOPs of the reference's backward passes: every position of the full sequence,
+    through every layer from the target down to the lowest source (no causal savings)."""
+    cfg = model.config
+    d = model.d_model
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or d // heads
+    linear = d * heads * head_dim * 2 + d * kv * head_dim * 2 + 3 * d * cfg.intermediate_size
+    per_layer = 2 * seq_len * linear + 8 * seq_len * seq_len * heads * head_dim
+    return float(d * (target - sources[0]) * per_layer)
+
+
+# -- (b) the naive estimator, written straightforwardly as SPEC §2 defines it --------------------
 def plain_jacobian_for_prompt(model, ids, sources, target, dim_batch, skip_first):
     """Prompt replicated ``dim_batch`` times, full sequence, full model forward (logits included)."""
     hf, d = model.hf_model, model.d_model
@@ -144,15 +184,17 @@ def worker(args) -> None:
     sources = list(range(first, model.n_layers - 1))
     target = model.n_layers - 1
     dim_batch = args.dim_batch if args.dim_batch == "auto" else int(args.dim_batch)
-    if args.method == "plain" and dim_batch == "auto":
+    if args.method in ("plain", "naive", "reference") and dim_batch == "auto":
         dim_batch = 16
     # The matmul peak right before and right after the timed section: a shared host's speed drifts
     # (neighbours), so the achieved rate is also compared with the peak of the same minutes.
     peak_before = matmul_peak_gflops(seconds=1.5, device=args.device, dtype=dtype)
     _sync(args.device)
     t0 = time.perf_counter()
-    if args.method == "plain":
+    if args.method in ("plain", "naive"):
         jac = plain_jacobian_for_prompt(model, ids, sources, target, dim_batch, args.skip_first)
+    elif args.method == "reference":
+        jac = reference_jacobian_for_prompt(model, ids, sources, target, dim_batch, args.skip_first)
     else:
         method = {"jlens": "auto", "jlens-batched": "batched", "jlens-replicated": "replicated",
                   "jlens-fused": "fused"}[args.method]
@@ -167,7 +209,8 @@ def worker(args) -> None:
     else:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     fused = args.method in ("jlens", "jlens-fused") and not fused_unsupported_reason(model)
-    flops = backward_flops(model, args.seq, args.skip_first, sources, target, fused=fused)
+    flops = reference_flops(model, args.seq, sources, target) if args.method == "reference" else \
+        backward_flops(model, args.seq, args.skip_first, sources, target, fused=fused)
     print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb, "flops": flops,
                       "adjacent_peak_gflops": (peak_before + peak_after) / 2}))
 
@@ -196,10 +239,12 @@ def main() -> None:
                                                         "SmolLM2-135M), 2 repetitions")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 2 with --quick)")
     p.add_argument("--seqs", default="64,128", help="max_seq_len values (default 64,128)")
-    p.add_argument("--methods", default="plain,jlens-batched,jlens",
-                   help="comma-separated: plain (SPEC §2 as written), jlens (the default method, 'auto': the fused "
-                        "backward here), jlens-batched (autograd, cotangents batched), jlens-replicated, "
-                        "jlens-fused (default: plain,jlens-batched,jlens)")
+    p.add_argument("--methods", default="reference,naive,jlens-batched,jlens",
+                   help="comma-separated; the first is the baseline of the ratios: reference (the reference jlens's "
+                        "own algorithm), naive (SPEC §2 as written: a forward per chunk of rows, backward to the "
+                        "embedding), jlens (the default method, 'auto': the fused backward here), jlens-batched "
+                        "(autograd, cotangents batched), jlens-replicated, jlens-fused "
+                        "(default: reference,naive,jlens-batched,jlens)")
     p.add_argument("--dim-batch", default="8", help="rows per backward pass, or 'auto' (default 8)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", default=None, help="model dtype: float32 / bfloat16 / float16 (default fp32 on the CPU, "
@@ -266,7 +311,7 @@ def main() -> None:
         for method in methods:
             med = statistics.median(times[method, seq])
             diff = rel_fro(results[method, seq], results[methods[0], seq])
-            gflops = flops[method, seq] / med / 1e9 if method != "plain" else None
+            gflops = flops[method, seq] / med / 1e9 if method not in ("plain", "naive") else None
             row = {"seq": seq, "method": method, "seconds_median": med, "seconds_all": times[method, seq],
                    "speedup_vs_" + methods[0]: base / med, "rel_frobenius_diff_vs_" + methods[0]: diff,
                    "peak_rss_mb": max(rss[method, seq]), "gflops": gflops,
