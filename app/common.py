@@ -24,14 +24,14 @@ from typing import Any
 
 import streamlit as st
 
+from jlens_core._paths import ASSETS_DIR
 from jlens_core.lenses.lens import JacobianLens, LensFileError, LogitLens
 from jlens_core.models.loading import DEFAULT_ALIASES, DEFAULT_MODEL, cache_dir, load_model
 
 log = logging.getLogger("jlens.app")
 
 APP_DIR = Path(__file__).resolve().parent
-REPO_DIR = APP_DIR.parent
-ASSETS = REPO_DIR / "assets"
+ASSETS = ASSETS_DIR  # the checkout's assets/, or the installed package data
 LENS_DIR = ASSETS / "lenses"
 EXAMPLES_FILE = ASSETS / "example_prompts.json"
 

@@ -13,7 +13,7 @@ _APP_DIR = str(Path(__file__).resolve().parent)
 if _APP_DIR not in sys.path:  # `streamlit run` adds it; AppTest and other runners may not
     sys.path.insert(0, _APP_DIR)
 _REPO_DIR = str(Path(__file__).resolve().parent.parent)
-if _REPO_DIR not in sys.path:  # jlens_core from a source checkout that is not installed
+if _REPO_DIR not in sys.path and Path(_REPO_DIR, "jlens_core").is_dir():  # a source checkout not installed
     sys.path.append(_REPO_DIR)
 
 import streamlit as st

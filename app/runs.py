@@ -215,8 +215,9 @@ def fit_arguments(*, model: str, corpus: str, out: Path, n_prompts: int | None =
 
 def _launch(run_folder: Path, args: list[str]) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    repo = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    repo = Path(__file__).resolve().parent.parent
+    if (repo / "jlens_core").is_dir():  # a source checkout: the fit runs this jlens_core, installed or not
+        env["PYTHONPATH"] = str(repo) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with open(run_folder / LOG_FILE, "ab") as log_file:
         proc = subprocess.Popen([sys.executable, "-m", "jlens_core", "fit", *args], cwd=str(run_folder), env=env,
                                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,

@@ -167,6 +167,7 @@ class TunedLens:
         os.close(fd)
         try:
             save_file(tensors, tmp, metadata={"jlens": json.dumps(self.metadata())})
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; a lens file is meant to be shared
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

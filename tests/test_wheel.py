@@ -1,0 +1,108 @@
+"""A built wheel works when installed (not editable): ``jlens inspect --lens default`` and ``jlens app``
+find the shipped lens, the evaluation sets and the app through the package data."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_subpackage_is_in_the_wheel_list():
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.relative_to(REPO).parent.parts) for p in (REPO / "jlens_core").rglob("__init__.py")}
+    assert found <= listed, f"add to pyproject's packages: {sorted(found - listed)}"
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """The wheel built from this tree, installed into a fresh venv whose other dependencies come from ours."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    try:
+        import setuptools
+
+        isolation = [] if int(setuptools.__version__.split(".")[0]) >= 77 else None
+    except ImportError:
+        isolation = None
+    build = [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "-q", "-w", str(tmp / "dist")]
+    build += ["--no-build-isolation"] if isolation is not None else []  # else pip fetches setuptools from the index
+    subprocess.run(build, check=True, cwd=tmp, capture_output=True, timeout=600)
+    (wheel,) = (tmp / "dist").glob("jlens-*.whl")
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    # torch, transformers, streamlit, ... from our environment; a path in a .pth file is not itself scanned for
+    # .pth files, so our editable install of jlens stays out and the wheel's copy is the one imported
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    (site / "_jlens_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return {"wheel": wheel, "venv": venv, "python": python, "site": site, "tmp": tmp}
+
+
+def run(installed, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HUB_OFFLINE"] = "1"
+    return subprocess.run([str(installed["venv"] / "bin" / "jlens"), *args], cwd=installed["tmp"], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_wheel_carries_its_assets_and_app(installed):
+    import zipfile
+
+    names = zipfile.ZipFile(installed["wheel"]).namelist()
+    for needed in ("jlens_assets/lenses/smollm2-135m.safetensors", "jlens_assets/evaluations/two_hop.json",
+                   "jlens_assets/example_prompts.json", "jlens_app/main.py", "jlens_app/views/inspect.py",
+                   "jlens_core/reading/passk.py"):
+        assert needed in names
+    where = subprocess.run([str(installed["python"]), "-c", "import jlens_core, jlens_core._paths as p; "
+                            "print(jlens_core.__file__); print(p.ASSETS_DIR); print(p.APP_DIR)"],
+                           cwd=installed["tmp"], capture_output=True, text=True, check=True).stdout.split()
+    assert all(str(installed["site"]) in line for line in where), where
+
+
+def test_jlens_inspect_from_the_wheel(installed):
+    proc = run(installed, "inspect", "--lens", "default", "--prompt", "The capital of France is", "--last", "3")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "jacobian lens" in proc.stdout.splitlines()[0] and "Paris" in proc.stdout
+    evals = run(installed, "eval", "--lens", "logit", "--n-texts", "0", "--pass-at-k", "two_hop", "--k", "10",
+                "--out", "ev", "--no-progress")
+    assert evals.returncode == 0, evals.stderr[-2000:]
+
+
+def test_jlens_app_from_the_wheel(installed):
+    printed = run(installed, "app", "--print-command")
+    assert printed.returncode == 0 and re.search(r"jlens_app/main\.py", printed.stdout), printed.stdout
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen([str(installed["venv"] / "bin" / "jlens"), "app", "--headless", "--port", str(port),
+                             "--address", "127.0.0.1", "--server.fileWatcherType", "none"], cwd=installed["tmp"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as response:
+                    if response.read().strip() == b"ok":
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, "the app from the wheel did not start"
+            time.sleep(0.5)
+    finally:
+        proc.terminate()
+        proc.wait(30)
