@@ -10,11 +10,11 @@ import subprocess
 import sys
 import sysconfig
 import time
-import tomllib
 import urllib.request
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,7 @@ def run(installed, *args: str, timeout: int = 300) -> subprocess.CompletedProces
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_HUB_OFFLINE"] = "1"
     return subprocess.run([str(installed["venv"] / "bin" / "jlens"), *args], cwd=installed["tmp"], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def test_the_wheel_carries_its_assets_and_app(installed):
@@ -67,8 +67,8 @@ def test_the_wheel_carries_its_assets_and_app(installed):
                    "jlens_assets/example_prompts.json", "jlens_app/main.py", "jlens_app/views/inspect.py",
                    "jlens_core/reading/passk.py"):
         assert needed in names
-    where = subprocess.run([str(installed["python"]), "-c", "import jlens_core, jlens_core._paths as p; "
-                            "print(jlens_core.__file__); print(p.ASSETS_DIR); print(p.APP_DIR)"],
+    code = "import jlens_core, jlens_core._paths as p; print(jlens_core.__file__); print(p.ASSETS_DIR); print(p.APP_DIR)"
+    where = subprocess.run([str(installed["python"]), "-c", code],
                            cwd=installed["tmp"], capture_output=True, text=True, check=True).stdout.split()
     assert all(str(installed["site"]) in line for line in where), where
 
