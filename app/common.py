@@ -120,6 +120,18 @@ def load_lens_cached(path: str, mtime: float, size: int) -> JacobianLens:
     return JacobianLens.load(path)
 
 
+@st.cache_data(show_spinner="Fetching the lens from the Hub…", max_entries=16, ttl=3600)
+def resolve_lens_cached(spec: str) -> str:
+    """A lens spec as a local path (``hf://owner/repo[@revision]/path`` through the Hub cache), cached."""
+    from jlens_core.lenses.hub import resolve_lens_path
+
+    return str(resolve_lens_path(spec))
+
+
+def _resolve_path_text(text: str) -> Path:
+    return Path(resolve_lens_cached(text)) if text.startswith("hf://") else Path(text).expanduser()
+
+
 @st.cache_resource(show_spinner=False, max_entries=6)
 def load_tuned_cached(path: str, mtime: float, size: int):
     """:meth:`TunedLens.load` (a file or a tuned-lens folder), once per version."""
@@ -473,10 +485,15 @@ def sidebar() -> Context:
         if choice in paths:
             _load_lens_file(ctx, paths[choice], labels[choice])
         elif choice == "file":
-            sb.text_input("Lens file", key="lens_path", placeholder="/path/to/lens.safetensors")
+            sb.text_input("Lens file", key="lens_path", placeholder="/path/to/lens.safetensors or hf://owner/repo/lens.pt",
+                          help="A lens file (jlens or the reference's .pt), or hf://owner/repo[@revision]/path on the "
+                               "Hugging Face Hub (its cache; HF_HUB_OFFLINE honoured).")
             path_text = (ss.get("lens_path") or "").strip()
             if path_text:
-                _load_lens_file(ctx, Path(path_text).expanduser(), Path(path_text).name)
+                try:
+                    _load_lens_file(ctx, _resolve_path_text(path_text), Path(path_text).name)
+                except EXPECTED_ERRORS as exc:
+                    ctx.lens_error = str(exc)
         elif choice == "upload":
             upload = sb.file_uploader("Lens file", type=["safetensors", "pt"], key="lens_upload")
             if upload is not None:
@@ -593,7 +610,10 @@ def _tuned_picker(ctx: Context, sb) -> None:
         sb.text_input("Tuned lens path", key="tuned_path", placeholder="/path/to/tuned.safetensors or folder")
         text = (ss.get("tuned_path") or "").strip()
         if text:
-            _load_tuned_file(ctx, Path(text).expanduser(), Path(text).name)
+            try:
+                _load_tuned_file(ctx, _resolve_path_text(text), Path(text).name)
+            except EXPECTED_ERRORS as exc:
+                ctx.tuned_error = str(exc)
     elif choice == "upload":
         upload = sb.file_uploader("Tuned lens file", type=["safetensors"], key="tuned_upload")
         if upload is not None:

@@ -241,6 +241,45 @@ class JacobianLens:
         return lens
 
     @classmethod
+    def from_pretrained(cls, repo_or_path: str | os.PathLike, filename: str | None = None,
+                        revision: str | None = None, *, model=None) -> JacobianLens:
+        """A lens from a local file or folder, or from a Hugging Face Hub repository.
+
+        Args:
+            repo_or_path: a lens file, a folder holding one lens file, ``owner/repo`` on the Hub, or a
+                full ``hf://owner/repo[@revision]/path`` spec.
+            filename: the file's path in the repo (or folder); default: its only ``.pt`` /
+                ``.safetensors`` file.
+            revision: the Hub branch, tag or commit (default ``main``).
+            model: if given, the lens must belong to it.
+
+        Raises:
+            FileNotFoundError: nothing found (the message says what was tried: the Hub cache, the Hub;
+                ``HF_HUB_OFFLINE`` honoured).
+            LensFileError: not a lens, truncated, or for another model.
+        """
+        from .hub import LENS_SUFFIXES, hub_lens_file, is_hub_spec, parse_hub_spec
+
+        spec = str(repo_or_path)
+        if is_hub_spec(spec):
+            repo, rev, path = parse_hub_spec(spec)
+            return cls.load(hub_lens_file(repo, filename or path, revision or rev), model=model)
+        local = Path(spec).expanduser()
+        if local.is_file():
+            return cls.load(local, model=model)
+        if local.is_dir():
+            if filename:
+                return cls.load(local / filename, model=model)
+            found = sorted(p for p in local.iterdir() if p.suffix in LENS_SUFFIXES)
+            if len(found) != 1:
+                raise FileNotFoundError(f"{spec!r} holds {len(found)} lens files; give filename=.")
+            return cls.load(found[0], model=model)
+        if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+            return cls.load(hub_lens_file(spec, filename, revision), model=model)
+        raise FileNotFoundError(f"No lens at {spec!r}: give a lens file, a folder, owner/repo on the Hub or "
+                                "hf://owner/repo[@revision]/path.")
+
+    @classmethod
     def _load_safetensors(cls, path: Path) -> JacobianLens:
         from safetensors import safe_open
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .._paths import ASSETS_DIR
 from ..models.loading import DEFAULT_ALIASES, DEFAULT_MODEL
+from .hub import resolve_lens_path
 from .lens import JacobianLens
 from .tuned import FORMAT_NAME as TUNED_FORMAT
 from .tuned import TunedLens
@@ -53,8 +54,9 @@ def shipped_lens_path(name: str = DEFAULT_MODEL) -> Path | None:
 
 
 def load_lens(spec: str = DEFAULT_MODEL, *, model=None) -> JacobianLens | TunedLens:
-    """A lens by model name (the shipped lens, e.g. :data:`DEFAULT_MODEL`) or by path: a Jacobian lens
-    file, a tuned lens file, or a tuned-lens folder (``config.json`` + ``params.pt``).
+    """A lens by model name (the shipped lens, e.g. :data:`DEFAULT_MODEL`), by path (a Jacobian lens
+    file, a tuned lens file, or a tuned-lens folder: ``config.json`` + ``params.pt``) or from the Hub
+    (``hf://owner/repo[@revision]/path/in/repo.pt``, through ``huggingface_hub``'s cache).
 
     Args:
         model: if given, the lens must belong to it.
@@ -65,7 +67,7 @@ def load_lens(spec: str = DEFAULT_MODEL, *, model=None) -> JacobianLens | TunedL
     """
     path = shipped_lens_path(spec)
     if path is None:
-        path = Path(spec).expanduser()
+        path = resolve_lens_path(spec)  # hf://owner/repo[@revision]/path through the Hub cache
         if path.is_dir() or (path.is_file() and is_tuned_lens_file(path)):
             return TunedLens.load(path, model=model)
         if not path.is_file():
