@@ -91,6 +91,36 @@ if st.button("Evaluate", type="primary", icon=":material/play_arrow:", key="eval
         ss.eval_result = {"key": _key(ctx.model_key, ctx.lens_key), "frame": frame, "n_texts": len(texts),
                           "skip_first": frame.attrs.get("skip_first")}
 result = ss.get("eval_result")
+
+
+def _stored_evaluation() -> dict | None:
+    """The shipped lenses' stored evaluation (``assets/lenses/<model>.eval/``), for the lenses loaded now."""
+    shipped = common.shipped_lens_path(model)
+    if shipped is None or ss.get("lens_choice") != "shipped":
+        return None
+    folder = shipped.with_suffix(".eval")
+    try:
+        frame = pd.read_csv(folder / "eval.csv")
+        info = json.loads((folder / "eval.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    keep = {"logit", "jacobian"} | ({"tuned"} if ss.get("tuned_choice") == "shipped" else set())
+    frame = frame[frame["lens"].isin(keep)].reset_index(drop=True)
+    passes = None
+    try:
+        passes = pd.read_csv(folder / "pass_at_k.csv")
+        passes = passes[passes["lens"].isin(keep)].reset_index(drop=True)
+    except (OSError, ValueError):
+        pass
+    return {"frame": frame, "n_texts": info.get("n_texts"), "skip_first": 16, "stored": True, "passes": passes}
+
+
+if not (result and result["key"] == _key(ctx.model_key, ctx.lens_key)):
+    stored = _stored_evaluation()
+    if stored is not None:
+        result = {**stored, "key": _key(ctx.model_key, ctx.lens_key)}
+        st.info(f"The stored evaluation of the shipped lenses ({result['n_texts']} held-out texts, made by "
+                "`scripts/evaluate_shipped.sh`); press Evaluate to compute it on texts of your choice.")
 if result and result["key"] == _key(ctx.model_key, ctx.lens_key):
     frame = result["frame"]
     st.plotly_chart(charts.eval_curves_figure(frame), key="eval_curves", config={"displaylogo": False})
@@ -142,10 +172,14 @@ if st.button("Run pass@k", icon=":material/play_arrow:", key="pak_go"):
         ss.pak_result = {"key": _key(ctx.model_key, ctx.lens_key), "summary": summary,
                          "detail": pd.concat(details, ignore_index=True)}
 pak = ss.get("pak_result")
+if not (pak and pak["key"] == _key(ctx.model_key, ctx.lens_key)) and result and result.get("stored") \
+        and result.get("passes") is not None:
+    pak = {"key": _key(ctx.model_key, ctx.lens_key), "summary": result["passes"], "detail": pd.DataFrame()}
+    st.caption("The stored pass@k of the shipped lenses on the shipped sets; Run pass@k recomputes it.")
 if pak and pak["key"] == _key(ctx.model_key, ctx.lens_key):
     st.plotly_chart(charts.pass_at_k_figure(pak["summary"]), key="pak_chart", config={"displaylogo": False})
-    st.dataframe(pak["summary"][["set", "lens", "k", "pass_rate", "ci_low", "ci_high", "items_scored", "n_items",
-                                 "words_scored", "n_words"]],
+    st.dataframe(pak["summary"].reindex(columns=["set", "lens", "k", "pass_rate", "ci_low", "ci_high", "items_scored",
+                                                 "n_items", "words_scored", "n_words"]),
                  hide_index=True, width="stretch",
                  column_config={"pass_rate": st.column_config.ProgressColumn("pass@k", min_value=0, max_value=1,
                                                                             format="percent"),
