@@ -155,3 +155,16 @@ def test_diagnostics_frames(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"prompt_index": 9, "lay')
     assert read_diagnostics(path) == recs  # the half-written last line is left out
     assert read_diagnostics(tmp_path / "missing.jsonl") == []
+
+
+def test_layer_stats_and_spectra_in_one_pass():
+    from jlens_core.lenses.spectra import layer_stats_and_spectra
+
+    gen = torch.Generator().manual_seed(3)
+    lens = JacobianLens({layer: torch.randn(16, 16, generator=gen) for layer in (0, 2)}, n_prompts=1, d_model=16,
+                        target_layer=3)
+    stats, singular = layer_stats_and_spectra(lens)
+    pd_stats = layer_stats(lens)
+    np.testing.assert_allclose(stats.drop(columns="layer").to_numpy(), pd_stats.drop(columns="layer").to_numpy())
+    for layer in (0, 2):
+        np.testing.assert_allclose(singular[layer], layer_spectrum(lens, layer))

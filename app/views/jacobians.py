@@ -9,6 +9,7 @@ import charts
 import common
 from jlens_core.fitting import diagnostics
 from jlens_core.lenses import spectra
+from jlens_core.models.loading import cache_dir
 from jlens_core.reading.directions import top_directions
 
 ss = st.session_state
@@ -24,13 +25,30 @@ st.caption(f"{common.lens_summary(lens)}. Each J_l is the average Jacobian of th
 
 
 @st.cache_resource(show_spinner=False, max_entries=8)
-def _stats(_lens, lens_key: str) -> pd.DataFrame:
-    return spectra.layer_stats(_lens)
+def _stats_and_spectra(_lens, lens_key: str) -> tuple[pd.DataFrame, dict]:
+    """Every layer's statistics and singular values: computed once per lens file, then kept on disk
+    (``<jlens cache>/jacobian-stats``), so later visits and server starts read them."""
+    import hashlib
 
+    import numpy as np
 
-@st.cache_resource(show_spinner=False, max_entries=64)
-def _spectrum(_lens, lens_key: str, layer: int):
-    return spectra.layer_spectrum(_lens, layer)
+    folder = cache_dir() / "jacobian-stats"
+    path = folder / (hashlib.sha256(lens_key.encode()).hexdigest()[:20] + ".npz")
+    if path.is_file():
+        try:
+            data = np.load(path, allow_pickle=False)
+            stats = pd.DataFrame({c: data[f"stat_{c}"] for c in spectra.LAYER_STATS_COLUMNS})
+            return stats, {int(k[2:]): data[k] for k in data.files if k.startswith("s_")}
+        except (OSError, ValueError, KeyError):
+            pass  # rebuilt below
+    stats, singular = spectra.layer_stats_and_spectra(_lens)
+    if lens_key:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, **{f"stat_{c}": stats[c].to_numpy() for c in spectra.LAYER_STATS_COLUMNS},
+                 **{f"s_{layer}": s for layer, s in singular.items()})
+        tmp.replace(path)
+    return stats, singular
 
 
 @st.cache_resource(show_spinner=False, max_entries=32)
@@ -39,7 +57,7 @@ def _directions(_model, model_key: str, _lens, lens_key: str, layer: int, n: int
 
 
 with st.spinner("Singular values of every layer…"):
-    stats = _stats(lens, ctx.lens_key)
+    stats, singular_values = _stats_and_spectra(lens, ctx.lens_key)
 st.subheader("Per layer")
 st.plotly_chart(charts.layer_stats_figure(stats), key="jac_stats", config={"displaylogo": False})
 with st.expander("Table"):
@@ -57,7 +75,7 @@ if ss.get("jac_layers") is None or not set(ss.jac_layers) <= set(layers):
     ss.jac_layers = sorted(set(ss.jac_layers))
 st.multiselect("Layers", layers, key="jac_layers", help="spectra to overlay")
 chosen = ss.jac_layers or [layers[-1]]
-st.plotly_chart(charts.spectrum_figure({layer: _spectrum(lens, ctx.lens_key, layer) for layer in chosen}),
+st.plotly_chart(charts.spectrum_figure({layer: singular_values[layer] for layer in chosen}),
                 key="jac_spectrum", config={"displaylogo": False})
 
 d1, d2, d3 = st.columns(3)

@@ -70,8 +70,9 @@ def effective_rank(s: Sequence[float] | np.ndarray) -> float:
     return float(math.exp(-(p * np.log(p)).sum()))
 
 
-def matrix_stats(matrix: torch.Tensor | np.ndarray) -> dict[str, float]:
-    """The per-layer statistics of the module docstring for one ``[d, d]`` matrix.
+def matrix_stats(matrix: torch.Tensor | np.ndarray, s: np.ndarray | None = None) -> dict[str, float]:
+    """The per-layer statistics of the module docstring for one ``[d, d]`` matrix (``s``: its singular
+    values when already computed).
 
     Returns:
         ``{"fro_norm", "spectral_norm", "dist_identity", "effective_rank", "stable_rank"}``.
@@ -80,7 +81,7 @@ def matrix_stats(matrix: torch.Tensor | np.ndarray) -> dict[str, float]:
     if mat.dim() != 2 or mat.shape[0] != mat.shape[1]:
         raise ValueError(f"Expected a square matrix, got shape {tuple(mat.shape)}.")
     d = mat.shape[0]
-    s = singular_values(mat)
+    s = singular_values(mat) if s is None else np.asarray(s, dtype=np.float64)
     fro = float(mat.norm())
     top = float(s[0]) if len(s) else 0.0
     return {"fro_norm": fro / math.sqrt(d), "spectral_norm": top,
@@ -102,6 +103,21 @@ def layer_stats(lens: Any, layers: Iterable[int] | None = None) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(LAYER_STATS_COLUMNS))
 
 
+def layer_stats_and_spectra(lens: Any) -> tuple[pd.DataFrame, dict[int, np.ndarray]]:
+    """:func:`layer_stats` of every fitted layer and its singular values, one SVD per layer.
+
+    Returns:
+        ``(stats, {layer: float64[d] singular values, descending})``.
+    """
+    rows, spectra = [], {}
+    for layer in _jacobian_layers(lens):
+        mat = jacobian_matrix(lens, layer)
+        s = singular_values(mat)
+        spectra[layer] = s
+        rows.append({"layer": layer, **matrix_stats(mat, s)})
+    return pd.DataFrame(rows, columns=list(LAYER_STATS_COLUMNS)), spectra
+
+
 def layer_spectrum(lens: Any, layer: int) -> np.ndarray:
     """Singular values of ``J_layer`` (shrinkage applied), descending, ``float64[d_model]``.
 
@@ -111,5 +127,5 @@ def layer_spectrum(lens: Any, layer: int) -> np.ndarray:
     return singular_values(jacobian_matrix(lens, layer))
 
 
-__all__ = ["LAYER_STATS_COLUMNS", "effective_rank", "jacobian_matrix", "layer_spectrum", "layer_stats", "matrix_stats",
+__all__ = ["LAYER_STATS_COLUMNS", "effective_rank", "jacobian_matrix", "layer_spectrum", "layer_stats", "layer_stats_and_spectra", "matrix_stats",
            "singular_values"]
