@@ -182,6 +182,11 @@ def test_inspect_on_the_default_model(server, browser, shots):
         page.get_by_text("decoded through the unembedding", exact=False).first.wait_for(timeout=180_000)
         _no_exception(page)
         page.screenshot(path=str(shots / "jacobians.png"))
+        # the shipped lens's stored evaluation shows on arrival, without computing anything
+        page.get_by_test_id("stSidebarNav").get_by_text("Evaluate").click()
+        page.get_by_text("The stored evaluation of the shipped lenses", exact=False).wait_for(timeout=60_000)
+        page.locator('[data-testid="stPlotlyChart"]').first.wait_for(timeout=60_000)
+        _no_exception(page)
     page.close()
 
 
