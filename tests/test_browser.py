@@ -113,6 +113,12 @@ def _heatmap(page, expr: str):
     return page.evaluate(f"(() => {{ const g = document.querySelector('{HEATMAP}'); return {expr}; }})()")
 
 
+def _idle(page, timeout: float = 120_000) -> None:
+    """Wait until Streamlit's script run has finished (its status widget gone)."""
+    page.wait_for_timeout(300)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout)
+
+
 def _wait_heatmap(page, condition: str, timeout: float = 60_000) -> None:
     page.wait_for_function(f"(() => {{ const g = document.querySelector('{HEATMAP}'); "
                            f"return !!(g && g.data && ({condition})); }})()", timeout=timeout)
@@ -196,8 +202,14 @@ def test_generate_on_the_default_model(server, browser, shots):
     page.goto(server + "/?prompt=" + quote("Once upon a time, in a small village by the sea, there lived"))
     _wait_heatmap(page, "g.data[0].text && g.data[0].text.length > 0", timeout=FIRST_LOAD_S * 1000)
     before = _heatmap(page, "g.data[0].text[0].length")
+    _idle(page)
     page.get_by_text("Generate a continuation", exact=True).click()
-    new_tokens = page.get_by_role("spinbutton", name="New tokens")
+    new_tokens = page.get_by_role("spinbutton", name="New tokens").first
+    try:
+        new_tokens.wait_for(timeout=30_000)
+    except Exception:
+        page.screenshot(path=str(shots / "generate-failed.png"), full_page=True)
+        raise
     new_tokens.fill("8")
     new_tokens.press("Enter")
     _wait_heatmap(page, f"g.data[0].text[0].length === {before + 8}", timeout=180_000)
@@ -216,6 +228,7 @@ def test_intervene_swap_on_the_default_model(server, browser, shots):
     page = _page(browser, height=1400)
     page.goto(server + "/?prompt=" + quote("The capital of the country where the Eiffel Tower stands is"))
     _wait_heatmap(page, "g.data[0].text && g.data[0].text.length > 0", timeout=FIRST_LOAD_S * 1000)
+    _idle(page)  # a click while the script still runs can be lost
     page.get_by_text("Intervene", exact=True).scroll_into_view_if_needed()
     token = page.get_by_role("textbox", name="A (the concept to replace)")
     token.fill("France")
