@@ -30,8 +30,8 @@ def resolve_lenses(specs: list[str], model, shrinkage: list[float] | None = None
         if spec in ("default", "tuned"):
             lens = default_lens(model) if spec == "default" else default_tuned_lens(model)
             if lens is None:
-                what = "Jacobian" if spec == "default" else "tuned"
-                raise CLIError(f"No shipped {what} lens for {model.name!r}: give a lens file, or 'logit'.")
+                what = "" if spec == "default" else "tuned "
+                raise CLIError(f"No shipped {what}lens for {model.name!r}: give a lens file, or 'logit'.")
         else:
             lens = load_lens(spec, model=model)
         loaded.append((str(getattr(lens, "kind", "jacobian")), spec, lens))
@@ -240,7 +240,7 @@ def register(subparsers) -> None:
     e.add_argument("--split", choices=["all", "fit", "eval"], default="eval",
                    help="corpus part (default 'eval': disjoint from what `jlens fit` uses by default)")
     e.add_argument("--n-texts", type=int, default=100,
-                   help="texts to evaluate on (default 100; 0 skips the per-layer evaluation)")
+                   help="texts to evaluate on (default 100; 0 skips the evaluation by layer)")
     e.add_argument("--min-chars", type=int, default=400, help="skip texts shorter than this (default 400)")
     e.add_argument("--max-seq-len", type=int, default=128, help="truncate texts to this many tokens (default 128)")
     e.add_argument("--shrinkage", type=float, action="append", default=None,
