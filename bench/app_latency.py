@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 HEATMAP = '[data-testid="stPlotlyChart"] .js-plotly-plot'
 PROMPT_64 = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
              "movable metal type, oil-based ink and a wooden press adapted from wine making. Within fifty years, "
-             "presses in more than two hundred European cities had printed millions of books, and")
+             "presses in more than two hundred European cities had printed millions of books, and the price of a "
+             "book had fallen so far that students, merchants and")
 PAGES = ("Fit", "Tune", "Jacobians", "Evaluate", "Compare runs")
 
 
@@ -35,6 +36,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _wait_heatmap(page, condition: str) -> None:
+    page.wait_for_function(f"() => {{ const g = document.querySelector('{HEATMAP}'); "
+                           f"return !!(g && g.data && ({condition})); }}")
 
 
 def _idle(page, timeout: float = 300_000) -> None:
@@ -52,6 +58,9 @@ def main() -> None:
     from playwright.sync_api import sync_playwright
 
     peak = matmul_peak_gflops()
+    from jlens_core.models.loading import load_model
+
+    n_tokens = int(load_model().encode(PROMPT_64).shape[1])  # the heatmap's columns once redrawn
     port = _free_port()
     work = Path(tempfile.mkdtemp(prefix="jlens-latency-"))
     env = dict(os.environ, HF_HUB_OFFLINE="1", JLENS_RUNS_DIR=str(work / "runs"))
@@ -75,8 +84,7 @@ def main() -> None:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(600_000)
             page.goto(url + "/")
-            page.wait_for_function(f"() => {{ const g = document.querySelector('{HEATMAP}'); "
-                                   "return !!(g && g.data && g.data[0].text); }}")
+            _wait_heatmap(page, "g.data[0].text")
             rows.append(("launch -> first heatmap (warm cache)", time.perf_counter() - t0, 10.0))
             _idle(page)
             page.locator('[data-testid="stRadio"]').get_by_text("Side by side", exact=True).click()
@@ -85,8 +93,7 @@ def main() -> None:
             t1 = time.perf_counter()
             prompt.fill(PROMPT_64)
             prompt.press("Control+Enter")
-            page.wait_for_function(f"() => {{ const g = document.querySelector('{HEATMAP}'); "
-                                   "return !!(g && g.data && g.data.length === 4 && g.data[0].x.length >= 60); }}")
+            _wait_heatmap(page, f"g.data.length === 4 && g.data[0].x.length === {n_tokens}")
             rows.append(("new 64-token prompt, side by side -> redrawn", time.perf_counter() - t1, 3.0))
             _idle(page)
             for name in PAGES:
