@@ -27,6 +27,7 @@ import streamlit as st
 from jlens_core._paths import ASSETS_DIR
 from jlens_core.lenses.lens import JacobianLens, LensFileError, LogitLens
 from jlens_core.models.loading import DEFAULT_ALIASES, DEFAULT_MODEL, cache_dir, load_model
+from jlens_core.reading.generation import MAX_NEW_TOKENS
 
 log = logging.getLogger("jlens.app")
 
@@ -45,7 +46,7 @@ LENS_KINDS = ("logit", "jacobian", "tuned")
 STATS = {"top1_prob": "Top-1 probability", "entropy_bits": "Entropy (bits)", "kl_bits": "KL to final (bits)",
          "ce_bits": "Cross-entropy of the next token (bits)", "next_token_rank": "Rank of the next token",
          "final_top1_rank": "Rank of the final top-1"}
-MAX_GEN_TOKENS = 256  # the Generate control's range
+MAX_GEN_TOKENS = MAX_NEW_TOKENS  # the Generate control's range
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Widget values kept when the user moves to another page (Streamlit drops a widget's state when
@@ -417,18 +418,28 @@ def _save_upload(upload) -> Path:
     return path
 
 
+def _error_text(exc: BaseException) -> str:
+    """An expected error's own sentence; anything else with its type (for a bug report)."""
+    return str(exc) if isinstance(exc, EXPECTED_ERRORS) else f"{type(exc).__name__}: {exc}"
+
+
+def _load_versioned(loader, path: Path, probe: Path, model: Any) -> tuple[Any, str]:
+    """``loader(path, mtime, size)`` (cached per file version) checked against ``model``, and its key."""
+    stat = probe.stat()
+    lens = loader(str(path), stat.st_mtime, stat.st_size)
+    lens.check_model(model)
+    return lens, f"{path}|{stat.st_mtime}|{stat.st_size}"
+
+
 def _load_lens_file(ctx: Context, path: Path, label: str) -> None:
     try:
-        stat = path.stat() if path.is_file() else None
-        if stat is None:
+        if not path.is_file():
             raise FileNotFoundError(f"No lens file at {str(path)!r}.")
-        lens = load_lens_cached(str(path), stat.st_mtime, stat.st_size)
-        lens.check_model(ctx.model)
+        ctx.lens, ctx.lens_key = _load_versioned(load_lens_cached, path, path, ctx.model)
     except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app stays usable
-        ctx.lens_error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, EXPECTED_ERRORS) else str(exc)
+        ctx.lens_error = _error_text(exc)
         return
-    ctx.lens, ctx.lens_label = lens, label
-    ctx.lens_key = f"{path}|{stat.st_mtime}|{stat.st_size}"
+    ctx.lens_label = label
 
 
 def sidebar() -> Context:
@@ -463,8 +474,7 @@ def sidebar() -> Context:
                 ctx.model_key = key
                 ctx.logit = LogitLens.for_model(ctx.model)
             except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app stays usable
-                message = str(exc) if isinstance(exc, EXPECTED_ERRORS) else f"{type(exc).__name__}: {exc}"
-                ctx.model_error = failed[key] = f"Could not load the model {spec!r}: {message}"
+                ctx.model_error = failed[key] = f"Could not load the model {spec!r}: {_error_text(exc)}"
     if ctx.model_error:
         sb.error(ctx.model_error)
         if ss.get("_failed_loads"):
@@ -576,14 +586,11 @@ def _load_tuned_file(ctx: Context, path: Path, label: str) -> None:
             from jlens_core.lenses.tuned import TunedLens
 
             TunedLens.load(path)  # raises the sentence that says what is missing
-        stat = probe.stat()
-        lens = load_tuned_cached(str(path), stat.st_mtime, stat.st_size)
-        lens.check_model(ctx.model)
+        ctx.tuned, key = _load_versioned(load_tuned_cached, path, probe, ctx.model)
     except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app stays usable
-        ctx.tuned_error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, EXPECTED_ERRORS) else str(exc)
+        ctx.tuned_error = _error_text(exc)
         return
-    ctx.tuned, ctx.tuned_label = lens, label
-    ctx.tuned_key = f"tuned|{path}|{stat.st_mtime}|{stat.st_size}"
+    ctx.tuned_label, ctx.tuned_key = label, f"tuned|{key}"
 
 
 def _tuned_picker(ctx: Context, sb) -> None:

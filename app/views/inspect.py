@@ -132,6 +132,7 @@ try:
 except ValueError as exc:
     st.error(f"Cannot read this prompt: {exc}")
     st.stop()
+n_prompt_tokens = int(full_ids.shape[1])  # the prompt alone (a continuation is appended below)
 
 # -- the continuation -----------------------------------------------------------------------------------
 generation = None
@@ -325,7 +326,7 @@ elif not pins:
 
 # -- intervene ----------------------------------------------------------------------------------------------
 intervene.prefill_token(model, readings, layer, position)
-intervene.panel(ctx, readings, text, int(model.encode(text).shape[1]))
+intervene.panel(ctx, readings, text, n_prompt_tokens)
 
 # -- downloads ------------------------------------------------------------------------------------------
 table = pd.concat([r.frame.assign(lens=name) for name, r in readings.items()], ignore_index=True)

@@ -6,7 +6,6 @@ import hashlib
 import logging
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .._atomic import atomic_write
 from ..lenses.lens import JacobianLens
 from .estimator import METHODS, jacobian_for_prompt, resolve_layers
 
@@ -124,20 +124,11 @@ def prompts_digest(prompts: Sequence, upto: int) -> str:
 
 def write_checkpoint(path: str | os.PathLike, state: FitState, settings: dict, digest: str) -> None:
     """Write the fit state atomically (temp file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "settings": settings,
                "jacobian_sum": {str(k): v for k, v in state.jacobian_sum.items()}, "n_done": state.n_done,
                "next_idx": state.next_idx, "n_skipped": state.n_skipped, "diagnostics": state.diagnostics,
                "stop_reason": state.stop_reason, "prompts_digest": digest}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
 
 def checkpoint_from_lens(lens, prompts: Sequence, path: str | os.PathLike) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +30,10 @@ from typing import Any
 
 import torch
 
+from .._atomic import atomic_write
 from ..lenses.tuned import TunedLens
 from ..models.recorder import ActivationRecorder
+from .fit import prompts_digest
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +89,6 @@ def _build_stream(model: Any, texts: Sequence[str], max_seq_len: int, skip_first
         stream.starts.append(offset)
         offset += n
     return stream
-
-
-def _digest(texts: Sequence[str]) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for text in texts:
-        h.update(hashlib.sha256(text.encode("utf-8")).digest())
-    return h.hexdigest()[:16]
 
 
 def _record(model: Any, ids: torch.Tensor, layers: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
@@ -161,18 +153,6 @@ def heldout_kl(model: Any, lens: TunedLens, texts: Sequence[str], *, max_seq_len
     return {layer: sums[layer] / count / LN2 for layer in layers}
 
 
-def _atomic_save(obj: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def train_tuned_lens(model: Any, texts: Sequence[str], *, layers: Sequence[int] | None = None, steps: int = 100,
                      tokens_per_step: int = 256, lr: float = 1e-3, warmup_steps: int = 5, max_seq_len: int = 128,
                      skip_first: int = 16, heldout_texts: Sequence[str] = (), heldout_every: int = 10,
@@ -223,7 +203,7 @@ def train_tuned_lens(model: Any, texts: Sequence[str], *, layers: Sequence[int] 
                          f"{max_seq_len}); give longer or more texts.")
     settings = {"layers": chosen, "tokens_per_step": int(tokens_per_step), "lr": float(lr),
                 "warmup_steps": int(warmup_steps), "max_seq_len": int(max_seq_len), "skip_first": int(skip_first),
-                "seed": int(seed), "corpus_digest": _digest(list(texts))}
+                "seed": int(seed), "corpus_digest": prompts_digest(list(texts), len(texts))}
     d = model.d_model
     params = {layer: (torch.zeros(d, d, requires_grad=True), torch.zeros(d, requires_grad=True)) for layer in chosen}
     optimizer = torch.optim.Adam([p for pair in params.values() for p in pair], lr=float(lr))
@@ -253,10 +233,10 @@ def train_tuned_lens(model: Any, texts: Sequence[str], *, layers: Sequence[int] 
     def save_checkpoint() -> None:
         if ckpt is None:
             return
-        _atomic_save({"A": {layer: a.detach().clone() for layer, (a, _) in params.items()},
-                      "b": {layer: b.detach().clone() for layer, (_, b) in params.items()},
-                      "optimizer": optimizer.state_dict(), "step": done, "settings": settings,
-                      "history": history}, ckpt)
+        state = {"A": {layer: a.detach().clone() for layer, (a, _) in params.items()},
+                 "b": {layer: b.detach().clone() for layer, (_, b) in params.items()},
+                 "optimizer": optimizer.state_dict(), "step": done, "settings": settings, "history": history}
+        atomic_write(ckpt, lambda tmp: torch.save(state, tmp))
 
     heldout = list(heldout_texts)
     last_heldout: dict[int, float] | None = None

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
+from .._atomic import atomic_write
 from ..models.model import same_fingerprint
 
 log = logging.getLogger(__name__)
@@ -206,18 +206,7 @@ class JacobianLens:
                 dtype = torch.float32
         tensors = {f"J.{layer}": mat.to(dtype).contiguous() for layer, mat in self.jacobians.items()}
         meta = {"format": FORMAT_NAME, "jlens": json.dumps(self.metadata())}
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; a lens file is meant to be shared
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        return path
+        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), shared=True)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, model=None) -> JacobianLens:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from .._atomic import atomic_write
 from ..models.model import same_fingerprint
 from .lens import LensFileError
 
@@ -155,24 +155,14 @@ class TunedLens:
         store = {"float32": torch.float32, "float16": torch.float16}.get(str(dtype).replace("torch.", ""))
         if store is None:
             raise ValueError(f"dtype={dtype!r}: a tuned lens is stored as float32 or float16.")
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for layer, (a, b) in self.translators.items():
             if store == torch.float16 and max(float(a.abs().max()), float(b.abs().max())) > 65504.0:
                 raise ValueError(f"Translator {layer} holds values beyond fp16's range: save as float32.")
             tensors[f"A.{layer}"] = a.to(store).contiguous()
             tensors[f"b.{layer}"] = b.to(store).contiguous()
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"jlens": json.dumps(self.metadata())})
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; a lens file is meant to be shared
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return path
+        meta = {"jlens": json.dumps(self.metadata())}
+        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), shared=True)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, model=None) -> TunedLens:
