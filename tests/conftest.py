@@ -136,3 +136,35 @@ def tiny_factory():
 
 LONG_TEXT = ("The quick brown fox jumps over the lazy dog while the capital of France is Paris and "
              "water boils at one hundred degrees. Once upon a time there was a small model.")
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serving(url: str) -> bool:
+    """Whether a Streamlit server answers ``ok`` on ``url``'s health endpoint."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
+            return response.read().strip() == b"ok"
+    except OSError:
+        return False
+
+
+def wait_serving(url: str, proc, timeout: float = 90) -> bool:
+    """Wait until the server at ``url`` serves; ``False`` when ``proc`` exits or ``timeout`` passes first."""
+    import time
+
+    deadline = time.time() + timeout
+    while not serving(url):
+        if proc.poll() is not None or time.time() > deadline:
+            return False
+        time.sleep(0.5)
+    return True

@@ -645,37 +645,24 @@ def test_jlens_app_command(capsys):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_jlens_app_stops_its_server_with_it(signum, tmp_path):
     """``kill`` of ``jlens app`` stops the Streamlit server it started: nothing is left serving."""
-    import socket
     import subprocess
     import sys
-    import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from conftest import free_port, serving, wait_serving
+
+    port = free_port()
     env = dict(os.environ, JLENS_RUNS_DIR=str(tmp_path / "runs"), HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "jlens_core", "app", "--headless", "--port", str(port),
                              "--address", "127.0.0.1", "--server.fileWatcherType", "none"],
                             cwd=str(APP.parent.parent), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/_stcore/health"
-
-    def serving() -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                return response.read().strip() == b"ok"
-        except OSError:
-            return False
-
+    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 90
-        while not serving():
-            assert proc.poll() is None and time.time() < deadline, "the app did not start"
-            time.sleep(0.5)
+        assert wait_serving(url, proc), "the app did not start"
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         assert children, "jlens app runs the server as its child"
         proc.send_signal(signum)
         assert proc.wait(30) == 128 + signum
-        assert not serving()
+        assert not serving(url)
         for pid in children:
             assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
     finally:

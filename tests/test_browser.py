@@ -19,16 +19,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from conftest import LONG_TEXT, make_hf_model, make_tokenizer
+from conftest import LONG_TEXT, free_port, make_hf_model, make_tokenizer, wait_serving
 
 CHROMIUM = os.environ.get("JLENS_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -44,12 +42,6 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="Python Playwright 
                                                             "playwright; no browser download is needed)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def shots(tmp_path_factory) -> Path:
     folder = Path(os.environ.get("JLENS_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
@@ -61,25 +53,16 @@ def shots(tmp_path_factory) -> Path:
 def server(tmp_path_factory):
     """``jlens app`` on a free port; yields its URL."""
     work = tmp_path_factory.mktemp("server")
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", JLENS_RUNS_DIR=str(work / "runs"), PYTHONUNBUFFERED="1")
     log = open(work / "server.log", "wb")  # noqa: SIM115 - closed at teardown
     proc = subprocess.Popen([sys.executable, "-m", "jlens_core", "app", "--headless", "--port", str(port),
                              "--address", "127.0.0.1", "--server.fileWatcherType", "none"],
                             cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
-                if response.read().strip() == b"ok":
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            log.flush()
-            pytest.fail(f"the app did not start: {(work / 'server.log').read_text(errors='replace')[-2000:]}")
-        time.sleep(0.5)
+    if not wait_serving(url, proc):
+        log.flush()
+        pytest.fail(f"the app did not start: {(work / 'server.log').read_text(errors='replace')[-2000:]}")
     yield url
     os.killpg(proc.pid, signal.SIGTERM)
     try:

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import sysconfig
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import tomllib
+from conftest import free_port, wait_serving
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,24 +83,13 @@ def test_jlens_inspect_from_the_wheel(installed):
 def test_jlens_app_from_the_wheel(installed):
     printed = run(installed, "app", "--print-command")
     assert printed.returncode == 0 and re.search(r"jlens_app/main\.py", printed.stdout), printed.stdout
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.Popen([str(installed["venv"] / "bin" / "jlens"), "app", "--headless", "--port", str(port),
                              "--address", "127.0.0.1", "--server.fileWatcherType", "none"], cwd=installed["tmp"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as response:
-                    if response.read().strip() == b"ok":
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, "the app from the wheel did not start"
-            time.sleep(0.5)
+        assert wait_serving(f"http://127.0.0.1:{port}", proc), "the app from the wheel did not start"
     finally:
         proc.terminate()
         proc.wait(30)
