@@ -8,7 +8,10 @@ layer at once.
 Exact savings used here (all follow from causality, SPEC §2):
 
 * the prefix ``[0, skip_first)`` runs once without gradients and is handed to the rest of the
-  prompt as a key/value cache: no path from a valid source to a valid target goes through it;
+  prompt as a key/value cache: no path from a valid source to a valid target goes through it.
+  Where a model's cache is not plain attention keys/values (linear attention, state-space or
+  convolution states, sparse-attention indexers) or the cached run differs from the full one, the
+  whole prompt runs with the graph instead (decided once per model, :func:`_prefix_cache_usable`);
 * the last token is dropped: it is neither a valid source nor a valid target;
 * the forward stops right after the target layer (no final norm, no logits);
 * the graph starts at the lowest source layer, so backward never runs below it;
@@ -150,14 +153,75 @@ def _one_hot_cotangents(rows: range, batch: int, n_valid: int, d_model: int, lik
     return cot
 
 
+# Cache layers holding plain attention keys/values: a prefix run once and continued is exact.
+_PLAIN_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
+
+
+def _plain_kv_cache(cache) -> str | None:
+    """Why ``cache`` is not plain attention keys/values (``None`` when it is)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return f"its cache is a {type(cache).__name__}, not a layered key/value cache"
+    other = sorted({type(layer).__name__ for layer in layers} - set(_PLAIN_CACHE_LAYERS))
+    if other:
+        return f"its cache holds {', '.join(other)} (recurrent, convolutional or indexer state)"
+    return None
+
+
+def _prefix_cache_usable(model, ids: torch.Tensor, target: int, skip_first: int) -> bool:
+    """Whether the prefix key/value-cache shortcut is exact on ``model`` (decided once per model object).
+
+    It is, when the prefix's cache holds only attention keys and values and the target layer's
+    residuals over ``V`` computed on top of it equal those of the full sequence (relative 1e-5).
+    Linear-attention, state-space, convolution and sparse-indexer caches are refused: the estimator
+    then runs the whole prompt with the graph (:func:`_forward_full`).
+    """
+    usable = getattr(model, "_jlens_prefix_cache", None)
+    if usable is not None:
+        return usable
+    seq_len = ids.shape[1]
+    reason = None
+    try:
+        with torch.no_grad():
+            with ActivationRecorder(model.layers, [target], stop_after=target) as rec:
+                model.run_with_cache(ids[:, : seq_len - 1])
+            full = rec.activations[target][:, skip_first:].float()
+            cache = model.run_with_cache(ids[:, :skip_first], use_cache=True)
+            reason = _plain_kv_cache(cache)
+            if reason is None:
+                with ActivationRecorder(model.layers, [target], stop_after=target) as rec:
+                    model.run_with_cache(ids[:, skip_first: seq_len - 1], cache=cache)
+                cached = rec.activations[target].float()
+                diff = float((cached - full).norm() / full.norm().clamp_min(1e-30))
+                if cached.shape != full.shape or not diff <= 1e-5:
+                    reason = f"the cached prefix changes the target residuals by {diff:.1e} (relative)"
+    except Exception as exc:  # noqa: BLE001 - any failure of the cached path means: do not use it
+        reason = f"the cached path fails ({type(exc).__name__}: {exc})"
+    if reason is not None:
+        log.info("%s: the full sequence runs with the graph (no prefix cache): %s.",
+                 getattr(model, "name", model), reason)
+    _remember(model, "_jlens_prefix_cache", reason is None)
+    return reason is None
+
+
 def _forward_suffix(model, ids: torch.Tensor, sources: list[int], target: int, skip_first: int,
                     batch: int):
     """Prefix without grad as a cache, then ``V`` with a graph from the lowest source layer up.
 
-    Returns the recorded ``{layer: Tensor[batch, n_valid, d_model]}``.
+    Where the prefix cache is not exact (:func:`_prefix_cache_usable`), the whole prompt but its last
+    token runs with the graph instead, and the recorded tensors keep the prefix positions.
+
+    Returns:
+        ``(acts, offset)``: the recorded ``{layer: Tensor[batch, offset + n_valid, d_model]}`` and
+        the number of leading positions (the prefix) to drop from them and from their gradients.
     """
     seq_len = ids.shape[1]
     ids = ids.expand(batch, -1)
+    if skip_first > 0 and not _prefix_cache_usable(model, ids[:1], target, skip_first):
+        with torch.enable_grad(), ActivationRecorder(model.layers, sources + [target],
+                                                     start_graph_at=sources[0], stop_after=target) as rec:
+            model.run_with_cache(ids[:, : seq_len - 1])
+        return rec.activations, skip_first
     cache = None
     if skip_first > 0:
         with torch.no_grad():
@@ -165,7 +229,15 @@ def _forward_suffix(model, ids: torch.Tensor, sources: list[int], target: int, s
     with torch.enable_grad(), ActivationRecorder(model.layers, sources + [target], start_graph_at=sources[0],
                                                  stop_after=target) as rec:
         model.run_with_cache(ids[:, skip_first: seq_len - 1], cache=cache)
-    return rec.activations
+    return rec.activations, 0
+
+
+def _window_shorter_than(model, seq_len: int) -> bool:
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or getattr(config, "use_sliding_window", True) is False:
+        return False
+    return window < seq_len
 
 
 def _fused_usable(model) -> bool:
@@ -226,8 +298,8 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
     d = model.d_model
     jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
     auto = method == "auto"
-    if auto:
-        method = "fused" if _fused_usable(model) else "batched"
+    if auto:  # the fused path does not take a sliding window shorter than the prompt
+        method = "fused" if _fused_usable(model) and not _window_shorter_than(model, seq_len) else "batched"
     fallback_dim_batch = dim_batch  # autograd (a fallback below) holds more per row than the fused path
     if dim_batch == "auto":
         fallback_dim_batch = auto_dim_batch(model, n_valid, target - sources[0])
@@ -245,22 +317,22 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
             _remember(model, "_jlens_fused_usable", False)
             method, dim_batch = "batched", fallback_dim_batch
 
-    acts = _forward_suffix(model, ids, sources, target, skip_first, 1) if method == "batched" else None
+    acts, off = _forward_suffix(model, ids, sources, target, skip_first, 1) if method == "batched" else (None, 0)
     for start in range(0, d, dim_batch):
         rows = range(start, min(start + dim_batch, d))
         if method == "batched":
-            h_target = acts[target]  # [1, n_valid, d]
+            h_target = acts[target][:, off:]  # [1, n_valid, d]
             cot = _one_hot_cotangents(rows, 1, n_valid, d, h_target)  # [k, 1, n_valid, d]
             grads = torch.autograd.grad(h_target, [acts[layer] for layer in sources], grad_outputs=cot,
                                         is_grads_batched=True, retain_graph=True)
-            for layer, g in zip(sources, grads):  # g: [k, 1, n_valid, d]
-                jacobians[layer][start: rows.stop] = g.float().sum(dim=(1, 2)).cpu() / n_valid
+            for layer, g in zip(sources, grads):  # g: [k, 1, off + n_valid, d]
+                jacobians[layer][start: rows.stop] = g[:, :, off:].float().sum(dim=(1, 2)).cpu() / n_valid
         else:
             k = len(rows)
-            rep = _forward_suffix(model, ids, sources, target, skip_first, k)
-            h_target = rep[target]  # [k, n_valid, d]
+            rep, off = _forward_suffix(model, ids, sources, target, skip_first, k)
+            h_target = rep[target][:, off:]  # [k, n_valid, d]
             cot = _one_hot_cotangents(rows, 1, n_valid, d, h_target)[:, 0]  # [k, n_valid, d]
             grads = torch.autograd.grad(h_target, [rep[layer] for layer in sources], grad_outputs=cot)
-            for layer, g in zip(sources, grads):  # g: [k, n_valid, d]
-                jacobians[layer][start: rows.stop] = g.float().sum(dim=1).cpu() / n_valid
+            for layer, g in zip(sources, grads):  # g: [k, off + n_valid, d]
+                jacobians[layer][start: rows.stop] = g[:, off:].float().sum(dim=1).cpu() / n_valid
     return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid)

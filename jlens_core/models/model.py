@@ -10,8 +10,60 @@ import torch
 from torch import nn
 
 from .layouts import ModelLayout, find_layout, get_path
+from .recorder import StreamReadout, set_stream_readout
 
 log = logging.getLogger(__name__)
+
+
+class UnsupportedModelError(ValueError):
+    """A model family jlens cannot read (no residual stream); the message is one sentence naming why."""
+
+
+# model_type -> why there is no residual stream a lens could read (one sentence each).
+UNSUPPORTED: dict[str, str] = {}
+
+# Logit scales applied after the head, by config field: (field, "mul" | "div"); per-family overrides.
+_LOGIT_SCALES: tuple[tuple[str, str], ...] = (("logit_scale", "mul"), ("logits_scaling", "div"),
+                                              ("lm_head_multiplier", "mul"), ("output_multiplier", "mul"))
+_LOGIT_SCALE_OVERRIDES: dict[str, dict[str, str]] = {"hyperclovax": {"logits_scaling": "mul"}}
+
+
+def logit_scale_of(config: Any) -> float:
+    """The constant the model multiplies its head's output by (1.0 for most families).
+
+    Cohere multiplies by ``logit_scale``; Granite and MiniCPM3 divide by ``logits_scaling``
+    (HyperCLOVA X multiplies); Falcon-H1 multiplies by ``lm_head_multiplier``.
+    """
+    model_type = getattr(config, "model_type", None)
+    scale = 1.0
+    for field, op in _LOGIT_SCALES:
+        value = getattr(config, field, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+            op = _LOGIT_SCALE_OVERRIDES.get(model_type, {}).get(field, op)
+            scale = scale * value if op == "mul" else scale / value
+    return float(scale)
+
+
+def _stream_readout(base: nn.Module, config: Any) -> StreamReadout | None:
+    """The stream collapse of a multi-stream decoder stack, ``None`` for a single-stream one."""
+    hc_head = getattr(base, "hc_head", None)
+    if hc_head is not None and getattr(config, "hc_mult", 1) > 1:
+        # hyper-connections (DeepSeek-V4, HY-V4): block outputs are [batch, seq, streams, d]
+        return StreamReadout(collapse=hc_head, stream_dim=2, description="hyper-connection streams (hc_head)")
+    unembed = getattr(base, "altup_unembed_projections", None)
+    if unembed is not None:
+        # Gemma3n AltUp: block outputs are [streams, batch, seq, d]; the model's own final collapse
+        def collapse(hs: torch.Tensor) -> torch.Tensor:
+            target = torch.mean(hs[0] ** 2, dim=-1, keepdim=True) ** 0.5
+            parts = [hs[0]]
+            for i in range(1, hs.shape[0]):
+                cur = unembed[i - 1](hs[i]).to(hs.dtype)
+                magnitude = torch.sqrt(torch.mean(cur ** 2, dim=-1, keepdim=True).clamp(min=1e-5))
+                parts.append(cur * target / magnitude)
+            return torch.stack(parts).mean(dim=0)
+
+        return StreamReadout(collapse=collapse, stream_dim=0, description="AltUp streams")
+    return None
 
 
 @runtime_checkable
@@ -50,6 +102,8 @@ class HFLensModel:
         name: model identity (``config._name_or_path`` unless given).
 
     Raises:
+        UnsupportedModelError: a family with no residual stream a lens can read (a ``ValueError``
+            whose message is one sentence naming the reason).
         ValueError: the layout cannot be found (the message lists what was looked for).
     """
 
@@ -57,6 +111,11 @@ class HFLensModel:
                  name: str | None = None) -> None:
         self.hf_model = hf_model
         self.tokenizer = tokenizer
+        config = getattr(hf_model, "config", None)
+        model_type = getattr(config, "model_type", None)
+        if layout is None and model_type in UNSUPPORTED:
+            raise UnsupportedModelError(f"{type(hf_model).__name__} cannot be read by a lens: "
+                                        f"{UNSUPPORTED[model_type]}.")
         self.layout = layout if layout is not None else find_layout(hf_model)
         hf_model.eval()
         hf_model.requires_grad_(False)
@@ -75,10 +134,16 @@ class HFLensModel:
                              f"nothing found at {', '.join(missing)}.")
         self.pre_head: list[nn.Module] = [m for m in (get_path(hf_model, p) for p in self.layout.pre_head)
                                           if m is not None]
-        config = getattr(hf_model, "config", None)
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.readout: nn.Module | None = get_path(hf_model, self.layout.readout)
+        try:
+            text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        except ValueError:  # several text configs (an encoder-decoder): the decoder's
+            text_config = getattr(config, "decoder", config)
         self.config = text_config
         self.softcap: float | None = getattr(text_config, "final_logit_softcapping", None) or None
+        self.logit_scale: float = logit_scale_of(text_config)
+        self.stream_readout: StreamReadout | None = _stream_readout(self.base, text_config)
+        set_stream_readout(self._layers, self.stream_readout)
         self.n_layers = len(self._layers)
         self.d_model = int(self._infer_d_model())
         self.vocab_size = int(self.head.weight.shape[0])
@@ -166,6 +231,7 @@ class HFLensModel:
         Returns:
             ``[batch, seq, d_model]``: the final-normed hidden state the head reads.
         """
+        kwargs.setdefault("use_cache", False)  # a lens never needs the cache of a plain forward
         out = self.base(input_ids=input_ids, **kwargs)
         return out[0] if isinstance(out, tuple) else out.last_hidden_state
 
@@ -182,7 +248,12 @@ class HFLensModel:
         return getattr(out, "cache", None) if hasattr(out, "cache") else getattr(out, "past_key_values", None)
 
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm, then the output head (and soft-capping where the config has it).
+        """Final norm, then the output head; then the model's logit scale and soft-cap, if any.
+
+        The readout is the model's own: a pre-head or readout module (OPT's ``project_out``, BERT's
+        prediction head), the constant logit scale of :func:`logit_scale_of` (Cohere, Granite,
+        MiniCPM3, Falcon-H1), then ``final_logit_softcapping`` (Gemma 2/3). For a multi-stream model
+        ``h`` is the collapsed residual (:mod:`jlens_core.models.recorder`).
 
         Args:
             h: ``[..., d_model]`` pre-final-norm residuals, any dtype.
@@ -193,9 +264,15 @@ class HFLensModel:
         x = h.to(self.dtype)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        for module in self.pre_head:
-            x = module(x)
-        logits = self.head(x)
+        if self.readout is not None:
+            logits = self.readout(x)
+            logits = logits[0] if isinstance(logits, (tuple, list)) else logits
+        else:
+            for module in self.pre_head:
+                x = module(x)
+            logits = self.head(x)
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

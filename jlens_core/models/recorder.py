@@ -1,15 +1,77 @@
-"""Record decoder-layer outputs (the residual stream) with forward hooks."""
+"""Record decoder-layer outputs (the residual stream) with forward hooks.
+
+Multi-stream models (Gemma3n's AltUp, DeepSeek-V4 / HY-V4 hyper-connections) pass several copies
+of the residual between layers (a layer output of ``[streams, batch, seq, d]`` or
+``[batch, seq, streams, d]``). For them, **the residual of a layer is the model's own final
+collapse of the streams applied to that layer's output** (the function the model applies after its
+last layer, before the final norm), registered per block with :func:`set_stream_readout`; so
+``unembed(residual of the last layer)`` is the model's logits and every lens reads the same
+quantity. A change ``delta`` of that residual is defined as ``delta`` added to every stream alike:
+the Jacobian with respect to the residual is the sum over streams of the Jacobians with respect to
+each stream.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 
+@dataclass(frozen=True)
+class StreamReadout:
+    """How a multi-stream block output becomes the residual.
+
+    Attributes:
+        collapse: the model's own stream collapse, stream tensor -> ``[batch, seq, d_model]``.
+        stream_dim: the axis of the streams in a block's output tensor.
+        description: a few words for messages and docs.
+    """
+
+    collapse: Callable[[torch.Tensor], torch.Tensor]
+    stream_dim: int
+    description: str = ""
+
+
+_READOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def set_stream_readout(blocks: Iterable[nn.Module], readout: StreamReadout | None) -> None:
+    """Declare ``blocks`` multi-stream (``readout``), or single-stream again (``None``)."""
+    for block in blocks:
+        if readout is None:
+            _READOUTS.pop(block, None)
+        else:
+            _READOUTS[block] = readout
+
+
+def stream_readout(block: nn.Module) -> StreamReadout | None:
+    """The :class:`StreamReadout` of a multi-stream block, ``None`` for an ordinary one."""
+    return _READOUTS.get(block)
+
+
+def residual_of(block: nn.Module, stream: torch.Tensor) -> torch.Tensor:
+    """The residual ``[batch, seq, d_model]`` of ``block``'s output tensor (its streams collapsed)."""
+    readout = _READOUTS.get(block)
+    return stream if readout is None else readout.collapse(stream)
+
+
+def add_to_streams(block: nn.Module, stream: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``stream + delta`` where ``delta`` (``[batch, seq, d_model]``) is added to every stream alike."""
+    readout = _READOUTS.get(block)
+    return stream + (delta if readout is None else delta.unsqueeze(readout.stream_dim))
+
+
 class StopForward(Exception):
     """Raised from a hook to end a forward pass early, once the last needed layer has run."""
+
+
+def residual_of(block: nn.Module, stream: torch.Tensor) -> torch.Tensor:
+    """The residual ``[batch, seq, d_model]`` of ``block``'s output tensor (stub)."""
+    return stream
 
 
 def block_output(output) -> torch.Tensor:
@@ -37,7 +99,8 @@ class ActivationRecorder:
             context manager swallows) right after this block has run: nothing above it is computed.
 
     Attributes:
-        activations: ``{index: Tensor[batch, seq, d_model]}`` after the forward pass.
+        activations: ``{index: Tensor[batch, seq, d_model]}`` after the forward pass (for a
+            multi-stream block, the collapsed residual; see the module docstring).
 
     Hooks are removed on exit, on error as well.
     """
@@ -57,12 +120,29 @@ class ActivationRecorder:
         self._handles: list = []
 
     def _hook(self, index: int):
+        block = self.blocks[index]
+
         def hook(module, args, output):
-            h = block_output(output)
+            raw = block_output(output)
+            readout = _READOUTS.get(block)
             replaced = None
-            if index == self.start_graph_at:
-                h = h.detach().requires_grad_(True)
-                replaced = _replace_output(output, h)
+            if readout is None:
+                h = raw
+                if index == self.start_graph_at:
+                    h = h.detach().requires_grad_(True)
+                    replaced = _replace_output(output, h)
+            else:
+                if index == self.start_graph_at:
+                    raw = raw.detach()
+                if index == self.start_graph_at or (index in self.at and index != self.stop_after
+                                                    and torch.is_grad_enabled() and raw.requires_grad):
+                    # a source layer: a leaf holding the collapsed residual, added (as zero) to every
+                    # stream; the gradient at it is the sum over streams and nothing below flows
+                    # through it. The last layer run (``stop_after``, the target) stays in the graph.
+                    h = readout.collapse(raw.detach()).detach().requires_grad_(True)
+                    replaced = _replace_output(output, add_to_streams(block, raw, h - h.detach()))
+                else:
+                    h = readout.collapse(raw)
             if index in self.at:
                 self.activations[index] = h
             if index == self.stop_after:
