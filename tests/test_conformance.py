@@ -36,11 +36,11 @@ if __name__ == "__main__":  # run as a script: this checkout's jlens_core and th
     sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     os.path.dirname(os.path.abspath(__file__))]
 
-from conftest import LONG_TEXT, TINY_VOCAB, make_tokenizer  # noqa: E402
+from conftest import LONG_TEXT, TINY_VOCAB, make_tokenizer
 
-from jlens_core import ActivationRecorder, HFLensModel, JacobianLens, jacobian_for_prompt, read_prompt  # noqa: E402
-from jlens_core.models.model import UnsupportedModelError  # noqa: E402
-from jlens_core.models.recorder import residual_of  # noqa: E402
+from jlens_core import ActivationRecorder, HFLensModel, JacobianLens, jacobian_for_prompt, read_prompt
+from jlens_core.models.model import UnsupportedModelError
+from jlens_core.models.recorder import add_to_streams, residual_of
 
 SEQ, SKIP = 12, 3
 REL_TOL = 1e-4
@@ -95,7 +95,12 @@ SMALL = {  # other size fields: value (only where the config has the field and i
     "sliding_window": 8, "attention_window_size": 8, "n_shared_experts": 1, "num_shared_experts": 1,
     "max_position_embeddings": 512, "n_positions": 512, "first_k_dense_replace": 1, "mamba_expand": 2,
     "o_lora_rank": 32, "o_groups": 2, "num_nextn_predict_layers": 0, "conv_L_cache": 3, "chunk_size": 8,
-    "memory_size": 8, "hc_sinkhorn_iters": 4, "layer_group_size": 2,
+    "memory_size": 8, "hc_sinkhorn_iters": 4, "layer_group_size": 2, "index_num_heads": 2,
+}
+# Per-architecture fields that keep a shrunk config consistent.
+EXTRA = {
+    "mamba2": {"num_heads": 8},
+    "deepseek_v2": {"num_experts_per_tok": 2},
 }
 
 
@@ -106,7 +111,10 @@ def _overrides(config, *, text: bool) -> dict:
     def get(key):
         if isinstance(getattr(type(config), key, None), property):
             return None  # derived from other fields
-        value = getattr(config, key, None)
+        try:
+            value = getattr(config, key, None)
+        except Exception:  # noqa: BLE001 - a per-layer field that refuses a global read (Gemma 4)
+            return None
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def lower(key, value):
@@ -154,6 +162,9 @@ def _overrides(config, *, text: bool) -> dict:
         for key, value in list(vars(config).items()):
             if isinstance(value, (list, tuple)) and len(value) == n_before and key not in out:
                 out[key] = type(value)(value[:N_LAYERS])
+    for key, value in list(vars(config).items()):  # per-layer dicts keyed by layer index
+        if isinstance(value, dict) and value and all(isinstance(k, int) for k in value):
+            out[key] = {k: v for k, v in value.items() if k < N_LAYERS}
     if isinstance(getattr(config, "mlp_only_layers", None), list):
         out["mlp_only_layers"] = [i for i in config.mlp_only_layers if i < N_LAYERS]
     for key, value in list(vars(config).items()):
@@ -167,7 +178,7 @@ def tiny_config(arch: str):
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(arch)
-    config = AutoConfig.for_model(arch, **_overrides(default, text=True))
+    config = AutoConfig.for_model(arch, **{**_overrides(default, text=True), **EXTRA.get(arch, {})})
     config._attn_implementation = "eager"
     return config
 
@@ -182,14 +193,16 @@ def build(arch: str):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise _Skip(f"transformers cannot build it: {type(exc).__name__}: {_first_line(exc)}") from exc
     model.eval()
+    if hasattr(model, "set_default_language"):  # X-MOD: a language adapter must be chosen
+        model.set_default_language(next(iter(getattr(config, "languages", None) or ["en_XX"])))
     ids = prompt()
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise _Skip(f"transformers cannot run it: {type(exc).__name__}: {_first_line(exc)}") from exc
     return model
 
@@ -225,7 +238,7 @@ def definition(model: HFLensModel, ids: torch.Tensor, sources: list[int], target
                 stream = output[0] if isinstance(output, (tuple, list)) else output
                 d = torch.zeros(residual_of(model.layers[i], stream).shape, dtype=stream.dtype, requires_grad=True)
                 deltas[i] = d
-                new = stream + (d.unsqueeze(0) if stream.dim() == d.dim() + 1 else d)
+                new = add_to_streams(model.layers[i], stream, d)
                 if isinstance(output, tuple):
                     return (new,) + tuple(output[1:])
                 if isinstance(output, list):

@@ -10,9 +10,11 @@ Exact savings used here (all follow from causality, SPEC §2):
 * the prefix ``[0, skip_first)`` runs once without gradients and is handed to the rest of the
   prompt as a key/value cache: no path from a valid source to a valid target goes through it.
   Where a model's cache is not plain attention keys/values (linear attention, state-space or
-  convolution states, sparse-attention indexers) or the cached run differs from the full one, the
-  whole prompt runs with the graph instead (decided once per model, :func:`_prefix_cache_usable`);
-* the last token is dropped: it is neither a valid source nor a valid target;
+  convolution states, sparse-attention indexers) or the cached run differs from the whole prompt
+  run at once, the whole prompt runs with the graph instead (decided once per model,
+  :func:`_prefix_cache_usable`);
+* the last token is dropped: it is neither a valid source nor a valid target (kept where the
+  model is not causal, e.g. a sparse-attention indexer choosing among later keys);
 * the forward stops right after the target layer (no final norm, no logits);
 * the graph starts at the lowest source layer, so backward never runs below it;
 * the ``dim_batch`` cotangents of one backward pass are batched over one forward of batch 1
@@ -169,12 +171,14 @@ def _plain_kv_cache(cache) -> str | None:
 
 
 def _prefix_cache_usable(model, ids: torch.Tensor, target: int, skip_first: int) -> bool:
-    """Whether the prefix key/value-cache shortcut is exact on ``model`` (decided once per model object).
+    """Whether the causal shortcuts are exact on ``model`` (decided once per model object).
 
-    It is, when the prefix's cache holds only attention keys and values and the target layer's
-    residuals over ``V`` computed on top of it equal those of the full sequence (relative 1e-5).
-    Linear-attention, state-space, convolution and sparse-indexer caches are refused: the estimator
-    then runs the whole prompt with the graph (:func:`_forward_full`).
+    The shortcuts are: the prefix ``[0, skip_first)`` handed over as a key/value cache and the last
+    token dropped. They are exact when the prefix's cache holds only attention keys and values and
+    the target layer's residuals over ``V`` computed that way equal those of the whole prompt run
+    at once (relative 1e-5). Linear-attention, state-space, convolution and sparse-indexer caches are
+    refused, and so is a model whose residuals at ``V`` depend on the last token (a sparse-attention
+    indexer that is not causal): the estimator then runs the whole prompt with the graph.
     """
     usable = getattr(model, "_jlens_prefix_cache", None)
     if usable is not None:
@@ -184,21 +188,24 @@ def _prefix_cache_usable(model, ids: torch.Tensor, target: int, skip_first: int)
     try:
         with torch.no_grad():
             with ActivationRecorder(model.layers, [target], stop_after=target) as rec:
-                model.run_with_cache(ids[:, : seq_len - 1])
-            full = rec.activations[target][:, skip_first:].float()
-            cache = model.run_with_cache(ids[:, :skip_first], use_cache=True)
-            reason = _plain_kv_cache(cache)
+                model.run_with_cache(ids)
+            full = rec.activations[target][:, skip_first: seq_len - 1].float()
+            cache = None
+            if skip_first > 0:
+                cache = model.run_with_cache(ids[:, :skip_first], use_cache=True)
+                reason = _plain_kv_cache(cache)
             if reason is None:
                 with ActivationRecorder(model.layers, [target], stop_after=target) as rec:
                     model.run_with_cache(ids[:, skip_first: seq_len - 1], cache=cache)
-                cached = rec.activations[target].float()
-                diff = float((cached - full).norm() / full.norm().clamp_min(1e-30))
-                if cached.shape != full.shape or not diff <= 1e-5:
-                    reason = f"the cached prefix changes the target residuals by {diff:.1e} (relative)"
+                fast = rec.activations[target].float()
+                diff = float((fast - full).norm() / full.norm().clamp_min(1e-30))
+                if fast.shape != full.shape or not diff <= 1e-5:
+                    reason = (f"the cached prefix or the dropped last token changes the target residuals by "
+                              f"{diff:.1e} (relative)")
     except Exception as exc:  # noqa: BLE001 - any failure of the cached path means: do not use it
         reason = f"the cached path fails ({type(exc).__name__}: {exc})"
     if reason is not None:
-        log.info("%s: the full sequence runs with the graph (no prefix cache): %s.",
+        log.info("%s: the whole prompt runs with the graph (no prefix cache): %s.",
                  getattr(model, "name", model), reason)
     _remember(model, "_jlens_prefix_cache", reason is None)
     return reason is None
@@ -208,19 +215,19 @@ def _forward_suffix(model, ids: torch.Tensor, sources: list[int], target: int, s
                     batch: int):
     """Prefix without grad as a cache, then ``V`` with a graph from the lowest source layer up.
 
-    Where the prefix cache is not exact (:func:`_prefix_cache_usable`), the whole prompt but its last
-    token runs with the graph instead, and the recorded tensors keep the prefix positions.
+    Where those shortcuts are not exact (:func:`_prefix_cache_usable`), the whole prompt runs with
+    the graph instead, and the recorded tensors keep the prefix and the last position.
 
     Returns:
-        ``(acts, offset)``: the recorded ``{layer: Tensor[batch, offset + n_valid, d_model]}`` and
-        the number of leading positions (the prefix) to drop from them and from their gradients.
+        ``(acts, offset)``: the recorded ``{layer: Tensor[batch, positions, d_model]}`` and the first
+        position of ``V`` in them; ``V`` is ``[offset, offset + n_valid)`` there.
     """
     seq_len = ids.shape[1]
     ids = ids.expand(batch, -1)
-    if skip_first > 0 and not _prefix_cache_usable(model, ids[:1], target, skip_first):
+    if not _prefix_cache_usable(model, ids[:1], target, skip_first):
         with torch.enable_grad(), ActivationRecorder(model.layers, sources + [target],
                                                      start_graph_at=sources[0], stop_after=target) as rec:
-            model.run_with_cache(ids[:, : seq_len - 1])
+            model.run_with_cache(ids)
         return rec.activations, skip_first
     cache = None
     if skip_first > 0:
@@ -321,18 +328,18 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
     for start in range(0, d, dim_batch):
         rows = range(start, min(start + dim_batch, d))
         if method == "batched":
-            h_target = acts[target][:, off:]  # [1, n_valid, d]
+            h_target = acts[target][:, off: off + n_valid]  # [1, n_valid, d]
             cot = _one_hot_cotangents(rows, 1, n_valid, d, h_target)  # [k, 1, n_valid, d]
             grads = torch.autograd.grad(h_target, [acts[layer] for layer in sources], grad_outputs=cot,
                                         is_grads_batched=True, retain_graph=True)
-            for layer, g in zip(sources, grads):  # g: [k, 1, off + n_valid, d]
-                jacobians[layer][start: rows.stop] = g[:, :, off:].float().sum(dim=(1, 2)).cpu() / n_valid
+            for layer, g in zip(sources, grads):  # g: [k, 1, positions, d]
+                jacobians[layer][start: rows.stop] = g[:, :, off: off + n_valid].float().sum(dim=(1, 2)).cpu() / n_valid
         else:
             k = len(rows)
             rep, off = _forward_suffix(model, ids, sources, target, skip_first, k)
-            h_target = rep[target][:, off:]  # [k, n_valid, d]
+            h_target = rep[target][:, off: off + n_valid]  # [k, n_valid, d]
             cot = _one_hot_cotangents(rows, 1, n_valid, d, h_target)[:, 0]  # [k, n_valid, d]
             grads = torch.autograd.grad(h_target, [rep[layer] for layer in sources], grad_outputs=cot)
-            for layer, g in zip(sources, grads):  # g: [k, off + n_valid, d]
-                jacobians[layer][start: rows.stop] = g[:, off:].float().sum(dim=1).cpu() / n_valid
+            for layer, g in zip(sources, grads):  # g: [k, positions, d]
+                jacobians[layer][start: rows.stop] = g[:, off: off + n_valid].float().sum(dim=1).cpu() / n_valid
     return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid)

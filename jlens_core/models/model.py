@@ -20,11 +20,21 @@ class UnsupportedModelError(ValueError):
 
 
 # model_type -> why there is no residual stream a lens could read (one sentence each).
-UNSUPPORTED: dict[str, str] = {}
+_LOOPED = "its layers run several times per token (looped depth), so a layer has no single output to read"
+UNSUPPORTED: dict[str, str] = {
+    "dory": _LOOPED,
+    "hrm_text": _LOOPED,
+    "inkling2_loop_text": _LOOPED,
+    "inkling2_text": ("its output reads an attention-weighted mix of earlier block outputs (block attention "
+                      "residuals), so no single residual stream carries the prediction"),
+    "cpmant": ("it prepends learned prompt positions to every input, so its residual positions do not line "
+               "up with the tokens read"),
+}
 
 # Logit scales applied after the head, by config field: (field, "mul" | "div"); per-family overrides.
 _LOGIT_SCALES: tuple[tuple[str, str], ...] = (("logit_scale", "mul"), ("logits_scaling", "div"),
-                                              ("lm_head_multiplier", "mul"), ("output_multiplier", "mul"))
+                                              ("lm_head_multiplier", "mul"), ("output_multiplier", "mul"),
+                                              ("logits_mup_width_multiplier", "div"))
 _LOGIT_SCALE_OVERRIDES: dict[str, dict[str, str]] = {"hyperclovax": {"logits_scaling": "mul"}}
 
 
@@ -32,7 +42,8 @@ def logit_scale_of(config: Any) -> float:
     """The constant the model multiplies its head's output by (1.0 for most families).
 
     Cohere multiplies by ``logit_scale``; Granite and MiniCPM3 divide by ``logits_scaling``
-    (HyperCLOVA X multiplies); Falcon-H1 multiplies by ``lm_head_multiplier``.
+    (HyperCLOVA X multiplies); Falcon-H1 multiplies by ``lm_head_multiplier``; Inkling divides by
+    ``logits_mup_width_multiplier``.
     """
     model_type = getattr(config, "model_type", None)
     scale = 1.0
@@ -142,11 +153,13 @@ class HFLensModel:
         self.config = text_config
         self.softcap: float | None = getattr(text_config, "final_logit_softcapping", None) or None
         self.logit_scale: float = logit_scale_of(text_config)
+        unpadded = getattr(text_config, "unpadded_vocab_size", None)
+        self.unpadded_vocab: int = int(unpadded) if isinstance(unpadded, int) and unpadded > 0 else 1 << 62
         self.stream_readout: StreamReadout | None = _stream_readout(self.base, text_config)
         set_stream_readout(self._layers, self.stream_readout)
         self.n_layers = len(self._layers)
         self.d_model = int(self._infer_d_model())
-        self.vocab_size = int(self.head.weight.shape[0])
+        self.vocab_size = int(min(self.head.weight.shape[0], self.unpadded_vocab))
         self.name = name or getattr(config, "_name_or_path", None) or type(hf_model).__name__
         params = inspect.signature(self.base.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -273,6 +286,8 @@ class HFLensModel:
             logits = self.head(x)
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
+        if self.unpadded_vocab < logits.shape[-1]:  # a head padded past the vocabulary (Inkling)
+            logits = logits[..., : self.unpadded_vocab]
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -69,11 +69,6 @@ class StopForward(Exception):
     """Raised from a hook to end a forward pass early, once the last needed layer has run."""
 
 
-def residual_of(block: nn.Module, stream: torch.Tensor) -> torch.Tensor:
-    """The residual ``[batch, seq, d_model]`` of ``block``'s output tensor (stub)."""
-    return stream
-
-
 def block_output(output) -> torch.Tensor:
     """The residual tensor of a decoder layer's output (tensor, or first element of a tuple)."""
     return output[0] if isinstance(output, (tuple, list)) else output
