@@ -110,6 +110,28 @@ def make_tiny(family: str = "llama", *, seed: int = 0, **kwargs):
     return HFLensModel(make_hf_model(family, seed=seed, **kwargs), make_tokenizer(), name=f"tiny-{family}")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--conformance", choices=("sample", "full"), default=None,
+                     help="tests/test_conformance.py: a fixed sample of architectures (default) or every "
+                          "causal-LM architecture transformers ships (same as JLENS_CONFORMANCE=full)")
+
+
+def pytest_configure(config):
+    if config.getoption("--conformance", default=None):
+        os.environ["JLENS_CONFORMANCE"] = config.getoption("--conformance")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The conformance table (architecture | result | reason), when test_conformance ran."""
+    import sys
+
+    module = sys.modules.get("test_conformance")
+    results = getattr(module, "RESULTS", None)
+    if results:
+        terminalreporter.write_sep("=", "conformance over causal-LM architectures")
+        terminalreporter.write_line(module.table(results))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     # Tiny models: more threads only add contention (and a CI box may be busy); subprocesses pin theirs.

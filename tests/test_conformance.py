@@ -165,6 +165,12 @@ def _overrides(config, *, text: bool) -> dict:
     for key, value in list(vars(config).items()):  # per-layer dicts keyed by layer index
         if isinstance(value, dict) and value and all(isinstance(k, int) for k in value):
             out[key] = {k: v for k, v in value.items() if k < N_LAYERS}
+    try:  # heterogeneous configs (Gemma 4, dots3): per-layer overrides keyed by layer index
+        per_layer = config.to_dict().get("per_layer_config")
+    except Exception:  # noqa: BLE001
+        per_layer = None
+    if isinstance(per_layer, dict):
+        out["per_layer_config"] = {k: v for k, v in per_layer.items() if int(k) < N_LAYERS}
     if isinstance(getattr(config, "mlp_only_layers", None), list):
         out["mlp_only_layers"] = [i for i in config.mlp_only_layers if i < N_LAYERS]
     for key, value in list(vars(config).items()):

@@ -159,6 +159,11 @@ def _one_hot_cotangents(rows: range, batch: int, n_valid: int, d_model: int, lik
 _PLAIN_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
 
 
+# fp32 noise of an exact cached run is ~3e-7 relative; a family above this (Gemma 4: ~3e-6, which
+# moves the Jacobian by ~1e-4) runs the whole prompt instead.
+_PROBE_RTOL = 1e-6
+
+
 def _plain_kv_cache(cache) -> str | None:
     """Why ``cache`` is not plain attention keys/values (``None`` when it is)."""
     layers = getattr(cache, "layers", None)
@@ -176,8 +181,8 @@ def _prefix_cache_usable(model, ids: torch.Tensor, target: int, skip_first: int)
     The shortcuts are: the prefix ``[0, skip_first)`` handed over as a key/value cache and the last
     token dropped. They are exact when the prefix's cache holds only attention keys and values and
     the target layer's residuals over ``V`` computed that way equal those of the whole prompt run
-    at once (relative 1e-5). Linear-attention, state-space, convolution and sparse-indexer caches are
-    refused, and so is a model whose residuals at ``V`` depend on the last token (a sparse-attention
+    at once (relative :data:`_PROBE_RTOL`). Linear-attention, state-space, convolution and
+    sparse-indexer caches are refused, and so is a model whose residuals at ``V`` depend on the last token (a sparse-attention
     indexer that is not causal): the estimator then runs the whole prompt with the graph.
     """
     usable = getattr(model, "_jlens_prefix_cache", None)
@@ -199,7 +204,7 @@ def _prefix_cache_usable(model, ids: torch.Tensor, target: int, skip_first: int)
                     model.run_with_cache(ids[:, skip_first: seq_len - 1], cache=cache)
                 fast = rec.activations[target].float()
                 diff = float((fast - full).norm() / full.norm().clamp_min(1e-30))
-                if fast.shape != full.shape or not diff <= 1e-5:
+                if fast.shape != full.shape or not diff <= _PROBE_RTOL:
                     reason = (f"the cached prefix or the dropped last token changes the target residuals by "
                               f"{diff:.1e} (relative)")
     except Exception as exc:  # noqa: BLE001 - any failure of the cached path means: do not use it
