@@ -100,7 +100,15 @@ SMALL = {  # other size fields: value (only where the config has the field and i
 # Per-architecture fields that keep a shrunk config consistent.
 EXTRA = {
     "mamba2": {"num_heads": 8},
+    # defaults that transformers leaves None (the model cannot be built from the bare default)
     "deepseek_v2": {"num_experts_per_tok": 2},
+    "hunyuan_v1_dense": {"head_dim": HEAD_DIM},
+    "hunyuan_v1_moe": {"head_dim": HEAD_DIM},
+    "ministral": {"head_dim": HEAD_DIM},
+    "nemotron": {"num_key_value_heads": 2},
+    "lfm2_moe": {"layer_types": ["conv", "conv", "full_attention", "conv"]},
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2},
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},  # the modeling code needs both
 }
 
 
@@ -184,7 +192,10 @@ def tiny_config(arch: str):
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(arch)
-    config = AutoConfig.for_model(arch, **{**_overrides(default, text=True), **EXTRA.get(arch, {})})
+    overrides = _overrides(default, text=True)
+    for key, value in EXTRA.get(arch, {}).items():
+        overrides[key] = {**overrides[key], **value} if isinstance(overrides.get(key), dict) else value
+    config = AutoConfig.for_model(arch, **overrides)
     config._attn_implementation = "eager"
     return config
 
