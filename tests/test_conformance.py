@@ -344,6 +344,28 @@ def test_conformance(arch):
         pytest.skip(f"{arch}: {result.reason}")
 
 
+@pytest.mark.parametrize("arch, parts", [
+    ("bloom", ("transformer", "transformer.h", "transformer.ln_f", "lm_head", None)),
+    ("lfm2", ("model", "model.layers", "model.embedding_norm", "lm_head", None)),  # the norm after the layers
+    ("bert", ("bert", "bert.encoder.layer", None, "cls.predictions.decoder", "cls")),  # post-norm, MLM head
+    ("mbart", ("model.decoder", "model.decoder.layers", "model.decoder.layer_norm", "lm_head", None)),
+])
+def test_structural_layout_finds_the_parts(arch, parts):
+    from jlens_core.models.layouts import find_layout
+
+    layout = find_layout(build(arch))
+    assert layout.name == "structural"
+    assert (layout.base, layout.layers, layout.final_norm, layout.head, layout.readout) == parts
+
+
+def test_unsupported_family_is_one_clear_sentence():
+    hf = build("dory")
+    with pytest.raises(ValueError, match=r"^DoryForCausalLM cannot be read by a lens: its layers run several "
+                                         r"times per token \(looped depth\), so a layer has no single output "
+                                         r"to read\.$"):
+        HFLensModel(hf, make_tokenizer())
+
+
 def test_sample_covers_every_kind_of_issue_21():
     archs = set(all_architectures())
     assert set(SAMPLE) <= archs, sorted(set(SAMPLE) - archs)
