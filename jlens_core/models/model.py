@@ -27,6 +27,8 @@ UNSUPPORTED: dict[str, str] = {
     "inkling2_loop_text": _LOOPED,
     "inkling2_text": ("its output reads an attention-weighted mix of earlier block outputs (block attention "
                       "residuals), so no single residual stream carries the prediction"),
+    "blt": ("it is a byte latent transformer whose stacks run over byte patches and an offset byte "
+            "sequence, so no stack's positions line up with the tokens read"),
     "cpmant": ("it prepends learned prompt positions to every input, so its residual positions do not line "
                "up with the tokens read"),
 }
