@@ -40,6 +40,10 @@ _LOGIT_SCALES: tuple[tuple[str, str], ...] = (("logit_scale", "mul"), ("logits_s
 _LOGIT_SCALE_OVERRIDES: dict[str, dict[str, str]] = {"hyperclovax": {"logits_scaling": "mul"}}
 
 
+# Final-logit soft-cap fields: Gemma 2/3/3n, RecurrentGemma, xLSTM.
+_SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+
+
 def logit_scale_of(config: Any) -> float:
     """The constant the model multiplies its head's output by (1.0 for most families).
 
@@ -63,6 +67,24 @@ def _stream_readout(base: nn.Module, config: Any) -> StreamReadout | None:
     if hc_head is not None and getattr(config, "hc_mult", 1) > 1:
         # hyper-connections (DeepSeek-V4, HY-V4): block outputs are [batch, seq, streams, d]
         return StreamReadout(collapse=hc_head, stream_dim=2, description="hyper-connection streams (hc_head)")
+    if getattr(config, "model_type", None) == "xlnet":
+        # time-major blocks: [seq, batch, d]
+        return StreamReadout(collapse=lambda x: x.transpose(0, 1), stream_dim=None, description="time-major",
+                             lift=lambda x, delta: x + delta.transpose(0, 1))
+    ngram = getattr(config, "ngram", 0)
+    if getattr(config, "model_type", None) == "prophetnet" and ngram > 0:
+        # [batch, (1 + ngram) * seq, d]: the main stream, then the n-gram predicting streams; the
+        # causal-LM logits read the first predicting stream, so that stream is the residual
+        def first_predicting(x: torch.Tensor) -> torch.Tensor:
+            n = x.shape[1] // (1 + ngram)
+            return x[:, n: 2 * n]
+
+        def lift(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+            n = x.shape[1] // (1 + ngram)
+            return torch.cat([x[:, :n], x[:, n: 2 * n] + delta, x[:, 2 * n:]], dim=1)
+
+        return StreamReadout(collapse=first_predicting, stream_dim=None, lift=lift,
+                             description="the first n-gram predicting stream")
     unembed = getattr(base, "altup_unembed_projections", None)
     if unembed is not None:
         # Gemma3n AltUp: block outputs are [streams, batch, seq, d]; the model's own final collapse
@@ -153,7 +175,9 @@ class HFLensModel:
         except ValueError:  # several text configs (an encoder-decoder): the decoder's
             text_config = getattr(config, "decoder", config)
         self.config = text_config
-        self.softcap: float | None = getattr(text_config, "final_logit_softcapping", None) or None
+        self.softcap: float | None = next((value for value in (
+            getattr(text_config, key, None) for key in _SOFTCAPS) if isinstance(value, (int, float)) and value),
+            None)
         self.logit_scale: float = logit_scale_of(text_config)
         unpadded = getattr(text_config, "unpadded_vocab_size", None)
         self.unpadded_vocab: int = int(unpadded) if isinstance(unpadded, int) and unpadded > 0 else 1 << 62

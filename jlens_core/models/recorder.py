@@ -27,13 +27,16 @@ class StreamReadout:
 
     Attributes:
         collapse: the model's own stream collapse, stream tensor -> ``[batch, seq, d_model]``.
-        stream_dim: the axis of the streams in a block's output tensor.
+        stream_dim: the axis of the streams in a block's output tensor (``None`` with ``lift``).
         description: a few words for messages and docs.
+        lift: ``(stream, delta) -> stream`` with ``delta`` added where the residual lives, when that is
+            not "every stream alike" (ProphetNet: the read-out stream only; XLNet: time-major).
     """
 
     collapse: Callable[[torch.Tensor], torch.Tensor]
-    stream_dim: int
+    stream_dim: int | None
     description: str = ""
+    lift: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 _READOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -62,7 +65,11 @@ def residual_of(block: nn.Module, stream: torch.Tensor) -> torch.Tensor:
 def add_to_streams(block: nn.Module, stream: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """``stream + delta`` where ``delta`` (``[batch, seq, d_model]``) is added to every stream alike."""
     readout = _READOUTS.get(block)
-    return stream + (delta if readout is None else delta.unsqueeze(readout.stream_dim))
+    if readout is None:
+        return stream + delta
+    if readout.lift is not None:
+        return readout.lift(stream, delta)
+    return stream + delta.unsqueeze(readout.stream_dim)
 
 
 class StopForward(Exception):
@@ -125,7 +132,9 @@ class ActivationRecorder:
                 h = raw
                 if index == self.start_graph_at:
                     h = h.detach().requires_grad_(True)
-                    replaced = _replace_output(output, h)
+                    # the model gets a copy: an in-place op after the block (XLM's padding mask) must
+                    # not touch the leaf
+                    replaced = _replace_output(output, h.clone())
             else:
                 if index == self.start_graph_at:
                     raw = raw.detach()
