@@ -96,7 +96,7 @@ SMALL = {  # other size fields: value (only where the config has the field and i
     "max_position_embeddings": 512, "n_positions": 512, "first_k_dense_replace": 1, "mamba_expand": 2,
     "o_lora_rank": 32, "o_groups": 2, "num_nextn_predict_layers": 0, "conv_L_cache": 3, "chunk_size": 8,
     "memory_size": 8, "hc_sinkhorn_iters": 4, "layer_group_size": 2, "index_num_heads": 2,
-    "hidden_size_global": WIDTH, "encoder_hash_byte_group_vocab": 1000,
+    "hidden_size_global": WIDTH, "encoder_hash_byte_group_vocab": 1000, "linear_num_heads": 4, "linear_head_dim": 16,
 }
 # Per-architecture fields that keep a shrunk config consistent.
 EXTRA = {

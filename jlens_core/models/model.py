@@ -175,6 +175,10 @@ class HFLensModel:
         except ValueError:  # several text configs (an encoder-decoder): the decoder's
             text_config = getattr(config, "decoder", config)
         self.config = text_config
+        cross = getattr(text_config, "cross_attention_layers", None)
+        if layout is None and isinstance(cross, (list, tuple)) and cross:
+            # Mllama: the cross-attention layers are skipped on text alone; they carry no text residual
+            self._layers = [block for i, block in enumerate(self._layers) if i not in set(cross)]
         self.softcap: float | None = next((value for value in (
             getattr(text_config, key, None) for key in _SOFTCAPS) if isinstance(value, (int, float)) and value),
             None)
