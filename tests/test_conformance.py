@@ -109,6 +109,7 @@ EXTRA = {
     "nemotron": {"num_key_value_heads": 2},
     "lfm2_moe": {"layer_types": ["conv", "conv", "full_attention", "conv"]},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2},
+    "reformer": {"axial_pos_embds_dim": [32, 32]},
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},  # the modeling code needs both
 }
 
@@ -212,7 +213,7 @@ def build(arch: str):
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except Exception as exc:
-        raise _Skip(f"transformers cannot build it: {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise _Skip(f"transformers cannot build its tiny config: {type(exc).__name__}: {_first_line(exc)}") from exc
     model.eval()
     if hasattr(model, "set_default_language"):  # X-MOD: a language adapter must be chosen
         model.set_default_language(next(iter(getattr(config, "languages", None) or ["en_XX"])))
@@ -221,7 +222,7 @@ def build(arch: str):
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
     except Exception as exc:
-        raise _Skip(f"transformers cannot run it: {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise _Skip(f"transformers cannot run its tiny config: {type(exc).__name__}: {_first_line(exc)}") from exc
     return model
 
 

@@ -29,6 +29,8 @@ UNSUPPORTED: dict[str, str] = {
                       "residuals), so no single residual stream carries the prediction"),
     "blt": ("it is a byte latent transformer whose stacks run over byte patches and an offset byte "
             "sequence, so no stack's positions line up with the tokens read"),
+    "reformer": ("its reversible layers run inside one custom autograd function over two half-streams, so a "
+                 "layer's output is neither hookable nor differentiable on its own"),
     "cpmant": ("it prepends learned prompt positions to every input, so its residual positions do not line "
                "up with the tokens read"),
 }
