@@ -51,6 +51,8 @@ SAMPLE = (
     "llama", "qwen2", "gpt2", "gpt_neox", "opt", "phi", "gemma2", "cohere", "minicpm3", "granite",
     "bloom", "falcon", "mpt", "dbrx", "xglm", "openai-gpt", "ctrl", "lfm2", "mamba", "rwkv",
     "recurrent_gemma", "qwen3_next", "deepseek_v32", "bamba", "gemma3n_text", "bert", "falcon_h1",
+    "deepseek_v4", "hy_v4", "kimi_linear", "qwen3_5", "xlnet", "prophetnet", "xlm", "mllama", "mistral",
+    "gemma4_text", "inkling_text", "dory", "roberta",
 )
 
 
