@@ -99,6 +99,7 @@ SMALL = {  # other size fields: value (only where the config has the field and i
     "o_lora_rank": 32, "o_groups": 2, "num_nextn_predict_layers": 0, "conv_L_cache": 3, "chunk_size": 8,
     "memory_size": 8, "hc_sinkhorn_iters": 4, "layer_group_size": 2, "index_num_heads": 2,
     "hidden_size_global": WIDTH, "encoder_hash_byte_group_vocab": 1000, "linear_num_heads": 4, "linear_head_dim": 16,
+    "adapter_in_dim": WIDTH, "adapter_input_size": WIDTH, "adapter_out_dim": WIDTH,
 }
 # Per-architecture fields that keep a shrunk config consistent.
 EXTRA = {
@@ -112,6 +113,8 @@ EXTRA = {
     "lfm2_moe": {"layer_types": ["conv", "conv", "full_attention", "conv"]},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2},
     "reformer": {"axial_pos_embds_dim": [32, 32]},
+    # two hybrid layers (the shared attention block is tied across them), attending over [h, embeddings]
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"], "attention_hidden_size": 2 * WIDTH},
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},  # the modeling code needs both
 }
 
@@ -233,8 +236,9 @@ class _Skip(Exception):
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else "")[:160]
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
+    return text[:200]
 
 
 def prompt() -> torch.Tensor:
