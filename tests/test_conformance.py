@@ -111,7 +111,10 @@ EXTRA = {
     "ministral": {"head_dim": HEAD_DIM},
     "nemotron": {"num_key_value_heads": 2},
     "lfm2_moe": {"layer_types": ["conv", "conv", "full_attention", "conv"]},
-    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2},
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "qwen4_exp": {"text_config": {"indexer_budget": 4, "indexer_compress_ratio": 2, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16}},
+    "qwen4_exp_text": {"indexer_budget": 4, "indexer_compress_ratio": 2, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16},
     "reformer": {"axial_pos_embds_dim": [32, 32]},
     # two hybrid layers (the shared attention block is tied across them), attending over [h, embeddings]
     "zamba": {"layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"], "attention_hidden_size": 2 * WIDTH},

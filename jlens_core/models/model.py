@@ -69,6 +69,12 @@ def _stream_readout(base: nn.Module, config: Any) -> StreamReadout | None:
     if hc_head is not None and getattr(config, "hc_mult", 1) > 1:
         # hyper-connections (DeepSeek-V4, HY-V4): block outputs are [batch, seq, streams, d]
         return StreamReadout(collapse=hc_head, stream_dim=2, description="hyper-connection streams (hc_head)")
+    mixer = getattr(base, "hyper_connection_mixer", None)
+    count = getattr(config, "hc_count", 1)
+    if mixer is not None and isinstance(count, int) and count > 1:
+        # Qwen4-exp: the streams side by side on the last axis, [batch, seq, streams * d]
+        return StreamReadout(collapse=mixer, stream_dim=None, description="hyper-connection streams (mixer)",
+                             lift=lambda x, delta: x + delta.repeat(*([1] * (delta.dim() - 1)), count))
     if getattr(config, "model_type", None) == "xlnet":
         # time-major blocks: [seq, batch, d]
         return StreamReadout(collapse=lambda x: x.transpose(0, 1), stream_dim=None, description="time-major",
