@@ -1,14 +1,16 @@
 """Record decoder-layer outputs (the residual stream) with forward hooks.
 
-Multi-stream models (Gemma3n's AltUp, DeepSeek-V4 / HY-V4 hyper-connections) pass several copies
-of the residual between layers (a layer output of ``[streams, batch, seq, d]`` or
-``[batch, seq, streams, d]``). For them, **the residual of a layer is the model's own final
+Multi-stream models (Gemma3n's AltUp, DeepSeek-V4 / HY-V4 / Qwen4-exp hyper-connections) pass
+several copies of the residual between layers (a layer output of ``[streams, batch, seq, d]``,
+``[batch, seq, streams, d]`` or ``[batch, seq, streams * d]``). For them, **the residual of a layer is the model's own final
 collapse of the streams applied to that layer's output** (the function the model applies after its
 last layer, before the final norm), registered per block with :func:`set_stream_readout`; so
 ``unembed(residual of the last layer)`` is the model's logits and every lens reads the same
 quantity. A change ``delta`` of that residual is defined as ``delta`` added to every stream alike:
 the Jacobian with respect to the residual is the sum over streams of the Jacobians with respect to
-each stream.
+each stream. Blocks whose output is laid out otherwise use the same hook with their own ``lift``
+(XLNet's time-major ``[seq, batch, d]``; ProphetNet, whose residual is the n-gram stream its
+causal-LM logits read).
 """
 
 from __future__ import annotations
