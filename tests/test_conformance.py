@@ -369,6 +369,21 @@ def test_structural_layout_finds_the_parts(arch, parts):
     assert (layout.base, layout.layers, layout.final_norm, layout.head, layout.readout) == parts
 
 
+@pytest.mark.parametrize("arch, dtype, shortcut", [
+    ("llama", torch.float32, True), ("llama", torch.bfloat16, True), ("gemma2", torch.float32, True),
+    ("qwen3_next", torch.float32, False),  # linear-attention state in the cache
+    ("mamba", torch.float32, False),  # state-space cache
+    ("deepseek_v32", torch.float32, False),  # a sparse indexer that is not causal at this length
+])
+def test_prefix_cache_shortcut_is_kept_only_where_exact(arch, dtype, shortcut):
+    model = HFLensModel(build(arch).to(dtype), make_tokenizer(), name=arch)
+    got = jacobian_for_prompt(model, prompt(), skip_first=SKIP, method="batched", dim_batch=64)
+    assert model._jlens_prefix_cache is shortcut
+    if dtype == torch.float32:
+        ref = definition(model, prompt(), list(range(model.n_layers - 1)), model.n_layers - 1)
+        assert max(rel_frob(got.jacobians[i], ref[i]) for i in ref) <= REL_TOL
+
+
 def test_unsupported_family_is_one_clear_sentence():
     hf = build("dory")
     with pytest.raises(ValueError, match=r"^DoryForCausalLM cannot be read by a lens: its layers run several "

@@ -181,9 +181,10 @@ def _prefix_cache_usable(model, ids: torch.Tensor, target: int, skip_first: int)
     The shortcuts are: the prefix ``[0, skip_first)`` handed over as a key/value cache and the last
     token dropped. They are exact when the prefix's cache holds only attention keys and values and
     the target layer's residuals over ``V`` computed that way equal those of the whole prompt run
-    at once (relative :data:`_PROBE_RTOL`). Linear-attention, state-space, convolution and
-    sparse-indexer caches are refused, and so is a model whose residuals at ``V`` depend on the last token (a sparse-attention
-    indexer that is not causal): the estimator then runs the whole prompt with the graph.
+    at once (relative :data:`_PROBE_RTOL` in fp32, four machine epsilons in lower precision).
+    Linear-attention, state-space, convolution and sparse-indexer caches are refused, and so is a
+    model whose residuals at ``V`` depend on the last token (a sparse-attention indexer that is not
+    causal): the estimator then runs the whole prompt with the graph.
     """
     usable = getattr(model, "_jlens_prefix_cache", None)
     if usable is not None:
@@ -202,9 +203,12 @@ def _prefix_cache_usable(model, ids: torch.Tensor, target: int, skip_first: int)
             if reason is None:
                 with ActivationRecorder(model.layers, [target], stop_after=target) as rec:
                     model.run_with_cache(ids[:, skip_first: seq_len - 1], cache=cache)
-                fast = rec.activations[target].float()
+                fast = rec.activations[target]
+                # low precision: its own rounding noise (bf16: ~1e-2) is allowed, not more
+                rtol = max(_PROBE_RTOL, 4 * torch.finfo(fast.dtype).eps) if fast.is_floating_point() else _PROBE_RTOL
+                fast = fast.float()
                 diff = float((fast - full).norm() / full.norm().clamp_min(1e-30))
-                if fast.shape != full.shape or not diff <= _PROBE_RTOL:
+                if fast.shape != full.shape or not diff <= rtol:
                     reason = (f"the cached prefix or the dropped last token changes the target residuals by "
                               f"{diff:.1e} (relative)")
     except Exception as exc:  # noqa: BLE001 - any failure of the cached path means: do not use it
