@@ -173,12 +173,17 @@ def main() -> None:
     for name, lens_ in (("logit", LogitLens.for_model(model)), ("Jacobian", lens)):
         for attempt in ("first", "again"):
             _sync(args.device)
+            if args.device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+                gpu_base = torch.cuda.memory_allocated()
             t = time.perf_counter()
             with PeakRSS() as mem:
                 read_prompt(model, lens_, ids)
             _sync(args.device)
-            row(f"read a {n_tokens}-token prompt, {name} lens ({attempt})", time.perf_counter() - t,
-                peak_added_MB=mem.peak - mem.start, layers_x_pos_x_vocab_MB=full_grid_mb)
+            extra = {"peak_added_MB": mem.peak - mem.start, "layers_x_pos_x_vocab_MB": full_grid_mb}
+            if args.device.startswith("cuda"):  # the GPU's own peak above what the model holds
+                extra["gpu_peak_added_MB"] = (torch.cuda.max_memory_allocated() - gpu_base) / 2**20
+            row(f"read a {n_tokens}-token prompt, {name} lens ({attempt})", time.perf_counter() - t, **extra)
 
     fit_ids = model.encode(PROMPT_64 * 3)[:, :128]
     sources, target, skip = list(range(model.n_layers - 1)), model.n_layers - 1, 16
