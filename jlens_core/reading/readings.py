@@ -201,7 +201,8 @@ def row_sums(x: torch.Tensor) -> torch.Tensor:
 
 
 def centred_logit_stats(z: torch.Tensor, final_p: torch.Tensor, final_neg_entropy: torch.Tensor,
-                        next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        next_ids: torch.Tensor, scratch: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Entropy, KL(final || lens) and next-token CE from lens logits, in bits, centring ``z`` in place.
 
     Each row of ``z`` has its maximum subtracted (ranks and top-k are unchanged by it). With
@@ -214,13 +215,15 @@ def centred_logit_stats(z: torch.Tensor, final_p: torch.Tensor, final_neg_entrop
         z: ``[..., c, vocab]`` lens logits, fp32; centred in place (``-inf`` becomes ``-1e30``).
         final_p / final_neg_entropy: from :func:`final_distribution`, ``[c, vocab]`` / ``[c]``.
         next_ids: ``LongTensor[c]``; a negative id means "no next token" (CE is NaN there).
+        scratch: overwritten; same shape and dtype as ``z``. Reusing one buffer across calls saves
+            the page faults of a fresh array per call, which on the CPU cost more than the arithmetic.
 
     Returns:
         ``(log_norm [..., c], entropy_bits, kl_bits, ce_bits)``, each ``[..., c]``; ``log_norm`` is
         ``s``, so ``log p_v = z_v - log_norm``. KL and entropy are clamped at 0 (rounding).
     """
     z.sub_(z.amax(dim=-1, keepdim=True)).clamp_min_(-1e30)  # max 0 per row; no -inf left to make 0 * inf
-    p = torch.exp(z)  # [..., c, vocab] unnormalised, <= 1
+    p = torch.exp(z, out=scratch) if scratch is not None else torch.exp(z)  # [..., c, vocab] unnormalised, <= 1
     total = row_sums(p)  # [..., c] >= 1
     rows, vocab = total.numel(), z.shape[-1]
     p_z = torch.bmm(p.view(rows, 1, vocab), z.view(rows, vocab, 1)).view(total.shape) / total
@@ -239,7 +242,7 @@ def centred_logit_stats(z: torch.Tensor, final_p: torch.Tensor, final_neg_entrop
 def ranks_of(z: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`rank_of` for ``z`` ``[..., vocab]`` and ``ids`` ``[...]``, counting by a matrix product.
 
-    ``scratch`` (same shape and dtype as ``z``) is overwritten, saving an allocation per call.
+    ``scratch`` (same shape and dtype as ``z``) is overwritten, saving an array (and its page faults) per call.
     """
     value = z.gather(-1, ids.unsqueeze(-1))  # [..., 1]
     above = torch.gt(z, value, out=scratch) if scratch is not None else (z > value).to(z.dtype)
@@ -625,11 +628,13 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
                     final_neg_entropy: torch.Tensor, nxt: torch.Tensor, f_top1: torch.Tensor) -> None:
         # z: [g, c, vocab] fp32 logits of the layers ``rows`` (indices into layer_list) at positions sl
         g = z.shape[0]
-        log_norm, ent, kld, cel = centred_logit_stats(z, final_p, final_neg_entropy, nxt)  # z centred
+        if work[0] is None or work[0].numel() < z.numel() or work[0].device != z.device:
+            work[0] = torch.empty(z.numel(), dtype=z.dtype, device=z.device)
+        scratch = work[0][: z.numel()].view(z.shape)
+        log_norm, ent, kld, cel = centred_logit_stats(z, final_p, final_neg_entropy, nxt, scratch)  # z centred
         entropy[rows, sl] = ent.double().cpu().numpy()
         kl[rows, sl] = kld.double().cpu().numpy()
         ce[rows, sl] = cel.double().cpu().numpy()
-        scratch = torch.empty_like(z)
         nr = ranks_of(z, nxt.clamp_min(0).expand(g, -1), scratch).double()
         next_rank[rows, sl] = torch.where(nxt >= 0, nr, torch.full_like(nr, float("nan"))).cpu().numpy()
         final_rank[rows, sl] = ranks_of(z, f_top1.expand(g, -1), scratch).cpu().numpy()
@@ -640,13 +645,13 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
         else:
             indices = torch.where(mask, z, scratch.fill_(float("-inf"))).topk(k, dim=-1)[1]
             top_z = z.gather(-1, indices)
-        del scratch
         top_ids[rows, sl] = indices.cpu().numpy()
         top_probs[rows, sl] = (top_z - log_norm[..., None]).exp().cpu().numpy()
 
     # One logits array holds at most CHUNK_ELEMENTS: ``c`` positions of ``group`` layers at a time,
     # unembedded by one matmul (a few large products run far closer to the matmul peak than one per layer).
     rows_per_array = chunk_size(vocab)
+    work: list[torch.Tensor | None] = [None]  # one scratch array for every group (see centred_logit_stats)
     lens_rows = [li for li, layer in enumerate(layer_list) if layer != top]
     with torch.no_grad():
         for start in range(0, n_p, rows_per_array):
