@@ -181,23 +181,30 @@ class HFLensModel:
         out = self.base(input_ids=input_ids, **kwargs)
         return getattr(out, "cache", None) if hasattr(out, "cache") else getattr(out, "past_key_values", None)
 
-    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+    def unembed(self, h: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm, then the output head (and soft-capping where the config has it).
 
         Args:
             h: ``[..., d_model]`` pre-final-norm residuals, any dtype.
+            out: an optional ``[..., vocab]`` array of the model's dtype to write the logits into (a
+                caller unembedding many chunks reuses one, sparing a fresh array's page faults).
 
         Returns:
-            ``[..., vocab]`` logits in the model's dtype.
+            ``[..., vocab]`` logits in the model's dtype (``out`` when given).
         """
         x = h.to(self.dtype)
         if self.final_norm is not None:
             x = self.final_norm(x)
         for module in self.pre_head:
             x = module(x)
-        logits = self.head(x)
+        if out is not None and isinstance(self.head, nn.Linear) and self.head.bias is None:
+            logits = torch.matmul(x, self.head.weight.t(), out=out)
+        elif out is not None:
+            logits = out.copy_(self.head(x))
+        else:
+            logits = self.head(x)
         if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
     def fingerprint(self) -> dict:

@@ -24,6 +24,7 @@ returned statistics are kept, so ``layers x positions x vocab`` is never held.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -651,7 +652,17 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
     # One logits array holds at most CHUNK_ELEMENTS: ``c`` positions of ``group`` layers at a time,
     # unembedded by one matmul (a few large products run far closer to the matmul peak than one per layer).
     rows_per_array = chunk_size(vocab)
+    takes_out = "out" in inspect.signature(model.unembed).parameters  # HFLensModel does; a protocol model may not
     work: list[torch.Tensor | None] = [None]  # one scratch array for every group (see centred_logit_stats)
+    logits_buffer: list[torch.Tensor | None] = [None]  # and one for the logits, where the model takes out=
+
+    def unembed_into(carried: torch.Tensor, buffer: list[torch.Tensor | None]) -> torch.Tensor:
+        if not takes_out:
+            return model.unembed(carried)
+        n = carried.shape[0] * vocab
+        if buffer[0] is None or buffer[0].numel() < n:
+            buffer[0] = torch.empty(n, dtype=getattr(model, "dtype", carried.dtype), device=carried.device)
+        return model.unembed(carried, out=buffer[0][:n].view(carried.shape[0], vocab))
     lens_rows = [li for li, layer in enumerate(layer_list) if layer != top]
     with torch.no_grad():
         for start in range(0, n_p, rows_per_array):
@@ -671,7 +682,7 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
             for g0 in range(0, len(lens_rows), group):
                 rows = lens_rows[g0: g0 + group]
                 carried = torch.cat([lens.transport(resid[layer_list[li]][sel], layer_list[li]) for li in rows])
-                z = model.unembed(carried).float().view(len(rows), c, -1)  # [g, c, vocab]
+                z = unembed_into(carried, logits_buffer).float().view(len(rows), c, -1)  # [g, c, vocab]
                 write_stats(rows, sl, z, final_p, final_neg_entropy, nxt, f_top1)
                 del z, carried
 
