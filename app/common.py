@@ -47,6 +47,11 @@ STATS = {"top1_prob": "Top-1 probability", "entropy_bits": "Entropy (bits)", "kl
          "ce_bits": "Cross-entropy of the next token (bits)", "next_token_rank": "Rank of the next token",
          "final_top1_rank": "Rank of the final top-1"}
 MAX_GEN_TOKENS = MAX_NEW_TOKENS  # the Generate control's range
+MAX_TOKENS = 1024  # Inspect truncates prompts to this many tokens
+DEFAULT_WINDOW = 256  # positions Inspect shows at first for a long prompt (the last ones)
+# Inspect's widgets before the user touches them (also what warm_up reads the default prompt with)
+INSPECT_DEFAULTS = {"chat": False, "top_k": 10, "pinned": "", "stride": 1, "show_ws": False, "word_like": False,
+                    "gen_n": 0, "gen_temp": 0.0, "gen_seed": 0, "mc_word_like": False}
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Widget values kept when the user moves to another page (Streamlit drops a widget's state when
@@ -156,6 +161,52 @@ def reading_cached(_model, model_key: str, _lens, lens_key: str, text: str | tup
                        show_whitespace=show_ws, word_like=word_like, layers=None if layers is None else list(layers),
                        positions=None if positions is None else list(positions), max_seq_len=max_seq_len,
                        n_prompt=n_prompt, edits=_edits)
+
+
+def view_layers(n_layers: int, band: tuple[int, int], stride: int) -> list[int]:
+    """The heatmap's rows: every ``stride``-th layer of ``band``, and always the output layer."""
+    lo, hi = (int(x) for x in band)
+    return sorted(set(range(lo, hi + 1, int(stride))) | {n_layers - 1})
+
+
+def default_positions(n_tokens: int) -> tuple[int, ...]:
+    """The positions Inspect shows at first: all, or the last ``DEFAULT_WINDOW`` of a long prompt."""
+    return tuple(range(max(0, n_tokens - DEFAULT_WINDOW), n_tokens))
+
+
+def warm_up(spec: str | None = None) -> list[str]:
+    """Fill the resource caches a first visit reads, before any browser connects.
+
+    Run by ``app/serve.py`` in a thread of the server process: the model (``JLENS_APP_MODEL`` or
+    the default, device and dtype "auto"), its shipped Jacobian lens, and the readings of the
+    default prompt with Inspect's default settings (:data:`INSPECT_DEFAULTS`), under the same cache
+    keys the pages use, so the first heatmap is drawn from the cache. A URL naming another model,
+    lens or prompt simply computes its own. Returns what it loaded, for the log.
+    """
+    spec = spec or os.environ.get(ENV_MODEL) or DEFAULT_MODEL
+    model = load_model_cached(spec, "auto", "auto")
+    done = [f"model {spec}"]
+    lenses = {"logit": (LogitLens.for_model(model), "logit")}
+    lens_request = os.environ.get(ENV_LENS) or "auto"
+    if lens_request in ("auto", "shipped"):
+        lens_path = shipped_lens_path(model)
+    elif lens_request in ("none", "file", "upload") or lens_request.startswith(("run:", "hf://")):
+        lens_path = None  # nothing to warm, or a fetch better left to the page (it shows its progress)
+    else:
+        lens_path = Path(lens_request).expanduser()
+    if lens_path is not None and lens_path.is_file():
+        lens, lens_key = _load_versioned(load_lens_cached, lens_path, lens_path, model)
+        lenses["jacobian"] = (lens, lens_key)
+        done.append(f"lens {lens_path.name}")
+    text = default_prompt()
+    n_tokens = min(int(model.encode(text).shape[1]), MAX_TOKENS)
+    layers = tuple(view_layers(model.n_layers, (0, model.n_layers - 1), INSPECT_DEFAULTS["stride"]))
+    for name, (lens, lens_key) in lenses.items():
+        reading_cached(model, f"{spec}|auto|auto", lens, lens_key, text, INSPECT_DEFAULTS["top_k"], (),
+                       INSPECT_DEFAULTS["show_ws"], INSPECT_DEFAULTS["word_like"], layers,
+                       default_positions(n_tokens), MAX_TOKENS, None, "", None)
+        done.append(f"{name} reading of the default prompt")
+    return done
 
 
 # -- the loaded state ---------------------------------------------------------------------------

@@ -638,7 +638,8 @@ def test_jlens_app_command(capsys):
 
     assert main(["app", "--print-command", "--server.port", "8999", "--headless", "--", "--theme.base", "dark"]) == 0
     out = capsys.readouterr().out
-    assert "streamlit run" in out and out.strip().split()[4].endswith("app/main.py")
+    words = out.strip().split()
+    assert words[1].endswith("app/serve.py") and words[2] == "run" and words[3].endswith("app/main.py")
     assert "--server.port 8999" in out and "--server.headless true" in out and "--theme.base dark" in out
 
 
@@ -668,3 +669,26 @@ def test_jlens_app_stops_its_server_with_it(signum, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_warm_up_fills_the_caches_the_first_inspect_run_reads(tiny_dir, lens_file, monkeypatch):
+    import sys
+
+    sys.path.insert(0, str(APP.parent))
+    import common
+
+    from jlens_core.reading import readings as readings_mod
+
+    monkeypatch.setenv("JLENS_APP_MODEL", tiny_dir)
+    monkeypatch.setenv("JLENS_APP_LENS", lens_file)
+    done = common.warm_up()
+    assert done[0] == f"model {tiny_dir}" and f"lens {Path(lens_file).name}" in done
+    assert done[-2:] == ["logit reading of the default prompt", "jacobian reading of the default prompt"]
+    computed = []
+    real = readings_mod.read_prompt
+    monkeypatch.setattr(readings_mod, "read_prompt", lambda *a, **k: computed.append(a[1]) or real(*a, **k))
+    at = ok(make_app().run())  # no URL: the env's model and lens, the default prompt, default settings
+    assert len(values(chart(at, "heatmap")["data"][0]["x"])) > 0 and at.radio(key="mode").value == "side"
+    assert computed == []  # both readings came from the warm cache
+    at.text_area(key="prompt").set_value("A different prompt, read now.").run()
+    assert len(computed) == 2  # ...and a new prompt is read, both lenses

@@ -14,8 +14,7 @@ from jlens_core.reading.generation import generate
 from jlens_core.reading.readings import most_common_tokens
 from jlens_core.reading.tokens import pin_spec, token_id_for
 
-MAX_TOKENS = 1024  # prompts are truncated to this many tokens
-DEFAULT_WINDOW = 256  # positions shown at first for a long prompt (the last ones)
+MAX_TOKENS = common.MAX_TOKENS
 
 ss = st.session_state
 ctx = common.require_model()
@@ -23,8 +22,7 @@ model = ctx.model
 n_layers = model.n_layers
 examples = common.example_prompts()
 has_template = bool(getattr(model.tokenizer, "chat_template", None))
-for key, value in (("chat", False), ("top_k", 10), ("pinned", ""), ("stride", 1), ("show_ws", False),
-                   ("word_like", False), ("gen_n", 0), ("gen_temp", 0.0), ("gen_seed", 0), ("mc_word_like", False)):
+for key, value in common.INSPECT_DEFAULTS.items():
     ss.setdefault(key, value)
 if ss.mode not in common.MODES:
     ss.mode = "logit"
@@ -194,7 +192,8 @@ with st.expander("Display options", expanded=False):
                        "way there): start the band above them to see what the middle layers hold.")
     if n_tokens > 1:
         if ss.get("_pos_for") != (text, n_tokens) or "pos_range" not in ss:
-            ss.pos_range = (max(0, n_tokens - DEFAULT_WINDOW), n_tokens - 1)
+            shown = common.default_positions(n_tokens)
+            ss.pos_range = (shown[0], shown[-1])
             ss._pos_for = (text, n_tokens)
         d2.slider("Positions", 0, n_tokens - 1, key="pos_range")
     d3.toggle("Whitespace as glyphs", key="show_ws", help="Show spaces as ·, newlines as ↵, tabs as →.")
@@ -209,7 +208,7 @@ lo, hi = ss.pos_range if n_tokens > 1 else (0, 0)
 positions = tuple(range(int(lo), int(hi) + 1))
 stride = int(ss.stride)
 band_lo, band_hi = (int(x) for x in ss.band)
-layers = sorted(set(range(band_lo, band_hi + 1, stride)) | {n_layers - 1})
+layers = common.view_layers(n_layers, (band_lo, band_hi), stride)
 source = tuple(int(x) for x in generation.ids) if generation is not None else text
 n_prompt = generation.n_prompt if generation is not None else None
 intervene.init(model, intervene.directions_lens(ctx)[1])
@@ -218,15 +217,30 @@ edited_view = intervene.heatmap_edits(ctx, text)
 edits, edits_key = edited_view if edited_view else (None, "")
 
 readings = {}
-with st.spinner("Reading the prompt…"):
-    for name, lens in ctx.lenses().items():
+tried: set[str] = set()
+
+
+def read_lenses(names: list[str]) -> None:
+    """Read the prompt through the loaded lenses among ``names`` (cached) into ``readings``."""
+    lenses = ctx.lenses()
+    for name in names:
+        if name not in lenses or name in tried:
+            continue
+        tried.add(name)
         try:
             readings[name] = common.reading_cached(
-                model, ctx.model_key, lens, ctx.lens_keys()[name], source, int(ss.top_k), tuple(pins),
+                model, ctx.model_key, lenses[name], ctx.lens_keys()[name], source, int(ss.top_k), tuple(pins),
                 bool(ss.show_ws), bool(ss.word_like), tuple(layers), positions, MAX_TOKENS, n_prompt,
                 edits_key, edits)
         except common.EXPECTED_ERRORS as exc:
             st.error(f"The {charts.LENS_NAMES[name].lower()} cannot read this prompt: {exc}")
+
+
+# The lenses the heatmap draws are read first, so it is redrawn before the others (the cell detail
+# compares every loaded lens) are read below it; the logit lens always (the output row uses it).
+shown_now = {"side": list(pair), "diff": list(pair), "three": list(common.LENS_KINDS)}.get(ss.mode, [ss.mode])
+with st.spinner("Reading the prompt…"):
+    read_lenses(["logit"] + shown_now)
 if "logit" not in readings:
     st.stop()
 
@@ -278,6 +292,8 @@ with st.expander(f"Most common tokens, layers {band_lo}–{band_hi}", expanded=T
                                        width="stretch")
 
 # -- cell detail ------------------------------------------------------------------------------------
+with st.spinner("Reading the prompt through the other lenses…"):
+    read_lenses(list(common.LENS_KINDS))
 points = list(event.selection.points) if event is not None and event.selection else []
 if points:
     signature = json.dumps({k: points[0].get(k) for k in ("x", "y", "curve_number")}, default=str)

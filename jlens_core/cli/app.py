@@ -8,6 +8,7 @@ they are; any other Streamlit option goes after ``--``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import subprocess
@@ -42,8 +43,16 @@ def app_script() -> Path:
 
 
 def streamlit_command(args: argparse.Namespace) -> list[str]:
-    """The command line that starts the app for these arguments."""
-    cmd = [sys.executable, "-m", "streamlit", "run", str(app_script())]
+    """The command line that starts the app for these arguments.
+
+    ``app/serve.py run app/main.py``: ``streamlit run`` with the model and the default prompt's
+    readings loading in the server process while the browser connects (plain ``streamlit run``
+    where an app folder has no ``serve.py``).
+    """
+    script = app_script()
+    serve = script.parent / "serve.py"
+    launcher = [sys.executable, str(serve)] if serve.is_file() else [sys.executable, "-m", "streamlit"]
+    cmd = launcher + ["run", str(script)]
     options = dict(args.streamlit_options or [])
     if args.port is not None:
         options.setdefault("server.port", str(args.port))
@@ -68,10 +77,8 @@ class _Option(argparse.Action):
 
 
 def cmd_app(args: argparse.Namespace) -> int:
-    try:
-        import streamlit  # noqa: F401
-    except ImportError:
-        raise CLIError("The app needs Streamlit and Plotly: pip install -e '.[app]'.") from None
+    if importlib.util.find_spec("streamlit") is None or importlib.util.find_spec("plotly") is None:
+        raise CLIError("The app needs Streamlit and Plotly: pip install -e '.[app]'.")
     env = dict(os.environ)
     if args.model:
         env["JLENS_APP_MODEL"] = args.model

@@ -298,36 +298,50 @@ class HFLensModel:
         out = self.base(input_ids=input_ids, **kwargs)
         return getattr(out, "cache", None) if hasattr(out, "cache") else getattr(out, "past_key_values", None)
 
-    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+    def unembed(self, h: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm, then the output head; then the model's logit scale and soft-cap, if any.
 
         The readout is the model's own: a pre-head or readout module (OPT's ``project_out``, BERT's
         prediction head), the constant logit scale of :func:`logit_scale_of` (Cohere, Granite,
-        MiniCPM3, Falcon-H1), then ``final_logit_softcapping`` (Gemma 2/3). For a multi-stream model
-        ``h`` is the collapsed residual (:mod:`jlens_core.models.recorder`).
+        MiniCPM3, Falcon-H1), then the soft-cap (Gemma 2/3, RecurrentGemma, xLSTM). For a
+        multi-stream model ``h`` is the collapsed residual (:mod:`jlens_core.models.recorder`).
 
         Args:
             h: ``[..., d_model]`` pre-final-norm residuals, any dtype.
+            out: an optional ``[..., vocab]`` array of the model's dtype to write the logits into (a
+                caller unembedding many chunks reuses one, sparing a fresh array's page faults).
 
         Returns:
-            ``[..., vocab]`` logits in the model's dtype.
+            ``[..., vocab]`` logits in the model's dtype (``out`` when given).
         """
         x = h.to(self.dtype)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        if self.readout is not None:
-            logits = self.readout(x)
-            logits = logits[0] if isinstance(logits, (tuple, list)) else logits
+        padded = self.unpadded_vocab < self.head.weight.shape[0]  # a head padded past the vocabulary (Inkling)
+        if self.readout is not None or padded:
+            if self.readout is not None:
+                logits = self.readout(x)
+                logits = logits[0] if isinstance(logits, (tuple, list)) else logits
+            else:
+                for module in self.pre_head:
+                    x = module(x)
+                logits = self.head(x)
+            logits = logits[..., : self.unpadded_vocab]
+            if out is not None:
+                logits = out.copy_(logits)
         else:
             for module in self.pre_head:
                 x = module(x)
-            logits = self.head(x)
+            if out is not None and isinstance(self.head, nn.Linear) and self.head.bias is None:
+                logits = torch.matmul(x, self.head.weight.t(), out=out)
+            elif out is not None:
+                logits = out.copy_(self.head(x))
+            else:
+                logits = self.head(x)
         if self.logit_scale != 1.0:
-            logits = logits * self.logit_scale
-        if self.unpadded_vocab < logits.shape[-1]:  # a head padded past the vocabulary (Inkling)
-            logits = logits[..., : self.unpadded_vocab]
+            logits = logits.mul_(self.logit_scale) if out is not None else logits * self.logit_scale
         if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
     def fingerprint(self) -> dict:

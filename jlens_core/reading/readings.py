@@ -17,13 +17,14 @@ distribution is ``softmax(unembed(h_{L-1}[p]))``, the model's own output. From t
 top-1 token has rank 1 and ``rank <= k`` means "in the top k". Ties share the best rank. Ranks are
 computed from fp32 logits (cast from the model's dtype).
 
-Memory: residuals are recorded once (``layers x seq x d_model``); logits are computed a chunk of
-positions and one layer at a time (at most ``CHUNK_ELEMENTS`` logits per array), and only the
+Memory: residuals are recorded once (``layers x seq x d_model``); logits are computed for a chunk of
+positions and a group of layers at a time (at most ``CHUNK_ELEMENTS`` logits per array), and only the
 returned statistics are kept, so ``layers x positions x vocab`` is never held.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -143,13 +144,13 @@ def rank_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """1-based rank of ``ids`` among ``logits``: ``1 + #{v : logits[..., v] > logits[..., id]}``.
 
     Args:
-        logits: ``[n, vocab]``.
-        ids: ``LongTensor[n]``, one id per row.
+        logits: ``[..., vocab]``.
+        ids: ``LongTensor[...]``, one id per row.
 
     Returns:
-        ``LongTensor[n]``.
+        ``LongTensor[...]``.
     """
-    value = logits.gather(-1, ids[:, None])  # [n, 1]
+    value = logits.gather(-1, ids.unsqueeze(-1))  # [..., 1]
     return (logits > value).sum(-1) + 1
 
 
@@ -177,8 +178,80 @@ def distribution_stats(logits: torch.Tensor, final_logp: torch.Tensor, final_p: 
     return logp, entropy, kl, ce
 
 
+def final_distribution(final_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's final distribution, as :func:`centred_logit_stats` needs it.
+
+    Args:
+        final_logits: ``[c, vocab]`` fp32.
+
+    Returns:
+        ``(final_p [c, vocab] fp32, final_neg_entropy [c] float64)``: probabilities and
+        ``sum p log p`` in nats (computed in float64: once per chunk of positions, it is cheap).
+    """
+    final_logp = final_logits.double().log_softmax(-1)
+    final_p = final_logp.exp()
+    neg_entropy = torch.where(final_p > 0, final_p * final_logp, torch.zeros((), device=final_p.device)).sum(-1)
+    return final_p.float(), neg_entropy
+
+
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """``x.sum(-1)`` as a matrix-vector product (several times faster on the CPU than a reduction,
+    and exact for 0/1 counts below 2**24): ``[..., vocab] -> [...]``."""
+    ones = torch.ones(x.shape[-1], 1, dtype=x.dtype, device=x.device)
+    return (x.reshape(-1, x.shape[-1]) @ ones).view(x.shape[:-1])
+
+
+def centred_logit_stats(z: torch.Tensor, final_p: torch.Tensor, final_neg_entropy: torch.Tensor,
+                        next_ids: torch.Tensor, scratch: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entropy, KL(final || lens) and next-token CE from lens logits, in bits, centring ``z`` in place.
+
+    Each row of ``z`` has its maximum subtracted (ranks and top-k are unchanged by it). With
+    ``s = log sum exp(z)`` of the centred logits and ``p`` the lens distribution: ``H = s - sum p z``,
+    ``KL = sum q log q - sum q z + s`` (``q`` the final distribution), ``CE = s - z[next]``. Centring
+    keeps the cancelling terms small, so fp32 holds them to ~1e-6 bits; the sums run as matrix
+    products. A few passes over the logits instead of materialising ``log_softmax``.
+
+    Args:
+        z: ``[..., c, vocab]`` lens logits, fp32; centred in place (``-inf`` becomes ``-1e30``).
+        final_p / final_neg_entropy: from :func:`final_distribution`, ``[c, vocab]`` / ``[c]``.
+        next_ids: ``LongTensor[c]``; a negative id means "no next token" (CE is NaN there).
+        scratch: overwritten; same shape and dtype as ``z``. Reusing one buffer across calls saves
+            the page faults of a fresh array per call, which on the CPU cost more than the arithmetic.
+
+    Returns:
+        ``(log_norm [..., c], entropy_bits, kl_bits, ce_bits)``, each ``[..., c]``; ``log_norm`` is
+        ``s``, so ``log p_v = z_v - log_norm``. KL and entropy are clamped at 0 (rounding).
+    """
+    z.sub_(z.amax(dim=-1, keepdim=True)).clamp_min_(-1e30)  # max 0 per row; no -inf left to make 0 * inf
+    p = torch.exp(z, out=scratch) if scratch is not None else torch.exp(z)  # [..., c, vocab] unnormalised, <= 1
+    total = row_sums(p)  # [..., c] >= 1
+    rows, vocab = total.numel(), z.shape[-1]
+    p_z = torch.bmm(p.view(rows, 1, vocab), z.view(rows, vocab, 1)).view(total.shape) / total
+    del p
+    log_norm = total.log()
+    entropy = (log_norm - p_z).clamp_min(0.0) / LN2
+    q_z = torch.einsum("...cv,cv->...c", z, final_p)
+    kl = (final_neg_entropy.to(z.dtype) - q_z + log_norm).clamp_min(0.0) / LN2
+    kl = torch.where(kl < 1e20, kl, torch.full_like(kl, float("inf")))  # final mass on a ruled-out (-inf) token
+    picked = z.gather(-1, next_ids.clamp_min(0).expand(total.shape).unsqueeze(-1))[..., 0]
+    picked = torch.where(picked > -1e30, picked, torch.full_like(picked, float("-inf")))  # a ruled-out token
+    ce = torch.where(next_ids >= 0, (log_norm - picked) / LN2, torch.full_like(log_norm, float("nan")))
+    return log_norm, entropy, kl, ce
+
+
+def ranks_of(z: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rank_of` for ``z`` ``[..., vocab]`` and ``ids`` ``[...]``, counting by a matrix product.
+
+    ``scratch`` (same shape and dtype as ``z``) is overwritten, saving an array (and its page faults) per call.
+    """
+    value = z.gather(-1, ids.unsqueeze(-1))  # [..., 1]
+    above = torch.gt(z, value, out=scratch) if scratch is not None else (z > value).to(z.dtype)
+    return row_sums(above).long() + 1
+
+
 def chunk_size(vocab_size: int) -> int:
-    """Positions per chunk so that one ``[chunk, vocab]`` array holds at most ``CHUNK_ELEMENTS``."""
+    """Rows (positions, or layer x position pairs) per ``[rows, vocab]`` array of at most ``CHUNK_ELEMENTS``."""
     return max(1, CHUNK_ELEMENTS // max(1, int(vocab_size)))
 
 
@@ -552,36 +625,66 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
     pin_ranks = {name: np.zeros((n_l, n_p), dtype=np.int64) for name in pin_names}
     final_top1 = np.zeros(n_p, dtype=np.int64)
 
-    step = chunk_size(vocab)
+    def write_stats(rows: list[int], sl: slice, z: torch.Tensor, final_p: torch.Tensor,
+                    final_neg_entropy: torch.Tensor, nxt: torch.Tensor, f_top1: torch.Tensor) -> None:
+        # z: [g, c, vocab] fp32 logits of the layers ``rows`` (indices into layer_list) at positions sl
+        g = z.shape[0]
+        if work[0] is None or work[0].numel() < z.numel() or work[0].device != z.device:
+            work[0] = torch.empty(z.numel(), dtype=z.dtype, device=z.device)
+        scratch = work[0][: z.numel()].view(z.shape)
+        log_norm, ent, kld, cel = centred_logit_stats(z, final_p, final_neg_entropy, nxt, scratch)  # z centred
+        entropy[rows, sl] = ent.double().cpu().numpy()
+        kl[rows, sl] = kld.double().cpu().numpy()
+        ce[rows, sl] = cel.double().cpu().numpy()
+        nr = ranks_of(z, nxt.clamp_min(0).expand(g, -1), scratch).double()
+        next_rank[rows, sl] = torch.where(nxt >= 0, nr, torch.full_like(nr, float("nan"))).cpu().numpy()
+        final_rank[rows, sl] = ranks_of(z, f_top1.expand(g, -1), scratch).cpu().numpy()
+        for j, name in enumerate(pin_names):
+            pin_ranks[name][rows, sl] = ranks_of(z, pin_t[j].expand(g, z.shape[1]), scratch).cpu().numpy()
+        if mask is None:
+            top_z, indices = z.topk(k, dim=-1)  # [g, c, k]
+        else:
+            indices = torch.where(mask, z, scratch.fill_(float("-inf"))).topk(k, dim=-1)[1]
+            top_z = z.gather(-1, indices)
+        top_ids[rows, sl] = indices.cpu().numpy()
+        top_probs[rows, sl] = (top_z - log_norm[..., None]).exp().cpu().numpy()
+
+    # One logits array holds at most CHUNK_ELEMENTS: ``c`` positions of ``group`` layers at a time,
+    # unembedded by one matmul (a few large products run far closer to the matmul peak than one per layer).
+    rows_per_array = chunk_size(vocab)
+    takes_out = "out" in inspect.signature(model.unembed).parameters  # HFLensModel does; a protocol model may not
+    work: list[torch.Tensor | None] = [None]  # one scratch array for every group (see centred_logit_stats)
+    logits_buffer: list[torch.Tensor | None] = [None]  # and one for the logits, where the model takes out=
+
+    def unembed_into(carried: torch.Tensor, buffer: list[torch.Tensor | None]) -> torch.Tensor:
+        if not takes_out:
+            return model.unembed(carried)
+        n = carried.shape[0] * vocab
+        if buffer[0] is None or buffer[0].numel() < n:
+            buffer[0] = torch.empty(n, dtype=getattr(model, "dtype", carried.dtype), device=carried.device)
+        return model.unembed(carried, out=buffer[0][:n].view(carried.shape[0], vocab))
+    lens_rows = [li for li, layer in enumerate(layer_list) if layer != top]
     with torch.no_grad():
-        for start in range(0, n_p, step):
-            sl = slice(start, start + step)
+        for start in range(0, n_p, rows_per_array):
+            sl = slice(start, start + rows_per_array)
             sel = pos_t[sl]  # [c]
             nxt = next_t[sl]  # [c]
+            c = int(sel.numel())
             final_logits = model.unembed(resid[top][sel]).float()  # [c, vocab]
-            final_logp = final_logits.log_softmax(-1)
-            final_p = final_logp.exp()
+            final_p, final_neg_entropy = final_distribution(final_logits)
             f_top1 = final_logits.argmax(-1)  # [c]
             final_top1[sl] = f_top1.cpu().numpy()
-            for li, layer in enumerate(layer_list):
-                if layer == top:
-                    logits = final_logits  # the model's own output: exactly KL 0
-                else:
-                    logits = model.unembed(lens.transport(resid[layer][sel], layer)).float()  # [c, vocab]
-                logp, ent, kld, cel = distribution_stats(logits, final_logp, final_p, nxt)
-                entropy[li, sl] = ent.double().cpu().numpy()
-                kl[li, sl] = kld.double().cpu().numpy()
-                ce[li, sl] = cel.double().cpu().numpy()
-                nr = rank_of(logits, nxt.clamp_min(0)).double()
-                next_rank[li, sl] = torch.where(nxt >= 0, nr, torch.full_like(nr, float("nan"))).cpu().numpy()
-                final_rank[li, sl] = rank_of(logits, f_top1).cpu().numpy()
-                for j, name in enumerate(pin_names):
-                    pin_ranks[name][li, sl] = rank_of(logits, pin_t[j].expand(len(sel))).cpu().numpy()
-                scores = logp if mask is None else logp.masked_fill(~mask, float("-inf"))
-                _, indices = scores.topk(k, dim=-1)  # [c, k]
-                top_ids[li, sl] = indices.cpu().numpy()
-                top_probs[li, sl] = logp.gather(-1, indices).exp().cpu().numpy()
-                del logits, logp, scores
+            if top in layer_list:  # the model's own output: KL exactly 0
+                top_row = layer_list.index(top)
+                write_stats([top_row], sl, final_logits[None].clone(), final_p, final_neg_entropy, nxt, f_top1)
+                kl[top_row, sl] = 0.0
+            group = max(1, rows_per_array // c)
+            for g0 in range(0, len(lens_rows), group):
+                rows = lens_rows[g0: g0 + group]
+                carried = torch.cat([lens.transport(resid[layer_list[li]][sel], layer_list[li]) for li in rows])
+                z = unembed_into(carried, logits_buffer).float().view(len(rows), c, -1)  # [g, c, vocab]
+                write_stats(rows, sl, z, final_p, final_neg_entropy, nxt, f_top1)
+                del z, carried
 
     input_ids = ids[0].cpu().numpy().astype(np.int64)
     strings = display.strings(show_whitespace)

@@ -1,0 +1,220 @@
+"""A 1B-class model on this machine: reading, lens file loading and one fit prompt, measured.
+
+Researchers bring Llama-, Qwen- and Gemma-sized models. This builds a random model of that shape
+from a config (Llama layout: d_model 2048, 16 layers, d_ff 8192, 32 heads / 8 key-value heads,
+vocabulary 128256, tied embeddings: the shape of Llama-3.2-1B, 1.24 B parameters) with the
+embedded default model's tokenizer (ids above its 49152 are never typed, only scored), a random
+Jacobian lens for it, and reports:
+
+* loading the lens file (fp16, all 15 source layers; seconds, MB of file and of memory);
+* reading a 64-token prompt with the logit lens and with the Jacobian lens (seconds, peak memory
+  above the loaded model, against ``layers x positions x vocab`` fp32, which is never held);
+* one fit prompt at seq 128 (the fused estimator; on the CPU a measured share of the d_model rows,
+  extrapolated linearly: the rows are independent and equally costly; on a GPU the whole prompt).
+
+    python bench/large_model.py                    # CPU, fp32 (writes bench/large_model.json)
+    python bench/large_model.py --fit-rows 64      # measure more rows of the fit prompt
+    python bench/large_model.py --device cuda --dtype bfloat16 --json bench/large_model_gpu.json
+
+A script, not a test: it prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+PROMPT_64 = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz combined "
+             "movable metal type, oil-based ink and a wooden press adapted from those used for wine. Within fifty "
+             "years presses were working in more than two hundred cities across Europe, and the price of a book fell "
+             "so far that a clerk, a merchant or a student could own the texts that only monasteries had kept.")
+
+
+class PeakRSS:
+    """Peak resident memory of this process (sampled every 5 ms) while inside the block, in MB."""
+
+    def __init__(self) -> None:
+        self.peak = 0.0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def now() -> float:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return 0.0
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.005)
+
+    def __enter__(self):  # -> PeakRSS
+        self.start = self.now()
+        self.peak = self.start
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def build_model(args):
+    """The random 1B-class model as an HFLensModel (weights N(0, 0.02), norms 1), and its build time."""
+    import transformers as tf
+
+    from jlens_core.models.loading import _gguf_cache_folder, default_gguf_path
+    from jlens_core.models.model import HFLensModel
+
+    config = tf.LlamaConfig(hidden_size=args.d_model, intermediate_size=4 * args.d_model, num_hidden_layers=args.layers,
+                            num_attention_heads=args.d_model // 64, num_key_value_heads=max(1, args.d_model // 256),
+                            vocab_size=args.vocab, tie_word_embeddings=True, max_position_embeddings=4096,
+                            bos_token_id=0, eos_token_id=1)
+    dtype = getattr(torch, args.dtype)
+    with torch.device("meta"):
+        hf = tf.LlamaForCausalLM(config)
+    hf = hf.to_empty(device=args.device).to(dtype)
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config).to(args.device)  # real buffers, not to_empty garbage
+    hf.tie_weights()
+    tokenizer = tf.AutoTokenizer.from_pretrained(str(_gguf_cache_folder(default_gguf_path())))
+    return HFLensModel(hf, tokenizer, name=f"random-llama-{args.d_model}x{args.layers}-v{args.vocab}")
+
+
+def random_lens(model):
+    from jlens_core.lenses.lens import JacobianLens
+
+    d = model.d_model
+    gen = torch.Generator().manual_seed(1)
+    jac = {layer: torch.eye(d) + torch.randn(d, d, generator=gen) / d ** 0.5 for layer in range(model.n_layers - 1)}
+    return JacobianLens(jac, n_prompts=1, d_model=d, target_layer=model.n_layers - 1, n_layers=model.n_layers,
+                        model_name=model.name, model_fingerprint=model.fingerprint())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--d-model", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 on the CPU (default), bfloat16 on a GPU")
+    p.add_argument("--fit-rows", type=int, default=32, help="rows of the fit prompt to measure on the CPU "
+                                                            "(default 32 of d_model; all on a GPU)")
+    p.add_argument("--dim-batch", type=int, default=16)
+    p.add_argument("--json", default=str(ROOT / "bench" / "large_model.json"))
+    args = p.parse_args()
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    from fit_speed import matmul_peak_gflops
+
+    from jlens_core.fitting import fused
+    from jlens_core.lenses.lens import JacobianLens, LogitLens
+    from jlens_core.reading.readings import read_prompt
+
+    rows = []
+
+    def row(step: str, seconds: float, **extra) -> None:
+        rows.append({"step": step, "seconds": seconds, **extra})
+        more = "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in extra.items())
+        print(f"{step:74s} {seconds:8.2f} s  {more}", flush=True)
+
+    peak = matmul_peak_gflops(device=args.device, dtype=getattr(torch, args.dtype) if args.device != "cpu"
+                              else torch.float32)
+    print(f"matmul peak {peak:.0f} GFLOP/s ({args.dtype}); torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, device {args.device}", flush=True)
+    t = time.perf_counter()
+    with PeakRSS() as mem:
+        model = build_model(args)
+    n_params = sum(p.numel() for p in model.hf_model.parameters())
+    row("build the random model", time.perf_counter() - t, params_M=n_params / 1e6, rss_MB=mem.peak)
+
+    lens = random_lens(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "lens.safetensors"
+        lens.save(path, dtype="float16")
+        size_mb = path.stat().st_size / 2**20
+        del lens
+        os.sync()
+        t = time.perf_counter()
+        with PeakRSS() as mem:
+            lens = JacobianLens.load(path, model=model)
+        row("load the lens file (fp16)", time.perf_counter() - t, file_MB=size_mb, rss_added_MB=mem.peak - mem.start)
+
+    ids = model.encode(PROMPT_64)[:, :64]
+    n_tokens = int(ids.shape[1])
+    full_grid_mb = model.n_layers * n_tokens * model.vocab_size * 4 / 2**20
+    read_prompt(model, LogitLens.for_model(model), ids[:, :8])  # first-call set-up (token strings, threads)
+    for name, lens_ in (("logit", LogitLens.for_model(model)), ("Jacobian", lens)):
+        for attempt in ("first", "again"):
+            _sync(args.device)
+            if args.device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+                gpu_base = torch.cuda.memory_allocated()
+            t = time.perf_counter()
+            with PeakRSS() as mem:
+                read_prompt(model, lens_, ids)
+            _sync(args.device)
+            extra = {"peak_added_MB": mem.peak - mem.start, "layers_x_pos_x_vocab_MB": full_grid_mb}
+            if args.device.startswith("cuda"):  # the GPU's own peak above what the model holds
+                extra["gpu_peak_added_MB"] = (torch.cuda.max_memory_allocated() - gpu_base) / 2**20
+            row(f"read a {n_tokens}-token prompt, {name} lens ({attempt})", time.perf_counter() - t, **extra)
+
+    fit_ids = model.encode(PROMPT_64 * 3)[:, :128]
+    sources, target, skip = list(range(model.n_layers - 1)), model.n_layers - 1, 16
+    d = model.d_model
+    want = d if args.device != "cpu" else min(d, args.fit_rows)
+    with torch.no_grad():
+        _sync(args.device)
+        t = time.perf_counter()
+        with PeakRSS() as mem:
+            prep = fused.prepare_layers(model, fit_ids, sources[0], target, skip)
+            _sync(args.device)
+            t_prep = time.perf_counter() - t
+            t = time.perf_counter()
+            for start in range(0, want, args.dim_batch):
+                r = range(start, min(start + args.dim_batch, want))
+                grad = None
+                for j in range(target, sources[0], -1):
+                    grad = fused.backward_layer(prep, j, grad, r)
+                    grad.float().sum(dim=1).cpu()
+            _sync(args.device)
+            t_rows = time.perf_counter() - t
+    total = t_prep + t_rows * d / want
+    note = "measured" if want == d else f"extrapolated from {want} of {d} rows"
+    row(f"one fit prompt, seq {int(fit_ids.shape[1])}, all {len(sources)} source layers ({note})", total,
+        forward_s=t_prep, rows_measured=want, rss_added_MB=mem.peak - mem.start)
+    out = {"device": args.device, "dtype": args.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "matmul_peak_gflops": peak, "d_model": d, "layers": model.n_layers, "vocab": model.vocab_size,
+           "params_M": n_params / 1e6, "rows": rows}
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
