@@ -31,8 +31,6 @@ UNSUPPORTED: dict[str, str] = {
             "sequence, so no stack's positions line up with the tokens read"),
     "reformer": ("its reversible layers run inside one custom autograd function over two half-streams, so a "
                  "layer's output is neither hookable nor differentiable on its own"),
-    "cpmant": ("it prepends learned prompt positions to every input, so its residual positions do not line "
-               "up with the tokens read"),
 }
 
 # Logit scales applied after the head, by config field: (field, "mul" | "div"); per-family overrides.
@@ -75,6 +73,17 @@ def _stream_readout(base: nn.Module, config: Any) -> StreamReadout | None:
         # Qwen4-exp: the streams side by side on the last axis, [batch, seq, streams * d]
         return StreamReadout(collapse=mixer, stream_dim=None, description="hyper-connection streams (mixer)",
                              lift=lambda x, delta: x + delta.repeat(*([1] * (delta.dim() - 1)), count))
+    prompt_length = getattr(config, "prompt_length", 0)
+    if getattr(config, "model_type", None) == "cpmant" and prompt_length > 0:
+        # CPM-Ant prepends ``prompt_length`` learned prompt positions: the residual is the tokens' part
+        def tokens_part(x: torch.Tensor) -> torch.Tensor:
+            return x[:, prompt_length:]
+
+        def lift_tokens(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x[:, :prompt_length], x[:, prompt_length:] + delta], dim=1)
+
+        return StreamReadout(collapse=tokens_part, stream_dim=None, lift=lift_tokens,
+                             description="the positions after the learned prompt")
     if getattr(config, "model_type", None) == "xlnet":
         # time-major blocks: [seq, batch, d]
         return StreamReadout(collapse=lambda x: x.transpose(0, 1), stream_dim=None, description="time-major",

@@ -10,7 +10,7 @@ quantity. A change ``delta`` of that residual is defined as ``delta`` added to e
 the Jacobian with respect to the residual is the sum over streams of the Jacobians with respect to
 each stream. Blocks whose output is laid out otherwise use the same hook with their own ``lift``
 (XLNet's time-major ``[seq, batch, d]``; ProphetNet, whose residual is the n-gram stream its
-causal-LM logits read).
+causal-LM logits read; CPM-Ant, whose residual is the positions after its learned prompt).
 """
 
 from __future__ import annotations
