@@ -295,8 +295,10 @@ def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None,
         local["events"].append(FitProgress(idx, n_total, 0, 0, records=records,
                                            max_rel_change=max(rels) if rels else None, seconds=seconds))
 
-    def sync(final: bool) -> None:
-        """Fold the rank-local contributions into ``state``; report progress; ask ``should_stop``."""
+    def sync(final: bool) -> list:
+        """Fold the rank-local contributions into ``state`` and ask ``should_stop``; returns the
+        progress events, reported by the caller once the checkpoint holds them (a stop signalled
+        after a reported prompt then never finds the checkpoint a prompt behind)."""
         if world is None:
             for layer in sources:
                 state.jacobian_sum[layer] += delta[layer]
@@ -317,16 +319,15 @@ def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None,
         state.n_skipped += skipped_new
         state.diagnostics.extend(records)
         local.update(n=0, skipped=0, records=[], events=[])
-        if rank == 0 and progress is not None:
-            for event in events:
-                n_running += 0 if event.skipped else 1
-                event.n_done, event.next_idx = n_running, state.next_idx
-                progress(event)
+        for event in events:
+            n_running += 0 if event.skipped else 1
+            event.n_done, event.next_idx = n_running, state.next_idx
         if should_stop is not None and state.n_done > 0 and not final:
             reason = should_stop(state) if rank == 0 else None
             reason = world.broadcast_object(reason) if world is not None else reason
             if reason:
                 state.stop_reason = reason
+        return events
 
     steps = 0
     while state.next_idx < n_total and state.stop_reason is None:
@@ -347,9 +348,12 @@ def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None,
         on_schedule = steps % checkpoint_every == 0
         # One process folds in every prompt (cheap, keeps progress live); ranks meet on the schedule.
         if world is None or on_schedule or at_end:
-            sync(final=at_end)
+            events = sync(final=at_end)
             if checkpoint_path is not None and rank == 0 and (on_schedule or at_end or state.stop_reason):
                 write_checkpoint(checkpoint_path, state, settings, prompts_digest(prompts, state.next_idx))
+            if rank == 0 and progress is not None:
+                for event in events:
+                    progress(event)
 
 
     if state.n_done == 0:
