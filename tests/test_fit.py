@@ -201,12 +201,13 @@ def test_skipped_prompt_is_not_redone_on_resume(tmp_path):
         fit(tiny(), PROMPTS, checkpoint_path=ckpt, progress=crash_at_3, **SETTINGS)
     assert [(e.prompt_index, e.skipped) for e in first] == [(0, False), (1, False), (2, True)]
     payload = read_checkpoint(ckpt)
-    assert (payload["next_idx"], payload["n_done"], payload["n_skipped"]) == (3, 2, 1)
+    # progress is reported once the checkpoint holds the prompt: the crash in prompt 3's report lost nothing
+    assert (payload["next_idx"], payload["n_done"], payload["n_skipped"]) == (4, 3, 1)
 
     second: list[FitProgress] = []
     lens = fit(tiny(), PROMPTS, checkpoint_path=ckpt, progress=second.append, **SETTINGS)
-    assert [e.prompt_index for e in second] == [3, 4, 5]  # neither prompt 2 nor the ones before
-    assert [e.n_done for e in second] == [3, 4, 5]
+    assert [e.prompt_index for e in second] == [4, 5]  # neither the skipped prompt 2 nor the ones before
+    assert [e.n_done for e in second] == [4, 5]
     assert lens.settings["n_skipped"] == 1
     assert [r["prompt_index"] for r in lens.diagnostics] == [r["prompt_index"] for r in uninterrupted().diagnostics]
     assert_same_lens(lens, uninterrupted())
