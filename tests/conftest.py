@@ -112,8 +112,8 @@ def make_tiny(family: str = "llama", *, seed: int = 0, **kwargs):
 
 def pytest_addoption(parser):
     parser.addoption("--conformance", choices=("sample", "full"), default=None,
-                     help="tests/test_conformance.py: a fixed sample of architectures (default) or every "
-                          "causal-LM architecture transformers ships (same as JLENS_CONFORMANCE=full)")
+                     help="tests/test_conformance.py: every causal-LM architecture transformers ships "
+                          "(default) or a fixed sample (same as JLENS_CONFORMANCE=sample)")
 
 
 def pytest_configure(config):
