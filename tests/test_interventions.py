@@ -253,3 +253,15 @@ def test_swap_set_files(tmp_path):
         load_swap_set(bad)
     with pytest.raises(FileNotFoundError, match="No swap set 'nope'"):
         load_swap_set("nope")
+
+
+def test_edits_on_a_multi_stream_model_are_refused_in_one_sentence():
+    from jlens_core.models.recorder import StreamReadout
+
+    model = make_tiny("llama")
+    steer = Steer(model, LogitLens.for_model(model), " capital", 2.0, layers=[1])
+    model.stream_readout = StreamReadout(collapse=lambda x: x.mean(0), stream_dim=0, description="AltUp streams")
+    with pytest.raises(ValueError, match="Residual edits are not supported on 'tiny-llama': its layers pass AltUp "
+                                         "streams"):
+        read_prompt(model, LogitLens.for_model(model), "The capital of France is", edits=[steer])
+    read_prompt(model, LogitLens.for_model(model), "The capital of France is")  # reading alone still works

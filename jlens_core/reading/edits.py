@@ -77,9 +77,15 @@ def check_edits(model: Any, edits: Iterable[Any] | None) -> list[Any]:
 
     Raises:
         TypeError: an object that is not a :class:`ResidualEdit`.
-        ValueError: an edit of a layer the model does not have.
+        ValueError: an edit of a layer the model does not have, or edits on a model whose layers
+            pass several streams (edits there are not defined yet).
     """
     out = list(edits or [])
+    streams = getattr(model, "stream_readout", None)
+    if out and streams is not None:
+        raise ValueError(f"Residual edits are not supported on {getattr(model, 'name', 'this model')!r}: its layers "
+                         f"pass {streams.description or 'several streams'}, and an edit of its residual (the "
+                         "collapse of those streams) has no single place to go yet.")
     for edit in out:
         if not isinstance(edit, ResidualEdit):
             raise TypeError(f"{edit!r} is not a residual edit: it needs layers, needs_clean, selects() and apply().")
