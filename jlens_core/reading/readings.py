@@ -663,6 +663,7 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
         if buffer[0] is None or buffer[0].numel() < n:
             buffer[0] = torch.empty(n, dtype=getattr(model, "dtype", carried.dtype), device=carried.device)
         return model.unembed(carried, out=buffer[0][:n].view(carried.shape[0], vocab))
+
     lens_rows = [li for li, layer in enumerate(layer_list) if layer != top]
     with torch.no_grad():
         for start in range(0, n_p, rows_per_array):
