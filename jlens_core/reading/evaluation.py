@@ -29,10 +29,11 @@ from .passk import (
 )
 from .readings import (
     as_lens_dict,
+    centred_logit_stats,
     check_lens,
     chunk_size,
-    distribution_stats,
     encode_prompt,
+    final_distribution,
     model_vocab_size,
     readable_layers,
     record_residuals,
@@ -164,16 +165,16 @@ def evaluate(model: Any, lenses: Mapping[str, Any], texts: Iterable[str] | str, 
                     sel = torch.arange(start, min(start + step, seq_len - 1), device=device)  # [c]
                     nxt = ids_row[sel + 1]  # [c]
                     final_logits = model.unembed(resid[top][sel]).float()  # [c, vocab]
-                    final_logp = final_logits.log_softmax(-1)
-                    final_p = final_logp.exp()
+                    final_p, final_neg_entropy = final_distribution(final_logits)
+                    scratch = torch.empty_like(final_logits)  # reused by every layer (no fresh pages each)
                     for name, lens in lenses.items():
                         for layer in lens_layers[name]:
                             if layer == top:
-                                logits = final_logits
+                                logits = final_logits.clone()
                             else:
                                 logits = model.unembed(lens.transport(resid[layer][sel], layer)).float()
-                            _, _, kl, ce = distribution_stats(logits, final_logp, final_p, nxt)
-                            kl_acc[name, layer].add(kl)
+                            _, _, kl, ce = centred_logit_stats(logits, final_p, final_neg_entropy, nxt, scratch)
+                            kl_acc[name, layer].add(torch.zeros_like(kl) if layer == top else kl)
                             ce_acc[name, layer].add(ce)
                             del logits
             n_used += 1
