@@ -138,6 +138,16 @@ def cmd_fit(args: argparse.Namespace) -> int:
         code = _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit)
         if world is not None:
             world.dist.barrier()  # ranks leave together, once rank 0 has written the lens
+            world.dist.destroy_process_group()
+            world = None
+            # Gloo's worker threads can still hold tensors with Python references when the interpreter
+            # finalizes, which aborts the process (SIGABRT, "terminate called without an active
+            # exception") after a successful fit and makes torchrun report the rank as failed. The lens
+            # and every sidecar file are written and closed by now: leave without finalization.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logging.shutdown()
+            os._exit(code)
         return code
     finally:
         if world is not None:
