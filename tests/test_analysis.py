@@ -253,7 +253,7 @@ def test_other_families_last_layer(family):
 
 
 def test_centred_logit_stats_match_float64_on_large_logits():
-    from jlens_core.reading.readings import centred_logit_stats, final_distribution, ranks_of
+    from jlens_core.reading.readings import centred_logit_stats, final_distribution, rank_of
 
     torch.manual_seed(0)
     z = torch.randn(3, 4, 500) * 30 + 100  # large logits: the cancelling terms are ~1e3 nats
@@ -273,7 +273,7 @@ def test_centred_logit_stats_match_float64_on_large_logits():
     np.testing.assert_allclose(got_kl.numpy(), kl.numpy(), rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(got_ce[..., :2].numpy(), ce[..., :2].numpy(), rtol=1e-5)
     assert torch.isnan(got_ce[..., 2]).all() and torch.isinf(kl[0, 1]) == torch.isinf(got_kl[0, 1])
-    assert torch.equal(ranks_of(centred, nxt.clamp_min(0).expand(3, 4)), ranks)
+    assert torch.equal(rank_of(centred, nxt.clamp_min(0).expand(3, 4)), ranks)
 
 
 def test_centred_logit_stats_hold_float64_precision_over_a_large_vocabulary():

@@ -327,26 +327,20 @@ class HFLensModel:
         if self.final_norm is not None:
             x = self.final_norm(x)
         padded = self.unpadded_vocab < self.head.weight.shape[0]  # a head padded past the vocabulary (Inkling)
-        if self.readout is not None or padded:
-            if self.readout is not None:
-                logits = self.readout(x)
-                logits = logits[0] if isinstance(logits, (tuple, list)) else logits
-            else:
-                for module in self.pre_head:
-                    x = module(x)
-                logits = self.head(x)
-            logits = logits[..., : self.unpadded_vocab]
-            if out is not None:
-                logits = out.copy_(logits)
+        if self.readout is not None:
+            logits = self.readout(x)
+            logits = logits[0] if isinstance(logits, (tuple, list)) else logits
         else:
             for module in self.pre_head:
                 x = module(x)
-            if out is not None and isinstance(self.head, nn.Linear) and self.head.bias is None:
-                logits = torch.matmul(x, self.head.weight.t(), out=out)
-            elif out is not None:
-                logits = out.copy_(self.head(x))
+            if out is not None and not padded and isinstance(self.head, nn.Linear) and self.head.bias is None:
+                logits = torch.matmul(x, self.head.weight.t(), out=out)  # straight into the caller's array
             else:
                 logits = self.head(x)
+        if padded:
+            logits = logits[..., : self.unpadded_vocab]
+        if out is not None and logits is not out:
+            logits = out.copy_(logits)
         if self.logit_scale != 1.0:
             logits = logits.mul_(self.logit_scale) if out is not None else logits * self.logit_scale
         if self.softcap:

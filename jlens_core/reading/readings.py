@@ -140,18 +140,24 @@ def record_residuals(model: Any, input_ids: torch.Tensor, layers: Iterable[int],
     return {layer: recorded[layer][0].detach() for layer in wanted}  # [seq, d_model] each
 
 
-def rank_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def rank_of(logits: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """1-based rank of ``ids`` among ``logits``: ``1 + #{v : logits[..., v] > logits[..., id]}``.
 
+    The count runs as a matrix product (:func:`row_sums`), several times faster on the CPU than
+    summing a bool array.
+
     Args:
-        logits: ``[..., vocab]``.
+        logits: ``[..., vocab]`` floats.
         ids: ``LongTensor[...]``, one id per row.
+        scratch: overwritten if given (same shape and dtype as ``logits``), saving an array (and its
+            page faults) per call.
 
     Returns:
         ``LongTensor[...]``.
     """
     value = logits.gather(-1, ids.unsqueeze(-1))  # [..., 1]
-    return (logits > value).sum(-1) + 1
+    above = torch.gt(logits, value, out=scratch) if scratch is not None else (logits > value).to(logits.dtype)
+    return row_sums(above).long() + 1
 
 
 def distribution_stats(logits: torch.Tensor, final_logp: torch.Tensor, final_p: torch.Tensor,
@@ -243,16 +249,6 @@ def centred_logit_stats(z: torch.Tensor, final_p: torch.Tensor, final_neg_entrop
     picked = torch.where(picked > -1e30, picked, torch.full_like(picked, float("-inf")))  # a ruled-out token
     ce = torch.where(next_ids >= 0, (log_norm - picked) / LN2, torch.full_like(log_norm, float("nan")))
     return log_norm, entropy, kl, ce
-
-
-def ranks_of(z: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`rank_of` for ``z`` ``[..., vocab]`` and ``ids`` ``[...]``, counting by a matrix product.
-
-    ``scratch`` (same shape and dtype as ``z``) is overwritten, saving an array (and its page faults) per call.
-    """
-    value = z.gather(-1, ids.unsqueeze(-1))  # [..., 1]
-    above = torch.gt(z, value, out=scratch) if scratch is not None else (z > value).to(z.dtype)
-    return row_sums(above).long() + 1
 
 
 def chunk_size(vocab_size: int) -> int:
@@ -634,18 +630,16 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
                     final_neg_entropy: torch.Tensor, nxt: torch.Tensor, f_top1: torch.Tensor) -> None:
         # z: [g, c, vocab] fp32 logits of the layers ``rows`` (indices into layer_list) at positions sl
         g = z.shape[0]
-        if work[0] is None or work[0].numel() < z.numel() or work[0].device != z.device:
-            work[0] = torch.empty(z.numel(), dtype=z.dtype, device=z.device)
-        scratch = work[0][: z.numel()].view(z.shape)
+        scratch = reused("scratch", z.shape, z.dtype, z.device)
         log_norm, ent, kld, cel = centred_logit_stats(z, final_p, final_neg_entropy, nxt, scratch)  # z centred
         entropy[rows, sl] = ent.double().cpu().numpy()
         kl[rows, sl] = kld.double().cpu().numpy()
         ce[rows, sl] = cel.double().cpu().numpy()
-        nr = ranks_of(z, nxt.clamp_min(0).expand(g, -1), scratch).double()
+        nr = rank_of(z, nxt.clamp_min(0).expand(g, -1), scratch).double()
         next_rank[rows, sl] = torch.where(nxt >= 0, nr, torch.full_like(nr, float("nan"))).cpu().numpy()
-        final_rank[rows, sl] = ranks_of(z, f_top1.expand(g, -1), scratch).cpu().numpy()
+        final_rank[rows, sl] = rank_of(z, f_top1.expand(g, -1), scratch).cpu().numpy()
         for j, name in enumerate(pin_names):
-            pin_ranks[name][rows, sl] = ranks_of(z, pin_t[j].expand(g, z.shape[1]), scratch).cpu().numpy()
+            pin_ranks[name][rows, sl] = rank_of(z, pin_t[j].expand(g, z.shape[1]), scratch).cpu().numpy()
         if mask is None:
             top_z, indices = z.topk(k, dim=-1)  # [g, c, k]
         else:
@@ -658,16 +652,22 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
     # unembedded by one matmul (a few large products run far closer to the matmul peak than one per layer).
     rows_per_array = chunk_size(vocab)
     takes_out = "out" in inspect.signature(model.unembed).parameters  # HFLensModel does; a protocol model may not
-    work: list[torch.Tensor | None] = [None]  # one scratch array for every group (see centred_logit_stats)
-    logits_buffer: list[torch.Tensor | None] = [None]  # and one for the logits, where the model takes out=
+    arrays: dict[str, torch.Tensor] = {}
 
-    def unembed_into(carried: torch.Tensor, buffer: list[torch.Tensor | None]) -> torch.Tensor:
+    def reused(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # One array per role for every group (grown when needed): a fresh 64 MB array per group
+        # costs more in page faults than its arithmetic.
+        n = math.prod(shape)
+        array = arrays.get(name)
+        if array is None or array.numel() < n or array.dtype != dtype or array.device != device:
+            array = arrays[name] = torch.empty(n, dtype=dtype, device=device)
+        return array[:n].view(shape)
+
+    def unembed_into_reused(carried: torch.Tensor) -> torch.Tensor:
         if not takes_out:
             return model.unembed(carried)
-        n = carried.shape[0] * vocab
-        if buffer[0] is None or buffer[0].numel() < n:
-            buffer[0] = torch.empty(n, dtype=getattr(model, "dtype", carried.dtype), device=carried.device)
-        return model.unembed(carried, out=buffer[0][:n].view(carried.shape[0], vocab))
+        dtype = getattr(model, "dtype", carried.dtype)
+        return model.unembed(carried, out=reused("logits", (carried.shape[0], vocab), dtype, carried.device))
 
     lens_rows = [li for li, layer in enumerate(layer_list) if layer != top]
     with torch.no_grad():
@@ -688,7 +688,7 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
             for g0 in range(0, len(lens_rows), group):
                 rows = lens_rows[g0: g0 + group]
                 carried = torch.cat([lens.transport(resid[layer_list[li]][sel], layer_list[li]) for li in rows])
-                z = unembed_into(carried, logits_buffer).float().view(len(rows), c, -1)  # [g, c, vocab]
+                z = unembed_into_reused(carried).float().view(len(rows), c, -1)  # [g, c, vocab]
                 write_stats(rows, sl, z, final_p, final_neg_entropy, nxt, f_top1)
                 del z, carried
 
