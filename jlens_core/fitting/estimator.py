@@ -37,7 +37,7 @@ import torch
 
 from ..layerspec import wrap_index
 from ..models.recorder import ActivationRecorder
-from .fused import FusedMismatchError, fused_jacobians, fused_unsupported_reason
+from .fused import FusedMismatchError, fused_jacobians, fused_unsupported_reason, sliding_window_shorter_than
 
 log = logging.getLogger(__name__)
 
@@ -248,14 +248,6 @@ def _forward_suffix(model, ids: torch.Tensor, sources: list[int], target: int, s
     return rec.activations, 0
 
 
-def _window_shorter_than(model, seq_len: int) -> bool:
-    config = getattr(model, "config", None)
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or getattr(config, "use_sliding_window", True) is False:
-        return False
-    return window < seq_len
-
-
 def _fused_usable(model) -> bool:
     """Whether ``method="auto"`` takes the fused path on ``model`` (decided once per model object)."""
     usable = getattr(model, "_jlens_fused_usable", None)
@@ -315,7 +307,8 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
     jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
     auto = method == "auto"
     if auto:  # the fused path does not take a sliding window shorter than the prompt
-        method = "fused" if _fused_usable(model) and not _window_shorter_than(model, seq_len) else "batched"
+        short_window = sliding_window_shorter_than(getattr(model, "config", None), seq_len)
+        method = "fused" if _fused_usable(model) and not short_window else "batched"
     fallback_dim_batch = dim_batch  # autograd (a fallback below) holds more per row than the fused path
     if dim_batch == "auto":
         fallback_dim_batch = auto_dim_batch(model, n_valid, target - sources[0])

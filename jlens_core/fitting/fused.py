@@ -97,7 +97,9 @@ def fused_unsupported_reason(model) -> str | None:
     return None
 
 
-def _sliding_window_shorter_than(config, seq_len: int) -> bool:
+def sliding_window_shorter_than(config, seq_len: int) -> bool:
+    """Whether ``config`` has a sliding attention window shorter than ``seq_len`` tokens (the fused
+    backward attends to every earlier position, so it cannot run there)."""
     window = getattr(config, "sliding_window", None)
     if window is None or getattr(config, "use_sliding_window", True) is False:
         return False
@@ -216,7 +218,7 @@ def prepare_layers(model, ids: torch.Tensor, lowest_source: int, target: int, sk
     config = model.config
     seq_len = ids.shape[1]
     S = seq_len - 1
-    if _sliding_window_shorter_than(config, S):
+    if sliding_window_shorter_than(config, S):
         raise ValueError(f"The fused backward does not support a sliding window ({config.sliding_window}) "
                          f"shorter than the prompt ({S} tokens).")
     if rtol is None:

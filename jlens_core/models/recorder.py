@@ -53,11 +53,6 @@ def set_stream_readout(blocks: Iterable[nn.Module], readout: StreamReadout | Non
             _READOUTS[block] = readout
 
 
-def stream_readout(block: nn.Module) -> StreamReadout | None:
-    """The :class:`StreamReadout` of a multi-stream block, ``None`` for an ordinary one."""
-    return _READOUTS.get(block)
-
-
 def residual_of(block: nn.Module, stream: torch.Tensor) -> torch.Tensor:
     """The residual ``[batch, seq, d_model]`` of ``block``'s output tensor (its streams collapsed)."""
     readout = _READOUTS.get(block)
