@@ -292,3 +292,32 @@ def test_centred_logit_stats_hold_float64_precision_over_a_large_vocabulary():
     _, got_entropy, got_kl, _ = centred_logit_stats(z.clone(), final_p, final_neg_entropy, nxt)
     np.testing.assert_allclose(got_kl.numpy(), kl.numpy(), atol=1e-4, rtol=0)
     np.testing.assert_allclose(got_entropy.numpy(), entropy.numpy(), atol=1e-4, rtol=0)
+
+
+def test_two_threads_reading_with_one_model_do_not_see_each_others_passes(model):
+    # The app reads in several threads (its warm-up, one per browser session): forward hooks belong to
+    # the modules, so each reading must only see its own thread's forward passes.
+    import threading
+
+    texts = [TEXT, "A much shorter prompt here."]
+    expected = [read_prompt(model, LogitLens.for_model(model), t, top_k=3).kl_bits for t in texts]
+    results, errors = {}, []
+    start = threading.Barrier(2)
+
+    def worker(i: int) -> None:
+        try:
+            start.wait()
+            results[i] = [read_prompt(model, LogitLens.for_model(model), texts[i], top_k=3).kl_bits
+                          for _ in range(25)]
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    for i in range(2):
+        for kl in results[i]:
+            np.testing.assert_allclose(kl, expected[i], rtol=1e-5, atol=1e-6)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ..layerspec import wrap_index
-from ..models.recorder import block_output
+from ..models.recorder import block_output, register_own_thread_hook
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class _DumpWriter:
         return fn
 
     def attach(self, module: torch.nn.Module, layer: int, op: str) -> None:
-        self.handles.append(module.register_forward_hook(self.hook(layer, op)))
+        self.handles.append(register_own_thread_hook(module, self.hook(layer, op)))
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -15,6 +15,7 @@ causal-LM logits read; CPM-Ant, whose residual is the positions after its learne
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,24 @@ def add_to_streams(block: nn.Module, stream: torch.Tensor, delta: torch.Tensor) 
     if readout.lift is not None:
         return readout.lift(stream, delta)
     return stream + delta.unsqueeze(readout.stream_dim)
+
+
+def register_own_thread_hook(module: nn.Module, hook: Callable) -> torch.utils.hooks.RemovableHandle:
+    """``module.register_forward_hook(hook)``, with ``hook`` run only for forward passes of the thread
+    that registered it.
+
+    A forward hook belongs to the module, not to the call: without this, two threads reading with
+    one model at once (the app's warm-up and its first page, two browser sessions) would record,
+    edit or stop each other's forward passes.
+    """
+    owner = threading.get_ident()
+
+    def own_thread_only(module, args, output):
+        if threading.get_ident() != owner:
+            return None
+        return hook(module, args, output)
+
+    return module.register_forward_hook(own_thread_only)
 
 
 class StopForward(Exception):
@@ -156,7 +175,7 @@ class ActivationRecorder:
         self.activations = {}
         wanted = set(self.at) | {x for x in (self.start_graph_at, self.stop_after) if x is not None}
         for i in sorted(wanted):
-            self._handles.append(self.blocks[i].register_forward_hook(self._hook(i)))
+            self._handles.append(register_own_thread_hook(self.blocks[i], self._hook(i)))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:

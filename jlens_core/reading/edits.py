@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..models.recorder import ActivationRecorder, block_output
+from ..models.recorder import ActivationRecorder, block_output, register_own_thread_hook
 
 
 @runtime_checkable
@@ -173,7 +173,7 @@ class EditRunner:
                 raise ValueError("An edit needs the clean residuals, but no clean forward was given.")
             self._clean = clean if clean is not None else self.clean_residuals(clean_forward)
         self._positions = positions
-        handles = [self.model.layers[layer].register_forward_hook(self._hook(layer)) for layer in self.layers]
+        handles = [register_own_thread_hook(self.model.layers[layer], self._hook(layer)) for layer in self.layers]
         try:
             return forward()
         finally:
