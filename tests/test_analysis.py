@@ -167,6 +167,19 @@ def test_chunked_reading_is_identical(model, reading, monkeypatch):
     assert chunked.frame["top_tokens"].tolist() == reading.frame["top_tokens"].tolist()
 
 
+@pytest.mark.parametrize("chunk_rows, block_rows", [(None, 2), (3, 7), (3, 1)])
+def test_statistics_blocks_are_identical(model, reading, monkeypatch, chunk_rows, block_rows):
+    # block_rows 2 < positions: one layer, a run of positions per block (the remainder too);
+    # 7 rows over chunks of 3 positions: two layers per block; 1: one cell per block
+    vocab = model.vocab_size
+    if chunk_rows:
+        monkeypatch.setattr(analysis_mod, "CHUNK_ELEMENTS", chunk_rows * vocab)
+    monkeypatch.setattr(analysis_mod, "STATS_BLOCK_ELEMENTS", block_rows * vocab)
+    blocked = read_prompt(model, LogitLens.for_model(model), TEXT, top_k=5, pinned=[" Paris", "is"])
+    pd.testing.assert_frame_equal(blocked.frame, reading.frame, check_exact=False, rtol=1e-5, atol=1e-6)
+    assert blocked.frame["top_tokens"].tolist() == reading.frame["top_tokens"].tolist()
+
+
 def test_grids_and_cells(model, reading):
     grid = reading.top1_grid()
     assert len(grid) == reading.n_layers and len(grid[0]) == reading.n_positions

@@ -422,6 +422,42 @@ def test_a_tuned_lens_folder_from_the_url(tiny_dir, tiny_model, tmp_path):
     assert any("needs config.json and params.pt" in e.value for e in at.sidebar.error)
 
 
+def test_side_by_side_reads_an_undrawn_lens_at_the_selected_position_only(tiny_dir, tiny_model, lens_file, tmp_path,
+                                                                            monkeypatch):
+    from jlens_core.lenses.tuned import TunedLens
+    from jlens_core.reading import readings as readings_mod
+
+    torch.manual_seed(3)
+    tuned = TunedLens.zeros(tiny_model)
+    for a, b in tuned.translators.values():  # a trained-looking lens: not the logit lens
+        a.copy_(0.1 * torch.randn_like(a))
+        b.copy_(0.1 * torch.randn_like(b))
+    path = tuned.save(tmp_path / "tuned.safetensors")
+    prompt = PROMPT + " Rome, and of Spain"  # read by no other test: nothing cached
+    calls = []
+    real = readings_mod.read_prompt
+    monkeypatch.setattr(readings_mod, "read_prompt",
+                        lambda *a, **k: calls.append((a[1].kind, k["positions"])) or real(*a, **k))
+    at = ok(make_app(model=tiny_dir, lens=lens_file, tuned=str(path), prompt=prompt, mode="side").run())
+    n_tokens = len(values(chart(at, "heatmap")["data"][0]["x"]))
+    last = n_tokens - 1
+    # the heatmap's two lenses over every position; the tuned lens (not drawn) at the selected cell's only
+    assert sorted(k for k, _ in calls) == ["jacobian", "logit", "tuned"]
+    assert dict(calls)["tuned"] == [last] and len(dict(calls)["logit"]) == n_tokens
+    table = next(d.value for d in at.dataframe if "lens" in d.value.columns)
+    row = table.set_index("lens").loc["Tuned lens"]
+    expected = real(tiny_model, TunedLens.load(path, model=tiny_model), prompt).cell(tiny_model.n_layers - 1, last)
+    assert row["top-1"] == expected["top_tokens"][0]
+    assert row["p(top-1)"] == pytest.approx(expected["top_probs"][0], rel=1e-5)
+    # another cell: the tuned lens is read there, and its row follows
+    at.selectbox(key="cell_pos").set_value(1)
+    at.selectbox(key="cell_layer").set_value(1).run()
+    assert calls[-1] == ("tuned", [1])
+    row = next(d.value for d in ok(at).dataframe if "lens" in d.value.columns).set_index("lens").loc["Tuned lens"]
+    expected = real(tiny_model, TunedLens.load(path, model=tiny_model), prompt).cell(1, 1)
+    assert row["entropy (bits)"] == pytest.approx(expected["entropy_bits"], rel=1e-5)
+
+
 def test_lens_upload_and_state_across_pages(tiny_dir, lens_file):
     at = ok(make_app(model=tiny_dir, lens="none").run())
     at.selectbox(key="lens_choice").set_value("upload").run()

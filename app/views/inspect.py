@@ -220,20 +220,27 @@ readings = {}
 tried: set[str] = set()
 
 
-def read_lenses(names: list[str]) -> None:
-    """Read the prompt through the loaded lenses among ``names`` (cached) into ``readings``."""
+def read_lenses(names: list[str], into: dict | None = None, at: tuple[int, ...] = positions) -> None:
+    """Read the prompt through the loaded lenses among ``names`` (cached) at positions ``at`` into ``into``."""
+    into = readings if into is None else into
     lenses = ctx.lenses()
     for name in names:
-        if name not in lenses or name in tried:
+        if name not in lenses or name in into or (name, at) in tried:
             continue
-        tried.add(name)
+        tried.add((name, at))
         try:
-            readings[name] = common.reading_cached(
+            into[name] = common.reading_cached(
                 model, ctx.model_key, lenses[name], ctx.lens_keys()[name], source, int(ss.top_k), tuple(pins),
-                bool(ss.show_ws), bool(ss.word_like), tuple(layers), positions, MAX_TOKENS, n_prompt,
+                bool(ss.show_ws), bool(ss.word_like), tuple(layers), at, MAX_TOKENS, n_prompt,
                 edits_key, edits)
         except common.EXPECTED_ERRORS as exc:
             st.error(f"The {charts.LENS_NAMES[name].lower()} cannot read this prompt: {exc}")
+
+
+def read_everything() -> dict:
+    """Every loaded lens at every shown position (the download table); cached readings are reused."""
+    read_lenses(list(common.LENS_KINDS))
+    return readings
 
 
 # The lenses the heatmap draws are read first, so it is redrawn before the others (the cell detail
@@ -292,8 +299,6 @@ with st.expander(f"Most common tokens, layers {band_lo}–{band_hi}", expanded=T
                                        width="stretch")
 
 # -- cell detail ------------------------------------------------------------------------------------
-with st.spinner("Reading the prompt through the other lenses…"):
-    read_lenses(list(common.LENS_KINDS))
 points = list(event.selection.points) if event is not None and event.selection else []
 if points:
     signature = json.dumps({k: points[0].get(k) for k in ("x", "y", "curve_number")}, default=str)
@@ -307,19 +312,25 @@ if ss.get("cell_layer") not in layers:
 if ss.get("cell_pos") not in positions:
     ss.cell_pos = positions[-1]
 
+# The lenses the heatmap does not draw are read at the selected position only (every shown layer):
+# a whole reading per lens would compete with the browser drawing the heatmap, for one column of it.
+detail = dict(readings)
+with st.spinner("Reading the selected position through the other lenses…"):
+    read_lenses(list(common.LENS_KINDS), into=detail, at=(int(ss.cell_pos),))
+
 st.subheader("Cell detail")
 labels = dict(zip(layers, charts.row_labels(layers, n_layers - 1)))
 p1, p2, p3 = st.columns([1, 2, 3])
 p1.selectbox("Layer", layers, key="cell_layer", format_func=labels.get)
 p2.selectbox("Position", positions, key="cell_pos", format_func=lambda p: f"{p}: {tokens[p]}")
 layer, position = int(ss.cell_layer), int(ss.cell_pos)
-cells = {name: (r.cell(layer, position) if layer in r.layers else None) for name, r in readings.items()}
+cells = {name: (r.cell(layer, position) if layer in r.layers else None) for name, r in detail.items()}
 base = cells["logit"]
 final_top1 = readings["logit"].final_top1_tokens[readings["logit"].position_index(position)]
 p3.markdown(f"Token **`{base['token']}`** at position {position}"
             + (f", next token **`{base['next_token']}`**" if base["next_token"] else "")
             + f"; the model's own top-1 is **`{final_top1}`**.")
-if cells.get("jacobian") is None and "jacobian" in readings:
+if cells.get("jacobian") is None and "jacobian" in detail:
     st.caption(f"The Jacobian lens was not fitted at layer {layer}.")
 st.plotly_chart(charts.topk_bars({k: v for k, v in cells.items() if v is not None}, k=int(ss.top_k)),
                 key="cell_bars", config={"displaylogo": False})
@@ -334,20 +345,27 @@ for name, cell in cells.items():
     row.update({f"rank {k[5:]!r}": v for k, v in cell.items() if k.startswith("rank_")})
     rows.append(row)
 st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
-pinned_fig = charts.pinned_ranks_figure(readings, position)
+pinned_fig = charts.pinned_ranks_figure(detail, position)
 if pinned_fig is not None:
     st.plotly_chart(pinned_fig, key="pinned_ranks", config={"displaylogo": False})
 elif not pins:
     st.caption("Pin tokens (Display options) to follow their rank across layers here.")
 
 # -- intervene ----------------------------------------------------------------------------------------------
-intervene.prefill_token(model, readings, layer, position)
-intervene.panel(ctx, readings, text, n_prompt_tokens)
+intervene.prefill_token(model, detail, layer, position)
+intervene.panel(ctx, detail, text, n_prompt_tokens)
 
 # -- downloads ------------------------------------------------------------------------------------------
-table = pd.concat([r.frame.assign(lens=name) for name, r in readings.items()], ignore_index=True)
+
+
+def _table_csv() -> str:
+    """Every loaded lens at every shown position, built when the button is pressed."""
+    return pd.concat([r.frame.assign(lens=name) for name, r in read_everything().items()],
+                     ignore_index=True).to_csv(index=False)
+
+
 b1, b2, _ = st.columns([1, 1, 3])
-b1.download_button("Download table (CSV)", data=lambda: table.to_csv(index=False), file_name="jlens-reading.csv",
+b1.download_button("Download table (CSV)", data=_table_csv, file_name="jlens-reading.csv",
                    mime="text/csv", on_click="ignore", icon=":material/download:")
 b2.download_button("Download figure (HTML)", data=lambda: fig.to_html(include_plotlyjs=True, full_html=True),
                    file_name="jlens-heatmap.html", mime="text/html", on_click="ignore", icon=":material/download:")

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 LN2 = math.log(2.0)
 # Logits held per array while reading (positions per chunk = CHUNK_ELEMENTS // vocab, at least 1).
 CHUNK_ELEMENTS = 1 << 24
+# Logits the statistics pass over at a time (about 8 MB of fp32): a block and its scratch stay in the
+# CPU's cache across the dozen passes, instead of streaming a CHUNK_ELEMENTS array from memory each time.
+STATS_BLOCK_ELEMENTS = 1 << 21
 FRAME_COLUMNS = ("layer", "position", "token", "segment", "top_ids", "top_tokens", "top_probs", "entropy_bits",
                  "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank")
 GRID_STATS = ("entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank", "top1_prob")
@@ -685,11 +688,22 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
                 write_stats([top_row], sl, final_logits[None].clone(), final_p, final_neg_entropy, nxt, f_top1)
                 kl[top_row, sl] = 0.0
             group = max(1, rows_per_array // c)
+            block = max(1, STATS_BLOCK_ELEMENTS // vocab)  # logit rows per statistics block
             for g0 in range(0, len(lens_rows), group):
                 rows = lens_rows[g0: g0 + group]
                 carried = torch.cat([lens.transport(resid[layer_list[li]][sel], layer_list[li]) for li in rows])
                 z = unembed_into_reused(carried).float().view(len(rows), c, -1)  # [g, c, vocab]
-                write_stats(rows, sl, z, final_p, final_neg_entropy, nxt, f_top1)
+                if c <= block:  # several layers' rows per block
+                    step = block // c
+                    for b0 in range(0, len(rows), step):
+                        write_stats(rows[b0: b0 + step], sl, z[b0: b0 + step], final_p, final_neg_entropy, nxt,
+                                    f_top1)
+                else:  # one layer, a run of positions per block
+                    for b0, li in enumerate(rows):
+                        for p0 in range(0, c, block):
+                            p1 = min(c, p0 + block)
+                            write_stats([li], slice(start + p0, start + p1), z[b0: b0 + 1, p0:p1],
+                                        final_p[p0:p1], final_neg_entropy[p0:p1], nxt[p0:p1], f_top1[p0:p1])
                 del z, carried
 
     input_ids = ids[0].cpu().numpy().astype(np.int64)
@@ -848,7 +862,27 @@ def compare_readings(a: PromptReading, b: PromptReading, *, names: tuple[str, st
     return pd.DataFrame(data)
 
 
-__all__ = ["CHUNK_ELEMENTS", "COMPARE_STATS", "FRAME_COLUMNS", "GRID_STATS", "MOST_COMMON_COLUMNS", "PromptReading",
-           "as_lens_dict", "band_layers", "check_lens", "chunk_size", "compare_readings", "difference", "distribution_stats",
-           "encode_prompt", "model_vocab_size", "most_common_tokens", "rank_of", "read_prompt", "readable_layers",
-           "record_residuals", "resolve_positions"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "COMPARE_STATS",
+    "FRAME_COLUMNS",
+    "GRID_STATS",
+    "MOST_COMMON_COLUMNS",
+    "STATS_BLOCK_ELEMENTS",
+    "PromptReading",
+    "as_lens_dict",
+    "band_layers",
+    "check_lens",
+    "chunk_size",
+    "compare_readings",
+    "difference",
+    "distribution_stats",
+    "encode_prompt",
+    "model_vocab_size",
+    "most_common_tokens",
+    "rank_of",
+    "read_prompt",
+    "readable_layers",
+    "record_residuals",
+    "resolve_positions",
+]
