@@ -174,6 +174,24 @@ def default_positions(n_tokens: int) -> tuple[int, ...]:
     return tuple(range(max(0, n_tokens - DEFAULT_WINDOW), n_tokens))
 
 
+def first_run_of_session() -> bool:
+    """True once per browser session: on its first script run."""
+    if st.session_state.get("_components_preloaded"):
+        return False
+    st.session_state._components_preloaded = True
+    return True
+
+
+def preload_components() -> None:
+    """A blank chart and table (the browser loads their components' code on first sight of one)."""
+    import pandas as pd
+    import plotly.graph_objects as go
+
+    st.plotly_chart(go.Figure(layout={"height": 10, "margin": {"l": 0, "r": 0, "t": 0, "b": 0}}),
+                    config={"staticPlot": True, "displayModeBar": False}, key="_preload_chart")
+    st.dataframe(pd.DataFrame({"": []}), height=1)
+
+
 def warm_up(spec: str | None = None) -> list[str]:
     """Fill the resource caches a first visit reads, before any browser connects.
 

@@ -33,7 +33,18 @@ PAGES = [
 
 common.init_state()
 page = st.navigation(PAGES)
-common.sidebar()
+# A browser fetches and compiles the chart and table components (Plotly's is 4.7 MB of JavaScript)
+# the first time a page shows one: seconds on a small machine. A session's first run shows a blank
+# chart and table while the sidebar loads the model, so that happens during the load, not after it.
+preload = st.empty() if common.first_run_of_session() else None
+if preload is not None:
+    with preload.container(height=1, border=False):
+        common.preload_components()
+try:
+    common.sidebar()
+finally:  # also when the sidebar stops the run (no model)
+    if preload is not None:
+        preload.empty()
 try:
     page.run()
 except Exception as exc:  # noqa: BLE001 - a bug in a page shows as a message; the app stays usable

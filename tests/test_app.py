@@ -458,6 +458,15 @@ def test_side_by_side_reads_an_undrawn_lens_at_the_selected_position_only(tiny_d
     assert row["entropy (bits)"] == pytest.approx(expected["entropy_bits"], rel=1e-5)
 
 
+def test_the_components_preload_is_gone_once_the_sidebar_has_run(tiny_dir):
+    def preload_charts(at):
+        return [c for c in at.get("plotly_chart") if c.proto.id.endswith("-_preload_chart")]
+
+    at = ok(make_app(model=tiny_dir, lens="none", prompt=PROMPT).run())
+    assert at.session_state["_components_preloaded"] and not preload_charts(at)
+    assert len(values(chart(at, "heatmap")["data"][0]["x"])) > 0
+
+
 def test_lens_upload_and_state_across_pages(tiny_dir, lens_file):
     at = ok(make_app(model=tiny_dir, lens="none").run())
     at.selectbox(key="lens_choice").set_value("upload").run()
