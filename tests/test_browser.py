@@ -32,7 +32,7 @@ CHROMIUM = os.environ.get("JLENS_CHROMIUM") or shutil.which("chromium") or "/usr
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 REPO = Path(__file__).resolve().parent.parent
-HEATMAP = '[data-testid="stPlotlyChart"] .js-plotly-plot'
+HEATMAP = '.st-key-heatmap [data-testid="stPlotlyChart"] .js-plotly-plot'  # the Inspect heatmap (its key)
 FIRST_LOAD_S = 420  # the default model's first launch converts a GGUF (tens of seconds; more on a busy CPU)
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).is_file(),
