@@ -42,7 +42,7 @@ if preload is not None:
         common.preload_components()
 try:
     common.sidebar()
-finally:  # also when the sidebar stops the run (no model)
+finally:  # also when the sidebar raises or stops the run
     if preload is not None:
         preload.empty()
 try:

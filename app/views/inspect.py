@@ -217,7 +217,7 @@ edited_view = intervene.heatmap_edits(ctx, text)
 edits, edits_key = edited_view if edited_view else (None, "")
 
 readings = {}
-tried: set[str] = set()
+tried: set[tuple[str, tuple[int, ...]]] = set()  # (lens, positions) read or failed this run
 
 
 def read_lenses(names: list[str], into: dict | None = None, at: tuple[int, ...] = positions) -> None:
@@ -243,8 +243,8 @@ def read_everything() -> dict:
     return readings
 
 
-# The lenses the heatmap draws are read first, so it is redrawn before the others (the cell detail
-# compares every loaded lens) are read below it; the logit lens always (the output row uses it).
+# The lenses the heatmap draws are read over every shown position (the logit lens always: the output
+# row uses it); the cell detail reads any other loaded lens at the selected position only, below.
 shown_now = {"side": list(pair), "diff": list(pair), "three": list(common.LENS_KINDS)}.get(ss.mode, [ss.mode])
 with st.spinner("Reading the prompt…"):
     read_lenses(["logit"] + shown_now)
@@ -356,8 +356,6 @@ intervene.prefill_token(model, detail, layer, position)
 intervene.panel(ctx, detail, text, n_prompt_tokens)
 
 # -- downloads ------------------------------------------------------------------------------------------
-
-
 def _table_csv() -> str:
     """Every loaded lens at every shown position, built when the button is pressed."""
     return pd.concat([r.frame.assign(lens=name) for name, r in read_everything().items()],
