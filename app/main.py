@@ -36,15 +36,16 @@ page = st.navigation(PAGES)
 # A browser fetches and compiles the chart and table components (Plotly's is 4.7 MB of JavaScript)
 # the first time a page shows one: seconds on a small machine. A session's first run shows a blank
 # chart and table while the sidebar loads the model, so that happens during the load, not after it.
-preload = st.empty() if common.first_run_of_session() else None
-if preload is not None:
+# The slot is made on every run, so that the page's elements keep their places (Streamlit matches
+# elements across runs by position: a slot on the first run only would rebuild the page on the second).
+preload = st.empty()
+if common.first_run_of_session():
     with preload.container(height=1, border=False):
         common.preload_components()
 try:
     common.sidebar()
 finally:  # also when the sidebar raises or stops the run
-    if preload is not None:
-        preload.empty()
+    preload.empty()
 try:
     page.run()
 except Exception as exc:  # noqa: BLE001 - a bug in a page shows as a message; the app stays usable

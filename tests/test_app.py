@@ -462,9 +462,16 @@ def test_the_components_preload_is_gone_once_the_sidebar_has_run(tiny_dir):
     def preload_charts(at):
         return [c for c in at.get("plotly_chart") if c.proto.id.endswith("-_preload_chart")]
 
+    def title_index(at):
+        return next(i for i, child in at.main.children.items() if type(child).__name__ == "Title")
+
     at = ok(make_app(model=tiny_dir, lens="none", prompt=PROMPT).run())
     assert at.session_state["_components_preloaded"] and not preload_charts(at)
     assert len(values(chart(at, "heatmap")["data"][0]["x"])) > 0
+    first = title_index(at)
+    # later runs draw no preload, but the page keeps its elements' places (else the browser rebuilds it)
+    at.text_area(key="prompt").set_value(PROMPT + " Rome").run()
+    assert title_index(ok(at)) == first and not preload_charts(at)
 
 
 def test_lens_upload_and_state_across_pages(tiny_dir, lens_file):
