@@ -630,9 +630,23 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
     pin_ranks = {name: np.zeros((n_l, n_p), dtype=np.int64) for name in pin_names}
     final_top1 = np.zeros(n_p, dtype=np.int64)
 
+    block = max(1, STATS_BLOCK_ELEMENTS // vocab)  # logit rows per statistics block
+
     def write_stats(rows: list[int], sl: slice, z: torch.Tensor, final_p: torch.Tensor,
                     final_neg_entropy: torch.Tensor, nxt: torch.Tensor, f_top1: torch.Tensor) -> None:
-        # z: [g, c, vocab] fp32 logits of the layers ``rows`` (indices into layer_list) at positions sl
+        # z: [g, c, vocab] fp32 logits of the layers ``rows`` (indices into layer_list) at positions sl,
+        # passed to write_block in blocks of at most STATS_BLOCK_ELEMENTS logits: several layers' rows
+        # of all c positions, or (c past a block) one layer's run of positions
+        c = z.shape[1]
+        n_pos, n_layers = min(c, block), max(1, block // c)
+        for b0 in range(0, len(rows), n_layers):
+            for p0 in range(0, c, n_pos):
+                p1 = min(c, p0 + n_pos)
+                write_block(rows[b0: b0 + n_layers], slice(sl.start + p0, sl.start + p1), z[b0: b0 + n_layers, p0:p1],
+                            final_p[p0:p1], final_neg_entropy[p0:p1], nxt[p0:p1], f_top1[p0:p1])
+
+    def write_block(rows: list[int], sl: slice, z: torch.Tensor, final_p: torch.Tensor,
+                    final_neg_entropy: torch.Tensor, nxt: torch.Tensor, f_top1: torch.Tensor) -> None:
         g = z.shape[0]
         scratch = reused("scratch", z.shape, z.dtype, z.device)
         log_norm, ent, kld, cel = centred_logit_stats(z, final_p, final_neg_entropy, nxt, scratch)  # z centred
@@ -689,22 +703,11 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
                 write_stats([top_row], sl, final_logits[None].clone(), final_p, final_neg_entropy, nxt, f_top1)
                 kl[top_row, sl] = 0.0
             group = max(1, rows_per_array // c)
-            block = max(1, STATS_BLOCK_ELEMENTS // vocab)  # logit rows per statistics block
             for g0 in range(0, len(lens_rows), group):
                 rows = lens_rows[g0: g0 + group]
                 carried = torch.cat([lens.transport(resid[layer_list[li]][sel], layer_list[li]) for li in rows])
                 z = unembed_into_reused(carried).float().view(len(rows), c, -1)  # [g, c, vocab]
-                if c <= block:  # several layers' rows per block
-                    step = block // c
-                    for b0 in range(0, len(rows), step):
-                        write_stats(rows[b0: b0 + step], sl, z[b0: b0 + step], final_p, final_neg_entropy, nxt,
-                                    f_top1)
-                else:  # one layer, a run of positions per block
-                    for b0, li in enumerate(rows):
-                        for p0 in range(0, c, block):
-                            p1 = min(c, p0 + block)
-                            write_stats([li], slice(start + p0, start + p1), z[b0: b0 + 1, p0:p1],
-                                        final_p[p0:p1], final_neg_entropy[p0:p1], nxt[p0:p1], f_top1[p0:p1])
+                write_stats(rows, sl, z, final_p, final_neg_entropy, nxt, f_top1)
                 del z, carried
 
     input_ids = ids[0].cpu().numpy().astype(np.int64)
