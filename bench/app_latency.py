@@ -29,6 +29,7 @@ PROMPT_64 = ("The history of the printing press begins in the fifteenth century,
              "movable metal type, oil-based ink and a wooden press adapted from wine making. Within fifty years, "
              "presses in more than two hundred European cities had printed millions of books, and the price of a "
              "book had fallen so far that students, merchants and")
+POLL_MS = 50  # how often a wait looks at the page
 PAGES = ("Fit", "Tune", "Jacobians", "Evaluate", "Compare runs")
 
 
@@ -39,8 +40,10 @@ def _free_port() -> int:
 
 
 def _wait_heatmap(page, condition: str) -> None:
+    # Polled every 50 ms, not on every animation frame (Playwright's default): polling on each frame makes
+    # Chromium render 60 frames a second, which takes CPU from the server on a 2-core machine.
     page.wait_for_function(f"() => {{ const g = document.querySelector('{HEATMAP}'); "
-                           f"return !!(g && g.data && ({condition})); }}")
+                           f"return !!(g && g.data && ({condition})); }}", polling=POLL_MS)
 
 
 def _idle(page, timeout: float = 300_000) -> None:

@@ -9,6 +9,7 @@ import each other.
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,24 @@ def test_cli_subcommands_are_all_found():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     assert set(sub.choices) >= {"fit", "merge", "eval", "inspect", "dump", "diff", "app"}
+
+
+def test_the_cli_parser_and_the_package_import_without_torch():
+    """``jlens app`` / ``jlens --help`` start in a fraction of a second: the package front door is lazy."""
+    import subprocess
+    import sys
+
+    code = ("import sys, jlens_core; from jlens_core.cli.main import build_parser; build_parser(); "
+            "print(sorted(n for n in ('torch', 'transformers', 'pandas') if n in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_every_lazy_name_resolves_to_its_defining_module():
+    for name in jlens_core.__all__:
+        value = getattr(jlens_core, name)
+        module = jlens_core._SOURCES[name]
+        assert getattr(importlib.import_module(module, "jlens_core"), name) is value
+    assert set(jlens_core.__all__) == set(jlens_core._SOURCES) and set(dir(jlens_core)) >= set(jlens_core.__all__)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        jlens_core.no_such_name  # noqa: B018

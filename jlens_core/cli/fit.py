@@ -18,8 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ..fitting.estimator import METHODS
-from ..fitting.fit import RankFailedError
+from ..fitting.methods import METHODS
 from .main import CLIError, say
 
 log = logging.getLogger(__name__)
@@ -200,6 +199,8 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
                    checkpoint_every=args.checkpoint_every, resume=not args.no_resume, method=args.method,
                    progress=on_progress if rank == 0 else None, should_stop=stop, world=world)
     except BaseException as exc:
+        from ..fitting.fit import RankFailedError
+
         rank_failed = isinstance(exc, RankFailedError)
         if status is not None:
             state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"

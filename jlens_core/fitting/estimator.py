@@ -38,10 +38,10 @@ import torch
 from ..layerspec import wrap_index
 from ..models.recorder import ActivationRecorder
 from .fused import FusedMismatchError, fused_jacobians, fused_unsupported_reason, sliding_window_shorter_than
+from .methods import METHODS
 
 log = logging.getLogger(__name__)
 
-METHODS = ("auto", "fused", "batched", "replicated")
 
 
 @dataclass
