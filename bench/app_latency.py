@@ -49,7 +49,8 @@ def _wait_heatmap(page, condition: str) -> None:
 def _idle(page, timeout: float = 300_000) -> None:
     """Wait until Streamlit's script run has finished (its status widget gone)."""
     page.wait_for_timeout(300)
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout,
+                           polling=POLL_MS)
 
 
 def main() -> None:
