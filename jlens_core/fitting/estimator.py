@@ -43,7 +43,6 @@ from .methods import METHODS
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class PromptJacobian:
     """The per-prompt result of :func:`jacobian_for_prompt`.
