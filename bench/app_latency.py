@@ -40,8 +40,8 @@ def _free_port() -> int:
 
 
 def _wait_heatmap(page, condition: str) -> None:
-    # Polled every 50 ms, not on every animation frame (Playwright's default): polling on each frame makes
-    # Chromium render 60 frames a second, which takes CPU from the server on a 2-core machine.
+    # Polled every POLL_MS, not on every animation frame (Playwright's default), which keeps Chromium
+    # drawing 60 frames a second while it waits, on the cores the server needs.
     page.wait_for_function(f"() => {{ const g = document.querySelector('{HEATMAP}'); "
                            f"return !!(g && g.data && ({condition})); }}", polling=POLL_MS)
 

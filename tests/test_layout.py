@@ -151,5 +151,10 @@ def test_every_lazy_name_resolves_to_its_defining_module():
         module = jlens_core._SOURCES[name]
         assert getattr(importlib.import_module(module, "jlens_core"), name) is value
     assert set(jlens_core.__all__) == set(jlens_core._SOURCES) and set(dir(jlens_core)) >= set(jlens_core.__all__)
+    # the TYPE_CHECKING imports (what type checkers see) name the same modules as the lazy table
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    guarded = next(node for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test))
+    seen = {alias.name: "." + node.module for node in guarded.body for alias in node.names}
+    assert seen == jlens_core._SOURCES
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         jlens_core.no_such_name  # noqa: B018
