@@ -27,8 +27,12 @@ from jlens_core import (
 from jlens_core.fitting.fused import (
     FusedMismatchError,
     backward_layer,
+    fused_jacobians,
     fused_unsupported_reason,
+    layer_major_bytes,
+    mlp_jacobians,
     prepare_layers,
+    use_layer_major,
 )
 
 SEQ = 14  # tokens per test prompt
@@ -278,6 +282,52 @@ def test_fused_backward_of_one_layer_is_the_transposed_jacobian():
         expected = torch.stack([vjp(c)[0] for c in cot])
     got = backward_layer(prep, 3, cot)
     assert rel_frob(got, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("layer_major", [True, False])
+@pytest.mark.parametrize("family", FUSED_FAMILIES)
+def test_both_fused_orders_match_definition(family, layer_major):
+    # jacobian_for_prompt takes the layer-major order wherever it fits; both are checked here.
+    model = tiny(family)
+    target = model.n_layers - 1
+    sources = [0, 2]  # the unwanted layer 1 is still backpropagated through
+    got = fused_jacobians(model, prompt_ids(family), sources, target, SKIP, DIM_BATCH, layer_major=layer_major)
+    assert sorted(got) == sources
+    for layer in sources:
+        assert got[layer].dtype == torch.float32
+        assert rel_frob(got[layer], reference(family, layer, target)) <= REL_TOL, (family, layer_major, layer)
+
+
+def test_mlp_jacobians_are_the_mlp_halfs_backward():
+    # g + g @ M[p] against torch.func.vjp through the model's own post-attention norm and MLP.
+    model = tiny("llama")
+    ids = prompt_ids("llama")
+    prep = prepare_layers(model, ids, 2, 3, SKIP)
+    layer = model.layers[3]
+    c = prep.layers[3]
+    # the MLP half's input y at the valid positions, rebuilt from the norm coefficients: b2 = w * y
+    y = c.b2 / layer.post_attention_layernorm.weight  # [n, d]
+
+    def mlp_half(x):  # [n, d] -> [n, d]
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    torch.manual_seed(1)
+    cot = torch.randn(4, y.shape[0], model.d_model)
+    with torch.enable_grad():
+        _, vjp = torch.func.vjp(mlp_half, y.clone())
+        expected = torch.stack([vjp(g)[0] for g in cot])  # [4, n, d]
+    m = mlp_jacobians(c, block=3)  # a block that does not divide n
+    got = cot + torch.einsum("knd,nde->kne", cot, m)
+    assert rel_frob(got, expected) <= 1e-5
+
+
+def test_layer_major_is_taken_only_where_its_memory_fits():
+    model = tiny("llama")
+    n, d, ff = 10, model.d_model, model.config.intermediate_size
+    assert layer_major_bytes(d, ff, n, torch.float32) == 4 * (3 * n * d * d + 4 * d * 2 * ff)
+    assert layer_major_bytes(d, ff, n, torch.bfloat16) == layer_major_bytes(d, ff, n, torch.float32) // 2
+    assert use_layer_major(model, n)  # a few hundred kB
+    assert not use_layer_major(model, n, fraction=0.0)
 
 
 # -- a toy with a closed-form Jacobian --------------------------------------------------------------

@@ -25,6 +25,7 @@ layer's ``down_proj`` reads rows of the weight instead of multiplying by a one-h
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -320,16 +321,116 @@ def backward_layer(prep: PreparedPrompt, j: int, grad: torch.Tensor | None, rows
     return _attention_backward(prep, c, _mlp_backward(c, grad, u))
 
 
+def mlp_jacobians(c: LayerCoefficients, block: int = 4, out: torch.Tensor | None = None,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """``[n, d, d]``: the MLP half of one layer as a matrix per valid position.
+
+    A row cotangent ``g`` [d] at the half's output becomes ``g + g @ M[p]`` at its input, with
+    ``M[p] = (W_down diag(act'_gate[p]) W_gate + W_down diag(silu(gate[p])) W_up) R[p]`` and
+    ``R[p] = diag(a2[p]) - b2[p] c2[p]^T`` the post-attention RMSNorm's backward. Forming ``M`` costs
+    ``4 n d^2 ff`` FLOPs once per layer; applying it to all ``d`` rows costs ``2 n d^3``, against
+    ``6 n d^2 ff`` for the three matmuls per row it replaces: cheaper whenever ``d < ff``.
+    ``block`` positions are formed per matmul (their scaled weights are ``block * d * 2 ff`` values).
+    ``out`` ([n, d, d]) and ``scratch`` ([block, d, 2 ff]) are reused buffers: allocating fresh
+    tensors of this size for every layer costs page faults comparable to the matmuls' time.
+    """
+    mlp = c.layer.mlp
+    n, d = c.a2.shape
+    w_down = mlp.down_proj.weight  # [d, ff]
+    w_down2 = torch.cat([w_down, w_down], dim=1)  # [d, 2 ff]
+    w_in = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], dim=0)  # [2 ff, d]
+    coef = torch.cat([c.dact_gate, c.silu_gate], dim=-1)  # [n, 2 ff]
+    m = torch.empty(n, d, d, dtype=w_down.dtype, device=w_down.device) if out is None else out
+    if scratch is None:
+        scratch = torch.empty(block, d, w_in.shape[0], dtype=w_down.dtype, device=w_down.device)
+    for start in range(0, n, block):
+        stop = min(n, start + block)
+        scaled = torch.mul(w_down2[None], coef[start:stop, None, :], out=scratch[: stop - start])  # [b, d, 2 ff]
+        torch.mm(scaled.view(-1, scaled.shape[-1]), w_in, out=m[start:stop].view(-1, d))
+    m_b = torch.bmm(m, c.b2[:, :, None])  # [n, d, 1]: before the columns are scaled by a2
+    m.mul_(c.a2[:, None, :]).baddbmm_(m_b, c.c2[:, None, :], alpha=-1)
+    return m
+
+
+def layer_major_bytes(d: int, d_ff: int, n_valid: int, dtype: torch.dtype, block: int = 4) -> int:
+    """Memory the layer-major backward holds at its peak: three ``[n, d, d]`` tensors (the MLP
+    matrices, and the cotangents of all ``d`` rows at a layer's middle and at its output/input) and
+    the ``[block, d, 2 d_ff]`` scaled weights :func:`mlp_jacobians` forms them from."""
+    return (3 * n_valid * d * d + block * d * 2 * d_ff) * torch.finfo(dtype).bits // 8
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not Linux: assume too little
+        return 0
+
+
+def use_layer_major(model, n_valid: int, fraction: float = 0.25) -> bool:
+    """Whether :func:`layer_major_bytes` fits in ``fraction`` of the free memory of ``model``'s device
+    (RAM on the CPU). Both orders give the same Jacobian; the layer-major one needs fewer FLOPs."""
+    d_ff = model.config.intermediate_size
+    return layer_major_bytes(model.d_model, d_ff, n_valid, model.dtype) <= fraction * _available_bytes(model.device)
+
+
+def _layer_major_jacobians(prep: PreparedPrompt, sources: list[int], target: int, d: int,
+                           dim_batch: int) -> dict[int, torch.Tensor]:
+    """All ``d`` rows at once, one layer at a time: the MLP half by :func:`mlp_jacobians`, the
+    attention half in chunks of ``dim_batch`` rows."""
+    n = prep.n_valid
+    wanted = set(sources)
+    jacobians = {}
+    like = prep.layers[target].a2
+    m, mid, grad = (torch.empty(n, d, d, dtype=like.dtype, device=like.device) for _ in range(3))
+    ff2 = 2 * prep.layers[target].silu_gate.shape[-1]
+    block = 4  # positions per formed product (see mlp_jacobians); 1..8 run at the same rate here
+    scratch = torch.empty(block, d, ff2, dtype=like.dtype, device=like.device)
+    grad = grad.view(d, n, d)  # the cotangents of every row at layer j's output: [d rows, n, d]
+    for j in range(target, sources[0], -1):
+        c = prep.layers[j]
+        mlp_jacobians(c, block, out=m, scratch=scratch)  # [n, d, d]
+        if j == target:  # e_i at every valid position: g + g @ M[p] is row i of I + M[p]
+            m, mid = mid, m
+            mid.diagonal(dim1=1, dim2=2).add_(1)
+        else:
+            by_position = grad.transpose(0, 1)  # [n, d rows, d]
+            torch.baddbmm(by_position, by_position, m, out=mid)
+        for start in range(0, d, dim_batch):  # grad is free again: mid holds all it carried
+            rows = slice(start, min(start + dim_batch, d))
+            grad[rows] = _attention_backward(prep, c, mid[:, rows].transpose(0, 1))
+        if j - 1 in wanted:
+            jacobians[j - 1] = grad.float().sum(dim=1).cpu() / n
+    return jacobians
+
+
 def fused_jacobians(model, ids: torch.Tensor, sources: list[int], target: int, skip_first: int,
-                    dim_batch: int, rtol: float | None = None) -> dict[int, torch.Tensor]:
+                    dim_batch: int, rtol: float | None = None,
+                    layer_major: bool | None = None) -> dict[int, torch.Tensor]:
     """``{l: J_l}`` (fp32, CPU, ``[d, d]``) for one prompt ``ids`` [1, seq], by the analytic backward.
 
-    Same definition and result as the autograd estimator (SPEC §2): chunks of ``dim_batch`` rows
-    run through the layers from the target down to the lowest source. Raises as :func:`prepare_layers`.
+    Same definition and result as the autograd estimator (SPEC §2), in one of two orders:
+
+    * layer-major (``layer_major=True``): all ``d`` rows go through one layer at a time; the MLP
+      half is a ``d x d`` matrix per position (:func:`mlp_jacobians`), which saves about a fifth of
+      the MLP's FLOPs; the attention half runs in chunks of ``dim_batch`` rows. Holds
+      :func:`layer_major_bytes` (0.47 GB for a 576-wide model at seq 128 in fp32; 6.1 GB at
+      2048 wide, ff 8192).
+    * row-major (``False``): chunks of ``dim_batch`` rows run through all the layers, from the
+      target down to the lowest source; memory grows with ``dim_batch``, not ``d``.
+
+    ``None`` (default) takes layer-major when its memory fits (:func:`use_layer_major`).
+    Raises as :func:`prepare_layers`.
     """
     prep = prepare_layers(model, ids, sources[0], target, skip_first, rtol)
     d = model.d_model
     n = prep.n_valid
+    if layer_major is None:
+        layer_major = use_layer_major(model, n)
+    if layer_major:
+        with torch.no_grad():
+            return _layer_major_jacobians(prep, sources, target, d, dim_batch)
     wanted = set(sources)
     jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
     with torch.no_grad():
