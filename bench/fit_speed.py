@@ -119,12 +119,14 @@ def plain_jacobian_for_prompt(model, ids, sources, target, dim_batch, skip_first
 
 
 def backward_flops(model, seq_len: int, skip_first: int, sources: list[int], target: int,
-                   fused: bool = False) -> float:
+                   fused: bool = False, layer_major: bool = False) -> float:
     """FLOPs of the d_model input-gradient backward passes that remain after the exact savings.
 
     Per cotangent and backpropagated layer: 2 * n * (linear weights) for the projections, plus
     8 * n * c * (heads * head_dim) for attention (dS, dV, dQ, dK), with n = |V| queries over c keys.
     ``fused``: less the target layer's down_proj product, which the fused backward reads as rows.
+    ``layer_major`` (with ``fused``): the MLP half instead costs ``4 n d^2 ff + 2 n d^3`` per layer
+    (its per-position matrices formed, then applied to all rows; no product at the target).
     """
     cfg = model.config
     d = model.d_model
@@ -135,8 +137,13 @@ def backward_flops(model, seq_len: int, skip_first: int, sources: list[int], tar
     n = seq_len - 1 - skip_first
     c = seq_len - 1
     per_layer = 2 * n * linear + 8 * n * c * heads * head_dim
+    layers = target - sources[0]
+    if fused and layer_major:  # the MLP half: formed once per layer and position, applied to all d rows
+        mlp = 2 * n * 3 * d * ff
+        formed = 4 * n * d * d * ff + 2 * n * d ** 3
+        return float(layers * (d * (per_layer - mlp) + formed) - 2 * n * d ** 3)  # no product at the target
     saved = 2 * n * d * ff if fused else 0
-    return float(d * ((target - sources[0]) * per_layer - saved))
+    return float(d * (layers * per_layer - saved))
 
 
 def _sync(device: str) -> None:
@@ -172,7 +179,7 @@ def bench_dtype(device: str, dtype: str | None) -> torch.dtype:
 # -- worker: one measurement in its own process -------------------------------------------------
 def worker(args) -> None:
     from jlens_core import jacobian_for_prompt
-    from jlens_core.fitting.fused import fused_unsupported_reason
+    from jlens_core.fitting.fused import fused_unsupported_reason, use_layer_major
     from jlens_core.models.loading import load_model
 
     dtype = bench_dtype(args.device, args.dtype)
@@ -209,8 +216,9 @@ def worker(args) -> None:
     else:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     fused = args.method in ("jlens", "jlens-fused") and not fused_unsupported_reason(model)
+    layer_major = fused and use_layer_major(model, args.seq - 1 - args.skip_first)
     flops = reference_flops(model, args.seq, sources, target) if args.method == "reference" else \
-        backward_flops(model, args.seq, args.skip_first, sources, target, fused=fused)
+        backward_flops(model, args.seq, args.skip_first, sources, target, fused=fused, layer_major=layer_major)
     print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb, "flops": flops,
                       "adjacent_peak_gflops": (peak_before + peak_after) / 2}))
 

@@ -43,6 +43,13 @@ def test_backward_flops_counts_the_remaining_layers(fit_speed):
     cfg = model.config
     saved = model.d_model * 2 * (24 - 1 - 4) * model.d_model * cfg.intermediate_size
     assert fit_speed.backward_flops(model, 24, 4, [2], 3, fused=True) == pytest.approx(one - saved)
+    # layer-major: per layer, the MLP's 3 products per row replaced by forming and applying a d x d
+    # matrix per position; at the target only the forming (the cotangents there are one-hot)
+    n, d, ff = 24 - 1 - 4, model.d_model, cfg.intermediate_size
+    mlp_rows = d * 2 * n * 3 * d * ff
+    formed, applied = 4 * n * d * d * ff, 2 * n * d ** 3
+    assert fit_speed.backward_flops(model, 24, 4, [0, 2], 3, fused=True, layer_major=True) == pytest.approx(
+        three - 3 * mlp_rows + 3 * formed + 2 * applied)
 
 
 def test_reference_algorithm_matches_the_definition(fit_speed):
