@@ -23,7 +23,8 @@ Exact savings used here (all follow from causality, SPEC §2):
 Methods: ``"batched"`` (autograd, as above), ``"replicated"`` (autograd, the prompt replicated
 ``dim_batch`` times), ``"fused"`` (the analytic backward of :mod:`jlens_core.fitting.fused`: Llama, Mistral
 and Qwen2 layouts; the backward coefficients are computed once per prompt instead of once per
-backward call) and ``"auto"`` (the default: ``"fused"`` where the model supports it, else
+backward call, and, where memory allows, all rows go through one layer at a time with the MLP half
+as one matrix per position; ``dim_batch`` then sizes the attention half's chunks) and ``"auto"`` (the default: ``"fused"`` where the model supports it, else
 ``"batched"``). All give the same Jacobian.
 """
 
