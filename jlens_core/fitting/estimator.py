@@ -24,8 +24,9 @@ Methods: ``"batched"`` (autograd, as above), ``"replicated"`` (autograd, the pro
 ``dim_batch`` times), ``"fused"`` (the analytic backward of :mod:`jlens_core.fitting.fused`: Llama, Mistral
 and Qwen2 layouts; the backward coefficients are computed once per prompt instead of once per
 backward call, and, where memory allows, all rows go through one layer at a time with the MLP half
-as one matrix per position; ``dim_batch`` then sizes the attention half's chunks) and ``"auto"`` (the default: ``"fused"`` where the model supports it, else
-``"batched"``). All give the same Jacobian.
+as one matrix per position; ``dim_batch`` then sizes the attention half's chunks) and ``"auto"``
+(the default: ``"fused"`` where the model supports it, else ``"batched"``). All give the same
+Jacobian.
 """
 
 from __future__ import annotations
