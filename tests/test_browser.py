@@ -216,10 +216,14 @@ def test_intervene_swap_on_the_default_model(server, browser, shots):
     token = page.get_by_role("textbox", name="A (the concept to replace)")
     token.fill("France")
     token.press("Enter")
+    _idle(page)  # the rerun that A starts rebuilds the B box: a selection made during it is lost
     replacement = page.locator('[data-testid="stSelectbox"]').filter(has_text="B (the replacement)")
     replacement.locator("input").click()
     replacement.locator("input").fill("Germany")
+    # Enter picks the highlighted option: wait until the filtered list shows it
+    page.get_by_role("option").filter(has_text="Germany").first.wait_for(timeout=30_000)
     page.keyboard.press("Enter")
+    _idle(page)
     page.get_by_role("button", name="Run").click()
     page.get_by_text("Edited continuation", exact=True).wait_for(timeout=120_000)
     _no_exception(page)
