@@ -40,6 +40,8 @@ from ..models.recorder import ActivationRecorder
 log = logging.getLogger(__name__)
 
 FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# positions whose MLP matrices one product forms (mlp_jacobians); 1..8 ran at the same rate here
+MLP_BLOCK = 4
 
 
 class FusedMismatchError(RuntimeError):
@@ -324,7 +326,7 @@ def backward_layer(prep: PreparedPrompt, j: int, grad: torch.Tensor | None, rows
     return _attention_backward(prep, c, _mlp_backward(c, grad, u))
 
 
-def mlp_jacobians(c: LayerCoefficients, block: int = 4, out: torch.Tensor | None = None,
+def mlp_jacobians(c: LayerCoefficients, block: int = MLP_BLOCK, out: torch.Tensor | None = None,
                   scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``[n, d, d]``: the MLP half of one layer as a matrix per valid position.
 
@@ -355,7 +357,7 @@ def mlp_jacobians(c: LayerCoefficients, block: int = 4, out: torch.Tensor | None
     return m
 
 
-def layer_major_bytes(d: int, d_ff: int, n_valid: int, dtype: torch.dtype, block: int = 4) -> int:
+def layer_major_bytes(d: int, d_ff: int, n_valid: int, dtype: torch.dtype, block: int = MLP_BLOCK) -> int:
     """Memory the layer-major backward holds at its peak: three ``[n, d, d]`` tensors (the MLP
     matrices, and the cotangents of all ``d`` rows at a layer's middle and at its output/input) and
     the ``[block, d, 2 d_ff]`` scaled weights :func:`mlp_jacobians` forms them from."""
@@ -388,12 +390,11 @@ def _layer_major_jacobians(prep: PreparedPrompt, sources: list[int], target: int
     like = prep.layers[target].a2
     m, mid, grad = (torch.empty(n, d, d, dtype=like.dtype, device=like.device) for _ in range(3))
     ff2 = 2 * prep.layers[target].silu_gate.shape[-1]
-    block = 4  # positions per formed product (see mlp_jacobians); 1..8 run at the same rate here
-    scratch = torch.empty(block, d, ff2, dtype=like.dtype, device=like.device)
+    scratch = torch.empty(MLP_BLOCK, d, ff2, dtype=like.dtype, device=like.device)
     grad = grad.view(d, n, d)  # the cotangents of every row at layer j's output: [d rows, n, d]
     for j in range(target, sources[0], -1):
         c = prep.layers[j]
-        mlp_jacobians(c, block, out=m, scratch=scratch)  # [n, d, d]
+        mlp_jacobians(c, out=m, scratch=scratch)  # [n, d, d]
         if j == target:  # e_i at every valid position: g + g @ M[p] is row i of I + M[p]
             m, mid = mid, m
             mid.diagonal(dim1=1, dim2=2).add_(1)
