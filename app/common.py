@@ -2,7 +2,8 @@
 
 Pages stay thin: they read the :class:`Context` that :func:`sidebar` builds (the loaded model and
 lens), call ``jlens_core`` for every number, and draw with :mod:`charts`. Models, lenses and
-prompt readings are cached as resources (``st.cache_resource``), so a rerun costs nothing.
+prompt readings are cached as resources (``st.cache_resource``; readings per lens in one
+:class:`ReadingStore`), so a rerun costs nothing.
 
 URL query parameters hold what a user sets up (``model``, ``lens``, ``prompt``, ``mode``,
 ``stat``): they seed the session on first load and are written back after every run, so a view
@@ -15,8 +16,10 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import traceback
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,21 +149,84 @@ def load_tuned_cached(path: str, mtime: float, size: int):
     return TunedLens.load(path)
 
 
-@st.cache_resource(show_spinner=False, max_entries=48)
-def reading_cached(_model, model_key: str, _lens, lens_key: str, text: str | tuple, top_k: int, pinned: tuple,
-                   show_ws: bool, word_like: bool, layers: tuple | None, positions: tuple | None,
-                   max_seq_len: int, n_prompt: int | None = None, edits_key: str = "", _edits=None):
-    """:func:`jlens_core.reading.readings.read_prompt`, cached by its inputs (the model and lens by key).
+class ReadingStore:
+    """Prompt readings kept per lens (the least recently used dropped past ``capacity``).
+
+    A page reads the lenses it draws together (:func:`jlens_core.reading.readings.read_prompts`: one
+    forward pass, the shared final distribution), but keeps each lens's reading under its own key, so
+    a later view of any one of them (another mode, the cell detail) finds it. A reading being
+    computed in another thread (the server's warm-up, another session) is waited for, not redone.
+    """
+
+    def __init__(self, capacity: int = 48) -> None:
+        self.capacity = capacity
+        self._done: OrderedDict[tuple, Any] = OrderedDict()
+        self._pending: dict[tuple, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def get(self, keys: dict[str, tuple], compute: Callable[[list[str]], dict[str, Any]]) -> dict[str, Any]:
+        """``{name: reading}`` for ``keys`` (``{name: cache key}``); ``compute(names)`` reads the missing ones.
+
+        An exception from ``compute`` propagates, and nothing is stored for its names.
+        """
+        while True:
+            with self._lock:
+                found = {}
+                for name, key in keys.items():
+                    if key in self._done:
+                        self._done.move_to_end(key)
+                        found[name] = self._done[key]
+                waits = [self._pending[key] for name, key in keys.items() if name not in found and key in self._pending]
+                if not waits:
+                    missing = [name for name in keys if name not in found]
+                    for name in missing:
+                        self._pending[keys[name]] = threading.Event()
+                    break
+            for event in waits:  # another thread reads these; what it stored is found on the next pass
+                event.wait()
+        if missing:
+            computed: dict[str, Any] = {}
+            try:
+                computed = compute(missing)
+            finally:
+                with self._lock:
+                    for name in missing:
+                        if name in computed:
+                            self._done[keys[name]] = computed[name]
+                        self._pending.pop(keys[name]).set()
+                    while len(self._done) > self.capacity:
+                        self._done.popitem(last=False)
+            found.update(computed)
+        return {name: found[name] for name in keys}
+
+
+@st.cache_resource(show_spinner=False)
+def reading_store() -> ReadingStore:
+    """The server's one :class:`ReadingStore`."""
+    return ReadingStore()
+
+
+def readings_cached(model, model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, top_k: int,
+                    pinned: tuple, show_ws: bool, word_like: bool, layers: tuple | None, positions: tuple | None,
+                    max_seq_len: int, n_prompt: int | None = None, edits_key: str = "", edits=None) -> dict[str, Any]:
+    """:func:`jlens_core.reading.readings.read_prompts` of ``lenses`` (``{name: (lens, lens key)}``), cached per lens.
 
     ``text`` is the prompt, or a tuple of token ids (a generation: the first ``n_prompt`` are the prompt);
-    ``_edits`` are residual edits to read under (named by ``edits_key``).
+    ``edits`` are residual edits to read under (named by ``edits_key``). Returns ``{name: PromptReading}``.
     """
-    from jlens_core.reading.readings import read_prompt
+    from jlens_core.reading.readings import read_prompts
 
-    return read_prompt(_model, _lens, list(text) if isinstance(text, tuple) else text, top_k=top_k, pinned=pinned,
-                       show_whitespace=show_ws, word_like=word_like, layers=None if layers is None else list(layers),
-                       positions=None if positions is None else list(positions), max_seq_len=max_seq_len,
-                       n_prompt=n_prompt, edits=_edits)
+    settings = (text, top_k, pinned, show_ws, word_like, layers, positions, max_seq_len, n_prompt, edits_key)
+    keys = {name: (model_key, lens_key, *settings) for name, (_, lens_key) in lenses.items()}
+
+    def compute(names: list[str]) -> dict[str, Any]:
+        return read_prompts(model, {name: lenses[name][0] for name in names},
+                            list(text) if isinstance(text, tuple) else text, top_k=top_k, pinned=pinned,
+                            show_whitespace=show_ws, word_like=word_like, layers=None if layers is None else list(layers),
+                            positions=None if positions is None else list(positions), max_seq_len=max_seq_len,
+                            n_prompt=n_prompt, edits=edits)
+
+    return reading_store().get(keys, compute)
 
 
 def view_layers(n_layers: int, band: tuple[int, int], stride: int) -> list[int]:
@@ -219,11 +285,10 @@ def warm_up(spec: str | None = None) -> list[str]:
     text = default_prompt()
     n_tokens = min(int(model.encode(text).shape[1]), MAX_TOKENS)
     layers = tuple(view_layers(model.n_layers, (0, model.n_layers - 1), INSPECT_DEFAULTS["stride"]))
-    for name, (lens, lens_key) in lenses.items():
-        reading_cached(model, f"{spec}|auto|auto", lens, lens_key, text, INSPECT_DEFAULTS["top_k"], (),
-                       INSPECT_DEFAULTS["show_ws"], INSPECT_DEFAULTS["word_like"], layers,
-                       default_positions(n_tokens), MAX_TOKENS, None, "", None)
-        done.append(f"{name} reading of the default prompt")
+    readings_cached(model, f"{spec}|auto|auto", lenses, text, INSPECT_DEFAULTS["top_k"], (),
+                    INSPECT_DEFAULTS["show_ws"], INSPECT_DEFAULTS["word_like"], layers,
+                    default_positions(n_tokens), MAX_TOKENS, None, "", None)
+    done.append(f"{' and '.join(lenses)} readings of the default prompt")
     return done
 
 

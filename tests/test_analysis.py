@@ -133,6 +133,60 @@ def test_unfitted_layers_are_absent(model):
         read_prompt(model, lens, TEXT, layers=[7])
 
 
+def random_lens(model, layers, seed=0) -> JacobianLens:
+    gen = torch.Generator().manual_seed(seed)
+    mats = {layer: torch.eye(model.d_model) + 0.3 * torch.randn(model.d_model, model.d_model, generator=gen)
+            for layer in layers}
+    return JacobianLens(mats, n_prompts=1, d_model=model.d_model, target_layer=model.n_layers - 1,
+                        n_layers=model.n_layers, model_name=model.name, model_fingerprint=model.fingerprint())
+
+
+@pytest.mark.parametrize("options", [{}, {"word_like": True, "positions": [0, 3, -1], "layers": [0, 1, 3]}])
+def test_read_prompts_equals_each_lens_read_alone(model, monkeypatch, options):
+    from jlens_core.reading.readings import read_prompts
+
+    lenses = {"logit": LogitLens.for_model(model), "jacobian": random_lens(model, [0, 2]),
+              "other": random_lens(model, [1, 2], seed=1)}
+    kwargs = dict(top_k=4, pinned=[" Paris"], **options)
+    monkeypatch.setattr(analysis_mod, "CHUNK_ELEMENTS", 5 * model.vocab_size)  # groups mix the lenses' rows
+    together = read_prompts(model, lenses, TEXT, **kwargs)
+    assert list(together) == list(lenses)
+    for name, lens in lenses.items():
+        alone = read_prompt(model, lens, TEXT, **kwargs)
+        assert together[name].layers == alone.layers and together[name].lens_kind == alone.lens_kind
+        pd.testing.assert_frame_equal(together[name].frame, alone.frame, check_exact=False, rtol=1e-5, atol=1e-6)
+        assert together[name].frame["top_tokens"].tolist() == alone.frame["top_tokens"].tolist()
+    # the output row (shared) is the model's own distribution in every reading
+    top = model.n_layers - 1
+    for name in lenses:
+        r = together[name]
+        np.testing.assert_array_equal(r.kl_bits[r.layer_index(top)], 0.0)
+        np.testing.assert_array_equal(r.top_ids[r.layer_index(top)], together["logit"].top_ids[-1])
+    # the readings do not share arrays: changing one leaves the others alone
+    together["logit"].kl_bits[-1] = 5.0
+    assert (together["jacobian"].kl_bits[-1] == 0).all()
+    with pytest.raises(ValueError, match="lenses is empty"):
+        read_prompts(model, {}, TEXT)
+    with pytest.raises(LensFileError):
+        read_prompts(model, {"logit": LogitLens(n_layers=model.n_layers, d_model=model.d_model + 1)}, TEXT)
+
+
+def test_final_distribution_matches_float64():
+    from jlens_core.reading.readings import final_distribution
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 40000, generator=gen) * 8 + 60
+    logits[1, 11] = float("-inf")  # a token the model rules out
+    before = logits.clone()
+    p, neg_entropy = final_distribution(logits)
+    logp = logits.double().log_softmax(-1)
+    exact = torch.where(logp.exp() > 0, logp.exp() * logp, 0).sum(-1)
+    torch.testing.assert_close(p.double(), logp.exp(), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(neg_entropy, exact, rtol=0, atol=1e-7)
+    assert p.dtype == torch.float32 and neg_entropy.dtype == torch.float64 and p[1, 11] == 0
+    assert torch.equal(logits, before)
+
+
 def test_pinned_tokens(model, reading):
     assert reading.pinned == {" Paris": token_id_for(model.tokenizer, " Paris"),
                               "is": token_id_for(model.tokenizer, "is")}

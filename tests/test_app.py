@@ -434,16 +434,16 @@ def test_side_by_side_reads_an_undrawn_lens_at_the_selected_position_only(tiny_d
         b.copy_(0.1 * torch.randn_like(b))
     path = tuned.save(tmp_path / "tuned.safetensors")
     prompt = PROMPT + " Rome, and of Spain"  # read by no other test: nothing cached
-    calls = []
-    real = readings_mod.read_prompt
-    monkeypatch.setattr(readings_mod, "read_prompt",
-                        lambda *a, **k: calls.append((a[1].kind, k["positions"])) or real(*a, **k))
+    calls = []  # one entry per read_prompts call: ([lens kinds], positions)
+    real_many, real = readings_mod.read_prompts, readings_mod.read_prompt
+    monkeypatch.setattr(readings_mod, "read_prompts", lambda model, lenses, *a, **k: calls.append(
+        (sorted(lens.kind for lens in lenses.values()), k["positions"])) or real_many(model, lenses, *a, **k))
     at = ok(make_app(model=tiny_dir, lens=lens_file, tuned=str(path), prompt=prompt, mode="side").run())
     n_tokens = len(values(chart(at, "heatmap")["data"][0]["x"]))
     last = n_tokens - 1
-    # the heatmap's two lenses over every position; the tuned lens (not drawn) at the selected cell's only
-    assert sorted(k for k, _ in calls) == ["jacobian", "logit", "tuned"]
-    assert dict(calls)["tuned"] == [last] and len(dict(calls)["logit"]) == n_tokens
+    # the heatmap's two lenses together over every position; the tuned lens (not drawn) at the selected
+    # cell's only
+    assert calls == [(["jacobian", "logit"], list(range(n_tokens))), (["tuned"], [last])]
     table = next(d.value for d in at.dataframe if "lens" in d.value.columns)
     row = table.set_index("lens").loc["Tuned lens"]
     expected = real(tiny_model, TunedLens.load(path, model=tiny_model), prompt).cell(tiny_model.n_layers - 1, last)
@@ -452,7 +452,7 @@ def test_side_by_side_reads_an_undrawn_lens_at_the_selected_position_only(tiny_d
     # another cell: the tuned lens is read there, and its row follows
     at.selectbox(key="cell_pos").set_value(1)
     at.selectbox(key="cell_layer").set_value(1).run()
-    assert calls[-1] == ("tuned", [1])
+    assert calls[-1] == (["tuned"], [1])
     row = next(d.value for d in ok(at).dataframe if "lens" in d.value.columns).set_index("lens").loc["Tuned lens"]
     expected = real(tiny_model, TunedLens.load(path, model=tiny_model), prompt).cell(1, 1)
     assert row["entropy (bits)"] == pytest.approx(expected["entropy_bits"], rel=1e-5)
@@ -735,12 +735,50 @@ def test_warm_up_fills_the_caches_the_first_inspect_run_reads(tiny_dir, lens_fil
     monkeypatch.setenv("JLENS_APP_LENS", lens_file)
     done = common.warm_up()
     assert done[0] == f"model {tiny_dir}" and f"lens {Path(lens_file).name}" in done
-    assert done[-2:] == ["logit reading of the default prompt", "jacobian reading of the default prompt"]
+    assert done[-1] == "logit and jacobian readings of the default prompt"
     computed = []
-    real = readings_mod.read_prompt
-    monkeypatch.setattr(readings_mod, "read_prompt", lambda *a, **k: computed.append(a[1]) or real(*a, **k))
+    real = readings_mod.read_prompts
+    monkeypatch.setattr(readings_mod, "read_prompts", lambda *a, **k: computed.append(sorted(a[1])) or real(*a, **k))
     at = ok(make_app().run())  # no URL: the env's model and lens, the default prompt, default settings
     assert len(values(chart(at, "heatmap")["data"][0]["x"])) > 0 and at.radio(key="mode").value == "side"
     assert computed == []  # both readings came from the warm cache
     at.text_area(key="prompt").set_value("A different prompt, read now.").run()
-    assert len(computed) == 2  # ...and a new prompt is read, both lenses
+    assert computed == [["jacobian", "logit"]]  # ...and a new prompt is read, both lenses in one pass
+
+
+def test_reading_store_keeps_readings_per_lens_and_waits_for_one_being_read():
+    import sys
+    import threading
+
+    sys.path.insert(0, str(APP.parent))
+    import common
+
+    store = common.ReadingStore(capacity=3)
+    calls, release = [], threading.Event()
+
+    def compute(names):
+        calls.append(list(names))
+        release.wait(10)
+        return {name: f"reading of {name}" for name in names}
+
+    out = {}
+    first = threading.Thread(target=lambda: out.update(a=store.get({"logit": ("p", "l"), "jac": ("p", "j")}, compute)))
+    first.start()
+    while not calls:  # the first thread is reading both lenses
+        time.sleep(0.01)
+    second = threading.Thread(target=lambda: out.update(b=store.get({"jac": ("p", "j")}, compute)))
+    second.start()
+    time.sleep(0.2)
+    assert second.is_alive()  # waits for the reading under way instead of starting its own
+    release.set()
+    first.join(10), second.join(10)
+    assert calls == [["logit", "jac"]]
+    assert out == {"a": {"logit": "reading of logit", "jac": "reading of jac"}, "b": {"jac": "reading of jac"}}
+    # a failed read stores nothing and is retried by the next request
+    with pytest.raises(ValueError, match="bad prompt"):
+        store.get({"x": ("q", "l")}, lambda names: (_ for _ in ()).throw(ValueError("bad prompt")))
+    assert store.get({"x": ("q", "l")}, compute) == {"x": "reading of x"} and calls[-1] == ["x"]
+    # the least recently used reading goes past the capacity: "logit" (read first, never asked for again)
+    store.get({"y": ("r", "l")}, compute)
+    store.get({"logit": ("p", "l"), "jac": ("p", "j")}, compute)
+    assert calls[-1] == ["logit"]

@@ -221,18 +221,23 @@ tried: set[tuple[str, tuple[int, ...]]] = set()  # (lens, positions) read or fai
 
 
 def read_lenses(names: list[str], into: dict | None = None, at: tuple[int, ...] = positions) -> None:
-    """Read the prompt through the loaded lenses among ``names`` (cached) at positions ``at`` into ``into``."""
+    """Read the prompt through the loaded lenses among ``names`` (together, cached per lens) at positions ``at``."""
     into = readings if into is None else into
-    lenses = ctx.lenses()
-    for name in names:
-        if name not in lenses or name in into or (name, at) in tried:
-            continue
-        tried.add((name, at))
+    lenses, keys = ctx.lenses(), ctx.lens_keys()
+    todo = [name for name in names if name in lenses and name not in into and (name, at) not in tried]
+    if not todo:
+        return
+    tried.update((name, at) for name in todo)
+    settings = (source, int(ss.top_k), tuple(pins), bool(ss.show_ws), bool(ss.word_like), tuple(layers), at,
+                MAX_TOKENS, n_prompt, edits_key, edits)
+    try:
+        into.update(common.readings_cached(model, ctx.model_key, {n: (lenses[n], keys[n]) for n in todo}, *settings))
+        return
+    except common.EXPECTED_ERRORS:
+        pass  # then one lens at a time, to say which cannot read the prompt (the others still can)
+    for name in todo:
         try:
-            into[name] = common.reading_cached(
-                model, ctx.model_key, lenses[name], ctx.lens_keys()[name], source, int(ss.top_k), tuple(pins),
-                bool(ss.show_ws), bool(ss.word_like), tuple(layers), at, MAX_TOKENS, n_prompt,
-                edits_key, edits)
+            into.update(common.readings_cached(model, ctx.model_key, {name: (lenses[name], keys[name])}, *settings))
         except common.EXPECTED_ERRORS as exc:
             st.error(f"The {charts.LENS_NAMES[name].lower()} cannot read this prompt: {exc}")
 

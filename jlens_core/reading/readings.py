@@ -191,17 +191,25 @@ def distribution_stats(logits: torch.Tensor, final_logp: torch.Tensor, final_p: 
 def final_distribution(final_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's final distribution, as :func:`centred_logit_stats` needs it.
 
+    Computed like the lens statistics, from centred fp32 logits ``z`` (row maximum 0): with
+    ``S = sum exp(z)``, ``p = exp(z) / S`` and ``sum p log p = sum p z - log S``, so no float64 pass
+    over the vocabulary is needed; the sums accumulate in float64.
+
     Args:
-        final_logits: ``[c, vocab]`` fp32.
+        final_logits: ``[c, vocab]``, any float dtype (not modified).
 
     Returns:
         ``(final_p [c, vocab] fp32, final_neg_entropy [c] float64)``: probabilities and
-        ``sum p log p`` in nats (computed in float64: once per chunk of positions, it is cheap).
+        ``sum p log p`` in nats.
     """
-    final_logp = final_logits.double().log_softmax(-1)
-    final_p = final_logp.exp()
-    neg_entropy = torch.where(final_p > 0, final_p * final_logp, torch.zeros((), device=final_p.device)).sum(-1)
-    return final_p.float(), neg_entropy
+    z = final_logits.float()
+    z = z - z.amax(dim=-1, keepdim=True)  # [c, vocab] max 0 per row
+    z.clamp_min_(-1e30)  # a ruled-out (-inf) token: p = 0 and p * z = 0, not NaN
+    p = z.exp()  # [c, vocab] unnormalised
+    # float64 accumulators: sum p log p is the large term KL cancels against (~1e-9 nats, not ~1e-6)
+    total = p.sum(dim=-1, dtype=torch.float64)  # [c] >= 1
+    neg_entropy = torch.mul(p, z).sum(dim=-1, dtype=torch.float64) / total - total.log()  # [c]
+    return p.div_(total.float()[:, None]), neg_entropy
 
 
 def row_sums(x: torch.Tensor) -> torch.Tensor:
@@ -580,6 +588,35 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
         ValueError: empty text, ``top_k < 1``, bad layers or positions, an unknown pinned token.
         LensFileError: the lens belongs to another model.
     """
+    return read_prompts(model, {"lens": lens}, text, top_k=top_k, layers=layers, positions=positions,
+                        pinned=pinned, show_whitespace=show_whitespace, max_seq_len=max_seq_len,
+                        word_like=word_like, n_prompt=n_prompt, edits=edits)["lens"]
+
+
+def read_prompts(model: Any, lenses: Mapping[str, Any] | Any, text: str | Sequence[int] | torch.Tensor | Generation,
+                 *, top_k: int = 10, layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
+                 pinned: Iterable[str | int] = (), show_whitespace: bool = False,
+                 max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
+                 edits: Iterable[Any] | None = None) -> dict[str, PromptReading]:
+    """Read one prompt through several lenses at once: :func:`read_prompt` for each, sharing the work.
+
+    The lenses share one forward pass, the model's final distribution and its output row (the same
+    for every lens), and their layers are unembedded together, several lenses' rows per matrix
+    product. Each reading equals :func:`read_prompt` of that lens alone (the same arithmetic, row by
+    row). The arguments are :func:`read_prompt`'s; ``layers`` applies to every lens.
+
+    Args:
+        lenses: ``{name: lens}`` (or one lens, named by its kind), e.g. ``{"logit": LogitLens.for_model(model),
+            "jacobian": lens}``.
+
+    Returns:
+        ``{name: PromptReading}`` in the order of ``lenses``.
+
+    Raises:
+        ValueError: no lens, empty text, ``top_k < 1``, bad layers or positions, an unknown pinned token.
+        LensFileError: a lens belongs to another model.
+    """
+    lens_map = as_lens_dict(lenses)
     if isinstance(text, Generation):
         if n_prompt is not None and int(n_prompt) != text.n_prompt:
             raise ValueError(f"n_prompt={n_prompt} contradicts the generation's {text.n_prompt} prompt tokens.")
@@ -592,20 +629,22 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
         raise ValueError(f"top_k={top_k} must be at least 1.")
     if max_seq_len is not None and int(max_seq_len) < 1:
         raise ValueError(f"max_seq_len={max_seq_len} must be at least 1 (or None for no truncation).")
-    check_lens(model, lens)
+    for lens in lens_map.values():
+        check_lens(model, lens)
     vocab = model_vocab_size(model)
     display = TokenDisplay.for_model(model)
     pins = _resolve_pinned(model, display, pinned)
     ids = encode_prompt(model, text, max_seq_len)  # [1, seq]
     seq_len = int(ids.shape[1])
     pos_list = resolve_positions(seq_len, positions)
-    layer_list = readable_layers(model, lens, layers)
+    layer_lists = {name: readable_layers(model, lens, layers) for name, lens in lens_map.items()}
     top = model.n_layers - 1
     k = min(int(top_k), vocab)
 
     n_prompt = seq_len if n_prompt is None else min(int(n_prompt), seq_len)
     edit_list = check_edits(model, edits)
-    resid = record_residuals(model, ids, layer_list, edits=edit_list, n_prompt=n_prompt)  # {layer: [seq, d]}
+    all_layers = sorted(set().union(*layer_lists.values()))
+    resid = record_residuals(model, ids, all_layers, edits=edit_list, n_prompt=n_prompt)  # {layer: [seq, d]}
     device = resid[top].device
     ids_row = ids[0].to(device)  # [seq]
     pos_t = torch.tensor(pos_list, dtype=torch.long, device=device)  # [n_pos]
@@ -619,24 +658,33 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
         mask = torch.as_tensor(np.pad(mask_np, (0, vocab - len(mask_np))), device=device)  # [vocab] bool
         k = max(1, min(k, int(mask.sum())))
 
-    n_l, n_p = len(layer_list), len(pos_list)
-    top_ids = np.zeros((n_l, n_p, k), dtype=np.int64)
-    top_probs = np.zeros((n_l, n_p, k), dtype=np.float32)
-    entropy = np.zeros((n_l, n_p))
-    kl = np.zeros((n_l, n_p))
-    ce = np.zeros((n_l, n_p))
-    next_rank = np.zeros((n_l, n_p))
-    final_rank = np.zeros((n_l, n_p), dtype=np.int64)
-    pin_ranks = {name: np.zeros((n_l, n_p), dtype=np.int64) for name in pin_names}
+    # Every lens's layers are rows of one set of arrays (lens after lens); each reading gets its slice.
+    row_lens: list[str] = []  # [n_rows] the lens of each row
+    row_layer: list[int] = []  # [n_rows] the layer of each row
+    first_row: dict[str, int] = {}
+    for name, layer_list in layer_lists.items():
+        first_row[name] = len(row_lens)
+        row_lens += [name] * len(layer_list)
+        row_layer += layer_list
+    n_rows, n_p = len(row_lens), len(pos_list)
+    top_ids = np.zeros((n_rows, n_p, k), dtype=np.int64)
+    top_probs = np.zeros((n_rows, n_p, k), dtype=np.float32)
+    entropy = np.zeros((n_rows, n_p))
+    kl = np.zeros((n_rows, n_p))
+    ce = np.zeros((n_rows, n_p))
+    next_rank = np.zeros((n_rows, n_p))
+    final_rank = np.zeros((n_rows, n_p), dtype=np.int64)
+    pin_ranks = {name: np.zeros((n_rows, n_p), dtype=np.int64) for name in pin_names}
     final_top1 = np.zeros(n_p, dtype=np.int64)
+    per_row_arrays = [top_ids, top_probs, entropy, kl, ce, next_rank, final_rank, *pin_ranks.values()]
 
     block = max(1, STATS_BLOCK_ELEMENTS // vocab)  # logit rows per statistics block
 
     def write_stats(rows: list[int], sl: slice, z: torch.Tensor, final_p: torch.Tensor,
                     final_neg_entropy: torch.Tensor, nxt: torch.Tensor, f_top1: torch.Tensor) -> None:
-        # z: [g, c, vocab] fp32 logits of the layers ``rows`` (indices into layer_list) at positions sl,
-        # passed to write_block in blocks of at most STATS_BLOCK_ELEMENTS logits: several layers' rows
-        # of all c positions, or (c past a block) one layer's run of positions
+        # z: [g, c, vocab] fp32 logits of the rows ``rows`` at positions sl, passed to write_block in
+        # blocks of at most STATS_BLOCK_ELEMENTS logits: several rows of all c positions, or (c past a
+        # block) one row's run of positions
         c = z.shape[1]
         n_pos, n_layers = min(c, block), max(1, block // c)
         for b0 in range(0, len(rows), n_layers):
@@ -666,7 +714,7 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
         top_ids[rows, sl] = indices.cpu().numpy()
         top_probs[rows, sl] = (top_z - log_norm[..., None]).exp().cpu().numpy()
 
-    # One logits array holds at most CHUNK_ELEMENTS: ``c`` positions of ``group`` layers at a time,
+    # One logits array holds at most CHUNK_ELEMENTS: ``c`` positions of ``group`` rows at a time,
     # unembedded by one matmul (a few large products run far closer to the matmul peak than one per layer).
     rows_per_array = chunk_size(vocab)
     takes_out = "out" in inspect.signature(model.unembed).parameters  # HFLensModel does; a protocol model may not
@@ -687,7 +735,9 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
         dtype = getattr(model, "dtype", carried.dtype)
         return model.unembed(carried, out=reused("logits", (carried.shape[0], vocab), dtype, carried.device))
 
-    lens_rows = [li for li, layer in enumerate(layer_list) if layer != top]
+    # The output row is the model's own distribution whatever the lens: read once, copied to the others.
+    top_rows = [r for r in range(n_rows) if row_layer[r] == top]
+    lens_rows = [r for r in range(n_rows) if row_layer[r] != top]
     with torch.no_grad():
         for start in range(0, n_p, rows_per_array):
             sl = slice(start, start + rows_per_array)
@@ -698,30 +748,39 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
             final_p, final_neg_entropy = final_distribution(final_logits)
             f_top1 = final_logits.argmax(-1)  # [c]
             final_top1[sl] = f_top1.cpu().numpy()
-            if top in layer_list:  # the model's own output: KL exactly 0
-                top_row = layer_list.index(top)
-                write_stats([top_row], sl, final_logits[None].clone(), final_p, final_neg_entropy, nxt, f_top1)
-                kl[top_row, sl] = 0.0
+            if top_rows:  # KL exactly 0
+                write_stats(top_rows[:1], sl, final_logits[None], final_p, final_neg_entropy, nxt, f_top1)
+                kl[top_rows[0], sl] = 0.0
             group = max(1, rows_per_array // c)
             for g0 in range(0, len(lens_rows), group):
                 rows = lens_rows[g0: g0 + group]
-                carried = torch.cat([lens.transport(resid[layer_list[li]][sel], layer_list[li]) for li in rows])
+                carried = torch.cat([lens_map[row_lens[r]].transport(resid[row_layer[r]][sel], row_layer[r])
+                                     for r in rows])
                 z = unembed_into_reused(carried).float().view(len(rows), c, -1)  # [g, c, vocab]
                 write_stats(rows, sl, z, final_p, final_neg_entropy, nxt, f_top1)
                 del z, carried
+    for r in top_rows[1:]:
+        for array in per_row_arrays:
+            array[r] = array[top_rows[0]]
 
     input_ids = ids[0].cpu().numpy().astype(np.int64)
     strings = display.strings(show_whitespace)
-    return PromptReading(
-        text=text if isinstance(text, str) else model.decode(input_ids.tolist()),
-        model_name=str(getattr(model, "name", "")), lens_kind=str(getattr(lens, "kind", type(lens).__name__)),
-        input_ids=input_ids, tokens=display_ids(display, input_ids, show_whitespace=show_whitespace),
-        layers=layer_list, positions=np.asarray(pos_list, dtype=np.int64), output_layer=top, top_k=k,
-        show_whitespace=bool(show_whitespace), word_like=bool(word_like), pinned=pins,
-        top_ids=top_ids, top_probs=top_probs, entropy_bits=entropy, kl_bits=kl, ce_bits=ce,
-        next_token_rank=next_rank, final_top1_rank=final_rank, pinned_ranks=pin_ranks,
-        next_ids=next_t.cpu().numpy().astype(np.int64), final_top1_ids=final_top1, vocab_strings=strings,
-        n_prompt=n_prompt, edits=[repr(e) for e in edit_list])
+    tokens = display_ids(display, input_ids, show_whitespace=show_whitespace)
+    shown_text = text if isinstance(text, str) else model.decode(input_ids.tolist())
+    readings = {}
+    for name, lens in lens_map.items():
+        rs = slice(first_row[name], first_row[name] + len(layer_lists[name]))
+        readings[name] = PromptReading(
+            text=shown_text, model_name=str(getattr(model, "name", "")),
+            lens_kind=str(getattr(lens, "kind", type(lens).__name__)), input_ids=input_ids, tokens=list(tokens),
+            layers=list(layer_lists[name]), positions=np.asarray(pos_list, dtype=np.int64), output_layer=top,
+            top_k=k, show_whitespace=bool(show_whitespace), word_like=bool(word_like), pinned=dict(pins),
+            top_ids=top_ids[rs].copy(), top_probs=top_probs[rs].copy(), entropy_bits=entropy[rs].copy(),
+            kl_bits=kl[rs].copy(), ce_bits=ce[rs].copy(), next_token_rank=next_rank[rs].copy(),
+            final_top1_rank=final_rank[rs].copy(), pinned_ranks={n: a[rs].copy() for n, a in pin_ranks.items()},
+            next_ids=next_t.cpu().numpy().astype(np.int64), final_top1_ids=final_top1.copy(), vocab_strings=strings,
+            n_prompt=n_prompt, edits=[repr(e) for e in edit_list])
+    return readings
 
 
 # -- most common tokens -------------------------------------------------------------------------------
@@ -886,6 +945,7 @@ __all__ = [
     "most_common_tokens",
     "rank_of",
     "read_prompt",
+    "read_prompts",
     "readable_layers",
     "record_residuals",
     "resolve_positions",
