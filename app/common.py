@@ -64,6 +64,13 @@ PERSISTENT_KEYS = ("prompt", "mode", "stat", "chat", "top_k", "pinned", "stride"
                    "mc_word_like", "iv_op", "iv_token", "iv_replacement", "iv_strength", "iv_alpha", "iv_layers",
                    "iv_pos_mode", "iv_pos_range", "iv_on_generated", "iv_new", "iv_edited_heatmap", "pair_a", "pair_b",
                    "tuned_path")
+# A rerun dims the last run's elements with a 1 s opacity fade (from 0.5 s in), and expanders fade their
+# borders: Chromium without a GPU repaints the page every frame of it, on the cores the run's matrix
+# products need (a new prompt's redraw took 0.3-0.5 s longer). The same dimming, in one step at 1 s.
+STALE_CSS = """<style>
+.stElementContainer[data-stale="true"] { transition: opacity 0s linear 1s !important; }
+[data-testid="stExpander"] details, [data-testid="stExpander"] summary { transition-duration: 0s !important; }
+</style>"""
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, LensFileError, KeyError, OSError)
 
 

@@ -21,6 +21,7 @@ import streamlit as st
 import common
 
 st.set_page_config(page_title="jlens", page_icon=":material/troubleshoot:", layout="wide")
+st.html(common.STALE_CSS)  # style only: no element on the page, so later elements keep their places
 
 PAGES = [
     st.Page("views/inspect.py", title="Inspect", icon=":material/grid_on:", url_path="inspect", default=True),

@@ -128,6 +128,11 @@ def test_inspect_on_the_default_model(server, browser, shots):
     prompt = page.get_by_label("Prompt", exact=True)
     prompt.fill("The Eiffel Tower is located in the city of")
     prompt.press("Control+Enter")
+    # the last run's elements are dimmed in one step, not faded frame by frame (app/common.py STALE_CSS):
+    # a stale element container, as Streamlit marks one, gets the app's transition
+    assert page.evaluate("""() => { const e = document.createElement('div');
+        e.className = 'stElementContainer'; e.setAttribute('data-stale', 'true'); document.body.append(e);
+        const t = getComputedStyle(e).transition; e.remove(); return t; }""") == "opacity 0s linear 1s"
     _wait_heatmap(page, "g.data[0].text.at(-1).at(-1).includes('Paris')")
     _no_exception(page)
 
