@@ -149,10 +149,8 @@ def test_read_prompts_equals_each_lens_read_alone(model, monkeypatch, options):
               "other": random_lens(model, [1, 2], seed=1)}
     kwargs = dict(top_k=4, pinned=[" Paris"], **options)
     monkeypatch.setattr(analysis_mod, "CHUNK_ELEMENTS", 5 * model.vocab_size)  # groups mix the lenses' rows
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # three workers share the groups
     together = read_prompts(model, lenses, TEXT, **kwargs)
     assert list(together) == list(lenses)
-    monkeypatch.setattr(analysis_mod, "MAX_READING_WORKERS", 1)  # each lens alone, in this thread
     for name, lens in lenses.items():
         alone = read_prompt(model, lens, TEXT, **kwargs)
         assert together[name].layers == alone.layers and together[name].lens_kind == alone.lens_kind
@@ -171,35 +169,6 @@ def test_read_prompts_equals_each_lens_read_alone(model, monkeypatch, options):
         read_prompts(model, {}, TEXT)
     with pytest.raises(LensFileError):
         read_prompts(model, {"logit": LogitLens(n_layers=model.n_layers, d_model=model.d_model + 1)}, TEXT)
-
-
-def test_run_in_workers_reads_every_task_once_and_raises_a_workers_error(monkeypatch):
-    import threading
-
-    from jlens_core.reading.readings import reading_workers, run_in_workers
-
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    assert reading_workers(cpu, 10) == 4 and reading_workers(cpu, 2) == 2 and reading_workers(torch.device("meta"), 10) == 1
-    seen, threads, arrays = [], set(), []
-
-    def work(task, scratch):
-        scratch.setdefault("n", 0)
-        scratch["n"] += 1
-        seen.append(task)
-        threads.add(threading.get_ident())
-        assert not torch.is_grad_enabled()
-
-    run_in_workers(list(range(20)), work, arrays, cpu)
-    assert sorted(seen) == list(range(20)) and len(arrays) == 4 and sum(a.get("n", 0) for a in arrays) == 20
-    assert threading.get_ident() not in threads
-
-    def fail(task, scratch):
-        if task == 3:
-            raise ValueError("task 3 cannot be read")
-
-    with pytest.raises(ValueError, match="task 3 cannot be read"):
-        run_in_workers(list(range(8)), fail, [], cpu)
 
 
 def test_final_distribution_matches_float64():
