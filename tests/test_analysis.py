@@ -149,8 +149,10 @@ def test_read_prompts_equals_each_lens_read_alone(model, monkeypatch, options):
               "other": random_lens(model, [1, 2], seed=1)}
     kwargs = dict(top_k=4, pinned=[" Paris"], **options)
     monkeypatch.setattr(analysis_mod, "CHUNK_ELEMENTS", 5 * model.vocab_size)  # groups mix the lenses' rows
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # three workers share the groups
     together = read_prompts(model, lenses, TEXT, **kwargs)
     assert list(together) == list(lenses)
+    monkeypatch.setattr(analysis_mod, "MAX_READING_WORKERS", 1)  # each lens alone, in this thread
     for name, lens in lenses.items():
         alone = read_prompt(model, lens, TEXT, **kwargs)
         assert together[name].layers == alone.layers and together[name].lens_kind == alone.lens_kind
@@ -169,6 +171,63 @@ def test_read_prompts_equals_each_lens_read_alone(model, monkeypatch, options):
         read_prompts(model, {}, TEXT)
     with pytest.raises(LensFileError):
         read_prompts(model, {"logit": LogitLens(n_layers=model.n_layers, d_model=model.d_model + 1)}, TEXT)
+
+
+def test_run_in_workers_reads_every_task_once_and_raises_a_workers_error(monkeypatch):
+    import threading
+
+    from jlens_core.reading.readings import reading_workers, run_in_workers
+
+    cpu = torch.device("cpu")
+    if analysis_mod._thread_openmp_setter() is None:
+        pytest.skip("no OpenMP runtime whose per-thread count can be set (one core, or not Linux)")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert reading_workers(cpu, 10) == 4 and reading_workers(cpu, 2) == 2 and reading_workers(torch.device("meta"), 10) == 1
+    seen, threads, arrays = [], set(), []
+
+    def work(task, scratch):
+        scratch.setdefault("n", 0)
+        scratch["n"] += 1
+        seen.append(task)
+        threads.add(threading.get_ident())
+        assert not torch.is_grad_enabled()
+
+    run_in_workers(list(range(20)), work, arrays, cpu)
+    assert sorted(seen) == list(range(20)) and len(arrays) == 4 and sum(a.get("n", 0) for a in arrays) == 20
+    assert threading.get_ident() not in threads
+
+    def fail(task, scratch):
+        if task == 3:
+            raise ValueError("task 3 cannot be read")
+
+    with pytest.raises(ValueError, match="task 3 cannot be read"):
+        run_in_workers(list(range(8)), fail, [], cpu)
+
+
+def test_reading_workers_leave_the_thread_count_of_other_threads_alone(model):
+    # a worker sets its own OpenMP count only: threads started later (the app starts one per script
+    # run) still get the process's count, and so does the caller
+    import threading
+
+    from jlens_core.reading.readings import read_prompts
+
+    if analysis_mod._thread_openmp_setter() is None:
+        pytest.skip("no OpenMP runtime whose per-thread count can be set (not Linux)")
+    session_threads = torch.get_num_threads()  # the test session runs on one
+    chunk = analysis_mod.CHUNK_ELEMENTS
+    torch.set_num_threads(2)  # two workers, one thread each
+    analysis_mod.CHUNK_ELEMENTS = 3 * model.vocab_size  # several row groups
+    try:
+        assert analysis_mod.reading_workers(torch.device("cpu"), 5) == 2
+        read_prompts(model, {"logit": LogitLens.for_model(model)}, TEXT)
+        later = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert later == [2] and torch.get_num_threads() == 2
+    finally:
+        analysis_mod.CHUNK_ELEMENTS = chunk
+        torch.set_num_threads(session_threads)
 
 
 def test_final_distribution_matches_float64():

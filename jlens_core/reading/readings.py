@@ -25,10 +25,13 @@ only the returned statistics are kept, so ``layers x positions x vocab`` is neve
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import inspect
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -552,6 +555,86 @@ def _resolve_pinned(model: Any, display: TokenDisplay, pinned: Iterable[str | in
     return out
 
 
+# Most reading threads on the CPU (each holds its own CHUNK_ELEMENTS logits array).
+MAX_READING_WORKERS = 8
+
+
+@functools.cache
+def _thread_openmp_setter() -> Callable[[int], None] | None:
+    """``omp_set_num_threads`` of the OpenMP runtime torch runs on, or None where it cannot be found.
+
+    It sets the calling thread's own OpenMP thread count. ``torch.set_num_threads`` would also set
+    the process-wide count that every thread started later begins with (a Streamlit server starts one
+    per script run), so a worker must not call it.
+    """
+    try:
+        with open("/proc/self/maps") as maps:  # Linux: the runtime torch loaded, not another copy
+            paths = sorted({line.split()[-1] for line in maps if any(
+                name in line for name in ("libgomp", "libiomp", "libomp"))})
+        return ctypes.CDLL(paths[0]).omp_set_num_threads if paths else None
+    except (OSError, AttributeError):
+        return None
+
+
+def reading_workers(device: torch.device, n_tasks: int) -> int:
+    """Threads that read row groups side by side: 1 off the CPU; on the CPU one per intra-op thread.
+
+    Each worker runs its matrix products and statistics on ``torch.get_num_threads() // workers``
+    threads. Two single-threaded workers keep two cores busy where one two-threaded product waits at
+    every step for its slower half: whenever another process (the app's browser) takes a core, only
+    one worker slows down. 1 where the calling thread's OpenMP count cannot be set on its own.
+    """
+    if device.type != "cpu" or _thread_openmp_setter() is None:
+        return 1
+    return max(1, min(torch.get_num_threads(), n_tasks, MAX_READING_WORKERS))
+
+
+def run_in_workers(tasks: list[Any], work: Callable[[Any, dict[str, torch.Tensor]], None],
+                   worker_arrays: list[dict[str, torch.Tensor]], device: torch.device) -> None:
+    """``work(task, arrays)`` for every task, in :func:`reading_workers` threads taking the next task in turn.
+
+    ``worker_arrays[i]`` is worker ``i``'s own scratch (created here if missing, kept for the next call).
+    Gradients are off in every worker. The first exception raised by ``work`` is re-raised here once
+    every worker has stopped.
+    """
+    n_workers = reading_workers(device, len(tasks))
+    while len(worker_arrays) < n_workers:
+        worker_arrays.append({})
+    if n_workers == 1:
+        for task in tasks:
+            work(task, worker_arrays[0])
+        return
+    threads_each = max(1, torch.get_num_threads() // n_workers)
+    queue = iter(tasks)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    set_threads = _thread_openmp_setter()
+
+    def worker(arrays: dict[str, torch.Tensor]) -> None:
+        torch.get_num_threads()  # torch sets a new thread's OpenMP count on first use: before ours
+        set_threads(threads_each)
+        with torch.no_grad():
+            while not errors:
+                with lock:
+                    task = next(queue, None)
+                if task is None:
+                    return
+                try:
+                    work(task, arrays)
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                    errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(worker_arrays[i],), name=f"jlens-read-{i}", daemon=True)
+               for i in range(n_workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor | Generation, *, top_k: int = 10,
                 layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                 pinned: Iterable[str | int] = (), show_whitespace: bool = False,
@@ -681,7 +764,8 @@ def read_prompts(model: Any, lenses: Mapping[str, Any] | Any, text: str | Sequen
     block = max(1, STATS_BLOCK_ELEMENTS // vocab)  # logit rows per statistics block
 
     def write_stats(rows: list[int], sl: slice, z: torch.Tensor, final_p: torch.Tensor,
-                    final_neg_entropy: torch.Tensor, nxt: torch.Tensor, f_top1: torch.Tensor) -> None:
+                    final_neg_entropy: torch.Tensor, nxt: torch.Tensor, f_top1: torch.Tensor,
+                    arrays: dict[str, torch.Tensor]) -> None:
         # z: [g, c, vocab] fp32 logits of the rows ``rows`` at positions sl, passed to write_block in
         # blocks of at most STATS_BLOCK_ELEMENTS logits: several rows of all c positions, or (c past a
         # block) one row's run of positions
@@ -691,12 +775,14 @@ def read_prompts(model: Any, lenses: Mapping[str, Any] | Any, text: str | Sequen
             for p0 in range(0, c, n_pos):
                 p1 = min(c, p0 + n_pos)
                 write_block(rows[b0: b0 + n_layers], slice(sl.start + p0, sl.start + p1), z[b0: b0 + n_layers, p0:p1],
-                            final_p[p0:p1], final_neg_entropy[p0:p1], nxt[p0:p1], f_top1[p0:p1])
+                            final_p[p0:p1], final_neg_entropy[p0:p1], nxt[p0:p1], f_top1[p0:p1], arrays)
 
     def write_block(rows: list[int], sl: slice, z: torch.Tensor, final_p: torch.Tensor,
-                    final_neg_entropy: torch.Tensor, nxt: torch.Tensor, f_top1: torch.Tensor) -> None:
+                    final_neg_entropy: torch.Tensor, nxt: torch.Tensor, f_top1: torch.Tensor,
+                    arrays: dict[str, torch.Tensor]) -> None:
+        # the rows are disjoint between workers, so their writes into the result arrays never meet
         g = z.shape[0]
-        scratch = reused("scratch", z.shape, z.dtype, z.device)
+        scratch = reused(arrays, "scratch", z.shape, z.dtype, z.device)
         log_norm, ent, kld, cel = centred_logit_stats(z, final_p, final_neg_entropy, nxt, scratch)  # z centred
         entropy[rows, sl] = ent.double().cpu().numpy()
         kl[rows, sl] = kld.double().cpu().numpy()
@@ -718,26 +804,36 @@ def read_prompts(model: Any, lenses: Mapping[str, Any] | Any, text: str | Sequen
     # unembedded by one matmul (a few large products run far closer to the matmul peak than one per layer).
     rows_per_array = chunk_size(vocab)
     takes_out = "out" in inspect.signature(model.unembed).parameters  # HFLensModel does; a protocol model may not
-    arrays: dict[str, torch.Tensor] = {}
 
-    def reused(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # One array per role for every group (grown when needed): a fresh 64 MB array per group
-        # costs more in page faults than its arithmetic.
+    def reused(arrays: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+        # One array per role and worker for every group (grown when needed): a fresh 64 MB array per
+        # group costs more in page faults than its arithmetic.
         n = math.prod(shape)
         array = arrays.get(name)
         if array is None or array.numel() < n or array.dtype != dtype or array.device != device:
             array = arrays[name] = torch.empty(n, dtype=dtype, device=device)
         return array[:n].view(shape)
 
-    def unembed_into_reused(carried: torch.Tensor) -> torch.Tensor:
+    def unembed_into_reused(carried: torch.Tensor, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
         if not takes_out:
             return model.unembed(carried)
         dtype = getattr(model, "dtype", carried.dtype)
-        return model.unembed(carried, out=reused("logits", (carried.shape[0], vocab), dtype, carried.device))
+        return model.unembed(carried, out=reused(arrays, "logits", (carried.shape[0], vocab), dtype, carried.device))
+
+    def read_group(task: tuple, arrays: dict[str, torch.Tensor]) -> None:
+        # one group of rows at one chunk of positions: transported, unembedded by one matmul, its statistics
+        rows, (sl, sel, final_p, final_neg_entropy, nxt, f_top1) = task
+        carried = torch.cat([lens_map[row_lens[r]].transport(resid[row_layer[r]][sel], row_layer[r])
+                             for r in rows])  # [g * c, d_model]
+        z = unembed_into_reused(carried, arrays).float().view(len(rows), len(sel), -1)  # [g, c, vocab]
+        write_stats(rows, sl, z, final_p, final_neg_entropy, nxt, f_top1, arrays)
 
     # The output row is the model's own distribution whatever the lens: read once, copied to the others.
     top_rows = [r for r in range(n_rows) if row_layer[r] == top]
     lens_rows = [r for r in range(n_rows) if row_layer[r] != top]
+    main_arrays: dict[str, torch.Tensor] = {}
+    worker_arrays: list[dict[str, torch.Tensor]] = []
     with torch.no_grad():
         for start in range(0, n_p, rows_per_array):
             sl = slice(start, start + rows_per_array)
@@ -749,16 +845,12 @@ def read_prompts(model: Any, lenses: Mapping[str, Any] | Any, text: str | Sequen
             f_top1 = final_logits.argmax(-1)  # [c]
             final_top1[sl] = f_top1.cpu().numpy()
             if top_rows:  # KL exactly 0
-                write_stats(top_rows[:1], sl, final_logits[None], final_p, final_neg_entropy, nxt, f_top1)
+                write_stats(top_rows[:1], sl, final_logits[None], final_p, final_neg_entropy, nxt, f_top1, main_arrays)
                 kl[top_rows[0], sl] = 0.0
             group = max(1, rows_per_array // c)
-            for g0 in range(0, len(lens_rows), group):
-                rows = lens_rows[g0: g0 + group]
-                carried = torch.cat([lens_map[row_lens[r]].transport(resid[row_layer[r]][sel], row_layer[r])
-                                     for r in rows])
-                z = unembed_into_reused(carried).float().view(len(rows), c, -1)  # [g, c, vocab]
-                write_stats(rows, sl, z, final_p, final_neg_entropy, nxt, f_top1)
-                del z, carried
+            chunk = (sl, sel, final_p, final_neg_entropy, nxt, f_top1)
+            tasks = [(lens_rows[g0: g0 + group], chunk) for g0 in range(0, len(lens_rows), group)]
+            run_in_workers(tasks, read_group, worker_arrays, device)
     for r in top_rows[1:]:
         for array in per_row_arrays:
             array[r] = array[top_rows[0]]
