@@ -43,6 +43,7 @@ _SOURCES = {
     "pass_at_k": ".reading.evaluation",
     "PromptReading": ".reading.readings",
     "read_prompt": ".reading.readings",
+    "read_prompts": ".reading.readings",
 }
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "load_model",
     "pass_at_k",
     "read_prompt",
+    "read_prompts",
     "resolve_layers",
     "valid_position_mask",
 ]
@@ -85,7 +87,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .models.model import HFLensModel, LensModel
     from .models.recorder import ActivationRecorder
     from .reading.evaluation import EVAL_SETS, evaluate, load_eval_set, pass_at_k
-    from .reading.readings import PromptReading, read_prompt
+    from .reading.readings import PromptReading, read_prompt, read_prompts
 
 
 def __getattr__(name: str) -> Any:

@@ -28,7 +28,7 @@ PUBLIC_NAMES = [
     "DEFAULT_MODEL", "EVAL_SETS", "LAYOUTS", "ActivationRecorder", "FitProgress", "FitState", "HFLensModel",
     "JacobianLens", "LensFileError", "LensModel", "LogitLens", "ModelLayout", "PromptJacobian", "PromptReading",
     "default_lens", "evaluate", "fit", "jacobian_for_prompt", "load_corpus", "load_eval_set", "load_lens",
-    "load_model", "pass_at_k", "read_prompt", "resolve_layers", "valid_position_mask",
+    "load_model", "pass_at_k", "read_prompt", "read_prompts", "resolve_layers", "valid_position_mask",
 ]
 
 

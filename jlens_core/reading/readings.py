@@ -18,9 +18,10 @@ top-1 token has rank 1 and ``rank <= k`` means "in the top k". Ties share the be
 computed from fp32 logits (cast from the model's dtype).
 
 Memory: residuals are recorded once (``layers x seq x d_model``); logits are computed for a chunk of
-positions and a group of layers at a time (at most ``CHUNK_ELEMENTS`` logits per array; the statistics
-then pass over ``STATS_BLOCK_ELEMENTS`` of them at a time, a block that stays in the CPU's cache), and
-only the returned statistics are kept, so ``layers x positions x vocab`` is never held.
+positions and a group of layers at a time (at most ``CHUNK_ELEMENTS`` logits per array, one array per
+reading thread: on the CPU one per core, at most ``MAX_READING_WORKERS``; the statistics then pass over
+``STATS_BLOCK_ELEMENTS`` of them at a time, a block that stays in the CPU's cache), and only the
+returned statistics are kept, so ``layers x positions x vocab`` is never held.
 """
 
 from __future__ import annotations
@@ -608,7 +609,6 @@ def run_in_workers(tasks: list[Any], work: Callable[[Any, dict[str, torch.Tensor
     queue = iter(tasks)
     lock = threading.Lock()
     errors: list[BaseException] = []
-
     set_threads = _thread_openmp_setter()
 
     def worker(arrays: dict[str, torch.Tensor]) -> None:
