@@ -142,6 +142,8 @@ def test_inspect_logit_only_heatmap(tiny_dir, tiny_model):
     hover = cells["hovertext"][-1]  # the last row's last cell
     assert "<b>L3</b>" in hover and hover.count("%<br>") + 1 >= 10 and "10. " in hover
     assert trace["zmin"] == 0 and trace["zmax"] == 1  # top-1 probability
+    # a line above the heatmap says what was read (and how long it took, when it was not cached)
+    assert any(c.value.startswith(f"{n_tokens} positions × 4 layers") for c in at.caption)
     # a Jacobian mode without a lens falls back to the logit lens and says so
     at.radio(key="mode").set_value("side").run()
     assert any("No Jacobian lens is loaded" in i.value for i in ok(at).info)
