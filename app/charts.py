@@ -95,20 +95,26 @@ def _hover(reading: Any, stat: str, layers: Sequence[int], values: np.ndarray, k
     out = []
     tokens, nexts = reading.position_tokens, reading.next_tokens
     positions = reading.positions.tolist()
+    labels: dict[int, str] = {}  # a few thousand distinct tokens among 10 per cell: escaped once each
+
+    def label(token_id: int) -> str:
+        if token_id not in labels:
+            labels[token_id] = esc(shown(token_names(reading, [token_id])[0]))
+        return labels[token_id]
+
     for row, layer in enumerate(layers):
         if layer not in reading.layers:
             out.append([f"L{layer}: not fitted in this lens"] * len(positions))
             continue
         li = reading.layers.index(layer)
-        ids = reading.top_ids[li, :, :k]
-        probs = reading.top_probs[li, :, :k]
+        ids = reading.top_ids[li, :, :k].tolist()
+        probs = reading.top_probs[li, :, :k].tolist()
         line = []
         for pi, p in enumerate(positions):
             head = (f"<b>L{layer}</b> · pos {p} <b>{esc(shown(tokens[pi]))}</b>"
                     + (f" → next <b>{esc(shown(nexts[pi]))}</b>" if nexts[pi] else "")
                     + f"<br>{STAT_LABELS.get(stat, stat)}: {_fmt(stat, values[row, pi])}")
-            tops = token_names(reading, ids[pi])
-            body = "<br>".join(f"{j + 1}. {esc(shown(t))}  {pr:.1%}" for j, (t, pr) in enumerate(zip(tops, probs[pi])))
+            body = "<br>".join(f"{j + 1}. {label(i)}  {pr:.1%}" for j, (i, pr) in enumerate(zip(ids[pi], probs[pi])))
             line.append(head + "<br>" + body)
         out.append(line)
     return out
