@@ -141,6 +141,8 @@ def test_inspect_logit_only_heatmap(tiny_dir, tiny_model):
     assert same_tokens(trace["text"][-1], output_tokens(tiny_model, PROMPT))  # last row = the model's output
     hover = cells["hovertext"][-1]  # the last row's last cell
     assert "<b>L3</b>" in hover and hover.count("%<br>") + 1 >= 10 and "10. " in hover
+    # one marker drawn: Plotly finds the cell under the cursor from the data, not from drawn markers
+    assert cells["marker"]["maxdisplayed"] == 1 and len(values(cells["x"])) == 4 * n_tokens
     assert trace["zmin"] == 0 and trace["zmax"] == 1  # top-1 probability
     # a line above the heatmap says what was read (and how long it took, when it was not cached)
     assert any(c.value.startswith(f"{n_tokens} positions × 4 layers") for c in at.caption)
@@ -222,8 +224,14 @@ def test_inspect_cell_selection_opens_the_detail_panel(tiny_dir, tiny_model, len
     # default cell: the model's output at the last position
     n = tiny_model.encode(PROMPT).shape[1]
     assert at.selectbox(key="cell_layer").value == 3 and at.selectbox(key="cell_pos").value == n - 1
+    outlines = [(sh["xref"], sh["x0"], sh["y0"]) for sh in chart(at, "heatmap")["layout"]["shapes"]]
+    assert outlines == [("x", n - 1.5, 2.5), ("x2", n - 1.5, 2.5)]  # the default cell, in both panels
     ok(select_point(at, "heatmap", x=5, y=1, curve_number=3))  # a click on row 1 of the Jacobian panel
     assert at.selectbox(key="cell_layer").value == 1 and at.selectbox(key="cell_pos").value == 5
+    # the clicked cell is outlined in the figure of the same run
+    outlines = [(sh["xref"], sh["yref"], sh["x0"], sh["x1"], sh["y0"], sh["y1"])
+                for sh in chart(at, "heatmap")["layout"]["shapes"]]
+    assert outlines == [("x", "y", 4.5, 5.5, 0.5, 1.5), ("x2", "y2", 4.5, 5.5, 0.5, 1.5)]
     bars = chart(at, "cell_bars")
     assert [t["name"] for t in bars["data"]] == ["Logit lens", "Jacobian lens"]
     assert len(bars["data"][0]["y"]) == 10

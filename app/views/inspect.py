@@ -273,11 +273,28 @@ if missing or (mode in ("side", "diff") and pair[0] == pair[1]):
             "train a lens (sidebar, Fit and Tune pages) to compare.")
     mode = "logit"
 
-fig = charts.heatmap_figure(readings, mode, ss.stat, layers=layers, pair=pair)
+# The selected cell (a click on the heatmap selects the marker under the cursor), before the figure is
+# built, so that the figure outlines the cell the detail panel below shows.
+selection = (ss.get("heatmap") or {}).get("selection") or {}
+points = list(selection.get("points") or [])
+if points:
+    signature = json.dumps({k: points[0].get(k) for k in ("x", "y", "curve_number")}, default=str)
+    if signature != ss.get("_last_point"):
+        ss._last_point = signature
+        cell = charts.cell_from_point(points[0], layers)
+        if cell is not None and cell[1] in positions:
+            ss.cell_layer, ss.cell_pos = cell
+if ss.get("cell_layer") not in layers:
+    ss.cell_layer = layers[-1]
+if ss.get("cell_pos") not in positions:
+    ss.cell_pos = positions[-1]
+
+fig = charts.heatmap_figure(readings, mode, ss.stat, layers=layers, pair=pair,
+                            selected=(int(ss.cell_layer), int(ss.cell_pos)))
 if edits:
     fig.update_layout(title=f"Edited run ({'; '.join(repr(e) for e in edits)}) · " + fig.layout.title.text)
-event = st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points",
-                        config={"displaylogo": False, "toImageButtonOptions": {"filename": "jlens-heatmap"}})
+st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points",
+                config={"displaylogo": False, "toImageButtonOptions": {"filename": "jlens-heatmap"}})
 
 # -- most common tokens ---------------------------------------------------------------------------------
 shown_lenses = list(pair) if mode in ("side", "diff") else (list(readings) if mode == "three" else [mode])
@@ -312,19 +329,6 @@ with st.expander(f"Most common tokens, layers {band_lo}–{band_hi}", expanded=T
                                        width="stretch")
 
 # -- cell detail ------------------------------------------------------------------------------------
-points = list(event.selection.points) if event is not None and event.selection else []
-if points:
-    signature = json.dumps({k: points[0].get(k) for k in ("x", "y", "curve_number")}, default=str)
-    if signature != ss.get("_last_point"):
-        ss._last_point = signature
-        cell = charts.cell_from_point(points[0], layers)
-        if cell is not None and cell[1] in positions:
-            ss.cell_layer, ss.cell_pos = cell
-if ss.get("cell_layer") not in layers:
-    ss.cell_layer = layers[-1]
-if ss.get("cell_pos") not in positions:
-    ss.cell_pos = positions[-1]
-
 # The lenses the heatmap does not draw are read at the selected position only (every shown layer):
 # a whole reading per lens would compete with the browser drawing the heatmap, for one column of it.
 detail = dict(readings)
