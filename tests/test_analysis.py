@@ -180,7 +180,7 @@ def test_run_in_workers_reads_every_task_once_and_raises_a_workers_error(monkeyp
 
     cpu = torch.device("cpu")
     if analysis_mod._thread_openmp_setter() is None:
-        pytest.skip("no OpenMP runtime whose per-thread count can be set (one core, or not Linux)")
+        pytest.skip("no OpenMP runtime whose per-thread count can be set (not Linux)")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert reading_workers(cpu, 10) == 4 and reading_workers(cpu, 2) == 2 and reading_workers(torch.device("meta"), 10) == 1
     seen, threads, arrays = [], set(), []
