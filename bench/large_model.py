@@ -170,7 +170,12 @@ def main() -> None:
     n_tokens = int(ids.shape[1])
     full_grid_mb = model.n_layers * n_tokens * model.vocab_size * 4 / 2**20
     read_prompt(model, LogitLens.for_model(model), ids[:, :8])  # first-call set-up (token strings, threads)
-    for name, lens_ in (("logit", LogitLens.for_model(model)), ("Jacobian", lens)):
+    logit = LogitLens.for_model(model)
+    readings = (("logit lens", lambda: read_prompt(model, logit, ids)),
+                ("Jacobian lens", lambda: read_prompt(model, lens, ids)),
+                # what the app does for its side-by-side view: one pass, both lenses
+                ("both lenses in one pass", lambda: read_prompts(model, {"logit": logit, "jacobian": lens}, ids)))
+    for name, read in readings:
         for attempt in ("first", "again"):
             _sync(args.device)
             if args.device.startswith("cuda"):
@@ -178,25 +183,12 @@ def main() -> None:
                 gpu_base = torch.cuda.memory_allocated()
             t = time.perf_counter()
             with PeakRSS() as mem:
-                read_prompt(model, lens_, ids)
+                read()
             _sync(args.device)
             extra = {"peak_added_MB": mem.peak - mem.start, "layers_x_pos_x_vocab_MB": full_grid_mb}
             if args.device.startswith("cuda"):  # the GPU's own peak above what the model holds
                 extra["gpu_peak_added_MB"] = (torch.cuda.max_memory_allocated() - gpu_base) / 2**20
-            row(f"read a {n_tokens}-token prompt, {name} lens ({attempt})", time.perf_counter() - t, **extra)
-    for attempt in ("first", "again"):  # what the app does for its side-by-side view: one pass, both lenses
-        _sync(args.device)
-        if args.device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats()
-            gpu_base = torch.cuda.memory_allocated()
-        t = time.perf_counter()
-        with PeakRSS() as mem:
-            read_prompts(model, {"logit": LogitLens.for_model(model), "jacobian": lens}, ids)
-        _sync(args.device)
-        extra = {"peak_added_MB": mem.peak - mem.start, "layers_x_pos_x_vocab_MB": full_grid_mb}
-        if args.device.startswith("cuda"):
-            extra["gpu_peak_added_MB"] = (torch.cuda.max_memory_allocated() - gpu_base) / 2**20
-        row(f"read a {n_tokens}-token prompt, both lenses in one pass ({attempt})", time.perf_counter() - t, **extra)
+            row(f"read a {n_tokens}-token prompt, {name} ({attempt})", time.perf_counter() - t, **extra)
 
     fit_ids = model.encode(PROMPT_64 * 3)[:, :128]
     sources, target, skip = list(range(model.n_layers - 1)), model.n_layers - 1, 16
