@@ -1,6 +1,11 @@
-"""Parse a layer selection written on the command line: ``"0,4,8"``, ``"0:12"``, ``"0:12:2"``, ``"-1"``, ``"all"``.
+"""Layer lists: the one normalisation of a list of layer indices, and the command-line layer spec.
 
-Used by ``jlens dump --layers`` and ``jlens fit --layers``.
+:func:`normalise_layers` is the one place a list of layer indices is checked and normalised
+(negatives count from the end, de-duplicated, sorted); :func:`resolve_layers` adds the Jacobian
+lens's target layer (docs/method.md §2). Everything that takes ``layers=`` goes through them.
+
+:func:`parse_layer_spec` reads a layer selection written on the command line: ``"0,4,8"``,
+``"0:12"``, ``"0:12:2"``, ``"-1"``, ``"all"`` (``jlens dump|fit|eval|tune --layers``).
 
 Grammar: comma-separated parts; each part is
 
@@ -18,6 +23,7 @@ empty selection are a ``ValueError`` that names the bad part.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 _INT = re.compile(r"^[+-]?\d+$")
 
@@ -33,6 +39,70 @@ def wrap_index(value, n: int, name: str, what: str = "layers", owner: str = "the
     if not -n <= i < n:
         raise ValueError(f"{name} is out of range: {owner} has {n} {what} (valid: {-n}..{n - 1}).")
     return i % n
+
+
+def normalise_layers(layers: Iterable[int] | None, n_layers: int, *, below: int | None = None,
+                     name: str = "Layer", below_name: str = "the target layer") -> list[int]:
+    """``layers`` as sorted, de-duplicated, non-negative indices into a model with ``n_layers`` layers.
+
+    Args:
+        layers: layer indices, negatives counting from the end (``-1`` is the last layer); ``None``
+            for every layer (every layer below ``below`` when it is given).
+        n_layers: the model's number of decoder layers (``>= 1``).
+        below: when given (a non-negative index), every layer must be ``< below``: a lens carries
+            earlier layers to a later one (docs/method.md §2).
+        name: how the error messages name one entry, e.g. ``"source layer"``.
+        below_name: how the error messages name ``below``.
+
+    Returns:
+        A non-empty sorted list of distinct indices in ``[0, n_layers)`` (and ``< below``).
+
+    Raises:
+        ValueError: an index outside ``[-n_layers, n_layers)`` ("Layer 9 is out of range: the model
+            has 4 layers (valid: -4..3)."), an index not below ``below`` (names it and what it
+            resolved to), an empty list, or ``below=0`` with ``layers=None``.
+    """
+    if not isinstance(n_layers, int) or n_layers < 1:
+        raise ValueError(f"n_layers must be a positive integer, not {n_layers!r}.")
+    top = n_layers if below is None else below
+    if layers is None:
+        if top < 1:
+            raise ValueError(f"{below_name} {below} leaves no layer below it: give a later one.")
+        return list(range(top))
+    chosen: set[int] = set()
+    for layer in layers:
+        i = wrap_index(layer, n_layers, f"{name} {layer}")
+        if i >= top:
+            raise ValueError(f"{name} {layer} (= {i}) is not below {below_name} {below}: "
+                             "a lens carries earlier layers to a later one.")
+        chosen.add(i)
+    if not chosen:
+        raise ValueError(f"The list of layers is empty: give at least one {name.lower()}, or None for all.")
+    return sorted(chosen)
+
+
+def resolve_layers(n_layers: int, source_layers: Iterable[int] | None = None,
+                   target_layer: int | None = None) -> tuple[list[int], int]:
+    """Normalise a Jacobian lens's layers (docs/method.md §2): ``(source_layers, target_layer)``.
+
+    ``target_layer`` defaults to the last layer and ``source_layers`` to every layer below it;
+    negatives count from the end; sources are de-duplicated and sorted (:func:`normalise_layers`).
+
+    Raises:
+        ValueError: an index out of ``[-n_layers, n_layers)``, an empty source list, or a source
+            ``>=`` the target; the message names the bad value.
+    """
+    if target_layer is None:
+        target_layer = n_layers - 1
+    target = wrap_index(target_layer, n_layers, f"target_layer={target_layer}")
+    if source_layers is not None:
+        source_layers = list(source_layers)  # an iterator is read once, below
+    if source_layers == []:
+        raise ValueError("source_layers is empty: give at least one layer below the target, or None for all.")
+    if source_layers is None and target == 0:
+        raise ValueError(f"target_layer={target_layer} leaves no layer below it to be a source.")
+    sources = normalise_layers(source_layers, n_layers, below=target, name="source layer")
+    return sources, target
 
 
 def _parse_int(text: str, part: str, what: str) -> int | None:

@@ -14,7 +14,6 @@ from conftest import make_hf_model, make_tiny, make_tokenizer
 
 from jlens_core.debugging.diff import diff_dumps, divergence_curve
 from jlens_core.debugging.dump import MANIFEST, RUN_FILE, dump_hidden_states, load_dump
-from jlens_core.layerspec import check_layer_spec, parse_layer_spec
 from jlens_core.models.recorder import ActivationRecorder
 
 PROMPT = "The capital of France is Paris. Once upon a time there was a small model."
@@ -213,34 +212,6 @@ def test_damaged_dumps_give_clear_errors(base_dump, tmp_path):
         load_dump(tmp_path / "empty")
     with pytest.raises(FileNotFoundError):
         load_dump(tmp_path / "nowhere")
-
-
-# -- layer specs -----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize(("spec", "expected"), [
-    ("0,4,8", [0, 4, 8]), ("8, 4,0,4", [0, 4, 8]), ("0:4", [0, 1, 2, 3]), ("0:12:4", [0, 4, 8]),
-    ("-1", [11]), ("-2:", [10, 11]), (":3", [0, 1, 2]), ("::5", [0, 5, 10]), ("all", list(range(12))),
-    ("ALL", list(range(12))), ("0:12", list(range(12))), ("1,-1,9:11", [1, 9, 10, 11]),
-])
-def test_parse_layer_spec(spec, expected):
-    assert parse_layer_spec(spec, 12) == expected
-
-
-@pytest.mark.parametrize(("spec", "message"), [
-    ("", "empty"), ("0,,4", "empty part"), ("12", "Layer 12 .* out of range"), ("-13", "out of range"),
-    ("x", "'x' is not an integer"), ("0:13", "stop 13 .* out of range"), ("5:2", "selects no layer"),
-    ("0:4:0", "step 0 must be a positive"), ("0:4:-1", "positive"), ("1:2:3:4", "more than two"),
-    ("1-3", "'1-3' is not an integer"),
-])
-def test_parse_layer_spec_errors(spec, message):
-    with pytest.raises(ValueError, match=message):
-        parse_layer_spec(spec, 12)
-
-
-def test_check_layer_spec_syntax_only():
-    check_layer_spec("0:100,-50")  # range is checked later, against the model
-    with pytest.raises(ValueError, match="'a' is not an integer"):
-        check_layer_spec("0,a")
 
 
 # -- the CLI ---------------------------------------------------------------------------------------

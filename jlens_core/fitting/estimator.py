@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layerspec import wrap_index
+from ..layerspec import resolve_layers  # re-exported: its old home, imported by others
 from ..models.recorder import ActivationRecorder
 from .fused import FusedMismatchError, fused_jacobians, fused_unsupported_reason, sliding_window_shorter_than
 from .methods import METHODS
@@ -59,38 +59,6 @@ class PromptJacobian:
     jacobians: dict[int, torch.Tensor]
     seq_len: int
     n_valid: int
-
-
-def resolve_layers(n_layers: int, source_layers: Iterable[int] | None = None,
-                   target_layer: int | None = None) -> tuple[list[int], int]:
-    """Normalise layer indices (SPEC §2): negatives count from the end; sources de-duplicated, sorted.
-
-    Returns:
-        ``(source_layers, target_layer)`` as non-negative indices.
-
-    Raises:
-        ValueError: an index out of ``[-n_layers, n_layers)``, an empty source list, or a source
-            ``>=`` the target; the message names the bad value.
-    """
-    if target_layer is None:
-        target_layer = n_layers - 1
-    target = wrap_index(target_layer, n_layers, f"target_layer={target_layer}")
-    if source_layers is None:
-        sources = list(range(target))
-        if not sources:
-            raise ValueError(f"target_layer={target_layer} leaves no layer below it to be a source.")
-        return sources, target
-    raw = list(source_layers)
-    if not raw:
-        raise ValueError("source_layers is empty: give at least one layer below the target, or None for all.")
-    resolved = set()
-    for layer in raw:
-        i = wrap_index(layer, n_layers, f"source layer {layer}")
-        if i >= target:
-            raise ValueError(f"source layer {layer} (= {i}) is not below the target layer {target}: "
-                             "a Jacobian lens carries earlier layers to a later one.")
-        resolved.add(i)
-    return sorted(resolved), target
 
 
 def valid_position_mask(seq_len: int, skip_first: int = 16) -> torch.Tensor:
