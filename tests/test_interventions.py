@@ -11,7 +11,7 @@ from conftest import CORPUS, make_tiny
 
 from jlens_core import JacobianLens, LogitLens
 from jlens_core.interventions import Ablate, Steer, Swap, load_swap_set, swap_success, token_direction
-from jlens_core.interventions.directions import default_layers
+from jlens_core.interventions.directions import check_layers, default_layers
 from jlens_core.interventions.swap_success import wilson_interval
 from jlens_core.reading.generation import generate
 from jlens_core.reading.readings import read_prompt, record_residuals
@@ -92,6 +92,17 @@ def test_bad_tokens_and_layers_are_one_sentence(llama):
         Swap(llama, lens, " capital", " capital")
     with pytest.raises(ValueError, match=r"alpha=-1 is out of range"):
         Swap(llama, lens, " capital", " time", -1)
+
+
+def test_edit_layers_count_from_the_end_and_must_be_read_by_the_lens(llama):
+    lens = random_lens(llama)  # reads 0..2, target 3
+    assert check_layers(llama, lens, [-2, 1, 1, 0]) == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"^Layer -1 \(= 3\)|^Layer 3 is outside the lens"):
+        check_layers(llama, lens, [-1])
+    with pytest.raises(ValueError, match=r"^Layer 9 is out of range: the model has 4 layers"):
+        check_layers(llama, lens, [9])
+    with pytest.raises(ValueError, match="list of layers is empty"):
+        check_layers(llama, lens, [])
 
 
 def test_default_layers_are_the_middle_band(llama):

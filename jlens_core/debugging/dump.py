@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..layerspec import wrap_index
+from ..layerspec import normalise_layers
 from ..models.recorder import block_output, register_own_thread_hook
 
 log = logging.getLogger(__name__)
@@ -227,15 +227,7 @@ def dump_hidden_states(model, text_or_ids: str | Sequence[int] | torch.Tensor, o
     out_dir = Path(out_dir)
     op_list = parse_ops(ops)
     n_layers = int(model.n_layers)
-    if layers is None:
-        layer_list = list(range(n_layers))
-    else:
-        layer_list = set()
-        for layer in layers:
-            layer_list.add(wrap_index(layer, n_layers, f"Layer {layer}"))
-        layer_list = sorted(layer_list)
-        if not layer_list:
-            raise ValueError("layers is empty: give at least one layer, or None for every layer.")
+    layer_list = normalise_layers(layers, n_layers)
     if extra_settings is not None:
         try:
             json.dumps(extra_settings)

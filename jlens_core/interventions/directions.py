@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..layerspec import normalise_layers
 from ..reading.tokens import single_token_id, single_token_spellings
 
 
@@ -90,14 +91,13 @@ def default_layers(model: Any, lens: Any) -> list[int]:
 
 
 def check_layers(model: Any, lens: Any, layers) -> list[int]:
-    """Layers sorted and de-duplicated; each must be a source layer the lens reads.
+    """Layers normalised (:func:`~jlens_core.layerspec.normalise_layers`: negatives count from the end,
+    sorted, de-duplicated); each must be a source layer the lens reads.
 
     Raises:
-        ValueError: a layer outside the lens (names it and the lens's layers), or no layers.
+        ValueError: a layer outside the model or the lens (names it and the lens's layers), or no layers.
     """
-    chosen = sorted({int(x) for x in layers})
-    if not chosen:
-        raise ValueError("No layers to edit: give at least one layer.")
+    chosen = normalise_layers(layers, int(model.n_layers))
     readable = [x for x in lens.layers if x != lens.target_layer]
     for layer in chosen:
         if layer not in readable:
