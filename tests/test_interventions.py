@@ -97,7 +97,7 @@ def test_bad_tokens_and_layers_are_one_sentence(llama):
 def test_edit_layers_count_from_the_end_and_must_be_read_by_the_lens(llama):
     lens = random_lens(llama)  # reads 0..2, target 3
     assert check_layers(llama, lens, [-2, 1, 1, 0]) == [0, 1, 2]
-    with pytest.raises(ValueError, match=r"^Layer -1 \(= 3\)|^Layer 3 is outside the lens"):
+    with pytest.raises(ValueError, match=r"^Layer 3 is outside the lens"):
         check_layers(llama, lens, [-1])
     with pytest.raises(ValueError, match=r"^Layer 9 is out of range: the model has 4 layers"):
         check_layers(llama, lens, [9])
