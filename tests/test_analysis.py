@@ -11,7 +11,7 @@ import torch
 from conftest import LONG_TEXT, make_tiny
 
 from jlens_core import JacobianLens, LensFileError, LogitLens
-from jlens_core.reading import readings as analysis_mod
+from jlens_core.reading import logit_stats, openmp_workers
 from jlens_core.reading.readings import FRAME_COLUMNS, compare_readings, difference, read_prompt
 from jlens_core.reading.tokens import TokenDisplay, is_word_like, token_id_for
 
@@ -148,11 +148,11 @@ def test_read_prompts_equals_each_lens_read_alone(model, monkeypatch, options):
     lenses = {"logit": LogitLens.for_model(model), "jacobian": random_lens(model, [0, 2]),
               "other": random_lens(model, [1, 2], seed=1)}
     kwargs = dict(top_k=4, pinned=[" Paris"], **options)
-    monkeypatch.setattr(analysis_mod, "CHUNK_ELEMENTS", 5 * model.vocab_size)  # groups mix the lenses' rows
+    monkeypatch.setattr(logit_stats, "CHUNK_ELEMENTS", 5 * model.vocab_size)  # groups mix the lenses' rows
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # three workers share the groups
     together = read_prompts(model, lenses, TEXT, **kwargs)
     assert list(together) == list(lenses)
-    monkeypatch.setattr(analysis_mod, "MAX_READING_WORKERS", 1)  # each lens alone, in this thread
+    monkeypatch.setattr(openmp_workers, "MAX_READING_WORKERS", 1)  # each lens alone, in this thread
     for name, lens in lenses.items():
         alone = read_prompt(model, lens, TEXT, **kwargs)
         assert together[name].layers == alone.layers and together[name].lens_kind == alone.lens_kind
@@ -179,7 +179,7 @@ def test_run_in_workers_reads_every_task_once_and_raises_a_workers_error(monkeyp
     from jlens_core.reading.readings import reading_workers, run_in_workers
 
     cpu = torch.device("cpu")
-    if analysis_mod._thread_openmp_setter() is None:
+    if openmp_workers._thread_openmp_setter() is None:
         pytest.skip("no OpenMP runtime whose per-thread count can be set (not Linux)")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert reading_workers(cpu, 10) == 4 and reading_workers(cpu, 2) == 2 and reading_workers(torch.device("meta"), 10) == 1
@@ -211,14 +211,14 @@ def test_reading_workers_leave_the_thread_count_of_other_threads_alone(model):
 
     from jlens_core.reading.readings import read_prompts
 
-    if analysis_mod._thread_openmp_setter() is None:
+    if openmp_workers._thread_openmp_setter() is None:
         pytest.skip("no OpenMP runtime whose per-thread count can be set (not Linux)")
     session_threads = torch.get_num_threads()  # the test session runs on one
-    chunk = analysis_mod.CHUNK_ELEMENTS
+    chunk = logit_stats.CHUNK_ELEMENTS
     torch.set_num_threads(2)  # two workers, one thread each
-    analysis_mod.CHUNK_ELEMENTS = 3 * model.vocab_size  # several row groups
+    logit_stats.CHUNK_ELEMENTS = 3 * model.vocab_size  # several row groups
     try:
-        assert analysis_mod.reading_workers(torch.device("cpu"), 5) == 2
+        assert openmp_workers.reading_workers(torch.device("cpu"), 5) == 2
         read_prompts(model, {"logit": LogitLens.for_model(model)}, TEXT)
         later = []
         thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
@@ -226,7 +226,7 @@ def test_reading_workers_leave_the_thread_count_of_other_threads_alone(model):
         thread.join()
         assert later == [2] and torch.get_num_threads() == 2
     finally:
-        analysis_mod.CHUNK_ELEMENTS = chunk
+        logit_stats.CHUNK_ELEMENTS = chunk
         torch.set_num_threads(session_threads)
 
 
@@ -273,7 +273,8 @@ def test_positions_and_truncation(model, reading):
 
 
 def test_chunked_reading_is_identical(model, reading, monkeypatch):
-    monkeypatch.setattr(analysis_mod, "CHUNK_ELEMENTS", 3 * 300)  # 3 positions per chunk
+    monkeypatch.setattr(logit_stats, "CHUNK_ELEMENTS", 3 * model.vocab_size)
+    assert logit_stats.chunk_size(model.vocab_size) == 3  # 3 positions per chunk: the setting is the one read
     chunked = read_prompt(model, LogitLens.for_model(model), TEXT, top_k=5, pinned=[" Paris", "is"])
     # tokens and ranks identical; the floats up to fp32 rounding (the BLAS may block other row counts differently)
     pd.testing.assert_frame_equal(chunked.frame, reading.frame, check_exact=False, rtol=1e-5, atol=1e-6)
@@ -286,8 +287,8 @@ def test_statistics_blocks_are_identical(model, reading, monkeypatch, chunk_rows
     # 7 rows over chunks of 3 positions: two layers per block; 1: one cell per block
     vocab = model.vocab_size
     if chunk_rows:
-        monkeypatch.setattr(analysis_mod, "CHUNK_ELEMENTS", chunk_rows * vocab)
-    monkeypatch.setattr(analysis_mod, "STATS_BLOCK_ELEMENTS", block_rows * vocab)
+        monkeypatch.setattr(logit_stats, "CHUNK_ELEMENTS", chunk_rows * vocab)
+    monkeypatch.setattr(logit_stats, "STATS_BLOCK_ELEMENTS", block_rows * vocab)
     blocked = read_prompt(model, LogitLens.for_model(model), TEXT, top_k=5, pinned=[" Paris", "is"])
     pd.testing.assert_frame_equal(blocked.frame, reading.frame, check_exact=False, rtol=1e-5, atol=1e-6)
     assert blocked.frame["top_tokens"].tolist() == reading.frame["top_tokens"].tolist()

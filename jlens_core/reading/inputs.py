@@ -1,0 +1,151 @@
+"""What a reading reads: its lenses, layers, positions, prompt ids and residuals (docs/method.md §6).
+
+Shared by :func:`~jlens_core.reading.reader.read_prompts`, :mod:`~jlens_core.reading.evaluation` and
+:mod:`~jlens_core.reading.passk`: each checks its lenses, picks the readable layers, encodes the
+prompt and records the residuals the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..layerspec import wrap_index
+from ..lenses.lens import LensFileError
+from ..models.recorder import ActivationRecorder
+from .edits import EditRunner
+
+log = logging.getLogger(__name__)
+
+
+def check_lens(model: Any, lens: Any) -> None:
+    """Raise :class:`LensFileError` if ``lens`` does not belong to ``model``.
+
+    A :class:`JacobianLens` checks its width, target layer and unembedding fingerprint
+    (``lens.check_model``); a :class:`LogitLens` must have the model's width and layer count.
+    """
+    if hasattr(lens, "check_model"):
+        lens.check_model(model)
+        return
+    n_layers = getattr(lens, "n_layers", model.n_layers)
+    if getattr(lens, "d_model", model.d_model) != model.d_model or n_layers != model.n_layers:
+        raise LensFileError(f"This {getattr(lens, 'kind', 'logit')} lens is for a model with "
+                            f"d_model={lens.d_model} and {n_layers} layers; {model.name!r} has "
+                            f"d_model={model.d_model} and {model.n_layers} layers. Use "
+                            "LogitLens.for_model(model).")
+
+
+def as_lens_dict(lenses: Any) -> dict[str, Any]:
+    """``{name: lens}`` from a dict or a single lens (named by its kind); a clear error when empty."""
+    if isinstance(lenses, Mapping):
+        out = {str(name): lens for name, lens in lenses.items()}
+    elif hasattr(lenses, "transport"):
+        out = {str(getattr(lenses, "kind", "lens")): lenses}
+    else:
+        raise ValueError("lenses must be a dict {name: lens}, e.g. {'jacobian': lens, 'logit': "
+                         "LogitLens.for_model(model)}.")
+    if not out:
+        raise ValueError("lenses is empty: give at least one lens, e.g. {'logit': LogitLens.for_model(model)}.")
+    return out
+
+
+def readable_layers(model: Any, lens: Any, layers: Iterable[int] | None = None) -> list[int]:
+    """The layers to read: ``lens.layers`` (all of them, or those of ``layers`` the lens has), sorted.
+
+    Negative indices in ``layers`` count from the end. Layers the lens was not fitted at are left
+    out (logged), never read as a logit lens.
+
+    Raises:
+        ValueError: an index outside ``[-n_layers, n_layers)``, or no readable layer remains.
+    """
+    n = model.n_layers
+    available = [layer for layer in lens.layers if 0 <= layer < n]
+    if layers is None:
+        chosen = available
+    else:
+        wanted = set()
+        for layer in layers:
+            wanted.add(wrap_index(layer, n, f"layer {layer}"))
+        chosen = [layer for layer in available if layer in wanted]
+        missing = sorted(wanted - set(chosen))
+        if missing:
+            log.info("the %s lens has no layers %s; they are left out", getattr(lens, "kind", "?"), missing)
+    if not chosen:
+        raise ValueError(f"None of the requested layers {sorted(set(layers or []))} is readable with this "
+                         f"lens, which reads layers {available}.")
+    return sorted(chosen)
+
+
+def record_residuals(model: Any, input_ids: torch.Tensor, layers: Iterable[int], *,
+                     edits: Iterable[Any] | None = None, n_prompt: int | None = None) -> dict[int, torch.Tensor]:
+    """One forward pass (no gradients) recording decoder-layer outputs.
+
+    Records ``layers`` and the last layer (the model's output is ``unembed`` of it); the pass
+    stops right after the last layer. With ``edits`` (:mod:`jlens_core.reading.edits`) the
+    recorded residuals are those of the edited run (positions ``>= n_prompt`` count as generated).
+
+    Returns:
+        ``{layer: Tensor[seq, d_model]}`` for batch row 0, on the model's device, model dtype.
+    """
+    top = model.n_layers - 1
+    wanted = sorted({int(layer) for layer in layers} | {top})
+    seq = int(input_ids.shape[-1])
+    runner = EditRunner(model, edits, seq if n_prompt is None else n_prompt)
+    recorded: dict[int, torch.Tensor] = {}
+
+    def forward() -> None:
+        # entered inside the runner, so its hooks run after the edits and record the edited stream
+        with ActivationRecorder(model.layers, wanted, stop_after=top) as rec:
+            model.forward(input_ids)
+        recorded.update(rec.activations)
+
+    with torch.no_grad():
+        runner.run(forward, torch.arange(seq), clean_forward=lambda: model.forward(input_ids))
+    return {layer: recorded[layer][0].detach() for layer in wanted}  # [seq, d_model] each
+
+
+def resolve_positions(seq_len: int, positions: Iterable[int] | None) -> list[int]:
+    """Positions to read (all by default); negatives count from the end; de-duplicated, sorted.
+
+    Raises:
+        ValueError: a position outside ``[-seq_len, seq_len)`` or an empty list.
+    """
+    if positions is None:
+        return list(range(seq_len))
+    out = set()
+    for position in positions:
+        out.add(wrap_index(position, seq_len, f"position {position}", what="tokens", owner="the prompt"))
+    if not out:
+        raise ValueError("positions is empty: give at least one position, or None for all.")
+    return sorted(out)
+
+
+def encode_prompt(model: Any, text: str | Sequence[int] | torch.Tensor, max_seq_len: int | None) -> torch.Tensor:
+    """``LongTensor[1, seq]`` on the model's device, from text (``model.encode``) or token ids."""
+    if isinstance(text, str):
+        if not text:
+            raise ValueError("The prompt is empty: give some text to read.")
+        return model.encode(text, max_length=max_seq_len)
+    ids = torch.as_tensor(text, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"Token ids must be a non-empty [seq] or [1, seq] sequence, got shape {tuple(ids.shape)}.")
+    if max_seq_len is not None:
+        ids = ids[:, :max_seq_len]
+    device = getattr(model, "device", None)
+    return ids.to(device) if device is not None else ids
+
+
+def model_vocab_size(model: Any) -> int:
+    size = getattr(model, "vocab_size", None)
+    if size is None:
+        raise ValueError(f"The model {getattr(model, 'name', model)!r} does not tell its vocab_size.")
+    return int(size)
+
+
+__all__ = ["as_lens_dict", "check_lens", "encode_prompt", "model_vocab_size", "readable_layers", "record_residuals",
+           "resolve_positions"]

@@ -1,0 +1,247 @@
+"""``PromptReading``: the statistics of one prompt read through one lens, layer x position (docs/method.md §6).
+
+Built by :func:`~jlens_core.reading.reader.read_prompts`; its arrays are indexed
+``[layer_index, position_index]``, and :attr:`PromptReading.frame` is the long DataFrame.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+FRAME_COLUMNS = ("layer", "position", "token", "segment", "top_ids", "top_tokens", "top_probs", "entropy_bits",
+                 "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank")
+GRID_STATS = ("entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank", "top1_prob")
+
+
+@dataclass(eq=False)
+class PromptReading:
+    """What :func:`read_prompt` returns: statistics for every readable layer x read position.
+
+    Array attributes are indexed ``[layer_index, position_index]`` along :attr:`layers` and
+    :attr:`positions` (``n_layers`` rows, ``n_positions`` columns).
+
+    Attributes:
+        text: the prompt text (decoded from the ids when ids were given).
+        model_name: the model's name.
+        lens_kind: ``"jacobian"`` or ``"logit"``.
+        input_ids: ``int64[seq]`` the prompt's token ids (after truncation).
+        tokens: ``list[str]`` of length ``seq``: display strings of the input tokens.
+        layers: readable layers, ascending; the last is the lens's target layer.
+        positions: ``int64[n_positions]`` the positions read.
+        output_layer: the model's last layer (whose reading is the model's own output).
+        top_k: tokens kept per cell.
+        show_whitespace: whether display strings show whitespace as glyphs.
+        word_like: whether the top-k lists were restricted to word-like tokens (ranks never are).
+        pinned: ``{name: token id}``; ``name`` is the pinned token as given (``rank_<name>``).
+        top_ids: ``int64[n_layers, n_positions, top_k]``, most probable first.
+        top_probs: ``float32[n_layers, n_positions, top_k]``, lens probabilities (full softmax).
+        entropy_bits, kl_bits, ce_bits: ``float64[n_layers, n_positions]`` (bits); ``ce_bits`` is
+            NaN at the last position.
+        next_token_rank: ``float64[n_layers, n_positions]``, 1-based; NaN at the last position.
+        final_top1_rank: ``int64[n_layers, n_positions]``, 1-based (1 at the model's output layer).
+        pinned_ranks: ``{name: int64[n_layers, n_positions]}``, 1-based.
+        next_ids: ``int64[n_positions]`` the actual next token (``-1`` at the last position).
+        final_top1_ids: ``int64[n_positions]`` the model's own top-1 token.
+        n_prompt: how many of ``input_ids`` are the prompt; the rest were generated (a reading of a
+            :class:`~jlens_core.reading.generation.Generation`).
+        edits: ``repr`` of the residual edits the reading was taken under (empty: the clean model).
+    """
+
+    text: str
+    model_name: str
+    lens_kind: str
+    input_ids: np.ndarray
+    tokens: list[str]
+    layers: list[int]
+    positions: np.ndarray
+    output_layer: int
+    top_k: int
+    show_whitespace: bool
+    word_like: bool
+    pinned: dict[str, int]
+    top_ids: np.ndarray
+    top_probs: np.ndarray
+    entropy_bits: np.ndarray
+    kl_bits: np.ndarray
+    ce_bits: np.ndarray
+    next_token_rank: np.ndarray
+    final_top1_rank: np.ndarray
+    pinned_ranks: dict[str, np.ndarray]
+    next_ids: np.ndarray
+    final_top1_ids: np.ndarray
+    vocab_strings: list[str] = field(repr=False, default_factory=list)
+    n_prompt: int | None = None
+    edits: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.n_prompt is None:
+            self.n_prompt = len(self.input_ids)
+
+    # -- shape -----------------------------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def n_positions(self) -> int:
+        return len(self.positions)
+
+    def layer_index(self, layer: int) -> int:
+        """Row of ``layer`` in the arrays (negative layers count from the model's end).
+
+        Raises:
+            KeyError: the layer was not read.
+        """
+        i = int(layer) % (self.output_layer + 1) if layer < 0 else int(layer)
+        try:
+            return self.layers.index(i)
+        except ValueError:
+            raise KeyError(f"Layer {layer} was not read; this reading has layers {self.layers}.") from None
+
+    @property
+    def n_generated(self) -> int:
+        """Tokens of the reading that the model generated (after the prompt)."""
+        return len(self.input_ids) - int(self.n_prompt)
+
+    @property
+    def segments(self) -> list[str]:
+        """``"prompt"`` or ``"generated"`` for each read position."""
+        return ["generated" if p >= self.n_prompt else "prompt" for p in self.positions.tolist()]
+
+    def position_index(self, position: int) -> int:
+        """Column of ``position`` in the arrays (negative positions count from the prompt's end).
+
+        Raises:
+            KeyError: the position was not read.
+        """
+        i = int(position) % len(self.input_ids) if position < 0 else int(position)
+        hits = np.flatnonzero(self.positions == i)
+        if not len(hits):
+            raise KeyError(f"Position {position} was not read; this reading has positions "
+                           f"{self.positions.tolist()}.")
+        return int(hits[0])
+
+    # -- strings -----------------------------------------------------------------------------------
+    def _names(self, ids: Iterable[int]) -> list[str]:
+        n = len(self.vocab_strings)
+        return [self.vocab_strings[i] if 0 <= i < n else f"<id:{i}>" for i in (int(j) for j in ids)]
+
+    @property
+    def position_tokens(self) -> list[str]:
+        """Display strings of the input token at each read position (``n_positions``)."""
+        return [self.tokens[p] for p in self.positions.tolist()]
+
+    @property
+    def next_tokens(self) -> list[str]:
+        """Display strings of the actual next token at each read position (``""`` at the last)."""
+        return [self.tokens[p + 1] if p + 1 < len(self.tokens) else "" for p in self.positions.tolist()]
+
+    @property
+    def final_top1_tokens(self) -> list[str]:
+        """Display strings of the model's own top-1 token at each read position."""
+        return self._names(self.final_top1_ids)
+
+    def top_tokens(self, layer: int, position: int) -> list[str]:
+        """Display strings of the top-k tokens at one cell (``layer``, ``position`` are model indices)."""
+        return self._names(self.top_ids[self.layer_index(layer), self.position_index(position)])
+
+    def top1_grid(self) -> list[list[str]]:
+        """``[n_layers][n_positions]`` display strings of the lens's top-1 token."""
+        return [self._names(row) for row in self.top_ids[:, :, 0]]
+
+    def cell(self, layer: int, position: int) -> dict:
+        """Everything about one cell, as plain Python values (for tooltips and detail panes)."""
+        li, pi = self.layer_index(layer), self.position_index(position)
+        rank = self.next_token_rank[li, pi]
+        return {"layer": self.layers[li], "position": int(self.positions[pi]),
+                "token": self.tokens[int(self.positions[pi])], "next_token": self.next_tokens[pi],
+                "segment": "generated" if int(self.positions[pi]) >= int(self.n_prompt) else "prompt",
+                "top_ids": self.top_ids[li, pi].tolist(), "top_tokens": self._names(self.top_ids[li, pi]),
+                "top_probs": [float(x) for x in self.top_probs[li, pi]],
+                "entropy_bits": float(self.entropy_bits[li, pi]), "kl_bits": float(self.kl_bits[li, pi]),
+                "ce_bits": float(self.ce_bits[li, pi]),
+                "next_token_rank": None if np.isnan(rank) else int(rank),
+                "final_top1_rank": int(self.final_top1_rank[li, pi]),
+                **{f"rank_{name}": int(r[li, pi]) for name, r in self.pinned_ranks.items()}}
+
+    # -- grids ---------------------------------------------------------------------------------------
+    @property
+    def stats(self) -> list[str]:
+        """Names :meth:`grid` accepts."""
+        return list(GRID_STATS) + [f"rank_{name}" for name in self.pinned]
+
+    def grid(self, stat: str, *, layers: Sequence[int] | None = None) -> np.ndarray:
+        """``float64[n_layers, n_positions]`` of one statistic, for heatmaps.
+
+        Args:
+            stat: one of :attr:`stats`: ``entropy_bits``, ``kl_bits``, ``ce_bits``,
+                ``next_token_rank`` (NaN at the last position), ``final_top1_rank``, ``top1_prob``,
+                or ``rank_<pinned>``.
+            layers: rows to return, in that order (default :attr:`layers`); a layer this reading
+                lacks is a row of NaN (so two readings can share one layer axis).
+
+        Raises:
+            ValueError: an unknown ``stat``.
+        """
+        if stat in ("entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank"):
+            values = getattr(self, stat)
+        elif stat == "top1_prob":
+            values = self.top_probs[:, :, 0]
+        elif stat.startswith("rank_") and stat[5:] in self.pinned_ranks:
+            values = self.pinned_ranks[stat[5:]]
+        else:
+            raise ValueError(f"Unknown statistic {stat!r}: choose one of {self.stats}.")
+        values = np.asarray(values, dtype=np.float64)
+        if layers is None:
+            return values.copy()
+        out = np.full((len(layers), self.n_positions), np.nan)
+        for row, layer in enumerate(layers):
+            if layer in self.layers:
+                out[row] = values[self.layers.index(layer)]
+        return out
+
+    # -- the long frame --------------------------------------------------------------------------------
+    @cached_property
+    def frame(self) -> pd.DataFrame:
+        """One row per (layer, position), layers outer: the columns of :data:`FRAME_COLUMNS` plus
+        ``rank_<token>`` per pinned token.
+
+        ``top_ids`` / ``top_tokens`` / ``top_probs`` hold Python lists; ``next_token_rank`` is a
+        nullable ``Int64`` column, missing (``<NA>``) at the last position; other ranks are ``int64``.
+        """
+        n_l, n_p = self.n_layers, self.n_positions
+        layer_col = np.repeat(np.asarray(self.layers, dtype=np.int64), n_p)
+        position_col = np.tile(self.positions.astype(np.int64), n_l)
+        flat_ids = self.top_ids.reshape(n_l * n_p, -1)
+        data: dict[str, Any] = {
+            "layer": layer_col,
+            "position": position_col,
+            "token": [self.tokens[p] for p in position_col.tolist()],
+            "segment": np.where(position_col >= int(self.n_prompt), "generated", "prompt"),
+            "top_ids": flat_ids.tolist(),
+            "top_tokens": [self._names(row) for row in flat_ids],
+            "top_probs": self.top_probs.reshape(n_l * n_p, -1).astype(np.float64).tolist(),
+            "entropy_bits": self.entropy_bits.reshape(-1),
+            "kl_bits": self.kl_bits.reshape(-1),
+            "ce_bits": self.ce_bits.reshape(-1),
+            "next_token_rank": pd.array(
+                [None if np.isnan(x) else int(x) for x in self.next_token_rank.reshape(-1)], dtype="Int64"),
+            "final_top1_rank": self.final_top1_rank.reshape(-1).astype(np.int64),
+        }
+        for name, ranks in self.pinned_ranks.items():
+            data[f"rank_{name}"] = ranks.reshape(-1).astype(np.int64)
+        return pd.DataFrame(data)
+
+    def __repr__(self) -> str:
+        return (f"PromptReading(model={self.model_name!r}, lens={self.lens_kind!r}, layers={self.layers}, "
+                f"positions={self.n_positions} of {len(self.input_ids)}, top_k={self.top_k}, "
+                f"pinned={list(self.pinned)})")
+
+
+__all__ = ["FRAME_COLUMNS", "GRID_STATS", "PromptReading"]
