@@ -4,7 +4,7 @@
 #   bash scripts/evaluate_shipped.sh
 # The tuned lens: 160 steps x 128 tokens (20,480 tokens) of the built-in corpus's "fit" split (the
 # texts the Jacobian lens was fitted on), Adam lr 1e-3, stored in fp16. Results go to
-# assets/lenses/smollm2-135m.eval/; scripts/readme_tables.py prints the README's tables from them.
+# assets/lenses/smollm2-135m.eval/; scripts/readme_tables.py writes their tables into docs/results.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash run.sh setup

@@ -1,20 +1,33 @@
-"""Print the README's tables of the shipped lenses from their evaluation folder (markdown, numbers in bits).
+"""Write the shipped lenses' tables into docs/results.md from their evaluation folder (markdown, numbers in bits).
 
-    python scripts/readme_tables.py [assets/lenses/smollm2-135m.eval]
+    python scripts/readme_tables.py [EVAL_DIR] [--page docs/results.md] [--print]
+
+EVAL_DIR defaults to assets/lenses/smollm2-135m.eval (``eval.csv``, ``pass_at_k.csv``, optional
+``swap_success.csv``, as ``jlens eval`` writes them). Each table replaces the text between its markers
+in the page, ``<!-- readme_tables:NAME -->`` and ``<!-- /readme_tables:NAME -->`` (NAME: ``per_layer``,
+``pass_at_k``, ``swap``); the prose around them is left alone. A missing marker is an error: nothing is
+written. ``--print`` prints the tables instead. The one-line summaries under each table (best lens per
+layer, swap eligibility) are printed, for writing the prose by hand.
 """
 from __future__ import annotations
 
+import argparse
+import re
 import sys
 from pathlib import Path
 
 import pandas as pd
+
+DEFAULT_EVAL_DIR = Path("assets/lenses/smollm2-135m.eval")
+DEFAULT_PAGE = Path("docs/results.md")
 
 LENSES = [("logit", "logit"), ("jacobian", "Jacobian"), ("tuned", "tuned"), ("jacobian (shrink 0.25)", "J shrink 0.25"),
           ("jacobian (shrink 0.5)", "J shrink 0.5")]
 MAIN = 3  # logit, Jacobian, tuned: the lenses with a CE column and in the pass@k / swap tables
 
 
-def per_layer_table(evals: pd.DataFrame, every: int = 4) -> str:
+def per_layer_table(evals: pd.DataFrame, every: int = 4) -> tuple[str, str]:
+    """The per-layer KL/CE table (every ``every``-th layer, the last source layer, the mean) and a summary line."""
     kl = evals.pivot(index="layer", columns="lens", values="kl_bits")
     ce = evals.pivot(index="layer", columns="lens", values="ce_bits")
     names = [(key, label) for key, label in LENSES if key in kl.columns]
@@ -31,13 +44,13 @@ def per_layer_table(evals: pd.DataFrame, every: int = 4) -> str:
     best = kl[[key for key, _ in names]].drop(index=kl.index.max()).idxmin(axis=1).value_counts()
     best_main = kl[[key for key, _ in main]].drop(index=kl.index.max()).idxmin(axis=1).value_counts()
     worse = [int(layer) for layer in kl.index if kl.at[layer, "jacobian"] > kl.at[layer, "logit"]]
-    lines.append("")
-    lines.append(f"best lens per layer (count, all): {best.to_dict()}; among logit/Jacobian/tuned: "
-                 f"{best_main.to_dict()}; raw J worse than logit at layers: {worse}")
-    return "\n".join(lines)
+    summary = (f"best lens per layer (count, all): {best.to_dict()}; among logit/Jacobian/tuned: "
+               f"{best_main.to_dict()}; raw J worse than logit at layers: {worse}")
+    return "\n".join(lines), summary
 
 
 def pass_table(passes: pd.DataFrame) -> str:
+    """The pass@k table: per set x lens, pass@1/5/10, the interval at k=10, coverage."""
     lines = ["| set | lens | pass@1 | pass@5 | pass@10 | 95 % interval @10 | items scored | words scored |",
              "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
     for name in passes["set"].unique():
@@ -57,7 +70,8 @@ def pass_table(passes: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def swap_table(swaps: pd.DataFrame) -> str:
+def swap_table(swaps: pd.DataFrame) -> tuple[str, str]:
+    """The swap-success table (per lens x alpha, best alpha with its interval) and a summary line."""
     alphas = sorted(swaps["alpha"].unique())
     lines = ["| directions | " + " | ".join(f"α={a:g}" for a in alphas) + " | best (95 % interval) |",
              "| --- |" + " ---: |" * len(alphas) + " --- |"]
@@ -71,21 +85,68 @@ def swap_table(swaps: pd.DataFrame) -> str:
                      + f" | {sub.at[best, 'rate']:.2f} at α={best:g} ({sub.at[best, 'ci_low']:.2f}-"
                        f"{sub.at[best, 'ci_high']:.2f}) |")
     first = swaps.iloc[0]
-    lines.append("")
-    lines.append(f"items {int(first['items'])}, eligible {int(first['eligible'])}, skipped {int(first['skipped'])}, "
-                 f"{float(first['seconds_per_item']):.2f} s per item")
-    return "\n".join(lines)
+    summary = (f"items {int(first['items'])}, eligible {int(first['eligible'])}, skipped {int(first['skipped'])}, "
+               f"{float(first['seconds_per_item']):.2f} s per item")
+    return "\n".join(lines), summary
 
 
-def main() -> None:
-    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "assets/lenses/smollm2-135m.eval")
-    print(per_layer_table(pd.read_csv(folder / "eval.csv")))
-    print()
-    print(pass_table(pd.read_csv(folder / "pass_at_k.csv")))
+def tables(folder: Path) -> tuple[dict[str, str], list[str]]:
+    """The tables by marker name, and their summary lines, from an evaluation folder.
+
+    Raises:
+        FileNotFoundError: ``eval.csv`` or ``pass_at_k.csv`` is missing from ``folder``.
+    """
+    per_layer, layer_summary = per_layer_table(pd.read_csv(folder / "eval.csv"))
+    found = {"per_layer": per_layer, "pass_at_k": pass_table(pd.read_csv(folder / "pass_at_k.csv"))}
+    summaries = [layer_summary]
     if (folder / "swap_success.csv").is_file():
-        print()
-        print(swap_table(pd.read_csv(folder / "swap_success.csv")))
+        found["swap"], swap_summary = swap_table(pd.read_csv(folder / "swap_success.csv"))
+        summaries.append(swap_summary)
+    return found, summaries
+
+
+def replace_between_markers(text: str, name: str, body: str) -> str:
+    """``text`` with the lines between ``<!-- readme_tables:NAME -->`` and its closing marker set to ``body``.
+
+    Raises:
+        ValueError: the page lacks the pair of markers (or holds it twice): add them where the table goes.
+    """
+    pattern = re.compile(rf"(<!-- readme_tables:{re.escape(name)} -->\n).*?(\n<!-- /readme_tables:{re.escape(name)} -->)",
+                         re.DOTALL)
+    matches = pattern.findall(text)
+    if len(matches) != 1:
+        raise ValueError(f"The page has {len(matches)} pairs of markers for table {name!r}; it needs exactly one: "
+                         f"put <!-- readme_tables:{name} --> and <!-- /readme_tables:{name} --> where the table goes.")
+    return pattern.sub(lambda m: m.group(1) + body.strip("\n") + m.group(2), text)
+
+
+def write_tables(page: Path, found: dict[str, str]) -> None:
+    """Replace every table of ``found`` in ``page``; the page is left untouched if any marker is missing."""
+    text = page.read_text(encoding="utf-8")
+    for name, body in found.items():
+        text = replace_between_markers(text, name, body)
+    page.write_text(text, encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", nargs="?", type=Path, default=DEFAULT_EVAL_DIR, help="evaluation folder")
+    parser.add_argument("--page", type=Path, default=DEFAULT_PAGE, help="markdown page with the markers")
+    parser.add_argument("--print", action="store_true", help="print the tables instead of writing the page")
+    args = parser.parse_args(argv)
+    found, summaries = tables(args.folder)
+    if args.print:
+        print("\n\n".join(found.values()))
+    else:
+        try:
+            write_tables(args.page, found)
+        except ValueError as exc:
+            print(f"readme_tables: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {', '.join(found)} into {args.page}")
+    print("\n".join(summaries))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
