@@ -17,7 +17,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from jlens_core.reading.tokens import visible
+from jlens_core.reading.tokens import display_ids, visible
 
 MAX_TEXT_CELLS = 3000  # cells above this are drawn without their top-1 token (hover still has it)
 PLOT_WIDTH_PX = 1000  # about the width of the heatmap in the wide layout
@@ -39,8 +39,7 @@ def esc(text: str) -> str:
 
 def token_names(reading: Any, ids: Sequence[int]) -> list[str]:
     """Display strings of token ids, from the reading's vocabulary strings."""
-    strings = reading.vocab_strings
-    return [strings[i] if 0 <= i < len(strings) else f"<id:{i}>" for i in (int(j) for j in ids)]
+    return display_ids(reading.vocab_strings, ids)
 
 
 def _short(text: str, n: int = 10) -> str:

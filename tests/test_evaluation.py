@@ -23,7 +23,7 @@ from jlens_core.reading.evaluation import (
     pass_at_k,
     summarize_pass_at_k,
 )
-from jlens_core.reading.tokens import word_token_ids
+from jlens_core.reading.tokens import spellings
 
 TEXTS = [LONG_TEXT, "Once upon a time there was a small model that read every layer of itself.",
          "def add(a, b):\n    return a + b\n\nprint(add(12, 345))"]
@@ -152,7 +152,7 @@ def test_pass_at_k_first_token_rule_frames_and_values(model):
         last = torch.stack([logits[-1] for logits in reference_logits(model, ids)])  # [n_layers, vocab]
         words = item["intermediates"] if isinstance(item["intermediates"], list) else [item["intermediates"]]
         for role, word in [("intermediate", w) for w in words] + [("target", item["target"])]:
-            cands = word_token_ids(model.tokenizer, word)
+            cands = list(spellings(model.tokenizer, word, rule="first").values())
             ranks = torch.stack([(last > last[:, [c]]).sum(-1) + 1 for c in cands]).min(0).values  # [n_layers]
             row = detail[(detail.item == i) & (detail.lens == "logit") & (detail.word == word)].iloc[0]
             assert row.role == role and row.token_ids == cands

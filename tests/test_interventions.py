@@ -15,7 +15,7 @@ from jlens_core.interventions.directions import check_layers, default_layers
 from jlens_core.interventions.swap_success import wilson_interval
 from jlens_core.reading.generation import generate
 from jlens_core.reading.readings import read_prompt, record_residuals
-from jlens_core.reading.tokens import TokenDisplay, is_word_like, single_token_spellings
+from jlens_core.reading.tokens import TokenDisplay, is_word_like, spellings
 
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 
@@ -69,7 +69,7 @@ def test_direction_is_the_gradient_of_the_lens_logit(family, lens_kind):
     model = make_tiny(family)
     lens = random_lens(model) if lens_kind == "jacobian" else LogitLens.for_model(model)
     token = word_tokens(model, 1)[0]
-    tid = single_token_spellings(model.tokenizer, token)[token]
+    tid = spellings(model.tokenizer, token)[token]
     for layer in (0, model.n_layers - 2):
         matrix = lens.matrix(layer) if lens_kind == "jacobian" else torch.eye(model.d_model)
         h = torch.randn(model.d_model, requires_grad=True)
@@ -206,7 +206,7 @@ def eligible_item(model):
             prompt = " ".join(words[:n])
             gen = generate(model, prompt, max_new_tokens=1, stop_at_eos=False)
             text = model.decode(gen.generated_ids.tolist())
-            if is_word_like(text) and text.strip() and single_token_spellings(model.tokenizer, text).get(text) is not None:
+            if is_word_like(text) and text.strip() and spellings(model.tokenizer, text).get(text) is not None:
                 return prompt, text
     pytest.skip("no prompt whose next token is a word")
 
@@ -232,7 +232,7 @@ def test_swap_success_counts_eligible_skipped_and_matches_generation(llama):
     assert report.n_eligible == 1
     row = report.items.set_index("name").loc["ok"]
     assert row["jacobian@4 next"] == edited_first[4.0] and row["jacobian@1 next"] == edited_first[1.0]
-    target_spelled = bool(single_token_spellings(llama.tokenizer, target.strip() or "x"))
+    target_spelled = bool(spellings(llama.tokenizer, target.strip() or "x"))
     assert bool(row["jacobian@4"]) == target_spelled
     assert set(report.summary["lens"]) == {"jacobian", "logit", "random"}
     jac4 = report.summary[(report.summary["lens"] == "jacobian") & (report.summary["alpha"] == 4.0)].iloc[0]

@@ -1,4 +1,4 @@
-"""Token display strings (byte-level BPE, SentencePiece, plain) and the word-like filter."""
+"""Token display strings (byte-level BPE, SentencePiece, plain), naming a token by a string, and the word-like filter."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ import numpy as np
 import pytest
 
 from jlens_core.reading.tokens import (
+    TOKEN_RULES,
     TokenDisplay,
     bytes_to_unicode,
     detect_kind,
-    first_token_id,
+    display_ids,
+    display_token,
     is_word_like,
+    spellings,
     token_display,
-    token_id_for,
+    token_id,
     visible,
-    word_token_ids,
 )
 
 
@@ -116,20 +118,84 @@ def test_sentencepiece_display(sp_tokenizer):
 
 def test_sentencepiece_token_lookup(sp_tokenizer):
     paris = sp_tokenizer.convert_tokens_to_ids("▁Paris")
-    assert first_token_id(sp_tokenizer, "Paris") == paris  # the Metaspace prefix space
-    assert token_id_for(sp_tokenizer, "▁Paris") == paris  # a raw vocabulary entry
-    assert token_id_for(sp_tokenizer, " Paris") == paris  # a lone leading ▁ is skipped
-    assert paris in word_token_ids(sp_tokenizer, "Paris")
+    assert token_id(sp_tokenizer, "Paris") == paris  # the Metaspace prefix space
+    assert token_id(sp_tokenizer, "▁Paris") == paris  # a raw vocabulary entry
+    assert token_id(sp_tokenizer, " Paris") == paris  # a lone leading ▁ is skipped
+    assert paris in spellings(sp_tokenizer, "Paris", rule="first").values()
 
 
 def test_unknown_token_is_an_error():
     tok = _sentencepiece_tokenizer(byte_fallback=False)
     with pytest.raises(ValueError, match="unknown token"):
-        first_token_id(tok, "日")
+        token_id(tok, "日")
     with pytest.raises(ValueError, match="non-empty"):
-        first_token_id(tok, "")
+        token_id(tok, "")
     with pytest.raises(ValueError, match="out of range"):
-        token_id_for(tok, 10_000)
+        token_id(tok, 10_000)
+
+
+# -- naming a token by a string: token_id's rules, spellings ----------------------------------------
+def test_token_id_rules(tokenizer):
+    vocab = tokenizer.get_vocab()
+    the, space_the, capital = vocab["The"], vocab["ĠThe"], vocab["Ġcapital"]
+    assert tokenizer.tokenize("capitals") == ["cap", "ital", "s"]  # the premise of the multi-token cases
+    for rule in TOKEN_RULES:  # ids, "<id:N>" and raw entries are taken exactly by every rule
+        assert token_id(tokenizer, 7, rule=rule) == 7
+        assert token_id(tokenizer, f"<id:{capital}>", rule=rule) == capital
+        assert token_id(tokenizer, "Ġcapital", rule=rule) == capital
+        assert token_id(tokenizer, " capital", rule=rule) == capital
+    # "first": a text of several tokens is its first token
+    assert token_id(tokenizer, "capitals") == token_id(tokenizer, "capitals", rule="first") == vocab["cap"]
+    assert token_id(tokenizer, " capital city", rule="first") == capital
+    # "exact": only a text one token stands for; the error shows the pieces
+    assert token_id(tokenizer, "The", rule="exact") == the
+    with pytest.raises(ValueError, match=r"^'capitals' is not a single vocabulary token: it is 3 pieces 'cap' 'ital' 's';"):
+        token_id(tokenizer, "capitals", rule="exact")
+    # "word": a bare word is its leading-space spelling, even where the bare word is a raw entry too
+    assert token_id(tokenizer, "The", rule="word") == space_the
+    assert token_id(tokenizer, "capital", rule="word") == capital
+    with pytest.raises(ValueError, match="'capitals' is not a single vocabulary token"):
+        token_id(tokenizer, "capitals", rule="word")
+    with pytest.raises(ValueError, match=r"^rule='last' is not a token rule: use one of first, exact, word\.$"):
+        token_id(tokenizer, "The", rule="last")
+
+
+def test_spellings_rules(tokenizer, sp_tokenizer):
+    vocab = tokenizer.get_vocab()
+    # "exact": the variants one token stands for, leading-space forms first
+    assert list(spellings(tokenizer, "the").items()) == [(" The", vocab["ĠThe"]), ("The", vocab["The"])]
+    assert spellings(tokenizer, "capitals") == {}
+    # "first": the first token of the word as written and with a leading space
+    assert spellings(tokenizer, "capitals", rule="first") == {"cap": vocab["cap"], " capital": vocab["Ġcapital"]}
+    assert spellings(tokenizer, " capitals ", rule="first") == spellings(tokenizer, "capitals", rule="first")
+    paris = sp_tokenizer.convert_tokens_to_ids("▁Paris")  # Metaspace adds the space: one candidate, not two
+    assert spellings(sp_tokenizer, "Paris", rule="first") == {" Paris": paris}
+    with pytest.raises(ValueError, match="it is empty"):
+        spellings(tokenizer, " ", rule="first")
+    with pytest.raises(ValueError, match="rule='whole' is not a spelling rule"):
+        spellings(tokenizer, "the", rule="whole")
+
+
+def test_display_ids_name_ids_beyond_the_strings(tokenizer):
+    display = TokenDisplay.for_tokenizer(tokenizer)
+    capital, n = tokenizer.get_vocab()["Ġcapital"], display.vocab_size
+    assert display_ids(display, [capital, n, -1]) == [" capital", f"<id:{n}>", "<id:-1>"]
+    assert display_ids(display, [capital], show_whitespace=True) == ["·capital"]
+    assert display_ids(["a", "b"], [1, 2]) == ["b", "<id:2>"]  # a reading's vocab_strings
+    assert display_token(display, n + 3) == display.display(n + 3) == f"<id:{n + 3}>"
+    assert token_id(tokenizer, display_token(display, capital)) == capital  # a display string names its token
+
+
+def test_old_resolver_names_are_the_rules(tokenizer, sp_tokenizer):
+    from jlens_core.reading import tokens
+
+    assert tokens.token_id_for(tokenizer, "capitals") == token_id(tokenizer, "capitals", rule="first")
+    assert tokens.single_token_id(tokenizer, " capital") == token_id(tokenizer, " capital", rule="exact")
+    with pytest.raises(ValueError, match="not a single vocabulary token"):
+        tokens.single_token_id(tokenizer, "capitals")
+    assert tokens.single_token_spellings(tokenizer, "the") == spellings(tokenizer, "the")
+    assert tokens.word_token_ids(sp_tokenizer, "Paris") == list(spellings(sp_tokenizer, "Paris", rule="first").values())
+    assert tokens.first_token_id(sp_tokenizer, "Paris") == sp_tokenizer.convert_tokens_to_ids("▁Paris")
 
 
 # -- plain vocabularies ------------------------------------------------------------------------------
@@ -210,7 +276,7 @@ def test_pin_spec_maps_back_to_the_token(tokenizer):
     named = 0
     for tid in range(display.vocab_size):
         spec = pin_spec(tokenizer, tid)
-        assert token_id_for(tokenizer, spec) == tid and "," not in spec
+        assert token_id(tokenizer, spec) == tid and "," not in spec
         named += spec == display.texts[tid]
     assert named > display.vocab_size // 2  # mostly the readable text, not the raw entry
     comma = display.token_to_id[","]

@@ -13,7 +13,7 @@ import common
 import intervene
 from jlens_core.reading.generation import generate
 from jlens_core.reading.readings import most_common_tokens
-from jlens_core.reading.tokens import pin_spec, token_id_for
+from jlens_core.reading.tokens import pin_spec, token_id
 
 MAX_TOKENS = common.MAX_TOKENS
 
@@ -82,7 +82,7 @@ pins_raw = [p for p in (ss.get("pinned") or "").split(",") if p.strip()]
 pins, bad_pins = [], []
 for pin in pins_raw:
     try:
-        token_id_for(model.tokenizer, pin, vocab_size=model.vocab_size)
+        token_id(model.tokenizer, pin, rule="first", vocab_size=model.vocab_size)
         pins.append(pin)
     except ValueError as exc:
         bad_pins.append(f"{pin!r} ({exc})")

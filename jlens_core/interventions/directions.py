@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..layerspec import normalise_layers
-from ..reading.tokens import single_token_id, single_token_spellings
+from ..reading.tokens import token_id
 
 
 def _is_layer_norm(norm: nn.Module) -> bool:
@@ -120,23 +120,6 @@ def read_vector(model: Any, lens: Any, layer: int, token_id: int) -> torch.Tenso
     return v.detach().float()
 
 
-def concept_token(tokenizer: Any, text: str | int, *, vocab_size: int | None = None) -> int:
-    """The token a user means by ``text`` when naming a concept to steer, ablate or swap.
-
-    An id, ``"<id:N>"``, a raw vocabulary entry or a text with its leading space (``" France"``) is
-    taken exactly; a bare word (``"France"``) is its first single-token spelling, leading-space
-    forms first (the form a word takes inside a sentence).
-
-    Raises:
-        ValueError: no single-token spelling (the message shows the pieces it splits into).
-    """
-    if isinstance(text, str) and text.strip() == text and text and not text.startswith("<id:"):
-        display_id = single_token_spellings(tokenizer, text, vocab_size=vocab_size)
-        if display_id:
-            return next(iter(display_id.values()))
-    return single_token_id(tokenizer, text, vocab_size=vocab_size)
-
-
 def token_direction(model: Any, lens: Any, layer: int, token: str | int) -> torch.Tensor:
     """The unit read direction ``v̂_t`` ``[d_model]`` (fp32, CPU) of ``token`` at ``layer`` under ``lens``.
 
@@ -152,7 +135,7 @@ def token_direction(model: Any, lens: Any, layer: int, token: str | int) -> torc
             a layer outside the lens, or a direction that vanishes.
     """
     check_layers(model, lens, [layer])
-    tid = single_token_id(model.tokenizer, token, vocab_size=model.vocab_size)
+    tid = token_id(model.tokenizer, token, rule="exact", vocab_size=model.vocab_size)
     v = read_vector(model, lens, layer, tid)
     norm = float(v.norm())
     if not math.isfinite(norm) or norm == 0.0:
@@ -160,5 +143,5 @@ def token_direction(model: Any, lens: Any, layer: int, token: str | int) -> torc
     return v / norm
 
 
-__all__ = ["check_layers", "concept_token", "default_layers", "head_row", "last_source_layer", "norm_gain", "read_vector",
+__all__ = ["check_layers", "default_layers", "head_row", "last_source_layer", "norm_gain", "read_vector",
            "token_direction"]

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from ..reading.edits import PositionRule
-from .directions import check_layers, concept_token, default_layers, token_direction
+from ..reading.tokens import token_id
+from .directions import check_layers, default_layers, token_direction
 
 MAX_STRENGTH = 4.0
 MAX_ALPHA = 16.0
@@ -80,7 +81,7 @@ class Steer(_LensEdit):
             raise ValueError(f"Steering strength {strength!r} is out of range: give a number in "
                              f"[-{MAX_STRENGTH:g}, {MAX_STRENGTH:g}] (multiples of the residual's norm).")
         super().__init__(model, lens, layers, positions, on_generated)
-        self.token_id = concept_token(model.tokenizer, token, vocab_size=model.vocab_size)
+        self.token_id = token_id(model.tokenizer, token, rule="word", vocab_size=model.vocab_size)
         self.token = model.decode([self.token_id])
         self.strength = float(strength)
         self.directions = {layer: token_direction(model, lens, layer, self.token_id) for layer in self.layers}
@@ -102,7 +103,7 @@ class Ablate(_LensEdit):
     def __init__(self, model: Any, lens: Any, token: str | int, *, layers: Iterable[int] | None = None,
                  positions: Iterable[int] | None = None, on_generated: bool = False) -> None:
         super().__init__(model, lens, layers, positions, on_generated)
-        self.token_id = concept_token(model.tokenizer, token, vocab_size=model.vocab_size)
+        self.token_id = token_id(model.tokenizer, token, rule="word", vocab_size=model.vocab_size)
         self.token = model.decode([self.token_id])
         self.directions = {layer: token_direction(model, lens, layer, self.token_id) for layer in self.layers}
 
@@ -140,8 +141,8 @@ class Swap(_LensEdit):
             raise ValueError(f"Swap scale alpha={alpha!r} is out of range: give a number in [0, {MAX_ALPHA:g}] "
                              "(1 exchanges the two coordinates).")
         super().__init__(model, lens, layers, positions, on_generated)
-        a = concept_token(model.tokenizer, source, vocab_size=model.vocab_size)
-        b = concept_token(model.tokenizer, replacement, vocab_size=model.vocab_size)
+        a = token_id(model.tokenizer, source, rule="word", vocab_size=model.vocab_size)
+        b = token_id(model.tokenizer, replacement, rule="word", vocab_size=model.vocab_size)
         if a == b:
             raise ValueError(f"Cannot swap {source!r} with itself: give two different tokens.")
         self.source_id, self.replacement_id = a, b

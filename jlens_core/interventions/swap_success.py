@@ -34,7 +34,7 @@ import torch
 from .._paths import ASSETS_DIR
 from ..lenses.lens import LogitLens
 from ..reading.edits import EditRunner
-from ..reading.tokens import single_token_spellings
+from ..reading.tokens import spellings
 from .directions import check_layers, default_layers
 from .edits import MAX_ALPHA, Swap, random_directions
 
@@ -92,8 +92,7 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
 def direction_spelling(tokenizer: Any, word: str, vocab_size: int | None = None) -> str | None:
     """The spelling whose read direction stands for ``word``: the first single-token one
     (leading-space forms first), or ``None``."""
-    spellings = single_token_spellings(tokenizer, word, vocab_size=vocab_size)
-    return next(iter(spellings), None)
+    return next(iter(spellings(tokenizer, word, vocab_size=vocab_size)), None)
 
 
 @dataclass
@@ -175,8 +174,8 @@ def swap_success(model: Any, lenses: Mapping[str, Any], items: Iterable[dict], *
         if missing:
             row["reason"] = "skipped: no single-token spelling of " + ", ".join(missing)
         else:
-            answer_ids = set(single_token_spellings(model.tokenizer, str(item["answer"]), vocab_size=vocab).values())
-            swap_ids = set(single_token_spellings(model.tokenizer, str(item["swap_answer"]), vocab_size=vocab).values())
+            answer_ids = set(spellings(model.tokenizer, str(item["answer"]), vocab_size=vocab).values())
+            swap_ids = set(spellings(model.tokenizer, str(item["swap_answer"]), vocab_size=vocab).values())
             clean_next = _greedy_next(model, ids)
             row["clean_next"] = model.decode([clean_next])
             if clean_next not in answer_ids:

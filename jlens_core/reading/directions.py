@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from ..lenses.spectra import jacobian_matrix
-from .tokens import TokenDisplay
+from .tokens import TokenDisplay, display_ids
 
 DIRECTION_COLUMNS = ("direction", "singular_value", "side", "sign", "tokens", "scores")
 
@@ -68,7 +68,6 @@ def top_directions(model: Any, lens: Any, layer: int, *, n_directions: int = 5, 
     n = min(int(n_directions), len(s))
     display = TokenDisplay.for_model(model)
     strings = display.strings(show_whitespace)
-    vocab = len(strings)
     rows = []
     for side in sides:
         dirs = (u[:, :n].T if side == "output" else vh[:n]).float()  # [n, d]
@@ -78,7 +77,7 @@ def top_directions(model: Any, lens: Any, layer: int, *, n_directions: int = 5, 
             for sign, row in (("+", scores[i]), ("-", -scores[i])):
                 values, ids = row.topk(k)
                 rows.append({"direction": i, "singular_value": float(s[i]), "side": side, "sign": sign,
-                             "tokens": [strings[j] if j < vocab else f"<id:{j}>" for j in ids.tolist()],
+                             "tokens": display_ids(strings, ids.tolist()),
                              "scores": [round(float(v), 4) for v in values]})
     return pd.DataFrame(rows, columns=list(DIRECTION_COLUMNS))
 

@@ -13,7 +13,7 @@ layer, at one **readout** position:
 An intermediate's rank at a layer is its best 1-based full-vocabulary rank over its **complete
 single-token spellings**: the word as written, lower-cased and capitalised, each with and without a
 leading space, kept only when one token stands for exactly that string
-(:func:`~jlens_core.reading.tokens.single_token_spellings`). A word with no such spelling is
+(:func:`~jlens_core.reading.tokens.spellings`). A word with no such spelling is
 **unscored**: left out of every denominator and counted in the coverage columns, never scored by a
 prefix. ``spelling="first_token"`` keeps the older rule (the first token of the word, with and
 without a leading space; every word scored). ``synonyms="numbers_ops"`` also accepts digits <->
@@ -46,7 +46,7 @@ import torch
 from .._paths import ASSETS_DIR
 from ..layerspec import wrap_index
 from .readings import as_lens_dict, check_lens, encode_prompt, rank_of, readable_layers, record_residuals
-from .tokens import TokenDisplay, single_token_spellings, word_token_ids
+from .tokens import TokenDisplay, spellings
 
 log = logging.getLogger(__name__)
 
@@ -237,14 +237,10 @@ def word_spellings(tokenizer: Any, word: str, *, spelling: str = "whole", synony
     """
     words = number_synonyms(word) if synonyms == "numbers_ops" else [word]
     out: dict[str, int] = {}
+    rule = "first" if spelling == "first_token" else "exact"
     for w in words:
-        if spelling == "first_token":
-            display = TokenDisplay.for_tokenizer(tokenizer, vocab_size=vocab_size)
-            for tid in word_token_ids(tokenizer, w):
-                out.setdefault(display.texts[tid] if tid < display.vocab_size else f"<id:{tid}>", tid)
-        else:
-            for text, tid in single_token_spellings(tokenizer, w, vocab_size=vocab_size).items():
-                out.setdefault(text, tid)
+        for text, tid in spellings(tokenizer, w, rule=rule, vocab_size=vocab_size).items():
+            out.setdefault(text, tid)
     return out
 
 

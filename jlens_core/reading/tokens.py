@@ -256,7 +256,7 @@ class TokenDisplay:
         texts: list[str] = []
         for i, tok in enumerate(raw):
             if tok is None:
-                texts.append(f"<id:{i}>")
+                texts.append(id_label(i))
             elif i in self.special_ids and not (self.kind == "sentencepiece" and _BYTE_TOKEN.match(tok)):
                 texts.append(tok)  # added tokens are stored as plain text in every kind
             else:
@@ -325,10 +325,7 @@ class TokenDisplay:
 
     def display(self, token_id: int, *, show_whitespace: bool = False) -> str:
         """The display string of one id (``<id:N>`` beyond the vocabulary)."""
-        token_id = int(token_id)
-        if 0 <= token_id < self.vocab_size:
-            return self.strings(show_whitespace)[token_id]
-        return f"<id:{token_id}>"
+        return display_token(self.strings(show_whitespace), token_id)
 
     def word_like_mask(self, *, allow_digits: bool = False) -> np.ndarray:
         """``bool[vocab_size]``: which ids are word-like (:func:`is_word_like`); special tokens are not."""
@@ -376,7 +373,13 @@ def encode_plain(tokenizer: Any, text: str) -> list[int]:
     return [int(i) for i in ids]
 
 
-def first_token_id(tokenizer: Any, text: str) -> int:
+TOKEN_RULES = ("first", "exact", "word")
+"""How :func:`token_id` maps a text that is not an id or a raw vocabulary entry (see there)."""
+
+_ID_SPEC = re.compile(r"<id:(\d+)>")
+
+
+def _first_token(tokenizer: Any, text: str) -> int:
     """The id of the first token of ``text`` (encoded without special tokens).
 
     Leading tokens that stand for whitespace only (a lone ``▁`` or ``Ġ``) are skipped when a
@@ -400,24 +403,33 @@ def first_token_id(tokenizer: Any, text: str) -> int:
     return int(chosen)
 
 
-_ID_SPEC = re.compile(r"<id:(\d+)>")
+def token_id(tokenizer: Any, token: str | int, *, rule: str = "first", vocab_size: int | None = None) -> int:
+    """The id of the one token ``token`` names, under a stated ``rule`` for plain text.
 
+    Every rule takes these exactly:
 
-def token_id_for(tokenizer: Any, token: str | int, *, vocab_size: int | None = None) -> int:
-    """The id a pinned token names: an id, a raw vocabulary entry, or the first token of a string.
+    * an ``int`` as an id (it must lie in ``[0, vocab_size)``);
+    * ``"<id:N>"`` as id ``N`` (how readings name an id without a vocabulary entry);
+    * a raw vocabulary entry (``"ĠParis"``, ``"▁Paris"``, ``"<|eos|>"``) as that entry's id.
 
-    * an ``int`` is taken as an id (it must lie in ``[0, vocab_size)``);
-    * a string that is exactly a raw vocabulary entry (``"ĠParis"``, ``"▁Paris"``, ``"<|eos|>"``,
-      or ``"Paris"`` where that is a token) is that entry's id;
-    * ``"<id:N>"`` is id ``N`` (how readings name an id without a vocabulary entry; also a way to
-      name any id as a string);
-    * any other string maps to the first token of its encoding (:func:`first_token_id`): ``" Paris"``
-      is the space-prefixed token; a word split into several tokens is tracked by its first one.
+    Any other text maps by ``rule``:
+
+    * ``"first"``: the first token of its encoding (:func:`_first_token`): ``" Paris"`` is the
+      space-prefixed token, a word split into several tokens is tracked by its first piece (pins);
+    * ``"exact"``: the token whose text is exactly ``token`` (``" Paris"``); a text that is several
+      tokens is an error (read directions: one token's direction);
+    * ``"word"``: a bare word (no leading or trailing space, ``"France"``) is its first single-token
+      spelling (:func:`spellings`, leading-space forms first: the form a word takes inside a
+      sentence), even where the bare word is also a raw entry; a text with its spaces, or a word
+      with no single-token spelling, as ``"exact"`` (concepts to steer, ablate or swap).
 
     Raises:
-        ValueError: an id out of range, an empty string, or a string that tokenizes to nothing or
-            only to the unknown token.
+        ValueError: an unknown ``rule``, an id out of range, an empty string, a text that tokenizes
+            to nothing or only to the unknown token, or (``"exact"``, ``"word"``) a text that is not
+            one token (the message shows its pieces).
     """
+    if rule not in TOKEN_RULES:
+        raise ValueError(f"rule={rule!r} is not a token rule: use one of {', '.join(TOKEN_RULES)}.")
     display = TokenDisplay.for_tokenizer(tokenizer, vocab_size=vocab_size)
     size = int(vocab_size) if vocab_size is not None else display.vocab_size
     if isinstance(token, (int, np.integer)) and not isinstance(token, bool):
@@ -426,17 +438,30 @@ def token_id_for(tokenizer: Any, token: str | int, *, vocab_size: int | None = N
         return int(token)
     if not isinstance(token, str) or not token:
         raise ValueError(f"Cannot map {token!r} to a token: give a non-empty string or a token id.")
+    by_id = _ID_SPEC.fullmatch(token)
+    if rule == "word" and not by_id and token.strip() == token:
+        # Before the raw entries: a bare "France" means " France" in a sentence, not the raw entry "France".
+        found = spellings(tokenizer, token, vocab_size=vocab_size)
+        if found:
+            return next(iter(found.values()))
     vocab = display.token_to_id
     if token in vocab and 0 <= vocab[token] < size:
         return int(vocab[token])
-    by_id = _ID_SPEC.fullmatch(token)
     if by_id:
-        return token_id_for(tokenizer, int(by_id.group(1)), vocab_size=size)
-    return first_token_id(tokenizer, token)
+        return token_id(tokenizer, int(by_id.group(1)), vocab_size=size)
+    if rule == "first":
+        return _first_token(tokenizer, token)
+    exact = _text_to_id(display).get(token)
+    if exact is not None:
+        return exact
+    pieces = display_ids(display, encode_plain(tokenizer, token))
+    raise ValueError(f"{token!r} is not a single vocabulary token: it is {len(pieces)} pieces "
+                     f"{' '.join(repr(p) for p in pieces)}; pick one of them, or a word that is one token "
+                     f"(often with a leading space, like ' Paris').")
 
 
-def pin_spec(tokenizer: Any, token_id: int, *, vocab_size: int | None = None) -> str:
-    """A string that :func:`token_id_for` maps back to ``token_id``, as readable as possible.
+def pin_spec(tokenizer: Any, tid: int, *, vocab_size: int | None = None) -> str:
+    """A string that :func:`token_id` (``rule="first"``) maps back to id ``tid``, as readable as possible.
 
     The token's text (``" Paris"``) when it names that token and holds no comma (pins are typed as a
     comma-separated list), else the raw vocabulary entry (``"ĠParis"``), else ``"<id:N>"``.
@@ -445,7 +470,7 @@ def pin_spec(tokenizer: Any, token_id: int, *, vocab_size: int | None = None) ->
         ValueError: an id outside the vocabulary.
     """
     display = TokenDisplay.for_tokenizer(tokenizer, vocab_size=vocab_size)
-    tid = int(token_id)
+    tid = int(tid)
     if not 0 <= tid < display.vocab_size:
         raise ValueError(f"Token id {tid} is out of range: the vocabulary has ids 0..{display.vocab_size - 1}.")
     text = display.texts[tid]
@@ -453,15 +478,15 @@ def pin_spec(tokenizer: Any, token_id: int, *, vocab_size: int | None = None) ->
     for candidate in candidates:
         if candidate and "," not in candidate:
             try:
-                if token_id_for(tokenizer, candidate, vocab_size=vocab_size) == tid:
+                if token_id(tokenizer, candidate, vocab_size=vocab_size) == tid:
                     return candidate
             except ValueError:
                 continue
-    return f"<id:{tid}>"
+    return id_label(tid)
 
 
 def _text_to_id(display: TokenDisplay) -> dict[str, int]:
-    """``{text: id}`` over the non-special tokens (the smallest id where two share a text)."""
+    """``{text: id}`` over the in-range non-special tokens (the smallest id where two share a text)."""
     cached = getattr(display, "_text_to_id", None)
     if cached is None:
         cached = {}
@@ -482,69 +507,92 @@ def spelling_variants(word: str) -> list[str]:
     return list(dict.fromkeys([" " + f for f in forms] + list(forms)))
 
 
-def single_token_spellings(tokenizer: Any, word: str, *, vocab_size: int | None = None) -> dict[str, int]:
-    """``{spelling: id}`` for each spelling of ``word`` (:func:`spelling_variants`) that one
-    vocabulary token stands for exactly (its text equals the spelling; special tokens excluded).
+def spellings(tokenizer: Any, word: str, *, rule: str = "exact", vocab_size: int | None = None) -> dict[str, int]:
+    """``{spelling: id}``: the tokens that count as ``word``.
 
-    Empty when the word has no complete single-token spelling: it is then not scored by a prefix.
-
-    Raises:
-        ValueError: an empty word.
-    """
-    display = TokenDisplay.for_tokenizer(tokenizer, vocab_size=vocab_size)
-    table = _text_to_id(display)
-    return {v: table[v] for v in spelling_variants(word) if v in table}
-
-
-def single_token_id(tokenizer: Any, token: str | int, *, vocab_size: int | None = None) -> int:
-    """The id of a token named as one vocabulary token: an id, ``"<id:N>"``, a raw vocabulary entry
-    (``"ĠParis"``), or a text one token stands for exactly (``" Paris"``).
+    * ``rule="exact"``: each spelling of ``word`` (:func:`spelling_variants`: as written, lower-cased,
+      capitalised, leading-space forms first) that one vocabulary token stands for exactly (its
+      text equals the spelling; special tokens excluded). Empty when the word has no complete
+      single-token spelling: it is then not scored by a prefix.
+    * ``rule="first"``: the first token (:func:`_first_token`) of the word as written and with a
+      leading space, keyed by the token's display text, de-duplicated (never empty). A word split
+      into several tokens is found by its first piece (pass@k's ``spelling="first_token"``).
 
     Raises:
-        ValueError: an id out of range, an empty string, or a text that is several tokens (the
-            message shows its pieces) or none.
+        ValueError: an empty word, an unknown ``rule``, or (``"first"``) a word that cannot be tokenized.
     """
-    display = TokenDisplay.for_tokenizer(tokenizer, vocab_size=vocab_size)
-    if isinstance(token, (int, np.integer)) and not isinstance(token, bool) or (
-            isinstance(token, str) and (_ID_SPEC.fullmatch(token) or token in display.token_to_id)):
-        return token_id_for(tokenizer, token, vocab_size=vocab_size)
-    if not isinstance(token, str) or not token:
-        raise ValueError(f"Cannot map {token!r} to a token: give a non-empty string or a token id.")
-    exact = _text_to_id(display).get(token)
-    if exact is not None:
-        return exact
-    pieces = [display.texts[i] if i < display.vocab_size else f"<id:{i}>" for i in encode_plain(tokenizer, token)]
-    raise ValueError(f"{token!r} is not a single vocabulary token: it is {len(pieces)} pieces "
-                     f"{' '.join(repr(p) for p in pieces)}; pick one of them, or a word that is one token "
-                     f"(often with a leading space, like ' Paris').")
-
-
-def word_token_ids(tokenizer: Any, word: str) -> list[int]:
-    """Candidate first-token ids of ``word``: without and with a leading space, de-duplicated.
-
-    This is how :func:`jlens_core.reading.evaluation.pass_at_k` finds an intermediate word among the ranks.
-
-    Raises:
-        ValueError: the word is empty or cannot be tokenized.
-    """
+    if rule == "exact":
+        table = _text_to_id(TokenDisplay.for_tokenizer(tokenizer, vocab_size=vocab_size))
+        return {v: table[v] for v in spelling_variants(word) if v in table}
+    if rule != "first":
+        raise ValueError(f"rule={rule!r} is not a spelling rule: use 'exact' or 'first'.")
     stripped = word.strip() if isinstance(word, str) else word
     if not isinstance(stripped, str) or not stripped:
         raise ValueError(f"Cannot look up the word {word!r}: it is empty.")
-    out: list[int] = []
+    display = TokenDisplay.for_tokenizer(tokenizer, vocab_size=vocab_size)
+    out: dict[str, int] = {}
     for variant in (stripped, " " + stripped):
-        i = first_token_id(tokenizer, variant)
-        if i not in out:
-            out.append(i)
+        tid = _first_token(tokenizer, variant)
+        if tid not in out.values():
+            out.setdefault(display_token(display, tid), tid)
     return out
 
 
-def display_ids(display: TokenDisplay, ids: Sequence[int], *, show_whitespace: bool = False) -> list[str]:
-    """Display strings of ``ids`` from an existing :class:`TokenDisplay` (no cache look-up)."""
-    strings = display.strings(show_whitespace)
-    n = display.vocab_size
-    return [strings[i] if 0 <= i < n else f"<id:{i}>" for i in (int(j) for j in ids)]
+def id_label(token_id: int) -> str:
+    """``"<id:N>"``: how an id without a vocabulary entry (a padding row of the output head) is shown;
+    :func:`token_id` maps it back to ``N``."""
+    return f"<id:{int(token_id)}>"
 
 
-__all__ = ["KINDS", "TokenDisplay", "bytes_to_unicode", "detect_kind", "display_ids", "encode_plain", "first_token_id",
-           "is_word_like", "pin_spec", "single_token_id", "single_token_spellings",
-           "spelling_variants", "token_display", "token_id_for", "visible", "word_token_ids"]
+def display_token(strings: TokenDisplay | Sequence[str], token_id: int, *, show_whitespace: bool = False) -> str:
+    """The display string of one id: ``strings[id]``, or :func:`id_label` for an id outside them.
+
+    Args:
+        strings: a :class:`TokenDisplay` (its strings in the ``show_whitespace`` mode), or a list of
+            display strings already chosen (a reading's ``vocab_strings``; ``show_whitespace`` unused).
+        token_id: any integer id (negative or beyond the vocabulary: ``"<id:N>"``).
+    """
+    if isinstance(strings, TokenDisplay):
+        strings = strings.strings(show_whitespace)
+    i = int(token_id)
+    return strings[i] if 0 <= i < len(strings) else id_label(i)
+
+
+def display_ids(strings: TokenDisplay | Sequence[str], ids: Iterable[int], *,
+                show_whitespace: bool = False) -> list[str]:
+    """Display strings of ``ids`` (:func:`display_token` of each) from an existing :class:`TokenDisplay`
+    or list of display strings (no cache look-up)."""
+    if isinstance(strings, TokenDisplay):
+        strings = strings.strings(show_whitespace)
+    return [display_token(strings, i) for i in ids]
+
+
+# Old names, kept for old imports (one rule each; use token_id / spellings).
+def first_token_id(tokenizer: Any, text: str) -> int:
+    """Deprecated: the first token of ``text``'s encoding; use :func:`token_id` (``rule="first"``)."""
+    return _first_token(tokenizer, text)
+
+
+def token_id_for(tokenizer: Any, token: str | int, *, vocab_size: int | None = None) -> int:
+    """Deprecated: :func:`token_id` with ``rule="first"``."""
+    return token_id(tokenizer, token, rule="first", vocab_size=vocab_size)
+
+
+def single_token_id(tokenizer: Any, token: str | int, *, vocab_size: int | None = None) -> int:
+    """Deprecated: :func:`token_id` with ``rule="exact"``."""
+    return token_id(tokenizer, token, rule="exact", vocab_size=vocab_size)
+
+
+def single_token_spellings(tokenizer: Any, word: str, *, vocab_size: int | None = None) -> dict[str, int]:
+    """Deprecated: :func:`spellings` with ``rule="exact"``."""
+    return spellings(tokenizer, word, rule="exact", vocab_size=vocab_size)
+
+
+def word_token_ids(tokenizer: Any, word: str) -> list[int]:
+    """Deprecated: the ids of :func:`spellings` with ``rule="first"``."""
+    return list(spellings(tokenizer, word, rule="first").values())
+
+
+__all__ = ["KINDS", "TOKEN_RULES", "TokenDisplay", "bytes_to_unicode", "detect_kind", "display_ids", "display_token",
+           "encode_plain", "id_label", "is_word_like", "pin_spec", "spelling_variants", "spellings", "token_display", "token_id",
+           "visible"]
