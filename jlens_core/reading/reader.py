@@ -11,6 +11,7 @@ distribution is ``softmax(unembed(h_{L-1}[p]))``, the model's own output. From t
   position, which has no next token);
 * ``next_token_rank``: rank of the actual next token (missing at the last position);
 * ``final_top1_rank``: rank of the model's final top-1 token at that position;
+* ``rank_<token>``: rank of each pinned token.
 
 Ranks and the statistic kernels: :mod:`~jlens_core.reading.logit_stats`; the result:
 :class:`~jlens_core.reading.prompt_reading.PromptReading`.
@@ -24,16 +25,13 @@ returned statistics are kept, so ``layers x positions x vocab`` is never held.
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import logit_stats
 from .edits import check_edits
 from .generation import Generation
 from .inputs import (
@@ -45,10 +43,9 @@ from .inputs import (
     record_residuals,
     resolve_positions,
 )
-from .logit_stats import centred_logit_stats, chunk_size, final_distribution, rank_of
-from .openmp_workers import run_in_workers
 from .prompt_reading import PromptReading
-from .tokens import TokenDisplay, display_ids, encode_plain, token_id_for
+from .row_arrays import ReadingArrays, RowGroupReader, RowLayout, Targets, read_rows
+from .tokens import TokenDisplay, display_ids, encode_plain, token_id
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +57,7 @@ def _resolve_pinned(model: Any, display: TokenDisplay, pinned: Iterable[str | in
     for token in pinned:
         name = str(token)
         try:
-            out[name] = token_id_for(model.tokenizer, token, vocab_size=display.vocab_size)
+            out[name] = token_id(model.tokenizer, token, rule="first", vocab_size=display.vocab_size)
         except ValueError as exc:
             raise ValueError(f"Unknown pinned token {token!r}: {exc}") from None
         if isinstance(token, str) and token not in display.token_to_id:
@@ -91,7 +88,7 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
         positions: positions to read (default all; negatives count from the end).
         pinned: tokens whose rank to track in a ``rank_<token>`` column each: an id, a raw vocabulary
             entry (``"ĠParis"``), or a string whose first token is used (``" Paris"``, see
-            :func:`jlens_core.reading.tokens.token_id_for`).
+            :func:`jlens_core.reading.tokens.token_id`, ``rule="first"``).
         show_whitespace: display whitespace as glyphs (``·`` ``↵`` ``→``) in token strings.
         max_seq_len: truncate the prompt to this many tokens (default: no truncation).
         word_like: restrict the top-k lists to word-like tokens (:func:`~jlens_core.reading.tokens.is_word_like`);
@@ -137,6 +134,36 @@ def read_prompts(model: Any, lenses: Mapping[str, Any] | Any, text: str | Sequen
         LensFileError: a lens belongs to another model.
     """
     lens_map = as_lens_dict(lenses)
+    text, n_prompt = _check_arguments(text, n_prompt, top_k=top_k, max_seq_len=max_seq_len)
+    for lens in lens_map.values():
+        check_lens(model, lens)
+    vocab = model_vocab_size(model)
+    display = TokenDisplay.for_model(model)
+    pins = _resolve_pinned(model, display, pinned)
+    ids = encode_prompt(model, text, max_seq_len)  # [1, seq]
+    seq_len = int(ids.shape[1])
+    pos_list = resolve_positions(seq_len, positions)
+    layout = RowLayout({name: readable_layers(model, lens, layers) for name, lens in lens_map.items()})
+    n_prompt = seq_len if n_prompt is None else min(int(n_prompt), seq_len)
+    edit_list = check_edits(model, edits)
+    resid = record_residuals(model, ids, layout.all_layers, edits=edit_list, n_prompt=n_prompt)  # {layer: [seq, d]}
+    targets = _targets(ids[0].to(resid[model.n_layers - 1].device), pos_list, pins, display,
+                       k=min(int(top_k), vocab), vocab=vocab, word_like=word_like)
+    results = ReadingArrays(layout.n_rows, len(pos_list), targets, vocab)
+    read_rows(model, RowGroupReader(model, lens_map, layout, resid, results, vocab))
+    shown_text = text if isinstance(text, str) else model.decode(ids[0].tolist())
+    return _assemble_readings(model, lens_map, layout, results, ids, display, text=shown_text,
+                              show_whitespace=bool(show_whitespace), word_like=bool(word_like), n_prompt=n_prompt,
+                              edits=[repr(e) for e in edit_list])
+
+
+def _check_arguments(text: Any, n_prompt: int | None, *, top_k: int, max_seq_len: int | None,
+                     ) -> tuple[Any, int | None]:
+    """``(text, n_prompt)`` with a :class:`Generation` unpacked into its ids and prompt length.
+
+    Raises:
+        ValueError: an empty text, a negative or contradicting ``n_prompt``, ``top_k < 1`` or ``max_seq_len < 1``.
+    """
     if isinstance(text, Generation):
         if n_prompt is not None and int(n_prompt) != text.n_prompt:
             raise ValueError(f"n_prompt={n_prompt} contradicts the generation's {text.n_prompt} prompt tokens.")
@@ -149,24 +176,17 @@ def read_prompts(model: Any, lenses: Mapping[str, Any] | Any, text: str | Sequen
         raise ValueError(f"top_k={top_k} must be at least 1.")
     if max_seq_len is not None and int(max_seq_len) < 1:
         raise ValueError(f"max_seq_len={max_seq_len} must be at least 1 (or None for no truncation).")
-    for lens in lens_map.values():
-        check_lens(model, lens)
-    vocab = model_vocab_size(model)
-    display = TokenDisplay.for_model(model)
-    pins = _resolve_pinned(model, display, pinned)
-    ids = encode_prompt(model, text, max_seq_len)  # [1, seq]
-    seq_len = int(ids.shape[1])
-    pos_list = resolve_positions(seq_len, positions)
-    layer_lists = {name: readable_layers(model, lens, layers) for name, lens in lens_map.items()}
-    top = model.n_layers - 1
-    k = min(int(top_k), vocab)
+    return text, n_prompt
 
-    n_prompt = seq_len if n_prompt is None else min(int(n_prompt), seq_len)
-    edit_list = check_edits(model, edits)
-    all_layers = sorted(set().union(*layer_lists.values()))
-    resid = record_residuals(model, ids, all_layers, edits=edit_list, n_prompt=n_prompt)  # {layer: [seq, d]}
-    device = resid[top].device
-    ids_row = ids[0].to(device)  # [seq]
+
+def _targets(ids_row: torch.Tensor, pos_list: list[int], pins: dict[str, int], display: TokenDisplay, *, k: int,
+             vocab: int, word_like: bool) -> Targets:
+    """The read positions, their next tokens, the pinned ids and the top-k settings, on ``ids_row``'s device.
+
+    ``ids_row``: ``LongTensor[seq]`` the prompt. With ``word_like`` top-k lists only word-like tokens
+    (and ``k`` is capped at how many there are).
+    """
+    device, seq_len = ids_row.device, int(ids_row.shape[0])
     pos_t = torch.tensor(pos_list, dtype=torch.long, device=device)  # [n_pos]
     next_t = torch.where(pos_t + 1 < seq_len, ids_row[(pos_t + 1).clamp_max(seq_len - 1)],
                          torch.full_like(pos_t, -1))  # [n_pos]
@@ -177,138 +197,30 @@ def read_prompts(model: Any, lenses: Mapping[str, Any] | Any, text: str | Sequen
         mask_np = display.word_like_mask()[:vocab]
         mask = torch.as_tensor(np.pad(mask_np, (0, vocab - len(mask_np))), device=device)  # [vocab] bool
         k = max(1, min(k, int(mask.sum())))
+    return Targets(pos_t, next_t, pin_names, pin_t, mask, k)
 
-    # Every lens's layers are rows of one set of arrays (lens after lens); each reading gets its slice.
-    row_lens: list[str] = []  # [n_rows] the lens of each row
-    row_layer: list[int] = []  # [n_rows] the layer of each row
-    first_row: dict[str, int] = {}
-    for name, layer_list in layer_lists.items():
-        first_row[name] = len(row_lens)
-        row_lens += [name] * len(layer_list)
-        row_layer += layer_list
-    n_rows, n_p = len(row_lens), len(pos_list)
-    top_ids = np.zeros((n_rows, n_p, k), dtype=np.int64)
-    top_probs = np.zeros((n_rows, n_p, k), dtype=np.float32)
-    entropy = np.zeros((n_rows, n_p))
-    kl = np.zeros((n_rows, n_p))
-    ce = np.zeros((n_rows, n_p))
-    next_rank = np.zeros((n_rows, n_p))
-    final_rank = np.zeros((n_rows, n_p), dtype=np.int64)
-    pin_ranks = {name: np.zeros((n_rows, n_p), dtype=np.int64) for name in pin_names}
-    final_top1 = np.zeros(n_p, dtype=np.int64)
-    per_row_arrays = [top_ids, top_probs, entropy, kl, ce, next_rank, final_rank, *pin_ranks.values()]
 
-    block = max(1, logit_stats.STATS_BLOCK_ELEMENTS // vocab)  # logit rows per statistics block
+def _assemble_readings(model: Any, lenses: Mapping[str, Any], layout: RowLayout, results: ReadingArrays,
+                       ids: torch.Tensor, display: TokenDisplay, *, text: str, show_whitespace: bool, word_like: bool,
+                       n_prompt: int, edits: list[str]) -> dict[str, PromptReading]:
+    """One :class:`PromptReading` per lens, from its rows of ``results``; no two share a mutable array.
 
-    def write_stats(rows: list[int], sl: slice, z: torch.Tensor, final_p: torch.Tensor,
-                    final_neg_entropy: torch.Tensor, nxt: torch.Tensor, f_top1: torch.Tensor,
-                    arrays: dict[str, torch.Tensor]) -> None:
-        # z: [g, c, vocab] fp32 logits of the rows ``rows`` at positions sl, passed to write_block in
-        # blocks of at most STATS_BLOCK_ELEMENTS logits: several rows of all c positions, or (c past a
-        # block) one row's run of positions
-        c = z.shape[1]
-        n_pos, n_layers = min(c, block), max(1, block // c)
-        for b0 in range(0, len(rows), n_layers):
-            for p0 in range(0, c, n_pos):
-                p1 = min(c, p0 + n_pos)
-                write_block(rows[b0: b0 + n_layers], slice(sl.start + p0, sl.start + p1), z[b0: b0 + n_layers, p0:p1],
-                            final_p[p0:p1], final_neg_entropy[p0:p1], nxt[p0:p1], f_top1[p0:p1], arrays)
-
-    def write_block(rows: list[int], sl: slice, z: torch.Tensor, final_p: torch.Tensor,
-                    final_neg_entropy: torch.Tensor, nxt: torch.Tensor, f_top1: torch.Tensor,
-                    arrays: dict[str, torch.Tensor]) -> None:
-        # the rows are disjoint between workers, so their writes into the result arrays never meet
-        g = z.shape[0]
-        scratch = reused(arrays, "scratch", z.shape, z.dtype, z.device)
-        log_norm, ent, kld, cel = centred_logit_stats(z, final_p, final_neg_entropy, nxt, scratch)  # z centred
-        entropy[rows, sl] = ent.double().cpu().numpy()
-        kl[rows, sl] = kld.double().cpu().numpy()
-        ce[rows, sl] = cel.double().cpu().numpy()
-        nr = rank_of(z, nxt.clamp_min(0).expand(g, -1), scratch).double()
-        next_rank[rows, sl] = torch.where(nxt >= 0, nr, torch.full_like(nr, float("nan"))).cpu().numpy()
-        final_rank[rows, sl] = rank_of(z, f_top1.expand(g, -1), scratch).cpu().numpy()
-        for j, name in enumerate(pin_names):
-            pin_ranks[name][rows, sl] = rank_of(z, pin_t[j].expand(g, z.shape[1]), scratch).cpu().numpy()
-        if mask is None:
-            top_z, indices = z.topk(k, dim=-1)  # [g, c, k]
-        else:
-            indices = torch.where(mask, z, scratch.fill_(float("-inf"))).topk(k, dim=-1)[1]
-            top_z = z.gather(-1, indices)
-        top_ids[rows, sl] = indices.cpu().numpy()
-        top_probs[rows, sl] = (top_z - log_norm[..., None]).exp().cpu().numpy()
-
-    # One logits array holds at most CHUNK_ELEMENTS: ``c`` positions of ``group`` rows at a time,
-    # unembedded by one matmul (a few large products run far closer to the matmul peak than one per layer).
-    rows_per_array = chunk_size(vocab)
-    takes_out = "out" in inspect.signature(model.unembed).parameters  # HFLensModel does; a protocol model may not
-
-    def reused(arrays: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
-        # One array per role and worker for every group (grown when needed): a fresh 64 MB array per
-        # group costs more in page faults than its arithmetic.
-        n = math.prod(shape)
-        array = arrays.get(name)
-        if array is None or array.numel() < n or array.dtype != dtype or array.device != device:
-            array = arrays[name] = torch.empty(n, dtype=dtype, device=device)
-        return array[:n].view(shape)
-
-    def unembed_into_reused(carried: torch.Tensor, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
-        if not takes_out:
-            return model.unembed(carried)
-        dtype = getattr(model, "dtype", carried.dtype)
-        return model.unembed(carried, out=reused(arrays, "logits", (carried.shape[0], vocab), dtype, carried.device))
-
-    def read_group(task: tuple, arrays: dict[str, torch.Tensor]) -> None:
-        # one group of rows at one chunk of positions: transported, unembedded by one matmul, its statistics
-        rows, (sl, sel, final_p, final_neg_entropy, nxt, f_top1) = task
-        carried = torch.cat([lens_map[row_lens[r]].transport(resid[row_layer[r]][sel], row_layer[r])
-                             for r in rows])  # [g * c, d_model]
-        z = unembed_into_reused(carried, arrays).float().view(len(rows), len(sel), -1)  # [g, c, vocab]
-        write_stats(rows, sl, z, final_p, final_neg_entropy, nxt, f_top1, arrays)
-
-    # The output row is the model's own distribution whatever the lens: read once, copied to the others.
-    top_rows = [r for r in range(n_rows) if row_layer[r] == top]
-    lens_rows = [r for r in range(n_rows) if row_layer[r] != top]
-    main_arrays: dict[str, torch.Tensor] = {}
-    worker_arrays: list[dict[str, torch.Tensor]] = []
-    with torch.no_grad():
-        for start in range(0, n_p, rows_per_array):
-            sl = slice(start, start + rows_per_array)
-            sel = pos_t[sl]  # [c]
-            nxt = next_t[sl]  # [c]
-            c = int(sel.numel())
-            final_logits = model.unembed(resid[top][sel]).float()  # [c, vocab]
-            final_p, final_neg_entropy = final_distribution(final_logits)
-            f_top1 = final_logits.argmax(-1)  # [c]
-            final_top1[sl] = f_top1.cpu().numpy()
-            if top_rows:  # KL exactly 0
-                write_stats(top_rows[:1], sl, final_logits[None], final_p, final_neg_entropy, nxt, f_top1, main_arrays)
-                kl[top_rows[0], sl] = 0.0
-            group = max(1, rows_per_array // c)
-            chunk = (sl, sel, final_p, final_neg_entropy, nxt, f_top1)
-            tasks = [(lens_rows[g0: g0 + group], chunk) for g0 in range(0, len(lens_rows), group)]
-            run_in_workers(tasks, read_group, worker_arrays, device)
-    for r in top_rows[1:]:
-        for array in per_row_arrays:
-            array[r] = array[top_rows[0]]
-
+    ``ids``: ``LongTensor[1, seq]`` the prompt read; the keyword arguments are the readings' fields.
+    """
     input_ids = ids[0].cpu().numpy().astype(np.int64)
     strings = display.strings(show_whitespace)
     tokens = display_ids(display, input_ids, show_whitespace=show_whitespace)
-    shown_text = text if isinstance(text, str) else model.decode(input_ids.tolist())
+    targets = results.targets
     readings = {}
-    for name, lens in lens_map.items():
-        rs = slice(first_row[name], first_row[name] + len(layer_lists[name]))
+    for name, lens in lenses.items():
         readings[name] = PromptReading(
-            text=shown_text, model_name=str(getattr(model, "name", "")),
-            lens_kind=str(getattr(lens, "kind", type(lens).__name__)), input_ids=input_ids, tokens=list(tokens),
-            layers=list(layer_lists[name]), positions=np.asarray(pos_list, dtype=np.int64), output_layer=top,
-            top_k=k, show_whitespace=bool(show_whitespace), word_like=bool(word_like), pinned=dict(pins),
-            top_ids=top_ids[rs].copy(), top_probs=top_probs[rs].copy(), entropy_bits=entropy[rs].copy(),
-            kl_bits=kl[rs].copy(), ce_bits=ce[rs].copy(), next_token_rank=next_rank[rs].copy(),
-            final_top1_rank=final_rank[rs].copy(), pinned_ranks={n: a[rs].copy() for n, a in pin_ranks.items()},
-            next_ids=next_t.cpu().numpy().astype(np.int64), final_top1_ids=final_top1.copy(), vocab_strings=strings,
-            n_prompt=n_prompt, edits=[repr(e) for e in edit_list])
+            model_name=str(getattr(model, "name", "")), lens_kind=str(getattr(lens, "kind", type(lens).__name__)),
+            input_ids=input_ids, tokens=list(tokens), layers=list(layout.layer_lists[name]),
+            positions=targets.positions.cpu().numpy().astype(np.int64), output_layer=model.n_layers - 1,
+            top_k=targets.k, show_whitespace=show_whitespace, word_like=word_like,
+            pinned=dict(zip(targets.pin_names, targets.pin_ids.tolist())),
+            next_ids=targets.next_ids.cpu().numpy().astype(np.int64), vocab_strings=strings,
+            text=text, n_prompt=n_prompt, edits=list(edits), **results.reading_fields(layout.rows(name)))
     return readings
 
 
