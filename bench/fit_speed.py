@@ -1,4 +1,4 @@
-"""Side-by-side speed of the plain SPEC §2 estimator and ``jlens_core.jacobian_for_prompt``.
+"""Side-by-side speed of the plain docs/method.md §2 estimator and ``jlens_core.jacobian_for_prompt``.
 
 In ONE run, on the same prompts, interleaved over repetitions, for the default model at
 ``max_seq_len`` 64 and 128 (all source layers): seconds per prompt (median), the ratio, the
@@ -52,7 +52,7 @@ def reference_jacobian_for_prompt(model, ids, sources, target, dim_batch, skip_f
     """The reference library's estimator: ONE forward of the prompt replicated ``dim_batch`` times
     (the whole model, full sequence, no prefix cache, last token kept), its graph started at the
     lowest source layer (backward stops there) and retained, reused by every backward pass; the
-    cotangents sit at the valid positions and the rows are averaged over them (SPEC §2's numbers)."""
+    cotangents sit at the valid positions and the rows are averaged over them (docs/method.md §2's numbers)."""
     from jlens_core.models.recorder import ActivationRecorder
 
     d = model.d_model
@@ -87,7 +87,7 @@ def reference_flops(model, seq_len: int, sources: list[int], target: int) -> flo
     return float(d * (target - sources[0]) * per_layer)
 
 
-# -- (b) the naive estimator, written straightforwardly as SPEC §2 defines it --------------------
+# -- (b) the naive estimator, written straightforwardly as docs/method.md §2 defines it --------------------
 def plain_jacobian_for_prompt(model, ids, sources, target, dim_batch, skip_first):
     """Prompt replicated ``dim_batch`` times, full sequence, full model forward (logits included)."""
     hf, d = model.hf_model, model.d_model
@@ -249,7 +249,7 @@ def main() -> None:
     p.add_argument("--seqs", default="64,128", help="max_seq_len values (default 64,128)")
     p.add_argument("--methods", default="reference,naive,jlens-batched,jlens",
                    help="comma-separated; the first is the baseline of the ratios: reference (the reference jlens's "
-                        "own algorithm), naive (SPEC §2 as written: a forward per chunk of rows, backward to the "
+                        "own algorithm), naive (docs/method.md §2 as written: a forward per chunk of rows, backward to the "
                         "embedding), jlens (the default method, 'auto': the fused backward here), jlens-batched "
                         "(autograd, cotangents batched), jlens-replicated, jlens-fused "
                         "(default: reference,naive,jlens-batched,jlens)")

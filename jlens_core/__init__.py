@@ -1,7 +1,7 @@
 """jlens: the Jacobian lens for decoder-only transformers.
 
 ``lens_l(h) = unembed(J_l @ h)`` where ``J_l`` is the average Jacobian of the last layer's residual
-with respect to layer ``l``'s residual. See ``SPEC.md`` and the README.
+with respect to layer ``l``'s residual. See ``docs/method.md`` and the README.
 
 The names below are imported on first use (PEP 562), not with the package: ``jlens app`` and
 ``jlens --help`` then start without importing torch, and ``from jlens_core import JacobianLens``

@@ -1,4 +1,4 @@
-"""bench/fit_speed.py: its naive estimator (SPEC §2 as written) and its port of the reference algorithm agree with every
+"""bench/fit_speed.py: its naive estimator (docs/method.md §2 as written) and its port of the reference algorithm agree with every
 jacobian_for_prompt method."""
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_backward_flops_counts_the_remaining_layers(fit_speed):
 
 
 def test_reference_algorithm_matches_the_definition(fit_speed):
-    """The port of the reference's own algorithm (one replicated forward, graph reused) gives SPEC §2's numbers."""
+    """The port of the reference's own algorithm (one replicated forward, graph reused) gives docs/method.md §2's numbers."""
     model = make_tiny("llama")
     ids = model.encode(LONG_TEXT, max_length=24)
     sources, target = [0, 2], 3

@@ -103,7 +103,7 @@ def reference(work):
     return get
 
 
-# -- an independent computation of per-prompt Jacobians (SPEC §2, by full autograd Jacobians) -------------
+# -- an independent computation of per-prompt Jacobians (docs/method.md §2, by full autograd Jacobians) -------------
 
 def naive_prompt_jacobians(hf_model, ids: torch.Tensor) -> dict[int, torch.Tensor]:
     """``J_l[i, j] = mean_{p in V} sum_{p' in V} d h_T[p', i] / d h_l[p, j]`` from the full Jacobian."""

@@ -7,7 +7,7 @@ checked:
 1. the adapter finds the layout (``HFLensModel`` builds);
 2. ``unembed(last layer output)`` is the model's own logits (logit scales, soft-caps and
    multi-stream readouts applied);
-3. ``jacobian_for_prompt`` equals the SPEC §2 definition computed here independently (full-sequence
+3. ``jacobian_for_prompt`` equals the docs/method.md §2 definition computed here independently (full-sequence
    autograd, no cache, a perturbation leaf at every source layer) within 1e-4 relative Frobenius;
 4. a reading (``read_prompt``) runs through the fitted lens.
 
@@ -250,7 +250,7 @@ def prompt() -> torch.Tensor:
 
 # -- the definition, independently ---------------------------------------------------------------
 def definition(model: HFLensModel, ids: torch.Tensor, sources: list[int], target: int) -> dict[int, torch.Tensor]:
-    """SPEC §2 on the full sequence, no cache: a zero perturbation leaf added at every source layer.
+    """docs/method.md §2 on the full sequence, no cache: a zero perturbation leaf added at every source layer.
 
     Row ``i`` of ``J_l`` = mean over ``p in V`` of d(sum_{p' in V} h_T[p'] . e_i) / d delta_l[p].
     """

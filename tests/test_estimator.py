@@ -1,9 +1,9 @@
-"""The per-prompt estimator (SPEC §2) against the definition, a closed-form toy, and the recorder.
+"""The per-prompt estimator (docs/method.md §2) against the definition, a closed-form toy, and the recorder.
 
 The reference here is written independently of ``jlens_core``: the full per-position Jacobian of the
 target layer's residual with respect to layer ``l``'s residual, by ``torch.autograd.functional.jacobian``
 through the plain Hugging Face model on the whole sequence (no cache, no truncation of the last token,
-no early stop), then the SPEC §2 reduction.
+no early stop), then the docs/method.md §2 reduction.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def full_jacobian(hf_model, layers, ids: torch.Tensor, source: int, target: int)
 
 
 def reduce_definition(full: torch.Tensor, seq_len: int, skip_first: int) -> torch.Tensor:
-    """SPEC §2: row ``i`` = mean over sources ``p in V`` of ``sum_{p' in V} J[p', i, p, :]``."""
+    """docs/method.md §2: row ``i`` = mean over sources ``p in V`` of ``sum_{p' in V} J[p', i, p, :]``."""
     valid = list(range(skip_first, seq_len - 1))
     d = full.shape[1]
     out = torch.zeros(d, d, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Fitting (SPEC §3): the mean, diagnostics, checkpoints, resume after a kill, sharding, errors."""
+"""Fitting (docs/method.md §3): the mean, diagnostics, checkpoints, resume after a kill, sharding, errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Interventions (SPEC §7): read directions, steer / ablate / swap, swap success; tiny models, checked
+"""Interventions (docs/method.md §7): read directions, steer / ablate / swap, swap success; tiny models, checked
 against independent computations."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lens objects (SPEC §4): transport, save/load, reference-library files, merge, clear file errors."""
+"""Lens objects (docs/method.md §4): transport, save/load, reference-library files, merge, clear file errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The model adapter (SPEC §5): layouts, unembed, eval/frozen, chat, fingerprint."""
+"""The model adapter (docs/method.md §5): layouts, unembed, eval/frozen, chat, fingerprint."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""pass@k's protocol (SPEC §8) on a tiny model with a character tokenizer: readout rules, complete
+"""pass@k's protocol (docs/method.md §8) on a tiny model with a character tokenizer: readout rules, complete
 single-token spellings, synonyms and coverage, each against ranks computed by hand from HF's own
 hidden states."""
 

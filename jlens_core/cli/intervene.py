@@ -1,5 +1,5 @@
 """``jlens intervene``: steer, ablate or swap along a lens's read directions and compare the model's
-next token and continuation with and without the edit (SPEC §7)."""
+next token and continuation with and without the edit (docs/method.md §7)."""
 
 from __future__ import annotations
 

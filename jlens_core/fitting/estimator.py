@@ -1,11 +1,11 @@
-"""The per-prompt Jacobian estimator (SPEC §2).
+"""The per-prompt Jacobian estimator (docs/method.md §2).
 
 For a prompt of ``seq_len`` tokens the valid positions are ``V = [skip_first, seq_len - 1)``. Row
 ``i`` of the per-prompt ``J_l`` is the mean over source positions ``p in V`` of the gradient, at
 ``h_l[p]``, of ``sum_{p' in V} e_i . h_T[p']``. One backward pass yields that row for every source
 layer at once.
 
-Exact savings used here (all follow from causality, SPEC §2):
+Exact savings used here (all follow from causality, docs/method.md §2):
 
 * the prefix ``[0, skip_first)`` runs once without gradients and is handed to the rest of the
   prompt as a key/value cache: no path from a valid source to a valid target goes through it.
@@ -240,7 +240,7 @@ def _remember(model, attr: str, value) -> None:
 def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = None,
                         target_layer: int | None = None, dim_batch: int | str = 8, max_seq_len: int = 128,
                         skip_first: int = 16, method: str = "auto") -> PromptJacobian:
-    """The per-prompt Jacobians ``{l: J_l}`` of SPEC §2.
+    """The per-prompt Jacobians ``{l: J_l}`` of docs/method.md §2.
 
     Args:
         model: an :class:`~jlens_core.models.model.HFLensModel` (or anything with its interface).

@@ -1,6 +1,6 @@
 """An analytic backward for Llama-style decoder layers: the ``"fused"`` estimator method.
 
-The per-prompt Jacobian (SPEC §2) is ``d_model`` vector-Jacobian products through the same
+The per-prompt Jacobian (docs/method.md §2) is ``d_model`` vector-Jacobian products through the same
 forward pass. Every backward step is linear in the cotangent, and all its elementwise
 coefficients (RMSNorm scales, the gated-SiLU derivative, RoPE, the attention probabilities)
 depend on the forward pass only. Autograd recomputes them on every backward call; here they are
@@ -15,7 +15,7 @@ the prompt) and Qwen2. :func:`fused_unsupported_reason` says why a model is not 
 forward pass is also checked layer by layer against the model's own layer outputs, and a
 mismatch raises :class:`FusedMismatchError` (the estimator then falls back to autograd).
 
-Exact savings shared with the autograd path (SPEC §2, causality): only the valid positions
+Exact savings shared with the autograd path (docs/method.md §2, causality): only the valid positions
 ``V = [skip_first, seq_len - 1)`` carry gradients (the prefix enters as constant keys and
 values), the last token is dropped, nothing above the target layer or below the lowest source
 layer is differentiated. Specific to this path: the first backward step through the target
@@ -414,7 +414,7 @@ def fused_jacobians(model, ids: torch.Tensor, sources: list[int], target: int, s
                     layer_major: bool | None = None) -> dict[int, torch.Tensor]:
     """``{l: J_l}`` (fp32, CPU, ``[d, d]``) for one prompt ``ids`` [1, seq], by the analytic backward.
 
-    Same definition and result as the autograd estimator (SPEC §2), in one of two orders:
+    Same definition and result as the autograd estimator (docs/method.md §2), in one of two orders:
 
     * layer-major (``layer_major=True``): all ``d`` rows go through one layer at a time; the MLP
       half is a ``d x d`` matrix per position (:func:`mlp_jacobians`), which saves about a fifth of

@@ -1,4 +1,4 @@
-"""Causal tests of what a lens reads (SPEC §7): edit the residual stream along a lens's read
+"""Causal tests of what a lens reads (docs/method.md §7): edit the residual stream along a lens's read
 directions and see whether the model's output follows.
 
 ``directions`` (:func:`token_direction`: the unit direction a lens reads as a token), ``edits``

@@ -1,4 +1,4 @@
-"""Read directions: the residual direction a lens reads as a given token (SPEC §7).
+"""Read directions: the residual direction a lens reads as a given token (docs/method.md §7).
 
 The lens's logit of token ``t`` at layer ``l``, before the final norm's scale, is
 ``u_t . P (gamma * C (M_l h))`` (+ biases that do not depend on ``h``): ``M_l`` the lens's transport

@@ -1,4 +1,4 @@
-"""Steer, ablate and swap along a lens's read directions (SPEC §7): residual edits for
+"""Steer, ablate and swap along a lens's read directions (docs/method.md §7): residual edits for
 ``generate(..., edits=[...])`` and ``read_prompt(..., edits=[...])``.
 
 Each edit acts on the outputs of its decoder ``layers`` at the positions its

@@ -1,4 +1,4 @@
-"""Swap success: does the model's answer follow when a lens's read coordinates are swapped? (SPEC §7)
+"""Swap success: does the model's answer follow when a lens's read coordinates are swapped? (docs/method.md §7)
 
 An item names a prompt whose answer goes through an unstated concept (``source``), a
 ``replacement`` concept, the clean ``answer`` and the ``swap_answer`` the replacement implies::

@@ -1,4 +1,4 @@
-"""Lens objects: the fitted Jacobian lens and the logit lens (SPEC §4)."""
+"""Lens objects: the fitted Jacobian lens and the logit lens (docs/method.md §4)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class JacobianLens:
         n_layers: decoder layers of the model (default ``target_layer + 1``).
         settings: fit settings (``skip_first``, ``max_seq_len``, ``dim_batch``, ...).
         model_name / model_fingerprint: model identity (see ``HFLensModel.fingerprint``).
-        diagnostics: per prompt x layer fit records (SPEC §3).
+        diagnostics: per prompt x layer fit records (docs/method.md §3).
         shrinkage: ``a`` in ``(1 - a) J + a I`` applied by :meth:`transport` (default 0).
 
     Raises:

@@ -1,4 +1,4 @@
-"""The model adapter: one interface over any Hugging Face decoder-only causal LM (SPEC §5)."""
+"""The model adapter: one interface over any Hugging Face decoder-only causal LM (docs/method.md §5)."""
 
 from __future__ import annotations
 

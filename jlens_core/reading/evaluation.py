@@ -93,7 +93,7 @@ def evaluate(model: Any, lenses: Mapping[str, Any], texts: Iterable[str] | str, 
 
     For every text (truncated to ``max_seq_len`` tokens) the positions counted are
     ``[skip_first, seq_len - 1)``: past the attention-sink prefix and before the last position
-    (which has no next token), as in the fit (SPEC §2). At each counted position ``p`` and layer:
+    (which has no next token), as in the fit (docs/method.md §2). At each counted position ``p`` and layer:
 
     * ``KL(final || lens)`` in bits, with ``final`` the model's own output distribution;
     * cross-entropy ``-log2 p_lens(x[p+1])`` of the actual next token, in bits.

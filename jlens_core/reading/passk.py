@@ -1,4 +1,4 @@
-"""pass@k of latent intermediate steps, with the field's protocol (SPEC §8).
+"""pass@k of latent intermediate steps, with the field's protocol (docs/method.md §8).
 
 An item ``{"name"?, "prompt", "target"?, "intermediates": [...]}`` holds a prompt whose answer needs
 steps the prompt never states. A lens finds a step when the word is among its top ``k`` at some

@@ -74,7 +74,7 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
                 pinned: Iterable[str | int] = (), show_whitespace: bool = False,
                 max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
                 edits: Iterable[Any] | None = None) -> PromptReading:
-    """Read a prompt through a lens at every layer x position (SPEC §6).
+    """Read a prompt through a lens at every layer x position (docs/method.md §6).
 
     Args:
         model: an :class:`~jlens_core.HFLensModel` (or anything with its interface and a tokenizer).

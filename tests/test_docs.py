@@ -1,0 +1,240 @@
+"""The documentation holds together: method citations point to sections that exist, relative links
+resolve, the results tables match their evaluation files, and the README stays short.
+
+Pure text checks over the repository (no model, no torch): part of the fast loop.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+METHOD = ROOT / "docs" / "method.md"
+# folders that are not the project's own text
+SKIP_DIRS = {".git", ".venv", "venv", "node_modules", "build", "dist", "__pycache__", ".ruff_cache", ".pytest_cache"}
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".txt", ".cfg"}
+CITATION = re.compile(r"docs/method\.md\s*§\s*(\d+(?:\.\d+)?)")
+# assembled so that this file does not cite what it forbids
+OLD_SPEC = re.compile(r"\b" + "SPEC" + r"(?:\.md|\s*§)")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+MAX_README_LINES = 150
+
+
+def project_files(root: Path = ROOT, suffixes: set[str] = TEXT_SUFFIXES) -> list[Path]:
+    """Every text file of the project under ``root`` (virtual environments, caches and builds left out)."""
+    found = []
+    for path in root.rglob("*"):
+        rel = path.relative_to(root).parts
+        if any(part in SKIP_DIRS or part.endswith(".egg-info") for part in rel[:-1]):
+            continue
+        if path.is_file() and path.suffix in suffixes:
+            found.append(path)
+    return sorted(found)
+
+
+def method_sections(text: str) -> set[str]:
+    """Section numbers of the method page: ``## N. Title`` gives ``"N"``, ``### N.M Title`` gives ``"N.M"``."""
+    sections = set(re.findall(r"^## (\d+)\. ", text, flags=re.MULTILINE))
+    sections |= set(re.findall(r"^### (\d+\.\d+)\.? ", text, flags=re.MULTILINE))
+    return sections
+
+
+def missing_citations(files: list[Path], sections: set[str], root: Path = ROOT) -> list[str]:
+    """``"path:line: §N"`` for every ``docs/method.md §N`` citation whose section is not in ``sections``."""
+    bad = []
+    for path in files:
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            for cited in CITATION.findall(line):
+                if cited not in sections:
+                    bad.append(f"{path.relative_to(root)}:{number}: §{cited}")
+    return bad
+
+
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors of a markdown page's headings (lower case, punctuation dropped, spaces to
+    hyphens; a repeated heading gets ``-1``, ``-2``, ...). Headings inside code blocks are not headings."""
+    anchors: set[str] = set()
+    counts: dict[str, int] = {}
+    in_code = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+            continue
+        match = re.match(r"^#{1,6} (.+?)\s*#*\s*$", line)
+        if in_code or not match:
+            continue
+        title = re.sub(r"`|\*\*|\*", "", match.group(1)).strip().lower()
+        slug = re.sub(r"[^\w\- ]", "", title).replace(" ", "-")
+        n = counts.get(slug, 0)
+        counts[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def broken_links(page: Path, root: Path = ROOT) -> list[str]:
+    """Relative links (and images) of a markdown page that point to no file, or to no heading of it."""
+    text = page.read_text(encoding="utf-8")
+    text_outside_code = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    bad = []
+    for target in LINK.findall(text_outside_code):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto: ...
+            continue
+        path_part, _, anchor = target.partition("#")
+        dest = (page.parent / path_part).resolve() if path_part else page
+        if not dest.exists():
+            bad.append(f"{page.relative_to(root)}: {target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest.read_text(encoding="utf-8")):
+            bad.append(f"{page.relative_to(root)}: {target} (no such heading)")
+    return bad
+
+
+def doc_pages(root: Path = ROOT) -> list[Path]:
+    return [root / "README.md", root / "bench" / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+# -- method citations -----------------------------------------------------------------------------
+
+def test_method_page_has_the_ten_sections():
+    sections = method_sections(METHOD.read_text(encoding="utf-8"))
+    assert {str(n) for n in range(1, 11)} <= sections
+
+
+def test_every_cited_method_section_exists():
+    sections = method_sections(METHOD.read_text(encoding="utf-8"))
+    files = project_files()
+    assert any(CITATION.search(p.read_text(encoding="utf-8", errors="replace")) for p in files if p.suffix == ".py")
+    assert missing_citations(files, sections) == []
+
+
+def test_a_citation_of_a_missing_section_is_reported(tmp_path):
+    cite = "docs/method.md §"  # assembled, so that this file cites no missing section itself
+    (tmp_path / "mod.py").write_text(f'"""See {cite}2 and {cite}4.1."""\n'
+                                     f"# {cite}11 does not exist, nor {cite}2.9\n")
+    found = missing_citations(project_files(tmp_path), {"2", "4", "4.1"}, root=tmp_path)
+    assert found == ["mod.py:2: §11", "mod.py:2: §2.9"]
+
+
+def test_method_sections_reads_both_heading_levels():
+    text = "# The method\n## 1. One\n### 1.1 Sub\n## 10. Ten\n### 2.3. Dotted\n## Not numbered\n"
+    assert method_sections(text) == {"1", "1.1", "10", "2.3"}
+
+
+def test_no_file_cites_the_old_spec():
+    offenders = []
+    for path in project_files():
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if OLD_SPEC.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:80]}")
+    assert offenders == [], "cite docs/method.md §N instead:\n" + "\n".join(offenders)
+
+
+# -- links ----------------------------------------------------------------------------------------
+
+def test_relative_links_in_readme_and_docs_resolve():
+    bad = [entry for page in doc_pages() for entry in broken_links(page)]
+    assert bad == []
+
+
+def test_broken_links_are_reported(tmp_path):
+    (tmp_path / "other.md").write_text("# Other\n\n## A section (with `code`)\n")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](other.md) [ok](other.md#a-section-with-code) [self](#page) [web](https://x.org/y)\n"
+                    "[gone](missing.md) [no heading](other.md#nope) ![img](pic.png)\n\n# Page\n"
+                    "```\n[in code](not-checked.md)\n```\n")
+    assert broken_links(page, root=tmp_path) == ["page.md: missing.md (no such file)",
+                                                 "page.md: other.md#nope (no such heading)",
+                                                 "page.md: pic.png (no such file)"]
+
+
+def test_heading_anchors_follow_github():
+    text = "## 7. Interventions (edits along a lens's read directions)\n## 8. pass@k protocol\n## Setup\n## Setup\n"
+    assert heading_anchors(text) == {"7-interventions-edits-along-a-lenss-read-directions", "8-passk-protocol",
+                                     "setup", "setup-1"}
+
+
+def test_every_docs_page_is_listed_in_the_index():
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    listed = {Path(target.partition("#")[0]).name for target in LINK.findall(index)}
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"index.md"}
+    assert pages <= listed
+
+
+# -- the README -----------------------------------------------------------------------------------
+
+def test_readme_is_short_and_starts_with_the_two_commands():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= MAX_README_LINES
+    block = lines[lines.index("```bash") + 1:lines.index("```")]
+    assert [line.split("#")[0].strip() for line in block] == ["bash run.sh app", "bash run.sh test"]
+    assert lines.index("```bash") < 5
+
+
+# -- the results tables ---------------------------------------------------------------------------
+
+def _readme_tables():
+    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "scripts" / "readme_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_results_page_holds_the_tables_of_the_shipped_evaluation():
+    rt = _readme_tables()
+    found, _ = rt.tables(ROOT / "assets" / "lenses" / "smollm2-135m.eval")
+    page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    assert set(found) == {"per_layer", "pass_at_k", "swap"}
+    assert rt.write_tables.__doc__
+    for name, body in found.items():
+        assert rt.replace_between_markers(page, name, body) == page, f"docs/results.md's {name} table is stale"
+
+
+def test_readme_tables_rewrites_only_between_markers(tmp_path):
+    rt = _readme_tables()
+    page = tmp_path / "results.md"
+    page.write_text("intro\n<!-- readme_tables:swap -->\n| old |\n<!-- /readme_tables:swap -->\noutro\n")
+    rt.write_tables(page, {"swap": "| new |\n| --- |"})
+    assert page.read_text() == "intro\n<!-- readme_tables:swap -->\n| new |\n| --- |\n<!-- /readme_tables:swap -->\noutro\n"
+    with pytest.raises(ValueError, match="per_layer"):
+        rt.write_tables(page, {"swap": "| x |", "per_layer": "| y |"})
+    assert "| new |" in page.read_text()  # a missing marker writes nothing
+
+
+# -- imports shown in the docs ---------------------------------------------------------------------
+
+def _top_level_names(module_file: Path) -> set[str]:
+    tree = ast.parse(module_file.read_text(encoding="utf-8"))
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_names_the_docs_import_exist():
+    """Every ``from jlens_core[.module] import name`` in README.md and docs/ names something that module
+    defines or re-exports (read from its source: no torch import)."""
+    init = ROOT / "jlens_core" / "__init__.py"
+    listed = re.search(r"^__all__ = (\[.*?\])", init.read_text(), re.DOTALL | re.MULTILINE)
+    front_door = set(ast.literal_eval(listed.group(1)))
+    missing = []
+    for page in doc_pages():
+        for module, names in re.findall(r"^from (jlens_core[\w.]*) import ([\w, ]+)", page.read_text(),
+                                        re.MULTILINE):
+            wanted = {n.strip() for n in names.split(",") if n.strip()}
+            if module == "jlens_core":
+                have = front_door
+            else:
+                base = ROOT.joinpath(*module.split("."))
+                source = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+                have = _top_level_names(source) if source.is_file() else set()
+            missing += [f"{page.relative_to(ROOT)}: {module}.{n}" for n in sorted(wanted - have)]
+    assert missing == []
