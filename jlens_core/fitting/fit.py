@@ -1,8 +1,7 @@
-"""Fitting a Jacobian lens over a corpus, with checkpoints, resume and sharding (SPEC §3)."""
+"""Fitting a Jacobian lens over a corpus, with checkpoints, resume and sharding (docs/method.md §3)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -16,6 +15,7 @@ import torch
 from .._atomic import atomic_write
 from ..lenses.lens import JacobianLens
 from .estimator import METHODS, jacobian_for_prompt, resolve_layers
+from .resume import check_same_settings, prompts_digest
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ class RankFailedError(RuntimeError):
 class World:
     """A process group for sharded fitting (``torch.distributed``); ``None`` means one process."""
 
+    syncs_every_step = False  # ranks meet every ``checkpoint_every`` steps and at the end
+
     def __init__(self) -> None:
         import torch.distributed as dist
 
@@ -111,15 +113,6 @@ class World:
         messages = self.gather_objects(None if error is None else f"{type(error).__name__}: {error}")
         failed = next(r for r, message in enumerate(messages) if message is not None)
         raise RankFailedError(f"Rank {failed} of {self.size} failed: {messages[failed]}", failed, error)
-
-
-def prompts_digest(prompts: Sequence, upto: int) -> str:
-    """sha256 of the first ``upto`` prompts: tells whether a checkpoint was made on this prompt list."""
-    digest = hashlib.sha256()
-    for prompt in prompts[:upto]:
-        digest.update((prompt if isinstance(prompt, str) else repr(list(prompt))).encode("utf-8", "replace"))
-        digest.update(b"\x00")
-    return digest.hexdigest()
 
 
 def write_checkpoint(path: str | os.PathLike, state: FitState, settings: dict, digest: str) -> None:
@@ -175,29 +168,204 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
     return payload
 
 
-def _describe(value) -> str:
-    if isinstance(value, dict):
-        return "another model" if "row_norms" in value else str(value)
-    return repr(value)
-
-
 def _check_resume(path, payload: dict, settings: dict, prompts: Sequence) -> None:
-    saved = payload["settings"]
-    for key in CHECKPOINT_SETTINGS:
-        if saved.get(key) != settings.get(key):
-            if key == "model_fingerprint":
-                from ..models.model import same_fingerprint
-
-                if same_fingerprint(saved.get(key), settings.get(key)):
-                    continue
-            raise ValueError(
-                f"The checkpoint {str(path)!r} was made with {key}={_describe(saved.get(key))}, this fit asks "
-                f"for {key}={_describe(settings.get(key))}. Use the same setting to resume, or start over "
-                "with resume=False (CLI: --no-resume) or another checkpoint path.")
+    check_same_settings(path, payload["settings"], settings, CHECKPOINT_SETTINGS, run="fit")
     if payload["next_idx"] > len(prompts) or prompts_digest(prompts, payload["next_idx"]) != payload["prompts_digest"]:
         raise ValueError(
             f"The checkpoint {str(path)!r} was made on another prompt list: its first {payload['next_idx']} "
             "prompts differ from these. Resume with the same corpus and order, or start over with resume=False.")
+
+
+class _OneProcess:
+    """:class:`World`'s interface for an unsharded fit: every collective is the identity."""
+
+    rank, size = 0, 1
+    syncs_every_step = True  # folding in a prompt costs nothing here, and keeps progress live
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def gather_objects(self, obj) -> list:
+        return [obj]
+
+    def broadcast_object(self, obj):
+        return obj
+
+    def check_failures(self, error: BaseException | None) -> None:
+        pass  # a prompt's error is raised where it happened
+
+
+@dataclass
+class _Pending:
+    """This rank's contributions since the last sync: fp64 Jacobian sums, counts, diagnostics, events."""
+
+    delta: dict[int, torch.Tensor]
+    n: int = 0
+    skipped: int = 0
+    records: list[dict] = field(default_factory=list)
+    events: list[FitProgress] = field(default_factory=list)
+
+    def clear(self) -> None:
+        for matrix in self.delta.values():
+            matrix.zero_()
+        self.n, self.skipped, self.records, self.events = 0, 0, [], []
+
+
+class _FitRun:
+    """One fit, from its start (or checkpoint) to its lens: the state, this rank's pending part, the schedule.
+
+    Rank ``r`` of ``K`` reads prompts ``r, r + K, ...``; each step reads one prompt per rank. One
+    process folds every prompt into the state at once (cheap, keeps progress live); sharded ranks
+    meet every ``checkpoint_every`` steps and at the end. ``world`` is :class:`World` or :class:`_OneProcess`.
+    """
+
+    def __init__(self, model, prompts: Sequence, settings: dict, estimator: dict, *, world: World | _OneProcess,
+                 checkpoint_path: str | os.PathLike | None, checkpoint_every: int,
+                 progress: Callable[[FitProgress], None] | None,
+                 should_stop: Callable[[FitState], str | None] | None) -> None:
+        self.model, self.prompts, self.settings, self.estimator, self.world = model, prompts, settings, estimator, world
+        self.checkpoint_path, self.checkpoint_every = checkpoint_path, checkpoint_every
+        self.progress, self.should_stop = progress, should_stop
+        self.sources: list[int] = settings["source_layers"]
+        d = model.d_model
+        self.state = FitState({layer: torch.zeros(d, d, dtype=torch.float64) for layer in self.sources})
+        self.pending = _Pending({layer: torch.zeros(d, d, dtype=torch.float64) for layer in self.sources})
+        self.steps = 0
+
+    def resume(self) -> None:
+        """Go on from the checkpoint (its settings and prompts checked), if there is one."""
+        path = self.checkpoint_path
+        if path is None or not Path(path).exists():
+            return
+        payload = read_checkpoint(path)
+        _check_resume(path, payload, self.settings, self.prompts)
+        self.state = FitState({int(k): v.double() for k, v in payload["jacobian_sum"].items()},
+                              n_done=payload["n_done"], next_idx=payload["next_idx"], n_skipped=payload["n_skipped"],
+                              diagnostics=list(payload["diagnostics"]), stop_reason=payload.get("stop_reason"))
+        log.info("Resuming from %s: %d prompts counted, going on at prompt %d.", path, self.state.n_done,
+                 self.state.next_idx)
+
+    def run(self) -> None:
+        """Step until every prompt is read or ``should_stop`` says stop."""
+        while self.state.next_idx < len(self.prompts) and self.state.stop_reason is None:
+            self._step()
+
+    def _step(self) -> None:
+        state, world, n_total = self.state, self.world, len(self.prompts)
+        idx = state.next_idx + world.rank
+        error = None
+        if idx < n_total:
+            try:
+                self._read_prompt(idx)
+            except Exception as exc:  # sharded: tell the other ranks before stopping, so none waits on us
+                if world.size == 1:
+                    raise
+                error = exc
+        world.check_failures(error)
+        state.next_idx = min(state.next_idx + world.size, n_total)
+        self.steps += 1
+        at_end = state.next_idx >= n_total
+        on_schedule = self.steps % self.checkpoint_every == 0
+        if not (world.syncs_every_step or on_schedule or at_end):
+            return
+        events = self._sync(final=at_end)
+        if self.checkpoint_path is not None and world.rank == 0 and (on_schedule or at_end or state.stop_reason):
+            write_checkpoint(self.checkpoint_path, state, self.settings, prompts_digest(self.prompts, state.next_idx))
+        # reported once the checkpoint holds them: a stop after a reported prompt never finds it a prompt behind
+        if world.rank == 0 and self.progress is not None:
+            for event in events:
+                self.progress(event)
+
+    def _read_prompt(self, idx: int) -> None:
+        """Add prompt ``idx``'s Jacobians and diagnostics to the pending part (or record it skipped)."""
+        pending, n_total, d = self.pending, len(self.prompts), self.model.d_model
+        t0 = time.perf_counter()
+        try:
+            result = jacobian_for_prompt(self.model, self.prompts[idx], source_layers=self.sources,
+                                         target_layer=self.settings["target_layer"], **self.estimator)
+        except ValueError as exc:  # too short, or empty: skipped, and said so
+            log.warning("Skipping prompt %d: %s", idx, exc)
+            pending.skipped += 1
+            pending.events.append(FitProgress(idx, n_total, 0, 0, skipped=True, reason=str(exc),
+                                              seconds=time.perf_counter() - t0))
+            return
+        seconds = time.perf_counter() - t0
+        n_before = self.state.n_done + pending.n
+        records = []
+        for layer in self.sources:
+            jac = result.jacobians[layer].double()
+            rel = None
+            if n_before > 0:
+                mean_before = (self.state.jacobian_sum[layer] + pending.delta[layer]) / n_before
+                rel = float((jac - mean_before).norm() / ((n_before + 1) * mean_before.norm()))
+            pending.delta[layer] += jac
+            records.append({"prompt_index": idx, "layer": layer, "seq_len": result.seq_len,
+                            "n_valid": result.n_valid, "seconds": round(seconds, 4),
+                            "jacobian_norm": float(jac.norm() / math.sqrt(d)), "rel_change": rel})
+        pending.n += 1
+        pending.records.extend(records)
+        rels = [r["rel_change"] for r in records if r["rel_change"] is not None]
+        pending.events.append(FitProgress(idx, n_total, 0, 0, records=records,
+                                          max_rel_change=max(rels) if rels else None, seconds=seconds))
+
+    def _sync(self, final: bool) -> list[FitProgress]:
+        """Fold every rank's pending part into the state and ask ``should_stop``; returns the progress events."""
+        state, world, pending = self.state, self.world, self.pending
+        for layer in self.sources:
+            state.jacobian_sum[layer] += world.all_reduce_sum(pending.delta[layer])
+        counts = world.all_reduce_sum(torch.tensor([pending.n, pending.skipped], dtype=torch.float64))
+        records = sorted((r for part in world.gather_objects(pending.records) for r in part),
+                         key=lambda r: (r["prompt_index"], r["layer"]))
+        events = sorted((e for part in world.gather_objects(pending.events) for e in part),
+                        key=lambda e: e.prompt_index)
+        pending.clear()
+        n_running = state.n_done
+        state.n_done += int(counts[0])
+        state.n_skipped += int(counts[1])
+        state.diagnostics.extend(records)
+        for event in events:
+            n_running += 0 if event.skipped else 1
+            event.n_done, event.next_idx = n_running, state.next_idx
+        if self.should_stop is not None and state.n_done > 0 and not final:
+            reason = world.broadcast_object(self.should_stop(state) if world.rank == 0 else None)
+            if reason:
+                state.stop_reason = reason
+        return events
+
+    def lens(self) -> JacobianLens:
+        """The fitted lens: the mean of the counted prompts' ``J_l``.
+
+        Raises:
+            ValueError: no prompt counted.
+        """
+        state, settings, skip_first = self.state, self.settings, self.settings["skip_first"]
+        if state.n_done == 0:
+            raise ValueError(f"No prompt counted: all {len(self.prompts)} prompts were skipped (each needs at least "
+                             f"{skip_first + 2} tokens with skip_first={skip_first}). Give longer prompts.")
+        lens_settings = {key: settings[key] for key in ("skip_first", "max_seq_len", "target_layer")}
+        lens_settings.update(dim_batch=self.estimator["dim_batch"], n_skipped=state.n_skipped,
+                             method=self.estimator["method"])
+        return JacobianLens({layer: state.mean(layer).float() for layer in self.sources}, state.n_done,
+                            self.model.d_model, target_layer=settings["target_layer"], n_layers=self.model.n_layers,
+                            settings=lens_settings, model_name=self.model.name,
+                            model_fingerprint=settings["model_fingerprint"], diagnostics=state.diagnostics,
+                            stop_reason=state.stop_reason)
+
+
+def _check_fit_settings(*, checkpoint_every: int, method: str, dim_batch: int | str, skip_first: int,
+                        max_seq_len: int) -> None:
+    """Settings errors, raised before any prompt: they must not pass for "prompt too short" (each
+    prompt would be skipped, and recorded so)."""
+    if checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1.")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not one of {METHODS}.")
+    if dim_batch != "auto" and (not isinstance(dim_batch, int) or dim_batch < 1):
+        raise ValueError(f"dim_batch={dim_batch!r} must be an integer >= 1 or 'auto'.")
+    if skip_first < 0:
+        raise ValueError(f"skip_first={skip_first} must be >= 0.")
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len={max_seq_len} must be at least 2.")
 
 
 def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None, target_layer: int | None = None,
@@ -230,140 +398,20 @@ def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None,
         RankFailedError: sharded, on every rank, once a rank failed on a prompt (with its error).
     """
     sources, target = resolve_layers(model.n_layers, source_layers, target_layer)
-    if checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1.")
-    # Settings errors must not pass for "prompt too short" (each prompt would be skipped, and recorded so).
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is not one of {METHODS}.")
-    if dim_batch != "auto" and (not isinstance(dim_batch, int) or dim_batch < 1):
-        raise ValueError(f"dim_batch={dim_batch!r} must be an integer >= 1 or 'auto'.")
-    if skip_first < 0:
-        raise ValueError(f"skip_first={skip_first} must be >= 0.")
-    if max_seq_len < 2:
-        raise ValueError(f"max_seq_len={max_seq_len} must be at least 2.")
-    rank, size = (world.rank, world.size) if world is not None else (0, 1)
-    d = model.d_model
+    _check_fit_settings(checkpoint_every=checkpoint_every, method=method, dim_batch=dim_batch,
+                        skip_first=skip_first, max_seq_len=max_seq_len)
     settings = {"source_layers": sources, "target_layer": target, "skip_first": skip_first,
                 "max_seq_len": max_seq_len, "model_name": model.name,
                 "model_fingerprint": model.fingerprint() if hasattr(model, "fingerprint") else None}
-    state = FitState({layer: torch.zeros(d, d, dtype=torch.float64) for layer in sources})
-
-    if checkpoint_path is not None and resume and Path(checkpoint_path).exists():
-        payload = read_checkpoint(checkpoint_path)
-        _check_resume(checkpoint_path, payload, settings, prompts)
-        state = FitState({int(k): v.double() for k, v in payload["jacobian_sum"].items()},
-                         n_done=payload["n_done"], next_idx=payload["next_idx"], n_skipped=payload["n_skipped"],
-                         diagnostics=list(payload["diagnostics"]), stop_reason=payload.get("stop_reason"))
-        log.info("Resuming from %s: %d prompts counted, going on at prompt %d.", checkpoint_path,
-                 state.n_done, state.next_idx)
-
-    # Rank-local contributions since the last sync; the global sums live in ``state``.
-    delta = {layer: torch.zeros(d, d, dtype=torch.float64) for layer in sources}
-    local = {"n": 0, "skipped": 0, "records": [], "events": []}
-    n_total = len(prompts)
+    estimator = {"dim_batch": dim_batch, "max_seq_len": max_seq_len, "skip_first": skip_first, "method": method}
+    run = _FitRun(model, prompts, settings, estimator, world=world if world is not None else _OneProcess(),
+                  checkpoint_path=checkpoint_path, checkpoint_every=checkpoint_every, progress=progress,
+                  should_stop=should_stop)
+    if resume:
+        run.resume()
     t_start = time.perf_counter()
-
-    def process(idx: int) -> None:
-        """Add prompt ``idx``'s Jacobians to ``delta`` and its diagnostics to ``local``."""
-        t0 = time.perf_counter()
-        try:
-            result = jacobian_for_prompt(model, prompts[idx], source_layers=sources, target_layer=target,
-                                         dim_batch=dim_batch, max_seq_len=max_seq_len, skip_first=skip_first,
-                                         method=method)
-        except ValueError as exc:  # too short, or empty: skipped, and said so
-            log.warning("Skipping prompt %d: %s", idx, exc)
-            local["skipped"] += 1
-            local["events"].append(FitProgress(idx, n_total, 0, 0, skipped=True, reason=str(exc),
-                                               seconds=time.perf_counter() - t0))
-            return
-        seconds = time.perf_counter() - t0
-        n_before = state.n_done + local["n"]
-        records = []
-        for layer in sources:
-            jac = result.jacobians[layer].double()
-            rel = None
-            if n_before > 0:
-                mean_before = (state.jacobian_sum[layer] + delta[layer]) / n_before
-                rel = float((jac - mean_before).norm() / ((n_before + 1) * mean_before.norm()))
-            delta[layer] += jac
-            records.append({"prompt_index": idx, "layer": layer, "seq_len": result.seq_len,
-                            "n_valid": result.n_valid, "seconds": round(seconds, 4),
-                            "jacobian_norm": float(jac.norm() / math.sqrt(d)), "rel_change": rel})
-        local["n"] += 1
-        local["records"].extend(records)
-        rels = [r["rel_change"] for r in records if r["rel_change"] is not None]
-        local["events"].append(FitProgress(idx, n_total, 0, 0, records=records,
-                                           max_rel_change=max(rels) if rels else None, seconds=seconds))
-
-    def sync(final: bool) -> list:
-        """Fold the rank-local contributions into ``state`` and ask ``should_stop``; returns the
-        progress events, reported by the caller once the checkpoint holds them (a stop signalled
-        after a reported prompt then never finds the checkpoint a prompt behind)."""
-        if world is None:
-            for layer in sources:
-                state.jacobian_sum[layer] += delta[layer]
-            n_new, skipped_new, records, events = local["n"], local["skipped"], local["records"], local["events"]
-        else:
-            for layer in sources:
-                state.jacobian_sum[layer] += world.all_reduce_sum(delta[layer])
-            counts = world.all_reduce_sum(torch.tensor([local["n"], local["skipped"]], dtype=torch.float64))
-            n_new, skipped_new = int(counts[0]), int(counts[1])
-            records = sorted((r for part in world.gather_objects(local["records"]) for r in part),
-                             key=lambda r: (r["prompt_index"], r["layer"]))
-            events = sorted((e for part in world.gather_objects(local["events"]) for e in part),
-                            key=lambda e: e.prompt_index)
-        for layer in sources:
-            delta[layer].zero_()
-        n_running = state.n_done
-        state.n_done += n_new
-        state.n_skipped += skipped_new
-        state.diagnostics.extend(records)
-        local.update(n=0, skipped=0, records=[], events=[])
-        for event in events:
-            n_running += 0 if event.skipped else 1
-            event.n_done, event.next_idx = n_running, state.next_idx
-        if should_stop is not None and state.n_done > 0 and not final:
-            reason = should_stop(state) if rank == 0 else None
-            reason = world.broadcast_object(reason) if world is not None else reason
-            if reason:
-                state.stop_reason = reason
-        return events
-
-    steps = 0
-    while state.next_idx < n_total and state.stop_reason is None:
-        idx = state.next_idx + rank
-        error = None
-        if idx < n_total:
-            try:
-                process(idx)
-            except Exception as exc:  # sharded: tell the other ranks before stopping, so none waits on us
-                if world is None:
-                    raise
-                error = exc
-        if world is not None:
-            world.check_failures(error)
-        state.next_idx = min(state.next_idx + size, n_total)
-        steps += 1
-        at_end = state.next_idx >= n_total
-        on_schedule = steps % checkpoint_every == 0
-        # One process folds in every prompt (cheap, keeps progress live); ranks meet on the schedule.
-        if world is None or on_schedule or at_end:
-            events = sync(final=at_end)
-            if checkpoint_path is not None and rank == 0 and (on_schedule or at_end or state.stop_reason):
-                write_checkpoint(checkpoint_path, state, settings, prompts_digest(prompts, state.next_idx))
-            if rank == 0 and progress is not None:
-                for event in events:
-                    progress(event)
-
-
-    if state.n_done == 0:
-        raise ValueError(f"No prompt counted: all {n_total} prompts were skipped (each needs at least "
-                         f"{skip_first + 2} tokens with skip_first={skip_first}). Give longer prompts.")
-    log.info("Fit done: %d prompts counted, %d skipped, %.1f s.", state.n_done, state.n_skipped,
+    run.run()
+    lens = run.lens()
+    log.info("Fit done: %d prompts counted, %d skipped, %.1f s.", lens.n_prompts, run.state.n_skipped,
              time.perf_counter() - t_start)
-    lens_settings = {key: settings[key] for key in ("skip_first", "max_seq_len", "target_layer")}
-    lens_settings.update(dim_batch=dim_batch, n_skipped=state.n_skipped, method=method)
-    return JacobianLens({layer: state.mean(layer).float() for layer in sources}, state.n_done, d,
-                        target_layer=target, n_layers=model.n_layers, settings=lens_settings,
-                        model_name=model.name, model_fingerprint=settings["model_fingerprint"],
-                        diagnostics=state.diagnostics, stop_reason=state.stop_reason)
+    return lens
