@@ -37,10 +37,10 @@ _SOURCES = {
     "HFLensModel": ".models.model",
     "LensModel": ".models.model",
     "ActivationRecorder": ".models.recorder",
-    "EVAL_SETS": ".reading.evaluation",
+    "EVAL_SETS": ".reading.passk",
     "evaluate": ".reading.evaluation",
-    "load_eval_set": ".reading.evaluation",
-    "pass_at_k": ".reading.evaluation",
+    "load_eval_set": ".reading.passk",
+    "pass_at_k": ".reading.passk",
     "PromptReading": ".reading.readings",
     "read_prompt": ".reading.readings",
     "read_prompts": ".reading.readings",
@@ -86,7 +86,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .models.loading import DEFAULT_MODEL, load_model
     from .models.model import HFLensModel, LensModel
     from .models.recorder import ActivationRecorder
-    from .reading.evaluation import EVAL_SETS, evaluate, load_eval_set, pass_at_k
+    from .reading.evaluation import evaluate
+    from .reading.passk import EVAL_SETS, load_eval_set, pass_at_k
     from .reading.readings import PromptReading, read_prompt, read_prompts
 
 

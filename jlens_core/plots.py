@@ -1,15 +1,19 @@
 """Static (matplotlib) figures for reports and the README: per-layer evaluation curves, fit convergence.
 
-The app draws the same data interactively with Plotly; these write PNG files. matplotlib is an
-optional dependency (``pip install jlens[plot]``).
+The app draws the same data interactively with Plotly, from the same tables
+(:mod:`jlens_core.fitting.diagnostics`); these write PNG files, atomically. matplotlib is an optional
+dependency (``pip install jlens[plot]``). Imports :mod:`jlens_core.fitting` (light: no torch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
+
+from ._atomic import atomic_write
+from .fitting.diagnostics import convergence_frame, diagnostics_frame, norm_matrix, one_over_n_guide
 
 
 def _pyplot():
@@ -46,50 +50,57 @@ def plot_eval_curves(frame: pd.DataFrame, out: str | Path, title: str = "") -> P
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
-def convergence_frame(diagnostics: list[dict]) -> pd.DataFrame:
-    """Diagnostics records to a frame with ``n`` (prompts counted so far, 1-based) per record."""
-    frame = pd.DataFrame(diagnostics)
+def plot_convergence(diagnostics: Iterable[dict], out: str | Path, title: str = "") -> Path:
+    """Relative change of the running mean vs prompts (log-log, per layer, with the ``1/n`` guide of
+    :func:`~jlens_core.fitting.diagnostics.one_over_n_guide`), and the per-prompt Jacobian norm
+    ``||J||_F / sqrt(d)`` as a layer x prompt heatmap. The tables are those the app draws.
+
+    Args:
+        diagnostics: the fit's records (``lens.diagnostics``, or a ``<lens>.diagnostics.jsonl`` read
+            with :func:`~jlens_core.fitting.diagnostics.read_diagnostics`).
+
+    Raises:
+        ValueError: no records.
+    """
+    frame = diagnostics_frame(diagnostics)
     if frame.empty:
-        raise ValueError("The lens has no fit diagnostics to plot.")
-    order = {idx: n for n, idx in enumerate(sorted(frame["prompt_index"].unique()), start=1)}
-    frame["n"] = frame["prompt_index"].map(order)
-    return frame
-
-
-def plot_convergence(diagnostics: list[dict], out: str | Path, title: str = "") -> Path:
-    """Relative change of the running mean vs prompts (log-log, per layer, with a 1/n guide), and the
-    per-prompt Jacobian norm ``||J||_F / sqrt(d)`` as a prompt x layer heatmap."""
+        raise ValueError("The lens has no fit diagnostics to plot: fit it with this version of jlens, which keeps them.")
+    conv = convergence_frame(frame)
+    guide = one_over_n_guide(conv)
+    norms = norm_matrix(frame).T  # [layer, prompt]
     plt = _pyplot()
-    frame = convergence_frame(diagnostics)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), constrained_layout=True)
-    layers = sorted(frame["layer"].unique())
+    layers = sorted(conv["layer"].unique())
     cmap = plt.get_cmap("viridis")
     for i, layer in enumerate(layers):
-        part = frame[(frame["layer"] == layer) & frame["rel_change"].notna()]
-        axes[0].plot(part["n"], part["rel_change"], color=cmap(i / max(len(layers) - 1, 1)), lw=1,
+        part = conv[conv["layer"] == layer]
+        axes[0].plot(part["n_prompts"], part["rel_change"], color=cmap(i / max(len(layers) - 1, 1)), lw=1,
                      label=f"layer {layer}" if i in (0, len(layers) - 1) else None)
-    rel = frame["rel_change"].dropna()
-    if not rel.empty:
-        n = np.arange(2, frame["n"].max() + 1)
-        axes[0].plot(n, rel.iloc[: len(layers)].median() * 2 / n, "k--", lw=1, label="∝ 1/n")
+    if not guide.empty:
+        axes[0].plot(guide["n_prompts"], guide["rel_change"], "k--", lw=1, label="∝ 1/n")
     axes[0].set(xscale="log", yscale="log", xlabel="prompts", ylabel="relative change of the running mean",
                 title="convergence")
     axes[0].grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=8)
-    grid = frame.pivot_table(index="layer", columns="n", values="jacobian_norm")
-    im = axes[1].imshow(grid.values, aspect="auto", origin="lower", cmap="magma",
-                        extent=(0.5, grid.shape[1] + 0.5, grid.index.min() - 0.5, grid.index.max() + 0.5))
+    if layers:
+        axes[0].legend(fontsize=8)
+    im = axes[1].imshow(norms.values, aspect="auto", origin="lower", cmap="magma",
+                        extent=(0.5, norms.shape[1] + 0.5, norms.index.min() - 0.5, norms.index.max() + 0.5))
     fig.colorbar(im, ax=axes[1], label="||J||_F / sqrt(d)")
     axes[1].set(xlabel="prompt", ylabel="source layer", title="per-prompt Jacobian norm")
     if title:
         fig.suptitle(title)
+    return _save(fig, out)
+
+
+def _save(fig, out: str | Path) -> Path:
+    """Write ``fig`` to ``out`` atomically (the format from its suffix, PNG without one) and close it."""
     out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    fmt = out.suffix.lstrip(".").lower() or "png"
+    try:
+        atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
+    finally:
+        _pyplot().close(fig)
     return out

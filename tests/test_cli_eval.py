@@ -12,8 +12,9 @@ from conftest import CORPUS, make_hf_model, make_tokenizer
 
 from jlens_core import JacobianLens, LogitLens, evaluate, fit, load_lens, load_model
 from jlens_core.cli.main import main
+from jlens_core.fitting.diagnostics import convergence_frame, diagnostics_frame
 from jlens_core.lenses.shipped import default_lens, shipped_lens_path
-from jlens_core.plots import convergence_frame, plot_convergence
+from jlens_core.plots import plot_convergence
 
 
 @pytest.fixture(scope="module")
@@ -146,13 +147,15 @@ def test_shipped_lens_when_present_belongs_to_the_default_model():
 
 
 def test_convergence_plot_and_frame(work, tmp_path):
-    frame = convergence_frame(work["lens"].diagnostics)
-    assert sorted(frame["n"].unique()) == [1, 2, 3]
-    assert frame.loc[frame["n"] == 1, "rel_change"].isna().all()
+    frame = diagnostics_frame(work["lens"].diagnostics)
+    assert sorted(frame["n_prompts"].unique()) == [1, 2, 3]
+    assert frame.loc[frame["n_prompts"] == 1, "rel_change"].isna().all()
+    assert sorted(convergence_frame(frame)["n_prompts"].unique()) == [2, 3]  # undefined for the first prompt
     out = plot_convergence(work["lens"].diagnostics, tmp_path / "conv.png")
-    assert out.stat().st_size > 10_000
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.png"]  # written atomically: no temp file left
     with pytest.raises(ValueError, match="no fit diagnostics"):
-        convergence_frame([])
+        plot_convergence([], tmp_path / "none.png")
 
 
 # -- jlens intervene / jlens eval --swap -------------------------------------------------------------

@@ -12,13 +12,12 @@ import torch
 from conftest import LONG_TEXT, make_tiny
 
 from jlens_core import JacobianLens, LensFileError, LogitLens
-from jlens_core.reading.evaluation import (
+from jlens_core.reading.evaluation import EVALUATE_COLUMNS, evaluate
+from jlens_core.reading.passk import (
     DETAIL_COLUMNS,
     EVAL_DIR,
     EVAL_SETS,
-    EVALUATE_COLUMNS,
     PASS_COLUMNS,
-    evaluate,
     load_eval_set,
     pass_at_k,
     summarize_pass_at_k,

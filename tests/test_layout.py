@@ -19,8 +19,8 @@ import jlens_core
 PACKAGE = Path(jlens_core.__file__).resolve().parent
 
 # Leaves: top-level modules that import nothing from jlens_core.
-LEAVES = {"_atomic", "_version", "_paths", "corpus", "layerspec", "plots"}
-RANKS = {"models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4, "cli": 5}
+LEAVES = {"_atomic", "_version", "_paths", "corpus", "layerspec"}
+RANKS = {"models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4, "plots": 4, "cli": 5}
 # The package's front door re-exports from everywhere; `python -m jlens_core` starts the CLI.
 EXEMPT = {"__init__", "__main__"}
 

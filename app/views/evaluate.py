@@ -13,8 +13,8 @@ import streamlit as st
 import charts
 import common
 from jlens_core.corpus import BUILTIN_CORPUS, load_corpus
-from jlens_core.reading.evaluation import EVAL_SETS, evaluate
-from jlens_core.reading.passk import load_eval_set, macro_mean, pass_at_k
+from jlens_core.reading.evaluation import evaluate
+from jlens_core.reading.passk import EVAL_SETS, load_eval_set, macro_mean, pass_at_k
 
 ss = st.session_state
 ctx = common.require_model()

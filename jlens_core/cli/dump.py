@@ -10,6 +10,7 @@ import json
 import logging
 from pathlib import Path
 
+from .._atomic import atomic_write_text
 from .main import CLIError, say
 
 log = logging.getLogger(__name__)
@@ -106,5 +107,5 @@ def run_diff(args: argparse.Namespace) -> int:
     result = diff_dumps(args.a, args.b, atol=args.atol, rtol=args.rtol)
     print(result.to_text(max_rows=args.max_rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1), encoding="utf-8")
+        atomic_write_text(args.json, json.dumps(result.to_dict(), indent=1), shared=True)
     return 0 if result.matches else 1

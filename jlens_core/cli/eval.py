@@ -9,7 +9,13 @@ import json
 import sys
 from pathlib import Path
 
+from .._atomic import atomic_write, atomic_write_text
 from .main import CLIError, say
+
+
+def _write_csv(frame, path: Path, **options) -> None:
+    """``frame.to_csv(path, index=False, **options)``, atomically (a reader never sees half a table)."""
+    atomic_write(path, lambda tmp: frame.to_csv(tmp, index=False, **options), shared=True)
 
 
 def resolve_lenses(specs: list[str], model, shrinkage: list[float] | None = None) -> dict:
@@ -82,7 +88,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                          progress=(lambda done, total: _advance(bar, done, total)) if bar else None)
         if bar:
             bar.close()
-        frame.to_csv(out / "eval.csv", index=False)
+        _write_csv(frame, out / "eval.csv")
         result["per_layer"] = frame.to_dict(orient="records")
     if eval_sets:
         import pandas as pd
@@ -100,9 +106,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         passes = pd.concat(tables, ignore_index=True)
         if len(eval_sets) > 1:
             passes = pd.concat([passes, macro_mean(passes)], ignore_index=True)
-        passes.to_csv(out / "pass_at_k.csv", index=False)
-        pd.concat(details, ignore_index=True).to_csv(out / "pass_at_k_detail.csv", index=False,
-                                                     quoting=csv.QUOTE_NONNUMERIC)
+        _write_csv(passes, out / "pass_at_k.csv")
+        _write_csv(pd.concat(details, ignore_index=True), out / "pass_at_k_detail.csv", quoting=csv.QUOTE_NONNUMERIC)
         result["pass_at_k"] = passes.to_dict(orient="records")
     written = [out / "eval.json"]
     if swap_sets:
@@ -120,13 +125,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                                    seconds_per_item=round(report.seconds_per_item, 3)))
             item_tables.append(report.items.assign(set=Path(name).stem))
         swaps = pd.concat(summaries, ignore_index=True)
-        swaps.to_csv(out / "swap_success.csv", index=False)
+        _write_csv(swaps, out / "swap_success.csv")
         # tokens may hold a bare carriage return, which pandas leaves unquoted unless asked
-        pd.concat(item_tables, ignore_index=True).to_csv(out / "swap_items.csv", index=False,
-                                                         quoting=csv.QUOTE_NONNUMERIC)
+        _write_csv(pd.concat(item_tables, ignore_index=True), out / "swap_items.csv", quoting=csv.QUOTE_NONNUMERIC)
         result["swap_success"] = swaps.to_dict(orient="records")
         written += [out / "swap_success.csv", out / "swap_items.csv"]
-    (out / "eval.json").write_text(json.dumps(result, indent=1, default=float))
+    atomic_write_text(out / "eval.json", json.dumps(result, indent=1, default=float), shared=True)
     if frame is not None:
         plot = _plot(frame, out / "eval.png", f"{model.name}: {len(texts)} texts of {args.corpus} ({args.split})")
         written = [out / "eval.csv"] + written + ([plot] if plot else [])

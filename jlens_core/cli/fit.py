@@ -18,6 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
+from .._atomic import atomic_write_text
 from ..fitting.methods import METHODS
 from .main import CLIError, say
 
@@ -68,9 +69,7 @@ class StatusFile:
 
     def write(self, **fields) -> None:
         self.data.update(fields, updated=time.time())
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, json.dumps(self.data, indent=1), shared=True)
 
 
 def _init_world(device: str | None):

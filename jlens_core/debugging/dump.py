@@ -16,7 +16,7 @@ Ops, in the order a forward pass produces them (``step`` counts in that order, f
   position embedding a family adds after it); ``layer = -1``;
 * per selected decoder layer ``l``: ``attn`` (output of the attention sublayer) and ``mlp``
   (output of the MLP sublayer), where the layout names them (first tensor of a tuple output),
-  then ``residual`` (output of the decoder layer, pre-final-norm, SPEC §1); ``layer = l``;
+  then ``residual`` (output of the decoder layer, pre-final-norm, docs/method.md §1); ``layer = l``;
 * ``final_norm``: output of the final norm, ``[seq, width]``; ``layer = n_layers``.
 
 Arrays are stored without the batch axis: ``[seq, width]`` with position on axis 0.
@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._atomic import atomic_write_text
 from ..layerspec import normalise_layers
 from ..models.recorder import block_output, register_own_thread_hook
 
@@ -278,9 +279,7 @@ def dump_hidden_states(model, text_or_ids: str | Sequence[int] | torch.Tensor, o
 
     # A parallel-residual block may run its MLP before its attention: steps are in the order run.
     entries = writer.entries
-    with open(out_dir / MANIFEST, "w", encoding="utf-8") as fh:
-        for entry in entries:
-            fh.write(json.dumps(entry) + "\n")
+    atomic_write_text(out_dir / MANIFEST, "".join(json.dumps(entry) + "\n" for entry in entries), shared=True)
     run = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -298,9 +297,7 @@ def dump_hidden_states(model, text_or_ids: str | Sequence[int] | torch.Tensor, o
         "n_files": len(entries),
         "extra": extra_settings or {},
     }
-    tmp = out_dir / (RUN_FILE + ".tmp")
-    tmp.write_text(json.dumps(run, indent=1), encoding="utf-8")
-    tmp.replace(out_dir / RUN_FILE)
+    atomic_write_text(out_dir / RUN_FILE, json.dumps(run, indent=1), shared=True)
     log.info("Dumped %d tensors of %d tokens to %s.", len(entries), run["n_tokens"], out_dir)
     return out_dir
 

@@ -91,7 +91,13 @@ def one_over_n_guide(convergence: pd.DataFrame) -> pd.DataFrame:
     """A ``c / n`` reference line for :func:`convergence_frame`, through the median of the last half.
 
     ``c`` is the median over the records of the later half of the prompts of ``rel_change * n``,
-    so the guide sits on the curves where they have settled.
+    so the guide sits on the curves where they have settled. The relative shift of the running mean
+    falls about as ``1/n`` only once settled (docs/method.md §3): the first prompts' shifts carry
+    their own prompt-to-prompt spread, so a guide anchored at the start (the median of the first
+    records times 2, as the CLI's PNG once drew) is offset from the settled curves by however
+    unusual those prompts were. Anchoring where the curves have settled makes a gap between curve
+    and guide mean what it should: the fit has not settled yet, or falls slower than ``1/n``. The
+    app's chart and :func:`jlens_core.plots.plot_convergence` both draw this guide.
 
     Returns:
         DataFrame ``n_prompts, rel_change`` (two points, first and last prompt), empty when there

@@ -1,10 +1,9 @@
-"""Evaluating lenses: per-layer KL and cross-entropy over a corpus, and pass@k on latent steps.
+"""Evaluating lenses: per-layer KL and cross-entropy over a corpus.
 
-* :func:`evaluate` - for each lens and readable layer, the mean over a corpus's tokens of
-  ``KL(model final || lens)`` and of the cross-entropy of the actual next token (bits).
-* :func:`pass_at_k`, :func:`load_eval_set`, :data:`EVAL_SETS` - pass@k of latent intermediate steps
-  and the shipped sets; they live in :mod:`jlens_core.reading.passk` (the protocol) and are
-  importable from here too.
+:func:`evaluate` - for each lens and readable layer, the mean over a corpus's tokens of
+``KL(model final || lens)`` and of the cross-entropy of the actual next token (bits). pass@k of
+latent intermediate steps and the shipped sets (``pass_at_k``, ``load_eval_set``, ``EVAL_SETS``)
+live in :mod:`jlens_core.reading.passk`.
 """
 
 from __future__ import annotations
@@ -17,16 +16,6 @@ from typing import Any
 import pandas as pd
 import torch
 
-from .passk import (
-    DETAIL_COLUMNS,
-    EVAL_DIR,
-    PASS_COLUMNS,
-    load_eval_set,
-    pass_at_k,
-    pass_at_k_detail,
-    shipped_sets,
-    summarize_pass_at_k,
-)
 from .readings import (
     as_lens_dict,
     centred_logit_stats,
@@ -42,7 +31,6 @@ from .readings import (
 log = logging.getLogger(__name__)
 
 DEFAULT_SKIP_FIRST = 16
-EVAL_SETS: dict[str, str] = shipped_sets()  # {name: description} of assets/evaluations/*.json
 EVALUATE_COLUMNS = ("lens", "layer", "kl_bits", "ce_bits", "n_tokens", "kl_se", "ce_se", "n_texts")
 
 Progress = Callable[[int, int], None]
@@ -199,6 +187,4 @@ def evaluate(model: Any, lenses: Mapping[str, Any], texts: Iterable[str] | str, 
 
 
 # -- pass@k --------------------------------------------------------------------------------------
-__all__ = ["DEFAULT_SKIP_FIRST", "DETAIL_COLUMNS", "EVALUATE_COLUMNS", "EVAL_DIR", "EVAL_SETS", "PASS_COLUMNS",
-           "default_skip_first", "evaluate", "load_eval_set", "pass_at_k", "pass_at_k_detail",
-           "summarize_pass_at_k"]
+__all__ = ["DEFAULT_SKIP_FIRST", "EVALUATE_COLUMNS", "default_skip_first", "evaluate"]

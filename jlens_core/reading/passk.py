@@ -86,6 +86,9 @@ def shipped_sets() -> dict[str, str]:
     return out
 
 
+EVAL_SETS: dict[str, str] = shipped_sets()  # {name: description} of assets/evaluations/*.json, read at import
+
+
 def _resolve_path(spec: str | os.PathLike) -> Path:
     text = str(spec)
     for candidate in (EVAL_DIR / f"{text}.json", EVAL_DIR / f"{text}.jsonl"):
@@ -451,7 +454,7 @@ def macro_mean(per_set: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-__all__ = ["DETAIL_COLUMNS", "EVAL_DIR", "PASS_COLUMNS", "READOUT_RULES", "SPELLINGS", "SYNONYM_SETS",
+__all__ = ["DETAIL_COLUMNS", "EVAL_DIR", "EVAL_SETS", "PASS_COLUMNS", "READOUT_RULES", "SPELLINGS", "SYNONYM_SETS",
            "bootstrap_interval", "check_item", "check_readout", "load_eval_set", "macro_mean", "number_synonyms",
            "pass_at_k", "pass_at_k_detail", "readout_position", "shipped_sets", "summarize_pass_at_k",
            "word_spellings"]
