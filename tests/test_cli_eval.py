@@ -238,4 +238,4 @@ def test_tune_then_eval_three_lenses(work, tmp_path, capsys):
     assert main(["tune", "--model", str(work["model_dir"]), "--corpus", str(work["corpus"]), "--split", "all",
                  "--min-chars", "10", "--heldout-texts", "0", "--steps", "4", "--tokens-per-step", "16",
                  "--skip-first", "4", "--lr", "0.5", "--out", str(out), "--no-progress"]) == 2
-    assert "was written with lr=0.001, this run has lr=0.5" in capsys.readouterr().err
+    assert "was made with lr=0.001, this training asks for lr=0.5" in capsys.readouterr().err

@@ -77,15 +77,17 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run(model, tmp_path):
     for layer in straight.source_layers:
         for x, y in zip(straight.translators[layer], resumed.translators[layer]):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-7)
-    with pytest.raises(ValueError, match="was written with lr=0.002, this run has lr=0.001"):
+    with pytest.raises(ValueError, match="was made with lr=0.002, this training asks for lr=0.001.*resume=False"):
         train_tuned_lens(model, TEXTS, steps=8, checkpoint_path=ckpt, tokens_per_step=48, lr=1e-3, skip_first=4)
 
 
 def test_bad_training_input(model):
     with pytest.raises(ValueError, match="Zero training tokens"):
         train_tuned_lens(model, ["hi", "yo"], steps=2)
-    with pytest.raises(ValueError, match="Layer 7 is outside the model's source layers 0..2"):
+    with pytest.raises(ValueError, match=r"Layer 7 is out of range: the model has 4 layers \(valid: -4..3\)"):
         train_tuned_lens(model, TEXTS, steps=2, layers=[7])
+    with pytest.raises(ValueError, match="Layer -1 \\(= 3\\) is not below the output layer 3"):
+        train_tuned_lens(model, TEXTS, steps=2, layers=[0, -1])
 
 
 def test_file_round_trip_and_load_lens(model, tmp_path):

@@ -13,8 +13,9 @@ layer at a time: unembed, KL, backward, so neither layers x positions x vocabula
 ever held.
 
 Checkpoints (a ``torch.save`` dict, written atomically every ``checkpoint_every`` steps and at the
-end, and when training stops on Ctrl-C or an error) hold the translators, the optimizer state, the step and the settings; resuming with other
-settings is a ``ValueError`` naming the setting.
+end, and when training stops on Ctrl-C or an error) hold the translators, the optimizer state, the
+step and the settings; resuming with other settings is a ``ValueError`` naming the setting
+(:func:`~jlens_core.fitting.resume.check_same_settings`, as for the Jacobian lens's fit).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from typing import Any
 import torch
 
 from .._atomic import atomic_write
+from ..layerspec import normalise_layers
 from ..lenses.tuned import TunedLens
 from ..models.recorder import ActivationRecorder
-from .fit import prompts_digest
+from .resume import check_same_settings, prompts_digest
 
 log = logging.getLogger(__name__)
 
@@ -185,14 +187,7 @@ def train_tuned_lens(model: Any, texts: Sequence[str], *, layers: Sequence[int] 
             rate, or a checkpoint written with other settings (names the setting).
     """
     top = model.n_layers - 1
-    if layers is None:
-        chosen = list(range(top))
-    else:
-        chosen = sorted({int(x) + model.n_layers if int(x) < 0 else int(x) for x in layers})
-        bad = [x for x in chosen if not 0 <= x < top]
-        if bad or not chosen:
-            raise ValueError(f"Layer {bad[0] if bad else layers!r} is outside the model's source layers 0..{top - 1} "
-                             f"(the last layer, {top}, is the model's output).")
+    chosen = normalise_layers(layers, model.n_layers, below=top, name="Layer", below_name="the output layer")
     if int(steps) < 1 or int(tokens_per_step) < 1:
         raise ValueError(f"steps={steps} and tokens_per_step={tokens_per_step} must be at least 1.")
     if not lr > 0:
@@ -204,83 +199,110 @@ def train_tuned_lens(model: Any, texts: Sequence[str], *, layers: Sequence[int] 
     settings = {"layers": chosen, "tokens_per_step": int(tokens_per_step), "lr": float(lr),
                 "warmup_steps": int(warmup_steps), "max_seq_len": int(max_seq_len), "skip_first": int(skip_first),
                 "seed": int(seed), "corpus_digest": prompts_digest(list(texts), len(texts))}
-    d = model.d_model
-    params = {layer: (torch.zeros(d, d, requires_grad=True), torch.zeros(d, requires_grad=True)) for layer in chosen}
-    optimizer = torch.optim.Adam([p for pair in params.values() for p in pair], lr=float(lr))
-    history: list[dict] = []
-    done = 0
-    ckpt = Path(checkpoint_path) if checkpoint_path is not None else None
-    if ckpt is not None and resume and ckpt.is_file():
-        state = torch.load(ckpt, map_location="cpu", weights_only=True)
-        for key in TUNE_SETTINGS:
-            if state["settings"].get(key) != settings[key]:
-                raise ValueError(f"The checkpoint {str(ckpt)!r} was written with {key}={state['settings'].get(key)!r}, "
-                                 f"this run has {key}={settings[key]!r}: use the same setting to resume, or "
-                                 "resume=False (--no-resume) to start over.")
-        with torch.no_grad():
-            for layer, (a, b) in params.items():
-                a.copy_(state["A"][layer])
-                b.copy_(state["b"][layer])
-        optimizer.load_state_dict(state["optimizer"])
-        done, history = int(state["step"]), list(state["history"])
-        log.info("resumed the tuned lens at step %d from %s", done, ckpt)
-
-    def snapshot() -> TunedLens:
-        return TunedLens({layer: (a.detach().clone(), b.detach().clone()) for layer, (a, b) in params.items()}, d,
-                         target_layer=top, n_layers=model.n_layers, model_name=model.name,
-                         model_fingerprint=model.fingerprint(), settings={**settings, "steps": done})
-
-    def save_checkpoint() -> None:
-        if ckpt is None:
-            return
-        state = {"A": {layer: a.detach().clone() for layer, (a, _) in params.items()},
-                 "b": {layer: b.detach().clone() for layer, (_, b) in params.items()},
-                 "optimizer": optimizer.state_dict(), "step": done, "settings": settings, "history": history}
-        atomic_write(ckpt, lambda tmp: torch.save(state, tmp))
-
+    run = _TuneRun(model, stream, settings, checkpoint_path)
+    if resume:
+        run.resume()
     heldout = list(heldout_texts)
     last_heldout: dict[int, float] | None = None
     try:
-        while done < int(steps):
+        while run.done < int(steps):
             started = time.perf_counter()
-            for group in optimizer.param_groups:
-                group["lr"] = float(lr) * min(1.0, (done + 1) / max(1, int(warmup_steps)))
-            optimizer.zero_grad(set_to_none=True)
-            resid, final = _batch(model, stream, done, int(tokens_per_step), chosen, int(skip_first))
-            total = 0.0
-            for layer in chosen:
-                a, b = params[layer]
-                h = resid[layer].float()  # [T, d]
-                logits = model.unembed(h + h @ a.T + b)  # [T, vocab]
-                loss = _kl_nats(final, logits)
-                loss.backward()
-                total += float(loss.detach())
-                del logits, loss
-            optimizer.step()
-            done += 1
-            record: dict[str, Any] = {"step": done, "train_kl_bits": total / len(chosen) / LN2}
+            record = run.step()
             measured = None
-            if heldout and (done % max(1, int(heldout_every)) == 0 or done == int(steps)):
-                measured = heldout_kl(model, snapshot(), heldout, max_seq_len=int(max_seq_len), skip_first=int(skip_first))
-                last_heldout = measured
+            if heldout and (run.done % max(1, int(heldout_every)) == 0 or run.done == int(steps)):
+                measured = last_heldout = run.heldout(heldout)
                 record["heldout_kl_bits"] = sum(measured.values()) / len(measured)
-            history.append(record)
-            if done % max(1, int(checkpoint_every)) == 0 or done == int(steps):
-                save_checkpoint()
+            if run.done % max(1, int(checkpoint_every)) == 0 or run.done == int(steps):
+                run.save_checkpoint()
             if progress is not None:
-                progress(TuneProgress(done, int(steps), record["train_kl_bits"], measured, done * int(tokens_per_step),
-                                      time.perf_counter() - started))
+                progress(TuneProgress(run.done, int(steps), record["train_kl_bits"], measured,
+                                      run.done * int(tokens_per_step), time.perf_counter() - started))
     except BaseException:
-        save_checkpoint()  # Ctrl-C, the app's Stop, a crash: the steps done so far are kept
-        log.info("tuned-lens training stopped at step %d; checkpoint written", done)
+        run.save_checkpoint()  # Ctrl-C, the app's Stop, a crash: the steps done so far are kept
+        log.info("tuned-lens training stopped at step %d; checkpoint written", run.done)
         raise
     if heldout and last_heldout is None:  # resumed a finished run
-        last_heldout = heldout_kl(model, snapshot(), heldout, max_seq_len=int(max_seq_len), skip_first=int(skip_first))
-    lens = snapshot()
-    lens.metrics = {"history": history}
+        last_heldout = run.heldout(heldout)
+    lens = run.snapshot()
+    lens.metrics = {"history": run.history}
     if last_heldout is not None:
         lens.metrics["heldout_kl_bits"] = {str(k): v for k, v in last_heldout.items()}
     return lens
+
+
+class _TuneRun:
+    """The training state: the translators ``A_l, b_l`` (from zero: the logit lens), Adam, the steps done
+    and their history; written to and resumed from ``checkpoint_path`` (None: no checkpoint)."""
+
+    def __init__(self, model: Any, stream: _Stream, settings: dict[str, Any],
+                 checkpoint_path: str | os.PathLike | None) -> None:
+        self.model, self.stream, self.settings = model, stream, settings
+        self.layers: list[int] = settings["layers"]
+        self.checkpoint = Path(checkpoint_path) if checkpoint_path is not None else None
+        d = model.d_model
+        self.params = {layer: (torch.zeros(d, d, requires_grad=True), torch.zeros(d, requires_grad=True))
+                       for layer in self.layers}
+        self.optimizer = torch.optim.Adam([p for pair in self.params.values() for p in pair], lr=settings["lr"])
+        self.done = 0
+        self.history: list[dict] = []
+
+    def resume(self) -> None:
+        """Go on from the checkpoint, if there is one (its settings checked)."""
+        if self.checkpoint is None or not self.checkpoint.is_file():
+            return
+        state = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
+        check_same_settings(self.checkpoint, state["settings"], self.settings, TUNE_SETTINGS, run="training")
+        with torch.no_grad():
+            for layer, (a, b) in self.params.items():
+                a.copy_(state["A"][layer])
+                b.copy_(state["b"][layer])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.done, self.history = int(state["step"]), list(state["history"])
+        log.info("resumed the tuned lens at step %d from %s", self.done, self.checkpoint)
+
+    def step(self) -> dict[str, Any]:
+        """One optimisation step on step ``done``'s tokens, one layer's backward at a time; its history record."""
+        settings, model = self.settings, self.model
+        for group in self.optimizer.param_groups:  # linear warm-up
+            group["lr"] = settings["lr"] * min(1.0, (self.done + 1) / max(1, settings["warmup_steps"]))
+        self.optimizer.zero_grad(set_to_none=True)
+        resid, final = _batch(model, self.stream, self.done, settings["tokens_per_step"], self.layers,
+                              settings["skip_first"])
+        total = 0.0
+        for layer in self.layers:
+            a, b = self.params[layer]
+            h = resid[layer].float()  # [T, d]
+            logits = model.unembed(h + h @ a.T + b)  # [T, vocab]
+            loss = _kl_nats(final, logits)
+            loss.backward()
+            total += float(loss.detach())
+            del logits, loss
+        self.optimizer.step()
+        self.done += 1
+        record: dict[str, Any] = {"step": self.done, "train_kl_bits": total / len(self.layers) / LN2}
+        self.history.append(record)  # the caller may add the held-out KL to it
+        return record
+
+    def snapshot(self) -> TunedLens:
+        """The lens as it stands (copies of the translators)."""
+        model = self.model
+        return TunedLens({layer: (a.detach().clone(), b.detach().clone()) for layer, (a, b) in self.params.items()},
+                         model.d_model, target_layer=model.n_layers - 1, n_layers=model.n_layers,
+                         model_name=model.name, model_fingerprint=model.fingerprint(),
+                         settings={**self.settings, "steps": self.done})
+
+    def heldout(self, texts: Sequence[str]) -> dict[int, float]:
+        return heldout_kl(self.model, self.snapshot(), texts, max_seq_len=self.settings["max_seq_len"],
+                          skip_first=self.settings["skip_first"])
+
+    def save_checkpoint(self) -> None:
+        if self.checkpoint is None:
+            return
+        state = {"A": {layer: a.detach().clone() for layer, (a, _) in self.params.items()},
+                 "b": {layer: b.detach().clone() for layer, (_, b) in self.params.items()},
+                 "optimizer": self.optimizer.state_dict(), "step": self.done, "settings": self.settings,
+                 "history": self.history}
+        atomic_write(self.checkpoint, lambda tmp: torch.save(state, tmp))
 
 
 __all__ = ["TUNE_SETTINGS", "TuneProgress", "heldout_kl", "train_tuned_lens"]
