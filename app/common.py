@@ -29,8 +29,9 @@ import streamlit as st
 
 from jlens_core._paths import ASSETS_DIR
 from jlens_core.lenses.lens import JacobianLens, LensFileError, LogitLens
-from jlens_core.models.loading import DEFAULT_ALIASES, DEFAULT_MODEL, cache_dir, load_model
+from jlens_core.models.loading import DEFAULT_ALIASES, DEFAULT_MODEL, load_model
 from jlens_core.reading.generation import MAX_NEW_TOKENS
+from jlens_core.workspace import Workspace, sanitise_filename
 
 log = logging.getLogger("jlens.app")
 
@@ -72,6 +73,7 @@ STALE_CSS = """<style>
 [data-testid="stExpander"] details, [data-testid="stExpander"] summary { transition-duration: 0s !important; }
 </style>"""
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, LensFileError, KeyError, OSError)
+ENV_MAX_FITS = "JLENS_APP_MAX_FITS"  # fits running at once, at most (`jlens app --max-fits`)
 
 
 # -- examples ----------------------------------------------------------------------------------
@@ -92,12 +94,49 @@ def default_prompt() -> str:
 
 
 # -- paths -------------------------------------------------------------------------------------
+def workspace() -> Workspace:
+    """Where every path a visitor types must resolve (``docs/security.md``).
+
+    The workspace of ``jlens app`` (``$JLENS_APP_WORKSPACE``, default ``./runs``), the runs folder
+    the operator set (``$JLENS_RUNS_DIR``) and the package's shipped assets (lenses, eval sets).
+    """
+    extra = [ASSETS]
+    if os.environ.get(ENV_RUNS):
+        extra.append(Path(os.environ[ENV_RUNS]).expanduser())
+    return Workspace.from_env(extra_roots=extra)
+
+
+def confine(path: str, what: str, base: Path | None = None) -> Path:
+    """A typed path, resolved and checked against :func:`workspace` (raises :class:`OutsideWorkspaceError`)."""
+    return workspace().confine(path, what, base=base)
+
+
+def confine_spec(spec: str, what: str) -> str:
+    """A model or corpus spec: a path is confined and made absolute; an id or ``hf://`` spec passes as it is."""
+    return workspace().confine_spec(spec, what)
+
+
 def runs_dir() -> Path:
-    """The Fit page's runs: ``$JLENS_RUNS_DIR``, else ``<jlens cache>/runs`` (``~/.cache/jlens/runs``)."""
+    """The Fit page's runs: ``$JLENS_RUNS_DIR``, else the workspace (``./runs``)."""
     env = os.environ.get(ENV_RUNS)
-    path = Path(env).expanduser() if env else cache_dir() / "runs"
+    path = Path(env).expanduser() if env else workspace().root
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def uploads_dir() -> Path:
+    """Where uploaded files are kept: ``<runs>/uploads``."""
+    path = runs_dir() / "uploads"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def max_fits() -> int:
+    """How many fits may run at once (``$JLENS_APP_MAX_FITS``, default 1)."""
+    try:
+        return max(1, int(os.environ.get(ENV_MAX_FITS) or 1))
+    except ValueError:
+        return 1
 
 
 def shipped_lens_path(model: Any) -> Path | None:
@@ -144,8 +183,9 @@ def resolve_lens_cached(spec: str) -> str:
     return str(resolve_lens_path(spec))
 
 
-def _resolve_path_text(text: str) -> Path:
-    return Path(resolve_lens_cached(text)) if text.startswith("hf://") else Path(text).expanduser()
+def _resolve_path_text(text: str, what: str) -> Path:
+    """A typed lens path: ``hf://`` through the Hub cache, anything else confined to the workspace."""
+    return Path(resolve_lens_cached(text)) if text.startswith("hf://") else confine(text, what)
 
 
 @st.cache_resource(show_spinner=False, max_entries=6)
@@ -275,7 +315,7 @@ def warm_up(spec: str | None = None) -> list[str]:
     lens or prompt simply computes its own. Returns what it loaded, for the log.
     """
     spec = spec or os.environ.get(ENV_MODEL) or DEFAULT_MODEL
-    model = load_model_cached(spec, "auto", "auto")
+    model = load_model_cached(confine_spec(spec, "model folder"), "auto", "auto")
     done = [f"model {spec}"]
     lenses = {"logit": (LogitLens.for_model(model), "logit")}
     lens_request = os.environ.get(ENV_LENS) or "auto"
@@ -284,7 +324,7 @@ def warm_up(spec: str | None = None) -> list[str]:
     elif lens_request in ("none", "file", "upload") or lens_request.startswith(("run:", "hf://")):
         lens_path = None  # nothing to warm, or a fetch better left to the page (it shows its progress)
     else:
-        lens_path = Path(lens_request).expanduser()
+        lens_path = confine(lens_request, "lens file")
     if lens_path is not None and lens_path.is_file():
         lens, lens_key = _load_versioned(load_lens_cached, lens_path, lens_path, model)
         lenses["jacobian"] = (lens, lens_key)
@@ -548,15 +588,27 @@ def _resolve_lens_request(request: str, options: list[str]) -> str:
     return "file"
 
 
-def _save_upload(upload) -> Path:
+def save_upload(upload, suffix: str | None = None) -> Path:
+    """An uploaded file kept under ``<runs>/uploads`` as ``<sha256 prefix>-<sanitised name>``.
+
+    The name is the content's digest and the upload's own name made safe (:func:`sanitise_filename`), so
+    no name a browser sends can leave the folder; ``suffix`` replaces the name's suffix when given.
+    """
+    from jlens_core._atomic import atomic_write
+
     data = upload.getvalue()
     digest = hashlib.sha256(data).hexdigest()[:16]
-    folder = runs_dir() / "uploads"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{digest}.safetensors"
+    name = sanitise_filename(upload.name, "upload")
+    if suffix is not None:
+        name = f"{Path(name).stem}{suffix}"
+    path = uploads_dir() / f"{digest}-{name}"
     if not path.is_file():
-        path.write_bytes(data)
+        atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
     return path
+
+
+def _save_upload(upload) -> Path:
+    return save_upload(upload, ".safetensors")
 
 
 def _error_text(exc: BaseException) -> str:
@@ -611,7 +663,7 @@ def sidebar() -> Context:
                 if first else ""
             try:
                 with sb.spinner(f"Loading {spec}{note}…"):
-                    ctx.model = load_model_cached(spec, ss.device, ss.dtype)
+                    ctx.model = load_model_cached(confine_spec(spec, "model folder"), ss.device, ss.dtype)
                 ctx.model_key = key
                 ctx.logit = LogitLens.for_model(ctx.model)
             except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app stays usable
@@ -642,7 +694,7 @@ def sidebar() -> Context:
             path_text = (ss.get("lens_path") or "").strip()
             if path_text:
                 try:
-                    _load_lens_file(ctx, _resolve_path_text(path_text), Path(path_text).name)
+                    _load_lens_file(ctx, _resolve_path_text(path_text, "lens file"), Path(path_text).name)
                 except EXPECTED_ERRORS as exc:
                     ctx.lens_error = str(exc)
         elif choice == "upload":
@@ -759,7 +811,7 @@ def _tuned_picker(ctx: Context, sb) -> None:
         text = (ss.get("tuned_path") or "").strip()
         if text:
             try:
-                _load_tuned_file(ctx, _resolve_path_text(text), Path(text).name)
+                _load_tuned_file(ctx, _resolve_path_text(text, "tuned lens path"), Path(text).name)
             except EXPECTED_ERRORS as exc:
                 ctx.tuned_error = str(exc)
     elif choice == "upload":

@@ -32,6 +32,8 @@ PAGES = [
     st.Page("views/compare.py", title="Compare runs", icon=":material/difference:", url_path="compare"),
 ]
 
+if "token" in st.query_params:  # the access token (app/access.py) never stays in a URL a visitor shares
+    del st.query_params["token"]
 common.init_state()
 page = st.navigation(PAGES)
 # A browser fetches and compiles the chart and table components (Plotly's is 4.7 MB of JavaScript)

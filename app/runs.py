@@ -13,6 +13,11 @@ Each run lives in its own folder under the runs folder (``$JLENS_RUNS_DIR`` or
 The fit runs in its own process and session (``start_new_session``): it keeps going when the
 browser closes or reloads, and a crash of the fit cannot take the server down. A page finds a run
 again from these files alone.
+
+Fits are kept, on purpose, when the app stops or dies (``docs/security.md``): a fit is an hour's
+work that writes its own status file and checkpoint, and the next ``jlens app`` on the same
+workspace lists it (running, or ``lost`` and resumable). Stop it from the Fit page, or with SIGINT.
+At most ``max_active`` fits run at once (:func:`start`, :func:`resume`).
 """
 
 from __future__ import annotations
@@ -226,15 +231,42 @@ def _launch(run_folder: Path, args: list[str]) -> int:
     return proc.pid
 
 
-def start(root: str | os.PathLike, name: str, *, model: str, **settings) -> Run:
-    """Launch ``jlens fit`` for a new run ``name`` under ``root`` (settings: :func:`fit_arguments`).
+def clean_name(name: str) -> str:
+    """A run name safe as a folder name: letters, digits, ``._-`` (no ``..``, no separators).
 
     Raises:
-        ValueError: a run of that name exists already, or an empty name.
+        ValueError: nothing usable is left.
     """
-    name = _NAME_OK.sub("-", name.strip()).strip("-")
+    name = _NAME_OK.sub("-", name.strip()).strip("-.")
     if not name:
         raise ValueError("Give the run a name (letters, digits, '.', '_' or '-').")
+    return name
+
+
+def check_capacity(root: str | os.PathLike, max_active: int | None) -> None:
+    """Refuse a launch when ``max_active`` fits under ``root`` are starting or running already.
+
+    Raises:
+        ValueError: the limit is reached (a sentence naming the running fits).
+    """
+    if max_active is None:
+        return
+    active = [r.name for r in list_runs(root) if r.state in ACTIVE]
+    if len(active) >= max_active:
+        raise ValueError(f"{len(active)} fit(s) are running ({', '.join(active)}) and this app runs at most "
+                         f"{max_active} at once: wait for one to end or stop it.")
+
+
+def start(root: str | os.PathLike, name: str, *, model: str, max_active: int | None = None, **settings) -> Run:
+    """Launch ``jlens fit`` for a new run ``name`` under ``root`` (settings: :func:`fit_arguments`).
+
+    ``max_active``: refuse when that many fits under ``root`` are active already (``None``: no limit).
+
+    Raises:
+        ValueError: a run of that name exists already, an empty name, or ``max_active`` fits are running.
+    """
+    name = clean_name(name)
+    check_capacity(root, max_active)
     folder = Path(root) / name
     if (folder / RUN_FILE).exists():
         raise ValueError(f"A run named {name!r} exists already: pick another name, or Resume it.")
@@ -250,16 +282,17 @@ def start(root: str | os.PathLike, name: str, *, model: str, **settings) -> Run:
     return load_run(folder)
 
 
-def resume(run: Run) -> Run:
+def resume(run: Run, max_active: int | None = None) -> Run:
     """Launch the run's fit again with its arguments: it continues from its checkpoint.
 
     Raises:
-        ValueError: the run is still active, or was not started by the app.
+        ValueError: the run is still active, was not started by the app, or ``max_active`` fits are running.
     """
     if run.followed:
         raise ValueError("This fit was started outside the app; resume it with the same `jlens fit` command.")
     if run.state in ACTIVE:
         raise ValueError(f"The run {run.name!r} is still {run.state}.")
+    check_capacity(run.folder.parent, max_active)
     info = dict(run.info)
     args = [a for a in info["args"] if a != "--no-resume"]
     info.update(pid=_launch(run.folder, args), launched=time.time(), resumed=True)
@@ -285,5 +318,5 @@ def stop(run: Run, *, force: bool = False) -> bool:
     return True
 
 
-__all__ = ["ACTIVE", "FINAL", "Run", "fit_arguments", "follow", "list_runs", "load_run", "new_name", "pid_alive",
+__all__ = ["ACTIVE", "FINAL", "Run", "check_capacity", "clean_name", "fit_arguments", "follow", "list_runs", "load_run", "new_name", "pid_alive",
            "resume", "start", "stop"]

@@ -53,9 +53,12 @@ def lens_file(tiny_model, tmp_path_factory) -> str:
 
 
 @pytest.fixture(autouse=True)
-def runs_root(tmp_path, monkeypatch) -> Path:
+def runs_root(tmp_path, tmp_path_factory, monkeypatch) -> Path:
     root = tmp_path / "runs"
     monkeypatch.setenv("JLENS_RUNS_DIR", str(root))
+    # The app confines typed paths to its workspace: here every test's temporary folder.
+    monkeypatch.setenv("JLENS_APP_WORKSPACE", str(tmp_path_factory.getbasetemp()))
+    monkeypatch.delenv("JLENS_APP_ALLOW_ANY_PATH", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     yield root
     # A test that failed while a fit it started was running must not leave that process behind.
@@ -626,6 +629,72 @@ def test_fit_page_follows_a_fit_started_elsewhere(tiny_dir, lens_file, tmp_path)
     assert any("Jacobian lens" in c.value and "3 prompts" in c.value for c in ok(at).sidebar.caption)
     at.text_input(key="fit_follow").set_value(str(tmp_path / "nothing.safetensors")).run()
     assert any("No fit status" in e.value for e in ok(at).error)
+
+
+# -- paths confined to the workspace, fits limited (docs/security.md) ------------------------------------
+def test_paths_outside_the_workspace_are_refused_and_nothing_is_written(tiny_dir, lens_file, tmp_path, monkeypatch):
+    outside = tmp_path.parent.parent / "outside-the-workspace"  # above the test's temporary folders
+    workspace = tmp_path / "ws"
+    monkeypatch.setenv("JLENS_APP_WORKSPACE", str(workspace))
+    monkeypatch.setenv("JLENS_APP_ALLOWED_PATHS", tiny_dir)  # the operator's --model
+    at = ok(make_app(model=tiny_dir, lens="none").run())
+    at.switch_page("views/fit.py").run()
+    at.text_input(key="fit_name").set_value("escape")
+    at.text_input(key="fit_ckpt").set_value(str(outside / "x.ckpt"))
+    button(at, "Start fit").click().run()
+    assert any(e.value.startswith("Could not start the fit: The checkpoint") and "outside the workspace" in e.value
+               for e in ok(at).error)
+    assert not outside.exists() and not (tmp_path / "runs" / "escape").exists()
+    at.text_input(key="fit_ckpt").set_value("../../x.ckpt")  # relative to the run folder, then out through ..
+    at.radio(key="fit_source").set_value("path").run()
+    at.text_input(key="fit_corpus_path").set_value("/etc/passwd")
+    button(at, "Start fit").click().run()
+    assert any("The corpus path '/etc/passwd'" in e.value for e in ok(at).error)
+    assert not (tmp_path / "runs" / "escape").exists()
+    at.text_input(key="fit_follow").set_value(lens_file).run()  # a real fit's lens, but outside
+    assert any("The followed lens path" in e.value and "outside the workspace" in e.value for e in ok(at).error)
+    # the sidebar's lens and model boxes (and the URL that seeds them) obey the same rule
+    at = ok(make_app(model=tiny_dir, lens=lens_file).run())
+    assert at.session_state["lens_choice"] == "file"
+    assert any("Could not load the lens: The lens file" in e.value and "outside the workspace" in e.value
+               for e in at.sidebar.error)
+    other_model = Path(tiny_dir).parent / "another-model"
+    at = ok(make_app(model=str(other_model), lens="none").run())
+    assert any("The model folder" in e.value and "outside the workspace" in e.value for e in at.sidebar.error)
+    # inside the workspace the same lens loads
+    inside = workspace / "lenses" / "tiny.safetensors"
+    inside.parent.mkdir(parents=True)
+    inside.write_bytes(Path(lens_file).read_bytes())
+    at = ok(make_app(model=tiny_dir, lens="lenses/tiny.safetensors").run())  # relative: against the workspace
+    assert not at.sidebar.error and any("Jacobian lens" in c.value for c in at.sidebar.caption)
+    # --allow-any-path lifts it
+    monkeypatch.setenv("JLENS_APP_ALLOW_ANY_PATH", "1")
+    at = ok(make_app(model=tiny_dir, lens=lens_file).run())
+    assert not at.sidebar.error and any("Jacobian lens" in c.value for c in at.sidebar.caption)
+
+
+def test_fit_page_says_when_the_fits_allowed_at_once_are_running(tiny_dir, runs_root, monkeypatch):
+    from app import runs
+
+    folder = runs_root / "busy"
+    folder.mkdir(parents=True)
+    lens = folder / runs.LENS_FILE
+    # a run whose process is alive (this one) and whose status says running
+    (folder / runs.RUN_FILE).write_text(json.dumps({"name": "busy", "model": tiny_dir, "out": str(lens),
+                                                    "args": ["--model", tiny_dir], "pid": os.getpid()}))
+    lens.with_name("lens.status.json").write_text(json.dumps({"state": "running", "pid": os.getpid()}))
+    assert runs.load_run(folder).state == "running"
+    monkeypatch.setenv("JLENS_APP_MAX_FITS", "1")
+    at = ok(make_app(model=tiny_dir, lens="none").run())
+    at.switch_page("views/fit.py").run()
+    assert any("1 of at most 1 fits at once are running (busy)" in i.value for i in ok(at).info)
+    assert button(at, "Start fit").disabled
+    with pytest.raises(ValueError, match="runs at most 1 at once"):
+        runs.start(runs_root, "second", model=tiny_dir, corpus="x.txt", max_active=1)
+    assert not (runs_root / "second").exists()
+    monkeypatch.setenv("JLENS_APP_MAX_FITS", "2")
+    at.run()
+    assert not any("fits at once" in i.value for i in ok(at).info) and not button(at, "Start fit").disabled
 
 
 # -- Jacobians, Evaluate, Compare runs ----------------------------------------------------------------

@@ -9,6 +9,7 @@ served by ``jlens app`` (``streamlit run app/main.py``) on a free localhost port
 * Intervene on the default model: a swap France -> Germany turns the answer Paris into Berlin.
 * Fit on a tiny model saved to a temporary folder: the progress bar and the convergence chart
   update while the fit runs, survive a page reload, and the fit finishes.
+* A Fit whose checkpoint lies outside the app's workspace is refused, and no file appears.
 
 Nowhere an exception element. Screenshots go to ``$JLENS_SCREENSHOTS`` (default: the test's
 temporary folder). Skipped, with the reason, where chromium is not installed.
@@ -56,8 +57,10 @@ def server(tmp_path_factory):
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", JLENS_RUNS_DIR=str(work / "runs"), PYTHONUNBUFFERED="1")
     log = open(work / "server.log", "wb")  # noqa: SIM115 - closed at teardown
+    # the workspace: every temporary folder of this session (the tiny model, the corpora)
     proc = subprocess.Popen([sys.executable, "-m", "jlens_core", "app", "--headless", "--port", str(port),
-                             "--address", "127.0.0.1", "--server.fileWatcherType", "none"],
+                             "--address", "127.0.0.1", "--server.fileWatcherType", "none",
+                             "--workspace", str(tmp_path_factory.getbasetemp())],
                             cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     if not wait_serving(url, proc):
@@ -260,6 +263,31 @@ def _fit_sample(page) -> tuple[int, int]:
             for (const t of (g._fullData || [])) if (t.name !== '1/n guide') n += (t._length || 0);
         } return n; })()""")
     return done, points
+
+
+def test_fit_with_a_checkpoint_outside_the_workspace_is_refused(server, browser, shots, tiny_dir, tmp_path_factory):
+    outside = tmp_path_factory.getbasetemp().parent / f"jlens-outside-{os.getpid()}"
+    assert not outside.exists()
+    page = _page(browser, height=1500)
+    page.goto(f"{server}/fit?model={quote(tiny_dir)}&lens=none")
+    page.get_by_text("Fit a Jacobian lens").wait_for()
+    _idle(page)
+    name = page.get_by_label("Run name", exact=True)
+    name.fill("escape")
+    name.press("Enter")
+    box = page.get_by_label("Checkpoint", exact=True)
+    box.fill(str(outside / "lens.ckpt"))
+    box.press("Enter")
+    _idle(page)
+    page.get_by_role("button", name="Start fit").click()
+    page.get_by_text("outside the workspace", exact=False).first.wait_for(timeout=60_000)
+    assert page.get_by_text("Could not start the fit: The checkpoint", exact=False).count()
+    page.screenshot(path=str(shots / "fit-refused.png"))
+    time.sleep(2.0)  # had anything been launched, it would have written by now
+    assert not outside.exists()
+    assert page.get_by_text("escape ·", exact=False).count() == 0  # no run was created
+    _no_exception(page)
+    page.close()
 
 
 def test_fit_and_watch_it_converge(server, browser, shots, tiny_dir, tmp_path):

@@ -46,7 +46,7 @@ def _make_dump(spec: str, dtype: str, prompt: str, ops: list[str]) -> str:
     digest = hashlib.sha256(json.dumps([spec, dtype, prompt, sorted(ops), ss.get("device")]).encode()).hexdigest()
     folder = common.runs_dir() / "dumps" / digest[:16]
     if not (folder / "manifest.jsonl").is_file():
-        model = common.load_model_cached(spec, ss.get("device") or "auto", dtype)
+        model = common.load_model_cached(common.confine_spec(spec, "model folder"), ss.get("device") or "auto", dtype)
         dump_hidden_states(model, prompt, folder, ops=ops, extra_settings={"model_spec": spec}, overwrite=True)
     return str(folder)
 
@@ -56,7 +56,7 @@ if st.button("Compare", type="primary", icon=":material/compare_arrows:", key="c
         if how == "load":
             if not path_a.strip() or not path_b.strip():
                 raise ValueError("Give both dump folders.")
-            a, b = path_a.strip(), path_b.strip()
+            a, b = (str(common.confine(p.strip(), "dump folder")) for p in (path_a, path_b))
         else:
             if not ss.cmp_prompt.strip():
                 raise ValueError("The prompt is empty.")

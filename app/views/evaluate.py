@@ -15,6 +15,7 @@ import common
 from jlens_core.corpus import BUILTIN_CORPUS, load_corpus
 from jlens_core.reading.evaluation import evaluate
 from jlens_core.reading.passk import EVAL_SETS, load_eval_set, macro_mean, pass_at_k
+from jlens_core.workspace import sanitise_filename
 
 ss = st.session_state
 ctx = common.require_model()
@@ -34,8 +35,8 @@ def _key(*parts) -> str:
 
 def _uploaded_items(upload) -> list[dict]:
     """An uploaded set, read by :func:`load_eval_set` from a temporary file of the same suffix."""
-    suffix = Path(upload.name).suffix.lower()
-    with tempfile.NamedTemporaryFile("wb", suffix=suffix, delete=False) as f:
+    suffix = Path(sanitise_filename(upload.name)).suffix.lower()
+    with tempfile.NamedTemporaryFile("wb", suffix=suffix, delete=False, dir=common.uploads_dir()) as f:
         f.write(upload.getvalue())
     try:
         return load_eval_set(f.name)
@@ -75,8 +76,8 @@ def _texts() -> list[str]:
         return texts[:n]
     if upload is None:
         raise ValueError("Upload a .txt or .jsonl file first.")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / Path(upload.name).name
+    with tempfile.TemporaryDirectory(dir=common.uploads_dir()) as tmp:
+        path = Path(tmp) / sanitise_filename(upload.name, "texts.txt")
         path.write_bytes(upload.getvalue())
         return load_corpus(str(path), n=n, min_chars=int(min_chars))
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import streamlit as st
 
@@ -26,8 +25,15 @@ root = common.runs_dir()
 
 st.title("Fit a Jacobian lens")
 st.caption("The fit runs as a separate `jlens fit` process: the app stays responsive, a crash of the fit cannot "
-           "take the server down, and a running fit survives a browser reload. Runs are kept in "
-           f"`{root}` (set `JLENS_RUNS_DIR` to move them).")
+           "take the server down, and a running fit survives a browser reload and a restart of the app (Resume "
+           f"continues it from its checkpoint). Runs are kept in `{root}` (`jlens app --workspace` moves them); "
+           "every path typed here must lie in the workspace.")
+limit = common.max_fits()
+running = [r.name for r in runs.list_runs(root) if r.state in runs.ACTIVE]
+full = len(running) >= limit
+if full:
+    st.info(f"{len(running)} of at most {limit} fits at once are running ({', '.join(running)}): a new fit can "
+            "start when one ends or is stopped (`jlens app --max-fits N` allows more).")
 
 # -- a new fit -----------------------------------------------------------------------------------------
 with st.expander("New fit", expanded=not runs.list_runs(root)):
@@ -47,10 +53,7 @@ with st.expander("New fit", expanded=not runs.list_runs(root)):
         upload = st.file_uploader("Corpus file", type=["txt", "jsonl"], key="fit_upload",
                                   help=".txt: one text per paragraph (blank lines between); .jsonl: a 'text' field")
         if upload is not None:
-            folder = root / "corpora"
-            folder.mkdir(parents=True, exist_ok=True)
-            corpus_path = folder / Path(upload.name).name
-            corpus_path.write_bytes(upload.getvalue())
+            corpus_path = common.save_upload(upload)
     elif source == "path":
         corpus_path = st.text_input("Corpus path or Hugging Face dataset", key="fit_corpus_path").strip() or None
     c1, c2, c3, c4 = st.columns(4)
@@ -66,17 +69,22 @@ with st.expander("New fit", expanded=not runs.list_runs(root)):
                                  help="stop once the max relative change stays below this for 5 prompts")
     checkpoint = c8.text_input("Checkpoint", "", key="fit_ckpt", placeholder="(in the run folder)")
     split = "fit" if source == "built-in" else "all"
-    if st.button("Start fit", type="primary", icon=":material/play_arrow:", disabled=ctx.model is None):
+    if st.button("Start fit", type="primary", icon=":material/play_arrow:", disabled=ctx.model is None or full):
         corpus = BUILTIN_CORPUS if source == "built-in" else (str(corpus_path) if corpus_path else None)
         if corpus is None:
             st.error("Choose a corpus file or path first.")
         else:
             with common.guard("Could not start the fit"):
-                run = runs.start(root, ss.fit_name, model=spec, corpus=corpus, n_prompts=int(n_prompts),
-                                 max_seq_len=int(max_seq_len), dim_batch=int(dim_batch), min_chars=int(min_chars),
-                                 split=split, layers=layers, target_layer=int(target),
-                                 checkpoint=checkpoint.strip() or None, stop_at_delta=float(stop_delta) or None,
-                                 device=ss.get("device"), dtype=ss.get("dtype"))
+                # Every path is checked before anything is created: a refused one leaves no folder or file.
+                corpus = common.confine_spec(corpus, "corpus path")
+                name = runs.clean_name(ss.fit_name)
+                ckpt = common.confine(checkpoint.strip(), "checkpoint", base=root / name) \
+                    if checkpoint.strip() else None
+                run = runs.start(root, name, model=common.confine_spec(spec, "model folder"), corpus=corpus,
+                                 n_prompts=int(n_prompts), max_seq_len=int(max_seq_len), dim_batch=int(dim_batch),
+                                 min_chars=int(min_chars), split=split, layers=layers, target_layer=int(target),
+                                 checkpoint=str(ckpt) if ckpt else None, stop_at_delta=float(stop_delta) or None,
+                                 device=ss.get("device"), dtype=ss.get("dtype"), max_active=limit)
                 ss.fit_run = run.name
                 del ss["fit_name"]
                 st.rerun()
@@ -89,8 +97,8 @@ followed_path = st.text_input("Follow a fit started elsewhere (its --out lens pa
 run = None
 if followed_path.strip():
     try:
-        run = runs.follow(followed_path.strip())
-    except FileNotFoundError as exc:
+        run = runs.follow(common.confine(followed_path.strip(), "followed lens path"))
+    except (FileNotFoundError, ValueError) as exc:
         st.error(str(exc))
 if run is None:
     if not all_runs:
@@ -118,7 +126,7 @@ if b2.button("Force stop", disabled=state not in runs.ACTIVE or run.followed, ic
 if b3.button("Resume", disabled=state not in ("stopped", "failed", "lost") or run.followed,
              icon=":material/play_arrow:"):
     with common.guard("Could not resume"):
-        runs.resume(run)
+        runs.resume(run, max_active=limit)
         st.rerun()
 if run.followed:  # a fit started elsewhere: its lens file, by path
     choice = {"lens_choice": "file", "lens_path": str(run.lens_path)}
