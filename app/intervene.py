@@ -15,7 +15,7 @@ import charts
 import common
 from jlens_core.interventions import Ablate, Steer, Swap
 from jlens_core.interventions.compare import compare_runs
-from jlens_core.interventions.directions import default_layers
+from jlens_core.interventions.read_directions import default_layers
 from jlens_core.reading.tokens import TokenDisplay, is_word_like
 
 OPS = {"swap": "Swap A → B", "steer": "Steer toward a token", "ablate": "Ablate a token"}

@@ -11,7 +11,7 @@ import torch
 from conftest import make_tiny
 
 from jlens_core import LogitLens
-from jlens_core.reading.edits import PositionRule, ResidualEdit
+from jlens_core.reading.edit_hooks import PositionRule, ResidualEdit
 from jlens_core.reading.generation import Generation, generate
 from jlens_core.reading.readings import most_common_tokens, read_prompt, record_residuals
 

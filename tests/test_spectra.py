@@ -1,4 +1,4 @@
-"""jlens_core.lenses.spectra, reading.directions, fitting.diagnostics: per-layer matrix statistics, spectra, decoded directions, fit diagnostics."""
+"""jlens_core.lenses.spectra, reading.singular_directions, fitting.diagnostics: per-layer matrix statistics, spectra, decoded directions, fit diagnostics."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from jlens_core.lenses.spectra import (
     matrix_stats,
     singular_values,
 )
-from jlens_core.reading.directions import DIRECTION_COLUMNS, top_directions
+from jlens_core.reading.singular_directions import DIRECTION_COLUMNS, top_directions
 
 
 def _lens(d=32, layers=(0, 1, 2), seed=0, **kwargs):

@@ -10,7 +10,7 @@ import common
 from jlens_core.fitting import diagnostics
 from jlens_core.lenses import spectra
 from jlens_core.models.loading import cache_dir
-from jlens_core.reading.directions import top_directions
+from jlens_core.reading.singular_directions import top_directions
 
 ss = st.session_state
 ctx = common.require_model()

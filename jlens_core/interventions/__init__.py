@@ -7,8 +7,8 @@ directions and see whether the model's output follows.
 Imports :mod:`jlens_core.models`, :mod:`jlens_core.lenses`, :mod:`jlens_core.reading` and the leaves.
 """
 
-from .directions import token_direction
-from .edits import Ablate, Steer, Swap
+from .lens_edits import Ablate, Steer, Swap
+from .read_directions import token_direction
 from .swap_success import SwapReport, load_swap_set, swap_success
 
 __all__ = ["Ablate", "Steer", "Swap", "SwapReport", "load_swap_set", "swap_success", "token_direction"]

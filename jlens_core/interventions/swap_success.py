@@ -8,7 +8,7 @@ An item names a prompt whose answer goes through an unstated concept (``source``
 
 An item is **eligible** when the model's clean greedy next token is a complete single-token spelling
 of ``answer`` (as written, lower-cased or capitalised, with or without a leading space). For each
-lens and ``alpha``, a :class:`~jlens_core.interventions.edits.Swap` of ``source -> replacement``
+lens and ``alpha``, a :class:`~jlens_core.interventions.lens_edits.Swap` of ``source -> replacement``
 (directions: the spelling with a leading space where one token stands for it) is applied at the
 chosen layers and every prompt position but the first; the item **succeeds** when the edited greedy
 next token spells ``swap_answer``. The swap success of a lens is the fraction of eligible items that
@@ -33,10 +33,10 @@ import torch
 
 from .._paths import ASSETS_DIR
 from ..lenses.lens import LogitLens
-from ..reading.edits import EditRunner
+from ..reading.edit_hooks import EditRunner
 from ..reading.tokens import spellings
-from .directions import check_layers, default_layers
-from .edits import MAX_ALPHA, Swap, random_directions
+from .lens_edits import MAX_ALPHA, Swap, random_directions
+from .read_directions import check_layers, default_layers
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ i.e. the matrix :meth:`~jlens_core.JacobianLens.matrix` returns):
 * ``stable_rank``: ``||J_l||_F^2 / s_1^2`` (at most the rank; robust to tiny singular values).
 
 Decoding the singular directions into tokens needs the token display, so it lives with the readings
-(:mod:`jlens_core.reading.directions`); the fit's per-prompt diagnostics live with the fit
+(:mod:`jlens_core.reading.singular_directions`); the fit's per-prompt diagnostics live with the fit
 (:mod:`jlens_core.fitting.diagnostics`).
 """
 

@@ -3,7 +3,7 @@
 :func:`generate` runs the model's own forward with a key/value cache, one new token per step:
 greedy at ``temperature=0`` (the same tokens as ``hf_model.generate(do_sample=False)``), else
 sampling from ``softmax(logits / temperature)`` with a seeded generator (reproducible). Residual
-edits (:mod:`jlens_core.reading.edits`) can be applied while it writes. The result,
+edits (:mod:`jlens_core.reading.edit_hooks`) can be applied while it writes. The result,
 a :class:`Generation`, goes straight into :func:`~jlens_core.reading.readings.read_prompt`, which
 reads prompt and continuation in one pass and marks each position ``prompt`` or ``generated``.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .edits import EditRunner
+from .edit_hooks import EditRunner
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def generate(model: Any, prompt: str | Iterable[int] | torch.Tensor, *, max_new_
         chat: wrap the prompt text in the model's chat template (``model.chat``) first.
         stop_at_eos: stop after the model writes an end-of-sequence token.
         top_k: next tokens kept per step in ``top_ids`` / ``top_probs``.
-        edits: residual edits applied while generating (:mod:`jlens_core.reading.edits`).
+        edits: residual edits applied while generating (:mod:`jlens_core.reading.edit_hooks`).
         progress: called after each token with a :class:`GenerationProgress`; returning ``True``
             stops generation there (``stop_reason="stopped"``), keeping what was generated.
 

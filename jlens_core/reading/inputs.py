@@ -16,7 +16,7 @@ import torch
 from ..layerspec import wrap_index
 from ..lenses.lens import LensFileError
 from ..models.recorder import ActivationRecorder
-from .edits import EditRunner
+from .edit_hooks import EditRunner
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def record_residuals(model: Any, input_ids: torch.Tensor, layers: Iterable[int],
     """One forward pass (no gradients) recording decoder-layer outputs.
 
     Records ``layers`` and the last layer (the model's output is ``unembed`` of it); the pass
-    stops right after the last layer. With ``edits`` (:mod:`jlens_core.reading.edits`) the
+    stops right after the last layer. With ``edits`` (:mod:`jlens_core.reading.edit_hooks`) the
     recorded residuals are those of the edited run (positions ``>= n_prompt`` count as generated).
 
     Returns:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .edits import check_edits
+from .edit_hooks import check_edits
 from .generation import Generation
 from .inputs import (
     as_lens_dict,
@@ -95,7 +95,7 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
             probabilities stay those of the full softmax and ranks stay over the full vocabulary.
         n_prompt: with token ids, how many of them are the prompt (the rest are marked ``generated``);
             taken from a ``Generation``; default: all of them.
-        edits: residual edits (:mod:`jlens_core.reading.edits`) applied during the forward pass: the
+        edits: residual edits (:mod:`jlens_core.reading.edit_hooks`) applied during the forward pass: the
             reading is of the edited stream, and "final" means the edited model's own output.
 
     Returns:
