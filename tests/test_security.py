@@ -263,3 +263,21 @@ def test_sigkill_of_jlens_app_leaves_no_server(tmp_path):
         for child in psutil.Process().children(recursive=True):
             if child.pid != proc.pid and "serve.py" in " ".join(child.cmdline()):
                 child.kill()
+
+
+@pytest.mark.slow
+def test_fits_started_from_the_app_are_kept_when_the_server_goes(tmp_path):
+    """Decided (docs/security.md): a fit runs in its own session, so neither the server's death nor a signal to the
+    server's process group reaches it; its status file and checkpoint let the next app list and resume it."""
+    import psutil
+    from app import runs
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    pid = runs._launch(folder, ["--model", "no-such-model-anywhere", "--corpus", "x.txt", "--out", "lens.safetensors"])
+    try:
+        assert os.getsid(pid) == pid != os.getsid(0)  # its own session and process group
+        assert os.getpgid(pid) != os.getpgid(0)
+    finally:
+        psutil.Process(pid).kill()
+        runs._PROCESSES.pop(pid).wait(10)
