@@ -129,8 +129,10 @@ def test_unfitted_layers_are_absent(model):
     assert read_prompt(model, lens, TEXT, layers=[1, 2, -1]).layers == [2, 3]
     with pytest.raises(ValueError, match="readable"):
         read_prompt(model, lens, TEXT, layers=[1])
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="layer 7 is out of range"):
         read_prompt(model, lens, TEXT, layers=[7])
+    with pytest.raises(ValueError, match="list of layers is empty"):
+        read_prompt(model, lens, TEXT, layers=[])
 
 
 def random_lens(model, layers, seed=0) -> JacobianLens:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..layerspec import wrap_index
+from ..layerspec import normalise_layers, wrap_index
 from ..lenses.lens import LensFileError
 from ..models.recorder import ActivationRecorder
 from .edit_hooks import EditRunner
@@ -59,18 +59,17 @@ def readable_layers(model: Any, lens: Any, layers: Iterable[int] | None = None) 
     out (logged), never read as a logit lens.
 
     Raises:
-        ValueError: an index outside ``[-n_layers, n_layers)``, or no readable layer remains.
+        ValueError: an index outside ``[-n_layers, n_layers)``, an empty ``layers``, or no readable
+            layer remains.
     """
     n = model.n_layers
     available = [layer for layer in lens.layers if 0 <= layer < n]
     if layers is None:
         chosen = available
     else:
-        wanted = set()
-        for layer in layers:
-            wanted.add(wrap_index(layer, n, f"layer {layer}"))
+        wanted = normalise_layers(layers, n, name="layer")
         chosen = [layer for layer in available if layer in wanted]
-        missing = sorted(wanted - set(chosen))
+        missing = sorted(set(wanted) - set(chosen))
         if missing:
             log.info("the %s lens has no layers %s; they are left out", getattr(lens, "kind", "?"), missing)
     if not chosen:

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .tokens import display_ids
+
 FRAME_COLUMNS = ("layer", "position", "token", "segment", "top_ids", "top_tokens", "top_probs", "entropy_bits",
                  "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank")
 GRID_STATS = ("entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank", "top1_prob")
@@ -129,8 +131,7 @@ class PromptReading:
 
     # -- strings -----------------------------------------------------------------------------------
     def _names(self, ids: Iterable[int]) -> list[str]:
-        n = len(self.vocab_strings)
-        return [self.vocab_strings[i] if 0 <= i < n else f"<id:{i}>" for i in (int(j) for j in ids)]
+        return display_ids(self.vocab_strings, ids)
 
     @property
     def position_tokens(self) -> list[str]:
