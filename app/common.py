@@ -27,7 +27,7 @@ from typing import Any
 
 import streamlit as st
 
-from jlens_core._paths import ASSETS_DIR
+from jlens_core.files import assets_dir, atomic_write
 from jlens_core.lenses.lens import JacobianLens, LensFileError, LogitLens
 from jlens_core.models.loading import DEFAULT_ALIASES, DEFAULT_MODEL, load_model
 from jlens_core.reading.generation import MAX_NEW_TOKENS
@@ -36,7 +36,7 @@ from jlens_core.workspace import Workspace, sanitise_filename
 log = logging.getLogger("jlens.app")
 
 APP_DIR = Path(__file__).resolve().parent
-ASSETS = ASSETS_DIR  # the checkout's assets/, or the installed package data
+ASSETS = assets_dir()  # the checkout's assets/, or the installed package data
 LENS_DIR = ASSETS / "lenses"
 EXAMPLES_FILE = ASSETS / "example_prompts.json"
 
@@ -594,8 +594,6 @@ def save_upload(upload, suffix: str | None = None) -> Path:
     The name is the content's digest and the upload's own name made safe (:func:`sanitise_filename`), so
     no name a browser sends can leave the folder; ``suffix`` replaces the name's suffix when given.
     """
-    from jlens_core._atomic import atomic_write
-
     data = upload.getvalue()
     digest = hashlib.sha256(data).hexdigest()[:16]
     name = sanitise_filename(upload.name, "upload")

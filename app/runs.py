@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jlens_core.cli.fit import sidecar
+from jlens_core.fitting.runfiles import diagnostics_path, status_path
 
 RUN_FILE = "run.json"
 LENS_FILE = "lens.safetensors"
@@ -94,11 +94,11 @@ class Run:
 
     @property
     def status_path(self) -> Path:
-        return sidecar(self.lens_path, "status.json")
+        return status_path(self.lens_path)
 
     @property
     def diagnostics_path(self) -> Path:
-        return sidecar(self.lens_path, "diagnostics.jsonl")
+        return diagnostics_path(self.lens_path)
 
     @property
     def log_path(self) -> Path:
@@ -161,7 +161,7 @@ def load_run(folder: str | os.PathLike) -> Run:
     folder = Path(folder)
     info = _read_json(folder / RUN_FILE)
     lens_path = Path(info.get("out") or folder / LENS_FILE)
-    return Run(folder=folder, info=info, status=_read_json(sidecar(lens_path, "status.json")), lens_path=lens_path)
+    return Run(folder=folder, info=info, status=_read_json(status_path(lens_path)), lens_path=lens_path)
 
 
 def follow(lens_path: str | os.PathLike) -> Run:
@@ -171,11 +171,11 @@ def follow(lens_path: str | os.PathLike) -> Run:
         FileNotFoundError: there is no status file next to that path.
     """
     lens_path = Path(lens_path).expanduser()
-    status_path = sidecar(lens_path, "status.json")
-    if not status_path.is_file():
-        raise FileNotFoundError(f"No fit status at {str(status_path)!r}: give the --out path of a `jlens fit`.")
+    status_file = status_path(lens_path)
+    if not status_file.is_file():
+        raise FileNotFoundError(f"No fit status at {str(status_file)!r}: give the --out path of a `jlens fit`.")
     return Run(folder=lens_path.parent, info={"name": lens_path.stem, "out": str(lens_path)},
-               status=_read_json(status_path), lens_path=lens_path)
+               status=_read_json(status_file), lens_path=lens_path)
 
 
 def list_runs(root: str | os.PathLike) -> list[Run]:

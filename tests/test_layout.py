@@ -1,4 +1,4 @@
-"""The package layout: dependencies between jlens_core's subpackages point one way (README, Layout).
+"""The package layout: dependencies between jlens_core's subpackages point one way (docs/development.md, Layout).
 
 Every import inside ``jlens_core`` is read with ``ast`` (relative and absolute, at module level or
 inside functions) and checked against the order below: a module may import its own subpackage, a
@@ -17,10 +17,11 @@ import pytest
 import jlens_core
 
 PACKAGE = Path(jlens_core.__file__).resolve().parent
+APP = PACKAGE.parent / "app"
 
 # Leaves: top-level modules that import nothing from jlens_core.
-LEAVES = {"_atomic", "_version", "_paths", "corpus", "layerspec"}
-RANKS = {"models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4, "plots": 4, "cli": 5}
+LEAVES = {"_atomic", "_version", "_paths", "corpus", "layerspec", "workspace"}
+RANKS = {"files": 1, "models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4, "plots": 4, "cli": 5}
 # The package's front door re-exports from everywhere; `python -m jlens_core` starts the CLI.
 EXEMPT = {"__init__", "__main__"}
 
@@ -80,8 +81,53 @@ def all_modules() -> list[Path]:
 
 
 def test_every_module_has_a_place_in_the_layout():
+    unplaced = []
     for path in all_modules():
-        place(module_name(path))
+        try:
+            group, _ = place(module_name(path))
+        except AssertionError as exc:
+            unplaced.append(str(exc))
+        else:
+            assert group in ({"jlens_core"} | set(RANKS) | LEAVES | EXEMPT), module_name(path)
+    assert not unplaced, "\n".join(unplaced)
+    with pytest.raises(AssertionError, match="not in the layout"):
+        place("jlens_core.no_such_module")
+
+
+def all_imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` for every import in the file (``from x import y`` gives ``x`` and ``x.y``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module))
+            found.extend((node.lineno, f"{node.module}.{a.name}") for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.extend((node.lineno, a.name) for a in node.names)
+    return found
+
+
+def test_no_module_in_jlens_core_imports_streamlit():
+    """The library never depends on the app's framework (README: the core never imports streamlit)."""
+    hits = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {mod}" for path in all_modules()
+            for line, mod in all_imports(path) if mod.split(".")[0] == "streamlit"]
+    assert not hits, "\n".join(hits)
+
+
+def private_or_cli(module: str) -> bool:
+    """Whether a ``jlens_core`` module path is private (a ``_`` part) or the command line's (``jlens_core.cli``)."""
+    parts = module.split(".")
+    return parts[0] == "jlens_core" and (any(p.startswith("_") for p in parts[1:]) or parts[1:2] == ["cli"])
+
+
+def test_the_app_imports_only_public_jlens_core_modules():
+    """``app/`` uses the library's public modules: no private ``_`` module, nothing from the CLI."""
+    files = sorted(p for p in APP.rglob("*.py") if "__pycache__" not in p.parts)
+    assert len(files) >= 10
+    hits = [f"{path.relative_to(APP.parent)}:{line} imports {mod}" for path in files
+            for line, mod in all_imports(path) if private_or_cli(mod)]
+    assert not hits, "\n".join(hits)
+    assert private_or_cli("jlens_core._paths") and private_or_cli("jlens_core.cli.fit.sidecar")
+    assert not private_or_cli("jlens_core.fitting.runfiles.sidecar") and not private_or_cli("jlens_core.files")
 
 
 def test_dependencies_point_one_way():

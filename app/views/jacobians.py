@@ -7,6 +7,7 @@ import streamlit as st
 
 import charts
 import common
+from jlens_core.files import atomic_write
 from jlens_core.fitting import diagnostics
 from jlens_core.lenses import spectra
 from jlens_core.models.loading import cache_dir
@@ -43,11 +44,14 @@ def _stats_and_spectra(_lens, lens_key: str) -> tuple[pd.DataFrame, dict]:
             pass  # rebuilt below
     stats, singular = spectra.layer_stats_and_spectra(_lens)
     if lens_key:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, **{f"stat_{c}": stats[c].to_numpy() for c in spectra.LAYER_STATS_COLUMNS},
-                 **{f"s_{layer}": s for layer, s in singular.items()})
-        tmp.replace(path)
+        arrays = {**{f"stat_{c}": stats[c].to_numpy() for c in spectra.LAYER_STATS_COLUMNS},
+                  **{f"s_{layer}": s for layer, s in singular.items()}}
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:  # a file object: np.savez would add ".npz" to a temporary name
+                np.savez(f, **arrays)
+
+        atomic_write(path, write)  # a unique temporary name: two sessions never write the same one
     return stats, singular
 
 

@@ -20,16 +20,10 @@ from pathlib import Path
 
 from .._atomic import atomic_write_text
 from ..fitting.methods import METHODS
+from ..fitting.runfiles import sidecar  # the run-file format, shared with the app
 from .main import CLIError, say
 
 log = logging.getLogger(__name__)
-
-
-def sidecar(out: str | os.PathLike, kind: str) -> Path:
-    """``lens.safetensors`` -> ``lens.<kind>`` (``diagnostics.jsonl``, ``status.json``, ``ckpt``)."""
-    out = Path(out)
-    stem = out.name[: -len(out.suffix)] if out.suffix else out.name
-    return out.with_name(f"{stem}.{kind}")
 
 
 class StopAtDelta:
