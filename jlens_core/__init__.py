@@ -15,21 +15,34 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
 
-# public name -> the module that defines it
+# public name -> the module that defines it (every name the README and docs/ import)
 _SOURCES = {
     "load_corpus": ".corpus",
+    "diff_dumps": ".debugging.diff",
+    "divergence_curve": ".debugging.diff",
+    "dump_hidden_states": ".debugging.dump",
     "PromptJacobian": ".fitting.estimator",
     "jacobian_for_prompt": ".fitting.estimator",
-    "resolve_layers": ".fitting.estimator",
     "valid_position_mask": ".fitting.estimator",
     "FitProgress": ".fitting.fit",
     "FitState": ".fitting.fit",
     "fit": ".fitting.fit",
+    "train_tuned_lens": ".fitting.tuning",
+    "compare_runs": ".interventions.compare",
+    "Ablate": ".interventions.lens_edits",
+    "Steer": ".interventions.lens_edits",
+    "Swap": ".interventions.lens_edits",
+    "token_direction": ".interventions.read_directions",
+    "SwapReport": ".interventions.swap_success",
+    "load_swap_set": ".interventions.swap_success",
+    "swap_success": ".interventions.swap_success",
+    "resolve_layers": ".layerspec",
     "JacobianLens": ".lenses.lens",
     "LensFileError": ".lenses.lens",
     "LogitLens": ".lenses.lens",
     "default_lens": ".lenses.shipped",
     "load_lens": ".lenses.shipped",
+    "TunedLens": ".lenses.tuned",
     "LAYOUTS": ".models.layouts",
     "ModelLayout": ".models.layouts",
     "DEFAULT_MODEL": ".models.loading",
@@ -37,22 +50,29 @@ _SOURCES = {
     "HFLensModel": ".models.model",
     "LensModel": ".models.model",
     "ActivationRecorder": ".models.recorder",
-    "EVAL_SETS": ".reading.passk",
     "evaluate": ".reading.evaluation",
+    "Generation": ".reading.generation",
+    "generate": ".reading.generation",
+    "EVAL_SETS": ".reading.passk",
     "load_eval_set": ".reading.passk",
     "pass_at_k": ".reading.passk",
-    "PromptReading": ".reading.readings",
-    "read_prompt": ".reading.readings",
-    "read_prompts": ".reading.readings",
+    "PromptReading": ".reading.prompt_reading",
+    "read_prompt": ".reading.reader",
+    "read_prompts": ".reading.reader",
+    "compare_readings": ".reading.summaries",
+    "difference": ".reading.summaries",
+    "most_common_tokens": ".reading.summaries",
 }
 
 __all__ = [
     "DEFAULT_MODEL",
     "EVAL_SETS",
     "LAYOUTS",
+    "Ablate",
     "ActivationRecorder",
     "FitProgress",
     "FitState",
+    "Generation",
     "HFLensModel",
     "JacobianLens",
     "LensFileError",
@@ -61,34 +81,62 @@ __all__ = [
     "ModelLayout",
     "PromptJacobian",
     "PromptReading",
+    "Steer",
+    "Swap",
+    "SwapReport",
+    "TunedLens",
+    "compare_readings",
+    "compare_runs",
     "default_lens",
+    "diff_dumps",
+    "difference",
+    "divergence_curve",
+    "dump_hidden_states",
     "evaluate",
     "fit",
+    "generate",
     "jacobian_for_prompt",
     "load_corpus",
     "load_eval_set",
     "load_lens",
     "load_model",
+    "load_swap_set",
+    "most_common_tokens",
     "pass_at_k",
     "read_prompt",
     "read_prompts",
     "resolve_layers",
+    "swap_success",
+    "token_direction",
+    "train_tuned_lens",
     "valid_position_mask",
 ]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from .corpus import load_corpus
-    from .fitting.estimator import PromptJacobian, jacobian_for_prompt, resolve_layers, valid_position_mask
+    from .debugging.diff import diff_dumps, divergence_curve
+    from .debugging.dump import dump_hidden_states
+    from .fitting.estimator import PromptJacobian, jacobian_for_prompt, valid_position_mask
     from .fitting.fit import FitProgress, FitState, fit
+    from .fitting.tuning import train_tuned_lens
+    from .interventions.compare import compare_runs
+    from .interventions.lens_edits import Ablate, Steer, Swap
+    from .interventions.read_directions import token_direction
+    from .interventions.swap_success import SwapReport, load_swap_set, swap_success
+    from .layerspec import resolve_layers
     from .lenses.lens import JacobianLens, LensFileError, LogitLens
     from .lenses.shipped import default_lens, load_lens
+    from .lenses.tuned import TunedLens
     from .models.layouts import LAYOUTS, ModelLayout
     from .models.loading import DEFAULT_MODEL, load_model
     from .models.model import HFLensModel, LensModel
     from .models.recorder import ActivationRecorder
     from .reading.evaluation import evaluate
+    from .reading.generation import Generation, generate
     from .reading.passk import EVAL_SETS, load_eval_set, pass_at_k
-    from .reading.readings import PromptReading, read_prompt, read_prompts
+    from .reading.prompt_reading import PromptReading
+    from .reading.reader import read_prompt, read_prompts
+    from .reading.summaries import compare_readings, difference, most_common_tokens
 
 
 def __getattr__(name: str) -> Any:
