@@ -1,5 +1,15 @@
-"""Reading prompts through lenses: ``tokens`` (how token ids are shown and words are spelled),
-``readings`` (:func:`read_prompt`: every layer x position), ``evaluation`` (per-layer KL / CE over a
-corpus, pass@k), ``directions`` (singular directions of ``J_l`` decoded into tokens). Imports
-:mod:`jlens_core.models`, :mod:`jlens_core.lenses` and the leaves; never :mod:`jlens_core.fitting`.
+"""Reading prompts through lenses (docs/method.md §6).
+
+* ``tokens``: how token ids are shown and words are spelled;
+* ``reader`` (:func:`read_prompt`, :func:`read_prompts`: every layer x position), built from
+  ``inputs`` (lenses, layers, positions, residuals), ``logit_stats`` (entropy / KL / CE / rank
+  kernels), ``row_arrays`` (the arrays a reading fills, chunk by chunk), ``openmp_workers`` (the
+  per-thread pool) and ``prompt_reading`` (:class:`PromptReading`, the result); ``readings``
+  re-exports their public names;
+* ``summaries``: most common tokens, two readings compared;
+* ``generation``, ``edit_hooks``: continuations, and the edits a reading can run under;
+* ``evaluation`` (per-layer KL / CE over a corpus), ``passk`` (pass@k);
+* ``singular_directions``: singular directions of ``J_l`` decoded into tokens.
+
+Imports :mod:`jlens_core.models`, :mod:`jlens_core.lenses` and the leaves; never :mod:`jlens_core.fitting`.
 """
