@@ -141,6 +141,23 @@ def test_jlens_app_binds_loopback_and_sets_the_upload_limit_by_default(capsys):
     assert "--server.address 127.0.0.1" in out and "--server.maxUploadSize 512" in out
 
 
+@pytest.mark.parametrize("extra", [["--server.address", "0.0.0.0"], ["--server.address=0.0.0.0"],
+                                   ["--theme.base", "dark", "--server.port", "80"], ["--server.enableCORS", "false"],
+                                   ["--server.enableXsrfProtection=false"], ["--server.maxUploadSize", "99999"],
+                                   ["--browser.serverAddress", "example.org"]])
+def test_jlens_app_refuses_exposure_options_after_the_double_dash(extra, capsys):
+    """Options after ``--`` reach Streamlit last (its value wins): those that expose the server are refused."""
+    from jlens_core.cli.main import main
+
+    assert main(["app", "--print-command", "--", *extra]) == 2
+    captured = capsys.readouterr()
+    name = next(x for x in extra if x.startswith(("--server.", "--browser."))).split("=")[0]
+    assert captured.out == "" and f"{name} after `--` would bypass" in captured.err
+    assert main(["app", "--print-command", "--", "--theme.base", "dark"]) == 0  # any other option passes
+    assert capsys.readouterr().out.rstrip().endswith("--server.address 127.0.0.1 --server.maxUploadSize 512 "
+                                                     "--browser.gatherUsageStats false --theme.base dark")
+
+
 def test_server_env_token_rules(tmp_path, monkeypatch):
     import argparse
 
@@ -270,6 +287,7 @@ def test_fits_started_from_the_app_are_kept_when_the_server_goes(tmp_path):
     """Decided (docs/security.md): a fit runs in its own session, so neither the server's death nor a signal to the
     server's process group reaches it; its status file and checkpoint let the next app list and resume it."""
     import psutil
+
     from app import runs
 
     folder = tmp_path / "run"

@@ -2,7 +2,8 @@
 
 The app lives in ``app/`` next to this package in a source checkout (``pip install -e .``). Common
 Streamlit options (``--server.port 8502``, ``--server.headless true``, ...) are passed through as
-they are; any other Streamlit option goes after ``--``.
+they are; any other Streamlit option goes after ``--``, except those that decide who can reach the
+server (:data:`EXPOSURE_OPTIONS`, refused there).
 
 Safe by default (``docs/security.md``): the server binds 127.0.0.1; listening beyond loopback
 (``--address``) needs a token (generated and printed once, or ``--token`` / ``JLENS_APP_TOKEN``)
@@ -42,6 +43,10 @@ PASSTHROUGH = ("server.port", "server.address", "server.headless", "server.baseU
                "server.fileWatcherType", "server.runOnSave", "server.enableCORS", "server.enableXsrfProtection",
                "browser.gatherUsageStats", "browser.serverAddress", "browser.serverPort", "theme.base",
                "logger.level", "client.toolbarMode")
+# Streamlit options that decide who can reach the server: refused after `--`, where they would bypass the
+# loopback bind and the token rule (jlens's own --address, --port and the options above are checked).
+EXPOSURE_OPTIONS = ("server.address", "server.port", "server.enableCORS", "server.enableXsrfProtection",
+                    "server.maxUploadSize", "browser.serverAddress")
 
 
 def app_script() -> Path:
@@ -84,7 +89,24 @@ def streamlit_command(args: argparse.Namespace) -> list[str]:
     extra = list(args.extra or [])
     if extra[:1] == ["--"]:
         extra = extra[1:]
+    refuse_exposure_options(extra)
     return cmd + extra
+
+
+def refuse_exposure_options(extra: list[str]) -> None:
+    """Refuse an :data:`EXPOSURE_OPTIONS` option among the Streamlit options given after ``--``.
+
+    Streamlit takes the last value of a repeated option, so ``-- --server.address 0.0.0.0`` would
+    override the address the token rule was decided for.
+
+    Raises:
+        CLIError: one of them is there (``--name value`` or ``--name=value``).
+    """
+    for item in extra:
+        name = item[2:].split("=", 1)[0] if item.startswith("--") else ""
+        if name in EXPOSURE_OPTIONS:
+            raise CLIError(f"--{name} after `--` would bypass jlens's loopback and token checks: use "
+                           f"jlens app's own --address, --port or --{name} before `--` (docs/security.md).")
 
 
 class _Option(argparse.Action):
