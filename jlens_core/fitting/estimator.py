@@ -32,12 +32,13 @@ Jacobian.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..layerspec import resolve_layers  # re-exported: its old home, imported by others
+from ..models.model import LensModel
 from ..models.recorder import ActivationRecorder
 from .fused import FusedMismatchError, fused_jacobians, fused_unsupported_reason, sliding_window_shorter_than
 from .methods import METHODS
@@ -78,7 +79,7 @@ def valid_position_mask(seq_len: int, skip_first: int = 16) -> torch.Tensor:
     return mask
 
 
-def prompt_ids(model, prompt, max_seq_len: int) -> torch.Tensor:
+def prompt_ids(model: LensModel, prompt: str | Sequence[int] | torch.Tensor, max_seq_len: int) -> torch.Tensor:
     """Text (tokenized by ``model.encode``) or ids, truncated to ``max_seq_len``: ``LongTensor[1, seq]``."""
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len={max_seq_len} must be at least 2.")
@@ -92,7 +93,7 @@ def prompt_ids(model, prompt, max_seq_len: int) -> torch.Tensor:
     return ids[:, :max_seq_len].to(model.device)
 
 
-def auto_dim_batch(model, n_valid: int, n_layers_backward: int, *, fraction: float = 0.5,
+def auto_dim_batch(model: LensModel, n_valid: int, n_layers_backward: int, *, fraction: float = 0.5,
                    cap: int = 256, fused: bool = False) -> int:
     """A ``dim_batch`` that fits in free accelerator memory (``"auto"``); 16 on the CPU.
 
@@ -144,7 +145,7 @@ def _plain_kv_cache(cache) -> str | None:
     return None
 
 
-def _prefix_cache_usable(model, ids: torch.Tensor, target: int, skip_first: int) -> bool:
+def _prefix_cache_usable(model: LensModel, ids: torch.Tensor, target: int, skip_first: int) -> bool:
     """Whether the causal shortcuts are exact on ``model`` (decided once per model object).
 
     The shortcuts are: the prefix ``[0, skip_first)`` handed over as a key/value cache and the last
@@ -155,7 +156,7 @@ def _prefix_cache_usable(model, ids: torch.Tensor, target: int, skip_first: int)
     model whose residuals at ``V`` depend on the last token (a sparse-attention indexer that is not
     causal): the estimator then runs the whole prompt with the graph.
     """
-    usable = getattr(model, "_jlens_prefix_cache", None)
+    usable = getattr(model, "_jlens_prefix_cache", None)  # memo _remember set on the object, if any
     if usable is not None:
         return usable
     seq_len = ids.shape[1]
@@ -184,13 +185,13 @@ def _prefix_cache_usable(model, ids: torch.Tensor, target: int, skip_first: int)
         reason = f"the cached path fails ({type(exc).__name__}: {exc})"
     if reason is not None:
         log.info("%s: the whole prompt runs with the graph (no prefix cache): %s.",
-                 getattr(model, "name", model), reason)
+                 model.name, reason)
     _remember(model, "_jlens_prefix_cache", reason is None)
     return reason is None
 
 
-def _forward_suffix(model, ids: torch.Tensor, sources: list[int], target: int, skip_first: int,
-                    batch: int):
+def _forward_suffix(model: LensModel, ids: torch.Tensor, sources: list[int], target: int, skip_first: int,
+                    batch: int) -> tuple[dict[int, torch.Tensor], int]:
     """Prefix without grad as a cache, then ``V`` with a graph from the lowest source layer up.
 
     Where those shortcuts are not exact (:func:`_prefix_cache_usable`), the whole prompt runs with
@@ -217,27 +218,27 @@ def _forward_suffix(model, ids: torch.Tensor, sources: list[int], target: int, s
     return rec.activations, 0
 
 
-def _fused_usable(model) -> bool:
+def _fused_usable(model: LensModel) -> bool:
     """Whether ``method="auto"`` takes the fused path on ``model`` (decided once per model object)."""
-    usable = getattr(model, "_jlens_fused_usable", None)
+    usable = getattr(model, "_jlens_fused_usable", None)  # memo _remember set on the object, if any
     if usable is None:
         reason = fused_unsupported_reason(model)
         usable = reason is None
         if not usable:
             log.info("method='auto': autograd ('batched') for %s: the fused backward does not apply (%s).",
-                     getattr(model, "name", model), reason)
+                     model.name, reason)
         _remember(model, "_jlens_fused_usable", usable)
     return usable
 
 
-def _remember(model, attr: str, value) -> None:
+def _remember(model: LensModel, attr: str, value: bool) -> None:
     try:
         setattr(model, attr, value)
     except AttributeError:  # an object without a __dict__: decide again next time
         pass
 
 
-def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = None,
+def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Tensor, *, source_layers: Iterable[int] | None = None,
                         target_layer: int | None = None, dim_batch: int | str = 8, max_seq_len: int = 128,
                         skip_first: int = 16, method: str = "auto") -> PromptJacobian:
     """The per-prompt Jacobians ``{l: J_l}`` of docs/method.md §2.
@@ -276,16 +277,18 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
     jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
     auto = method == "auto"
     if auto:  # the fused path does not take a sliding window shorter than the prompt
-        short_window = sliding_window_shorter_than(getattr(model, "config", None), seq_len)
+        short_window = sliding_window_shorter_than(model.config, seq_len)
         method = "fused" if _fused_usable(model) and not short_window else "batched"
-    fallback_dim_batch = dim_batch  # autograd (a fallback below) holds more per row than the fused path
-    if dim_batch == "auto":
-        fallback_dim_batch = auto_dim_batch(model, n_valid, target - sources[0])
-        dim_batch = (auto_dim_batch(model, n_valid, target - sources[0], fused=True) if method == "fused"
-                     else fallback_dim_batch)
+    if isinstance(dim_batch, str):  # "auto" (checked above)
+        # autograd (a fallback below) holds more per row than the fused path
+        fallback_rows = auto_dim_batch(model, n_valid, target - sources[0])
+        rows_per_pass = (auto_dim_batch(model, n_valid, target - sources[0], fused=True) if method == "fused"
+                         else fallback_rows)
+    else:
+        fallback_rows = rows_per_pass = dim_batch
     if method == "fused":
         try:
-            jacobians = fused_jacobians(model, ids, sources, target, skip_first, dim_batch)
+            jacobians = fused_jacobians(model, ids, sources, target, skip_first, rows_per_pass)
             return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid)
         except FusedMismatchError as exc:
             if not auto:
@@ -293,11 +296,11 @@ def jacobian_for_prompt(model, prompt, *, source_layers: Iterable[int] | None = 
             # Warned once: autograd from now on for this model object.
             log.warning("%s Falling back to autograd ('batched').", exc)
             _remember(model, "_jlens_fused_usable", False)
-            method, dim_batch = "batched", fallback_dim_batch
+            method, rows_per_pass = "batched", fallback_rows
 
-    acts, off = _forward_suffix(model, ids, sources, target, skip_first, 1) if method == "batched" else (None, 0)
-    for start in range(0, d, dim_batch):
-        rows = range(start, min(start + dim_batch, d))
+    acts, off = _forward_suffix(model, ids, sources, target, skip_first, 1) if method == "batched" else ({}, 0)
+    for start in range(0, d, rows_per_pass):
+        rows = range(start, min(start + rows_per_pass, d))
         if method == "batched":
             h_target = acts[target][:, off: off + n_valid]  # [1, n_valid, d]
             cot = _one_hot_cotangents(rows, 1, n_valid, d, h_target)  # [k, 1, n_valid, d]

@@ -14,6 +14,7 @@ import torch
 
 from .._atomic import atomic_write
 from ..lenses.lens import JacobianLens
+from ..models.model import LensModel
 from .estimator import METHODS, jacobian_for_prompt, resolve_layers
 from .resume import check_same_settings, prompts_digest
 
@@ -124,7 +125,7 @@ def write_checkpoint(path: str | os.PathLike, state: FitState, settings: dict, d
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
 
-def checkpoint_from_lens(lens, prompts: Sequence, path: str | os.PathLike) -> int:
+def checkpoint_from_lens(lens: JacobianLens, prompts: Sequence, path: str | os.PathLike) -> int:
     """Write a checkpoint that resumes a fit from a saved lens (one whose checkpoint was lost).
 
     The fp64 sums are ``lens.n_prompts * J_l`` from the lens, so a lens stored in fp16 carries its
@@ -219,7 +220,7 @@ class _FitRun:
     meet every ``checkpoint_every`` steps and at the end. ``world`` is :class:`World` or :class:`_OneProcess`.
     """
 
-    def __init__(self, model, prompts: Sequence, settings: dict, estimator: dict, *, world: World | _OneProcess,
+    def __init__(self, model: LensModel, prompts: Sequence, settings: dict, estimator: dict, *, world: World | _OneProcess,
                  checkpoint_path: str | os.PathLike | None, checkpoint_every: int,
                  progress: Callable[[FitProgress], None] | None,
                  should_stop: Callable[[FitState], str | None] | None) -> None:
@@ -368,7 +369,7 @@ def _check_fit_settings(*, checkpoint_every: int, method: str, dim_batch: int | 
         raise ValueError(f"max_seq_len={max_seq_len} must be at least 2.")
 
 
-def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None, target_layer: int | None = None,
+def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | None = None, target_layer: int | None = None,
         dim_batch: int | str = 8, max_seq_len: int = 128, skip_first: int = 16,
         checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 1, resume: bool = True,
         progress: Callable[[FitProgress], None] | None = None,
@@ -402,7 +403,7 @@ def fit(model, prompts: Sequence, *, source_layers: Sequence[int] | None = None,
                         skip_first=skip_first, max_seq_len=max_seq_len)
     settings = {"source_layers": sources, "target_layer": target, "skip_first": skip_first,
                 "max_seq_len": max_seq_len, "model_name": model.name,
-                "model_fingerprint": model.fingerprint() if hasattr(model, "fingerprint") else None}
+                "model_fingerprint": model.fingerprint()}
     estimator = {"dim_batch": dim_batch, "max_seq_len": max_seq_len, "skip_first": skip_first, "method": method}
     run = _FitRun(model, prompts, settings, estimator, world=world if world is not None else _OneProcess(),
                   checkpoint_path=checkpoint_path, checkpoint_every=checkpoint_every, progress=progress,

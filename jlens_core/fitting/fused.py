@@ -30,11 +30,13 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..models.layouts import get_path
+from ..models.model import LensModel, weight_of
 from ..models.recorder import ActivationRecorder
 
 log = logging.getLogger(__name__)
@@ -71,17 +73,19 @@ class LayerCoefficients:
     keys_scaled: torch.Tensor  # [Hkv, S, hd]  rotated keys * softmax scale
     queries_scaled: torch.Tensor  # [Hkv, rep * n, hd]  rotated valid queries * softmax scale
     values_t: torch.Tensor  # [Hkv, hd, S]
-    layer: nn.Module
+    # A Llama-layout decoder layer: its parts are found by name (checked by fused_unsupported_reason),
+    # so they are typed Any rather than through nn.Module's ``Tensor | Module`` attribute type.
+    layer: Any
 
 
-def fused_unsupported_reason(model) -> str | None:
+def fused_unsupported_reason(model: LensModel) -> str | None:
     """Why the fused backward cannot run on ``model`` (``None`` when it can).
 
     Checks the family (``config.model_type`` in :data:`FUSED_MODEL_TYPES`), the activation
     (SiLU), the rotary-embedding module, that the weights sit on one device (not
     ``device_map="auto"``), and the module names of every decoder layer.
     """
-    config = getattr(model, "config", None)
+    config = model.config
     model_type = getattr(config, "model_type", None)
     if model_type not in FUSED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {FUSED_MODEL_TYPES}"
@@ -90,10 +94,9 @@ def fused_unsupported_reason(model) -> str | None:
         return f"hidden_act {act!r} is not 'silu'"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
-    if getattr(getattr(model, "base", None), "rotary_emb", None) is None:
+    if getattr(model.base, "rotary_emb", None) is None:  # a module of the family's own code
         return "no rotary_emb module on the decoder stack"
-    hf_model = getattr(model, "hf_model", None)
-    if hf_model is not None and len({p.device for p in hf_model.parameters()}) > 1:
+    if len({p.device for p in model.hf_model.parameters()}) > 1:
         return "the model is spread over several devices"
     for i, layer in enumerate(model.layers):
         for path in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
@@ -103,7 +106,7 @@ def fused_unsupported_reason(model) -> str | None:
     return None
 
 
-def sliding_window_shorter_than(config, seq_len: int) -> bool:
+def sliding_window_shorter_than(config: Any, seq_len: int) -> bool:
     """Whether ``config`` has a sliding attention window shorter than ``seq_len`` tokens (the fused
     backward attends to every earlier position, so it cannot run there)."""
     window = getattr(config, "sliding_window", None)
@@ -112,18 +115,20 @@ def sliding_window_shorter_than(config, seq_len: int) -> bool:
     return int(window) < seq_len
 
 
-def _rms_coefficients(x: torch.Tensor, norm: nn.Module, dtype: torch.dtype):
+def _rms_coefficients(x: torch.Tensor, norm: nn.Module, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """RMSNorm forward of ``x`` [m, d] and the backward coefficients (A, B, C) of its rows."""
-    eps = getattr(norm, "variance_epsilon", None)
+    eps: float | None = getattr(norm, "variance_epsilon", None)
     if eps is None:
         eps = getattr(norm, "eps", 1e-6)
     xf = x.float()
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [m, 1]
-    weight = norm.weight.float()
-    normed = norm.weight * (xf * r).to(x.dtype)
+    gain = weight_of(norm)
+    weight = gain.float()
+    normed = gain * (xf * r).to(x.dtype)
     d = x.shape[-1]
-    coefficients = (weight * r, weight * xf, xf * r.pow(3) / d)
-    return normed, tuple(c.to(dtype) for c in coefficients)
+    a, b, c = (weight * r, weight * xf, xf * r.pow(3) / d)
+    return normed, (a.to(dtype), b.to(dtype), c.to(dtype))
 
 
 def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
@@ -145,8 +150,8 @@ def _rotate_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return out
 
 
-def _layer_forward(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, skip: int,
-                   config) -> tuple[torch.Tensor, LayerCoefficients]:
+def _layer_forward(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, skip: int,
+                   config: Any) -> tuple[torch.Tensor, LayerCoefficients]:
     """Re-run one decoder layer on ``x`` [S, d]; return its output at the valid positions [n, d]."""
     dtype = x.dtype
     attn, mlp = layer.self_attn, layer.mlp
@@ -205,7 +210,7 @@ class PreparedPrompt:
     head_dim: int
 
 
-def prepare_layers(model, ids: torch.Tensor, lowest_source: int, target: int, skip_first: int,
+def prepare_layers(model: LensModel, ids: torch.Tensor, lowest_source: int, target: int, skip_first: int,
                    rtol: float | None = None) -> PreparedPrompt:
     """Forward pass of ``ids`` [1, seq] with the coefficients of layers ``lowest_source + 1 .. target``.
 
@@ -234,7 +239,7 @@ def prepare_layers(model, ids: torch.Tensor, lowest_source: int, target: int, sk
                                              stop_after=target) as rec:
         model.run_with_cache(ids[:, :S])
     resid = {j: h[0] for j, h in rec.activations.items()}  # {j: [S, d]}
-    base = model.base
+    base: Any = model.base  # a Llama-layout stack: rotary_emb found by name (fused_unsupported_reason)
     x0 = resid[lowest_source]
     positions = torch.arange(S, device=x0.device)[None]
     cos, sin = base.rotary_emb(x0[None], positions)
@@ -316,6 +321,8 @@ def backward_layer(prep: PreparedPrompt, j: int, grad: torch.Tensor | None, rows
     """
     c = prep.layers[j]
     if grad is None:
+        if rows is None:
+            raise ValueError("backward_layer needs the rows of the one-hot cotangents when grad is None.")
         k, n, d = len(rows), prep.n_valid, c.a1.shape[-1]
         index = torch.tensor(list(rows), device=c.a1.device)
         u = c.layer.mlp.down_proj.weight[index][:, None, :].expand(k, n, -1)  # [k, n, ff]
@@ -373,7 +380,7 @@ def _available_bytes(device: torch.device) -> int:
         return 0
 
 
-def use_layer_major(model, n_valid: int, fraction: float = 0.25) -> bool:
+def use_layer_major(model: LensModel, n_valid: int, fraction: float = 0.25) -> bool:
     """Whether :func:`layer_major_bytes` fits in ``fraction`` of the free memory of ``model``'s device
     (RAM on the CPU). Both orders give the same Jacobian; the layer-major one needs fewer FLOPs."""
     d_ff = model.config.intermediate_size
@@ -409,7 +416,7 @@ def _layer_major_jacobians(prep: PreparedPrompt, sources: list[int], target: int
     return jacobians
 
 
-def fused_jacobians(model, ids: torch.Tensor, sources: list[int], target: int, skip_first: int,
+def fused_jacobians(model: LensModel, ids: torch.Tensor, sources: list[int], target: int, skip_first: int,
                     dim_batch: int, rtol: float | None = None,
                     layer_major: bool | None = None) -> dict[int, torch.Tensor]:
     """``{l: J_l}`` (fp32, CPU, ``[d, d]``) for one prompt ``ids`` [1, seq], by the analytic backward.

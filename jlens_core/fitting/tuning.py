@@ -34,6 +34,7 @@ import torch
 from .._atomic import atomic_write
 from ..layerspec import normalise_layers
 from ..lenses.tuned import TunedLens
+from ..models.model import LensModel
 from ..models.recorder import ActivationRecorder
 from .resume import check_same_settings, prompts_digest
 
@@ -77,7 +78,7 @@ class _Stream:
         return sum(self.lengths)
 
 
-def _build_stream(model: Any, texts: Sequence[str], max_seq_len: int, skip_first: int) -> _Stream:
+def _build_stream(model: LensModel, texts: Sequence[str], max_seq_len: int, skip_first: int) -> _Stream:
     ids, lengths = [], []
     for text in texts:
         encoded = model.encode(text, max_length=max_seq_len)  # [1, seq]
@@ -93,7 +94,7 @@ def _build_stream(model: Any, texts: Sequence[str], max_seq_len: int, skip_first
     return stream
 
 
-def _record(model: Any, ids: torch.Tensor, layers: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+def _record(model: LensModel, ids: torch.Tensor, layers: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Residuals ``{layer: [seq, d]}`` and the final log-probabilities ``[seq, vocab]`` (fp32), no grad."""
     top = model.n_layers - 1
     with torch.no_grad(), ActivationRecorder(model.layers, sorted(set(layers) | {top}), stop_after=top) as rec:
@@ -104,7 +105,7 @@ def _record(model: Any, ids: torch.Tensor, layers: list[int]) -> tuple[dict[int,
     return resid, final
 
 
-def _batch(model: Any, stream: _Stream, step: int, tokens_per_step: int, layers: list[int], skip_first: int
+def _batch(model: LensModel, stream: _Stream, step: int, tokens_per_step: int, layers: list[int], skip_first: int
            ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Step ``step``'s tokens: residuals ``{layer: [T, d]}`` and final log-probs ``[T, vocab]``."""
     start = step * tokens_per_step
@@ -133,7 +134,7 @@ def _kl_nats(final_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return (final_logp.exp() * (final_logp - logp)).sum(-1).mean()
 
 
-def heldout_kl(model: Any, lens: TunedLens, texts: Sequence[str], *, max_seq_len: int = 128,
+def heldout_kl(model: LensModel, lens: TunedLens, texts: Sequence[str], *, max_seq_len: int = 128,
                skip_first: int = 16) -> dict[int, float]:
     """Mean ``KL(final || lens)`` per layer (bits) over the positions ``>= skip_first`` of ``texts``."""
     layers = lens.source_layers
@@ -155,7 +156,7 @@ def heldout_kl(model: Any, lens: TunedLens, texts: Sequence[str], *, max_seq_len
     return {layer: sums[layer] / count / LN2 for layer in layers}
 
 
-def train_tuned_lens(model: Any, texts: Sequence[str], *, layers: Sequence[int] | None = None, steps: int = 100,
+def train_tuned_lens(model: LensModel, texts: Sequence[str], *, layers: Sequence[int] | None = None, steps: int = 100,
                      tokens_per_step: int = 256, lr: float = 1e-3, warmup_steps: int = 5, max_seq_len: int = 128,
                      skip_first: int = 16, heldout_texts: Sequence[str] = (), heldout_every: int = 10,
                      checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 10,
@@ -234,7 +235,7 @@ class _TuneRun:
     """The training state: the translators ``A_l, b_l`` (from zero: the logit lens), Adam, the steps done
     and their history; written to and resumed from ``checkpoint_path`` (None: no checkpoint)."""
 
-    def __init__(self, model: Any, stream: _Stream, settings: dict[str, Any],
+    def __init__(self, model: LensModel, stream: _Stream, settings: dict[str, Any],
                  checkpoint_path: str | os.PathLike | None) -> None:
         self.model, self.stream, self.settings = model, stream, settings
         self.layers: list[int] = settings["layers"]

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import operator
 import os
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .._atomic import atomic_write
-from ..models.model import same_fingerprint
+from ..models.model import LensModel, same_fingerprint
+from .protocol import Lens
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +45,10 @@ class LogitLens:
         self.n_layers = int(n_layers)
         self.d_model = int(d_model)
         self.target_layer = self.n_layers - 1
+        self.settings: dict[str, Any] = {}  # nothing fitted: every position is read as it is
 
     @classmethod
-    def for_model(cls, model) -> LogitLens:
+    def for_model(cls, model: LensModel) -> LogitLens:
         return cls(model.n_layers, model.d_model)
 
     @property
@@ -51,9 +56,31 @@ class LogitLens:
         """Layers this lens can read, including the target (where every lens is the model output)."""
         return list(range(self.n_layers))
 
+    @property
+    def source_layers(self) -> list[int]:
+        """Every layer below the target."""
+        return list(range(self.target_layer))
+
     def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
         """Identity: ``[..., d_model] -> [..., d_model]``."""
         return h
+
+    def matrix(self, layer: int) -> torch.Tensor:
+        """``I``, fp32 ``[d_model, d_model]``.
+
+        Raises:
+            KeyError: ``layer`` outside ``0..n_layers - 1``.
+        """
+        if not 0 <= int(layer) < self.n_layers:
+            raise KeyError(f"The logit lens reads layers 0..{self.n_layers - 1}, not layer {layer}.")
+        return torch.eye(self.d_model)
+
+    def check_model(self, model: LensModel) -> None:
+        """Raise :class:`LensFileError` unless ``model`` has this lens's width and layer count."""
+        if self.d_model != model.d_model or self.n_layers != model.n_layers:
+            raise LensFileError(f"This {self.kind} lens is for a model with d_model={self.d_model} and "
+                                f"{self.n_layers} layers; {model.name!r} has d_model={model.d_model} and "
+                                f"{model.n_layers} layers. Use LogitLens.for_model(model).")
 
     def __repr__(self) -> str:
         return f"LogitLens(n_layers={self.n_layers}, d_model={self.d_model})"
@@ -104,7 +131,7 @@ class JacobianLens:
         self.diagnostics = list(diagnostics or [])
         self.stop_reason = stop_reason
         self.shrinkage = float(shrinkage)
-        self._device_cache: dict = {}
+        self._device_cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return (f"JacobianLens(model={self.model_name!r}, layers={self.source_layers[0]}..{self.source_layers[-1]}"
@@ -164,14 +191,13 @@ class JacobianLens:
             self._device_cache[key] = mat
         return h @ mat.T
 
-    def check_model(self, model) -> None:
+    def check_model(self, model: LensModel) -> None:
         """Raise :class:`LensFileError` if this lens was fitted for another model than ``model``."""
         if self.d_model != model.d_model or self.target_layer >= model.n_layers:
             raise LensFileError(f"This lens is for a model with d_model={self.d_model} and target layer "
                                 f"{self.target_layer} ({self.model_name!r}); {model.name!r} has "
                                 f"d_model={model.d_model} and {model.n_layers} layers.")
-        fp = model.fingerprint() if hasattr(model, "fingerprint") else None
-        if not same_fingerprint(self.model_fingerprint, fp):
+        if not same_fingerprint(self.model_fingerprint, model.fingerprint()):
             raise LensFileError(f"This lens was fitted on {self.model_name!r}, whose unembedding differs from "
                                 f"that of {model.name!r}: fit a lens for this model, or load its own lens.")
 
@@ -209,7 +235,7 @@ class JacobianLens:
         return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), shared=True)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, model=None) -> JacobianLens:
+    def load(cls, path: str | os.PathLike, *, model: LensModel | None = None) -> JacobianLens:
         """Read a lens written by :meth:`save`, or by the reference ``jlens`` library (``torch.save``).
 
         Args:
@@ -231,7 +257,7 @@ class JacobianLens:
 
     @classmethod
     def from_pretrained(cls, repo_or_path: str | os.PathLike, filename: str | None = None,
-                        revision: str | None = None, *, model=None) -> JacobianLens:
+                        revision: str | None = None, *, model: LensModel | None = None) -> JacobianLens:
         """A lens from a local file or folder, or from a Hugging Face Hub repository.
 
         Args:
@@ -343,7 +369,8 @@ class JacobianLens:
         total = sum(lens.n_prompts for lens in lenses)
         if total <= 0:
             raise ValueError("Cannot merge lenses that hold zero prompts.")
-        mats = {layer: sum(lens.jacobians[layer].double() * lens.n_prompts for lens in lenses).div(total).float()
+        mats = {layer: functools.reduce(operator.add, [lens.jacobians[layer].double() * lens.n_prompts
+                                                       for lens in lenses]).div(total).float()
                 for layer in first.source_layers}
         diagnostics = [rec for lens in lenses for rec in lens.diagnostics]
         settings = dict(first.settings, merged_from=len(lenses))
@@ -354,7 +381,7 @@ class JacobianLens:
                    diagnostics=diagnostics)
 
 
-def lens_layers(lens, layers: Iterable[int] | None = None) -> list[int]:
+def lens_layers(lens: Lens, layers: Iterable[int] | None = None) -> list[int]:
     """The readable layers of ``lens`` (optionally restricted to ``layers``), sorted."""
     available = lens.layers
     if layers is None:

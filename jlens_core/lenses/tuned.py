@@ -23,11 +23,12 @@ import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .._atomic import atomic_write
-from ..models.model import same_fingerprint
+from ..models.model import LensModel, same_fingerprint
 from .lens import LensFileError
 
 log = logging.getLogger(__name__)
@@ -73,10 +74,10 @@ class TunedLens:
         self.model_fingerprint = model_fingerprint
         self.settings = dict(settings or {})
         self.metrics = dict(metrics or {})
-        self._device_cache: dict = {}
+        self._device_cache: dict[tuple[int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
-    def zeros(cls, model, layers: Iterable[int] | None = None, **kwargs) -> TunedLens:
+    def zeros(cls, model: LensModel, layers: Iterable[int] | None = None, **kwargs: Any) -> TunedLens:
         """An untrained tuned lens for ``model`` (the logit lens), at ``layers`` (default: all sources)."""
         target = model.n_layers - 1
         chosen = range(target) if layers is None else sorted({int(x) for x in layers})
@@ -126,7 +127,7 @@ class TunedLens:
         a, b = cached
         return h + h @ a.T + b
 
-    def check_model(self, model) -> None:
+    def check_model(self, model: LensModel) -> None:
         """Raise :class:`LensFileError` if this lens was trained for another model than ``model``."""
         if self.d_model != model.d_model or self.target_layer >= model.n_layers:
             raise LensFileError(f"This tuned lens is for a model with d_model={self.d_model} and target layer "
@@ -165,7 +166,7 @@ class TunedLens:
         return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), shared=True)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, model=None) -> TunedLens:
+    def load(cls, path: str | os.PathLike, *, model: LensModel | None = None) -> TunedLens:
         """A tuned lens from a jlens ``.safetensors`` file or a tuned-lens folder (``config.json`` +
         ``params.pt``); with ``model``, checked against it.
 
@@ -212,7 +213,7 @@ class TunedLens:
                    settings=info.get("settings"), metrics=info.get("metrics"))
 
     @classmethod
-    def _load_tuned_lens_folder(cls, folder: Path, model) -> TunedLens:
+    def _load_tuned_lens_folder(cls, folder: Path, model: LensModel | None) -> TunedLens:
         config_path, params_path = folder / "config.json", folder / "params.pt"
         if not config_path.is_file() or not params_path.is_file():
             raise LensFileError(f"{str(folder)!r} is not a tuned-lens folder: it needs config.json and params.pt.")

@@ -11,6 +11,7 @@ stack and the head (a BERT-style prediction head).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -73,11 +74,14 @@ _NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", 
                "layernorm", "final_norm", "embedding_norm", "output_layernorm", "norm_out")
 
 
-def get_path(root: nn.Module, path: str | None):
-    """Resolve a dotted attribute path; ``None`` when any part is missing or ``None``."""
+def get_path(root: nn.Module, path: str | None) -> Any:
+    """Resolve a dotted attribute path; ``None`` when any part is missing or ``None``.
+
+    Returns ``Any``: a module, a module list or a parameter, as the path names (found by name).
+    """
     if path is None:
         return None
-    obj = root
+    obj: Any = root
     for part in path.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
@@ -158,7 +162,8 @@ def structural_layout(model: nn.Module) -> ModelLayout | None:
             final_norm = found
             break
     top = head_path.split(".")[0]
-    readout, pre_head = None, ()
+    readout: str | None = None
+    pre_head: tuple[str, ...] = ()
     if top != head_path and top != base_path.split(".")[0]:
         readout = top
     elif "." not in head_path:

@@ -131,7 +131,8 @@ def convert_gguf(gguf: Path, folder: Path, progress: Callable[[str], None] | Non
         say(f"Converting {gguf.name}: dequantizing weights...")
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         # The dequantized weights are plain fp32; drop the GGUF quantizer so they can be saved.
-        model.hf_quantizer = None
+        # transformers declares no hf_quantizer attribute, so mypy types it by nn.Module's __getattr__
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         say(f"Converting {gguf.name}: saving to the cache...")
@@ -155,7 +156,8 @@ def _load_folder(folder: Path, *, device: str, dtype: torch.dtype, local_only: b
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=local_only)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=local_only, **kwargs)
-    return (model if "device_map" in kwargs else model.to(device)), tokenizer
+    # ignored below: transformers' decorator on ``to`` is typed as if ``self`` were its first argument
+    return (model if "device_map" in kwargs else model.to(device)), tokenizer  # type: ignore[arg-type]
 
 
 def _load_gguf(gguf: Path, *, device: str, dtype: torch.dtype, progress=None):

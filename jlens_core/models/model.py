@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -44,6 +45,11 @@ _LOGIT_SCALE_OVERRIDES: dict[str, dict[str, str]] = {"hyperclovax": {"logits_sca
 _SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
 
 
+def weight_of(module: nn.Module) -> torch.Tensor:
+    """``module.weight``, typed as the tensor it is (``nn.Module.__getattr__`` is typed ``Tensor | Module``)."""
+    return cast(torch.Tensor, module.weight)
+
+
 def logit_scale_of(config: Any) -> float:
     """The constant the model multiplies its head's output by (1.0 for most families).
 
@@ -56,7 +62,7 @@ def logit_scale_of(config: Any) -> float:
     for field, op in _LOGIT_SCALES:
         value = getattr(config, field, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value:
-            op = _LOGIT_SCALE_OVERRIDES.get(model_type, {}).get(field, op)
+            op = _LOGIT_SCALE_OVERRIDES.get(str(model_type), {}).get(field, op)
             scale = scale * value if op == "mul" else scale / value
     return float(scale)
 
@@ -120,22 +126,77 @@ def _stream_readout(base: nn.Module, config: Any) -> StreamReadout | None:
 
 @runtime_checkable
 class LensModel(Protocol):
-    """What the estimator, the lenses and the analysis need of a model."""
+    """What the estimator, the lenses, the readings and the edits need of a model.
 
-    n_layers: int
-    d_model: int
-    name: str
+    :class:`HFLensModel` implements it; every public function that takes a model is typed against it.
+    Attributes are read-only here (a plain attribute implements each); see :class:`HFLensModel` for
+    what each holds.
+    """
+
+    @property
+    def n_layers(self) -> int: ...
+
+    @property
+    def d_model(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tokenizer(self) -> Any: ...  # a Hugging Face tokenizer (no common base class to name)
+
+    @property
+    def config(self) -> Any: ...  # the text config (a transformers PretrainedConfig)
+
+    @property
+    def hf_model(self) -> nn.Module: ...
+
+    @property
+    def layout(self) -> ModelLayout: ...
+
+    @property
+    def base(self) -> nn.Module: ...
+
+    @property
+    def embed(self) -> nn.Module: ...
+
+    @property
+    def final_norm(self) -> nn.Module | None: ...
+
+    @property
+    def pre_head(self) -> list[nn.Module]: ...
+
+    @property
+    def head(self) -> nn.Module: ...
+
+    @property
+    def stream_readout(self) -> StreamReadout | None: ...
 
     @property
     def layers(self) -> list[nn.Module]: ...
 
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
     def encode(self, text: str, max_length: int | None = None) -> torch.Tensor: ...
+
+    def decode(self, token_ids: int | Sequence[int] | torch.Tensor) -> str: ...
+
+    def chat(self, user: str, *, system: str | None = None, assistant_prefill: str | None = None) -> str: ...
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
-    def unembed(self, h: torch.Tensor) -> torch.Tensor: ...
+    def run_with_cache(self, input_ids: torch.Tensor, cache: Any = None, use_cache: bool = False) -> Any: ...
 
-    def decode(self, token_ids) -> str: ...
+    def unembed(self, h: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def fingerprint(self) -> dict: ...
 
 
 class HFLensModel:
@@ -163,7 +224,7 @@ class HFLensModel:
                  name: str | None = None) -> None:
         self.hf_model = hf_model
         self.tokenizer = tokenizer
-        config = getattr(hf_model, "config", None)
+        config: Any = getattr(hf_model, "config", None)  # a transformers config, or none on a bare module
         model_type = getattr(config, "model_type", None)
         if layout is None and model_type in UNSUPPORTED:
             raise UnsupportedModelError(f"{type(hf_model).__name__} cannot be read by a lens: "
@@ -206,7 +267,7 @@ class HFLensModel:
         set_stream_readout(self._layers, self.stream_readout)
         self.n_layers = len(self._layers)
         self.d_model = int(self._infer_d_model())
-        self.vocab_size = int(min(self.head.weight.shape[0], self.unpadded_vocab))
+        self.vocab_size = int(min(weight_of(self.head).shape[0], self.unpadded_vocab))
         self.name = name or getattr(config, "_name_or_path", None) or type(hf_model).__name__
         params = inspect.signature(self.base.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -216,7 +277,7 @@ class HFLensModel:
             value = getattr(self.config, attr, None)
             if isinstance(value, int):
                 return value
-        return int(self.head.weight.shape[1])
+        return int(weight_of(self.head).shape[1])
 
     def __repr__(self) -> str:
         return (f"HFLensModel({self.name!r}, layout={self.layout.name!r}, n_layers={self.n_layers}, "
@@ -230,11 +291,11 @@ class HFLensModel:
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return weight_of(self.embed).device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return weight_of(self.embed).dtype
 
     # -- text ----------------------------------------------------------------------------------
     def encode(self, text: str, max_length: int | None = None) -> torch.Tensor:
@@ -254,7 +315,7 @@ class HFLensModel:
             raise ValueError(f"The prompt {text[:40]!r} tokenizes to no tokens.")
         return ids.to(self.device)
 
-    def decode(self, token_ids) -> str:
+    def decode(self, token_ids: int | Sequence[int] | torch.Tensor) -> str:
         """Token ids (int, list or tensor) back to text."""
         if isinstance(token_ids, torch.Tensor):
             if token_ids.dim() == 2 and token_ids.shape[0] == 1:  # what encode returns
@@ -295,7 +356,7 @@ class HFLensModel:
         out = self.base(input_ids=input_ids, **kwargs)
         return out[0] if isinstance(out, tuple) else out.last_hidden_state
 
-    def run_with_cache(self, input_ids: torch.Tensor, cache=None, use_cache: bool = False):
+    def run_with_cache(self, input_ids: torch.Tensor, cache: Any = None, use_cache: bool = False) -> Any:
         """Run the base model on ``input_ids`` continuing from ``cache``; returns the new cache.
 
         Positions continue from the cache's length. Used by the estimator to run a prefix once
@@ -326,7 +387,7 @@ class HFLensModel:
         x = h.to(self.dtype)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        padded = self.unpadded_vocab < self.head.weight.shape[0]  # a head padded past the vocabulary (Inkling)
+        padded = self.unpadded_vocab < weight_of(self.head).shape[0]  # a head padded past the vocabulary (Inkling)
         if self.readout is not None:
             logits = self.readout(x)
             logits = logits[0] if isinstance(logits, (tuple, list)) else logits
@@ -334,7 +395,7 @@ class HFLensModel:
             for module in self.pre_head:
                 x = module(x)
             if out is not None and not padded and isinstance(self.head, nn.Linear) and self.head.bias is None:
-                logits = torch.matmul(x, self.head.weight.t(), out=out)  # straight into the caller's array
+                logits = torch.matmul(x, weight_of(self.head).t(), out=out)  # straight into the caller's array
             else:
                 logits = self.head(x)
         if padded:
@@ -352,7 +413,7 @@ class HFLensModel:
 
         Holds the head's shape and the L2 norms of its first 8 rows (compared with a tolerance).
         """
-        w = self.head.weight
+        w = weight_of(self.head)
         rows = w[: min(8, w.shape[0])].detach().float()
         return {"vocab_size": int(w.shape[0]), "d_model": self.d_model,
                 "row_norms": [round(float(x), 5) for x in rows.norm(dim=-1)]}
