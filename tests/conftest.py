@@ -147,13 +147,11 @@ def tokenizer():
 
 
 @pytest.fixture(scope="session")
-def tiny_llama():
-    return make_tiny("llama")
+def llama():
+    """The tiny llama of the session (``helpers.tiny("llama")``); tests that change a model build their own."""
+    from helpers import tiny
 
-
-@pytest.fixture
-def tiny_factory():
-    return make_tiny
+    return tiny("llama")
 
 
 LONG_TEXT = ("The quick brown fox jumps over the lazy dog while the capital of France is Paris and "

@@ -37,6 +37,7 @@ if __name__ == "__main__":  # run as a script: this checkout's jlens_core and th
                     os.path.dirname(os.path.abspath(__file__))]
 
 from conftest import LONG_TEXT, TINY_VOCAB, make_tokenizer
+from helpers import rel_frob
 
 from jlens_core import ActivationRecorder, HFLensModel, JacobianLens, jacobian_for_prompt, read_prompt
 from jlens_core.models.model import UnsupportedModelError
@@ -291,10 +292,6 @@ def definition(model: HFLensModel, ids: torch.Tensor, sources: list[int], target
     cot[torch.arange(d), :, torch.arange(d)] = 1
     grads = torch.autograd.grad(h_t, [deltas[i] for i in sources], grad_outputs=cot, is_grads_batched=True)
     return {i: g[:, 0, valid].sum(1).float() / len(valid) for i, g in zip(sources, grads)}
-
-
-def rel_frob(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 # -- one architecture ----------------------------------------------------------------------------

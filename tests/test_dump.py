@@ -24,11 +24,6 @@ def _n_hooks(model) -> int:
 
 
 @pytest.fixture(scope="module")
-def llama():
-    return make_tiny("llama")
-
-
-@pytest.fixture(scope="module")
 def base_dump(llama, tmp_path_factory):
     return dump_hidden_states(llama, PROMPT, tmp_path_factory.mktemp("dumps") / "base", ops="all")
 

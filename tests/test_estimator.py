@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import FAMILIES, LONG_TEXT, make_hf_model, make_tiny
+from helpers import rel_frob, tiny
 from torch import nn
 
 from jlens_core import (
@@ -39,10 +40,6 @@ SEQ = 14  # tokens per test prompt
 SKIP = 3  # a non-trivial skip_first
 DIM_BATCH = 5  # does not divide d_model = 32
 REL_TOL = 1e-5
-
-
-def rel_frob(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 # -- the definition, independently ----------------------------------------------------------------
@@ -93,11 +90,6 @@ def reduce_definition(full: torch.Tensor, seq_len: int, skip_first: int) -> torc
         for p_t in valid:
             out += full[p_t, :, p, :].double()
     return out / len(valid)
-
-
-@functools.cache
-def tiny(family: str):
-    return make_tiny(family)
 
 
 @functools.cache

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LONG_TEXT, make_tiny
+from conftest import LONG_TEXT
+from helpers import tiny
 
 from jlens_core import FitProgress, JacobianLens, fit, jacobian_for_prompt
 from jlens_core.fitting.fit import CHECKPOINT_SETTINGS, read_checkpoint
@@ -33,11 +34,6 @@ PROMPTS = [
     "Once upon a time there was a small model that read every layer of itself, one token at a time.",
 ]
 SETTINGS = {"skip_first": 2, "max_seq_len": 16, "dim_batch": 16}
-
-
-@functools.cache
-def tiny(family: str = "llama", seed: int = 0):
-    return make_tiny(family, seed=seed)
 
 
 @functools.cache

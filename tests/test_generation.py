@@ -18,11 +18,6 @@ from jlens_core.reading.readings import most_common_tokens, read_prompt, record_
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def model():
-    return make_tiny("llama")
-
-
 def hf_greedy(model, n: int, eos=None) -> list[int]:
     ids = model.encode(PROMPT)
     out = model.hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
@@ -40,54 +35,54 @@ def test_greedy_equals_hf_generate(family):
     assert gen.continuation == model.decode(gen.generated_ids.tolist())
 
 
-def test_greedy_stops_at_eos_like_hf(model):
-    free = generate(model, PROMPT, max_new_tokens=8, stop_at_eos=False).generated_ids.tolist()
+def test_greedy_stops_at_eos_like_hf(llama):
+    free = generate(llama, PROMPT, max_new_tokens=8, stop_at_eos=False).generated_ids.tolist()
     eos = free[3]
     if eos in free[:3]:
         pytest.skip("the tiny model repeats its 4th token earlier")
-    model.hf_model.generation_config.eos_token_id = eos
+    llama.hf_model.generation_config.eos_token_id = eos
     try:
-        gen = generate(model, PROMPT, max_new_tokens=8)
+        gen = generate(llama, PROMPT, max_new_tokens=8)
     finally:
-        model.hf_model.generation_config.eos_token_id = 1
+        llama.hf_model.generation_config.eos_token_id = 1
     assert gen.stop_reason == "eos"
-    assert gen.generated_ids.tolist() == free[:4] == hf_greedy(model, 8, eos=eos)
+    assert gen.generated_ids.tolist() == free[:4] == hf_greedy(llama, 8, eos=eos)
 
 
-def test_top_probs_are_the_models_next_token_distribution(model):
-    gen = generate(model, PROMPT, max_new_tokens=3, stop_at_eos=False, top_k=5)
+def test_top_probs_are_the_models_next_token_distribution(llama):
+    gen = generate(llama, PROMPT, max_new_tokens=3, stop_at_eos=False, top_k=5)
     with torch.no_grad():
-        logits = model.hf_model(torch.as_tensor(gen.ids[None, :-1])).logits[0].float()  # [seq-1, vocab]
+        logits = llama.hf_model(torch.as_tensor(gen.ids[None, :-1])).logits[0].float()  # [seq-1, vocab]
     probs = logits[gen.n_prompt - 1:].softmax(-1)  # the three steps' distributions
     values, indices = probs.topk(5)
     assert gen.top_ids.tolist() == indices.tolist()
     np.testing.assert_allclose(gen.top_probs, values.numpy(), rtol=1e-4, atol=1e-6)
 
 
-def test_seeded_sampling_is_reproducible(model):
-    a = generate(model, PROMPT, max_new_tokens=12, temperature=1.0, seed=7, stop_at_eos=False)
-    b = generate(model, PROMPT, max_new_tokens=12, temperature=1.0, seed=7, stop_at_eos=False)
-    c = generate(model, PROMPT, max_new_tokens=12, temperature=1.0, seed=8, stop_at_eos=False)
+def test_seeded_sampling_is_reproducible(llama):
+    a = generate(llama, PROMPT, max_new_tokens=12, temperature=1.0, seed=7, stop_at_eos=False)
+    b = generate(llama, PROMPT, max_new_tokens=12, temperature=1.0, seed=7, stop_at_eos=False)
+    c = generate(llama, PROMPT, max_new_tokens=12, temperature=1.0, seed=8, stop_at_eos=False)
     assert a.generated_ids.tolist() == b.generated_ids.tolist()
     assert a.generated_ids.tolist() != c.generated_ids.tolist()
     assert a.temperature == 1.0 and a.seed == 7
 
 
-def test_progress_can_stop_and_keeps_what_was_generated(model):
+def test_progress_can_stop_and_keeps_what_was_generated(llama):
     seen = []
 
     def progress(p):
         seen.append((p.step, p.total, p.generation.n_generated))
         return p.step == 3
 
-    gen = generate(model, PROMPT, max_new_tokens=10, stop_at_eos=False, progress=progress)
+    gen = generate(llama, PROMPT, max_new_tokens=10, stop_at_eos=False, progress=progress)
     assert seen == [(1, 10, 1), (2, 10, 2), (3, 10, 3)]
     assert gen.stop_reason == "stopped" and gen.n_generated == 3
 
 
-def test_chat_wraps_the_prompt(model):
-    gen = generate(model, "hi", max_new_tokens=2, chat=True, stop_at_eos=False)
-    assert gen.prompt_text == model.chat("hi") and gen.prompt == "hi" and gen.chat
+def test_chat_wraps_the_prompt(llama):
+    gen = generate(llama, "hi", max_new_tokens=2, chat=True, stop_at_eos=False)
+    assert gen.prompt_text == llama.chat("hi") and gen.prompt == "hi" and gen.chat
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -95,27 +90,27 @@ def test_chat_wraps_the_prompt(model):
     ({"max_new_tokens": 5000}, "max_new_tokens=5000 is out of range"),
     ({"temperature": -0.5}, "temperature=-0.5 must be a number >= 0"),
 ])
-def test_bad_settings_are_one_sentence(model, kwargs, message):
+def test_bad_settings_are_one_sentence(llama, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        generate(model, PROMPT, **kwargs)
+        generate(llama, PROMPT, **kwargs)
 
 
-def test_empty_prompt_and_missing_chat_template(model):
+def test_empty_prompt_and_missing_chat_template(llama):
     with pytest.raises(ValueError, match="The prompt is empty"):
-        generate(model, "   ")
-    template = model.tokenizer.chat_template
-    model.tokenizer.chat_template = None
+        generate(llama, "   ")
+    template = llama.tokenizer.chat_template
+    llama.tokenizer.chat_template = None
     try:
         with pytest.raises(ValueError, match="has no chat template"):
-            generate(model, PROMPT, chat=True)
+            generate(llama, PROMPT, chat=True)
     finally:
-        model.tokenizer.chat_template = template
+        llama.tokenizer.chat_template = template
 
 
 # -- reading a generation --------------------------------------------------------------------------
-def test_reading_a_generation_marks_positions(model):
-    gen = generate(model, PROMPT, max_new_tokens=6, stop_at_eos=False)
-    reading = read_prompt(model, LogitLens.for_model(model), gen)
+def test_reading_a_generation_marks_positions(llama):
+    gen = generate(llama, PROMPT, max_new_tokens=6, stop_at_eos=False)
+    reading = read_prompt(llama, LogitLens.for_model(llama), gen)
     n_prompt = gen.n_prompt
     assert reading.n_prompt == n_prompt and reading.n_generated == 6
     assert reading.input_ids.tolist() == gen.ids.tolist()
@@ -128,15 +123,15 @@ def test_reading_a_generation_marks_positions(model):
     last = reading.layers.index(reading.output_layer)
     assert reading.top_ids[last, n_prompt - 1:-1, 0].tolist() == gen.generated_ids.tolist()
     # the same ids read as a plain prompt: same numbers, everything marked prompt
-    plain = read_prompt(model, LogitLens.for_model(model), gen.ids)
+    plain = read_prompt(llama, LogitLens.for_model(llama), gen.ids)
     np.testing.assert_array_equal(plain.kl_bits, reading.kl_bits)
     assert set(plain.segments) == {"prompt"}
-    by_ids = read_prompt(model, LogitLens.for_model(model), gen.ids, n_prompt=n_prompt)
+    by_ids = read_prompt(llama, LogitLens.for_model(llama), gen.ids, n_prompt=n_prompt)
     assert by_ids.segments == reading.segments
 
 
-def test_most_common_tokens_against_a_hand_count(model):
-    reading = read_prompt(model, LogitLens.for_model(model), PROMPT + " Paris and Rome", top_k=5)
+def test_most_common_tokens_against_a_hand_count(llama):
+    reading = read_prompt(llama, LogitLens.for_model(llama), PROMPT + " Paris and Rome", top_k=5)
     band = (1, 2)
     hand = Counter()
     per_layer = {}
@@ -154,13 +149,13 @@ def test_most_common_tokens_against_a_hand_count(model):
     assert table["count"].sum() == 2 * len(reading.positions)
     # default band: every layer below the output row
     default = most_common_tokens(reading, top_n=1000)
-    assert default["count"].sum() == (model.n_layers - 1) * len(reading.positions)
+    assert default["count"].sum() == (llama.n_layers - 1) * len(reading.positions)
 
 
-def test_most_common_word_like_counts_first_word_like_token(model):
+def test_most_common_word_like_counts_first_word_like_token(llama):
     from jlens_core.reading.tokens import is_word_like
 
-    reading = read_prompt(model, LogitLens.for_model(model), PROMPT, top_k=8)
+    reading = read_prompt(llama, LogitLens.for_model(llama), PROMPT, top_k=8)
     hand = Counter()
     for _, row in reading.frame.iterrows():
         if row["layer"] == reading.output_layer:
@@ -173,8 +168,8 @@ def test_most_common_word_like_counts_first_word_like_token(model):
     assert all(is_word_like(s) for s in table["token"])
 
 
-def test_empty_band_is_an_error(model):
-    reading = read_prompt(model, LogitLens.for_model(model), PROMPT, layers=[0, 3])
+def test_empty_band_is_an_error(llama):
+    reading = read_prompt(llama, LogitLens.for_model(llama), PROMPT, layers=[0, 3])
     with pytest.raises(ValueError, match=r"The layer band \(1, 2\) holds none"):
         most_common_tokens(reading, layers=(1, 2))
 
@@ -224,23 +219,23 @@ def naive_edited_greedy(model, edit, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("on_generated", [False, True])
-def test_edits_while_generating_equal_a_naive_edited_run(model, on_generated):
+def test_edits_while_generating_equal_a_naive_edited_run(llama, on_generated):
     torch.manual_seed(1)
-    edit = AddVector(1, 3.0 * torch.randn(model.d_model), PositionRule(on_generated=on_generated))
+    edit = AddVector(1, 3.0 * torch.randn(llama.d_model), PositionRule(on_generated=on_generated))
     assert isinstance(edit, ResidualEdit)
-    gen = generate(model, PROMPT, max_new_tokens=8, stop_at_eos=False, edits=[edit])
-    assert gen.generated_ids.tolist() == naive_edited_greedy(model, edit, 8)
-    assert gen.generated_ids.tolist() != generate(model, PROMPT, max_new_tokens=8, stop_at_eos=False).generated_ids.tolist()
+    gen = generate(llama, PROMPT, max_new_tokens=8, stop_at_eos=False, edits=[edit])
+    assert gen.generated_ids.tolist() == naive_edited_greedy(llama, edit, 8)
+    assert gen.generated_ids.tolist() != generate(llama, PROMPT, max_new_tokens=8, stop_at_eos=False).generated_ids.tolist()
     assert gen.edits == [repr(edit)]
 
 
-def test_zero_edit_is_bit_identical_and_layers_below_are_untouched(model):
-    ids = model.encode(PROMPT)
-    zero = AddVector(2, torch.zeros(model.d_model))
-    assert generate(model, PROMPT, max_new_tokens=6, edits=[zero]).generated_ids.tolist() == \
-        generate(model, PROMPT, max_new_tokens=6).generated_ids.tolist()
-    clean = record_residuals(model, ids, range(model.n_layers))
-    edited = record_residuals(model, ids, range(model.n_layers), edits=[AddVector(2, torch.ones(model.d_model))])
+def test_zero_edit_is_bit_identical_and_layers_below_are_untouched(llama):
+    ids = llama.encode(PROMPT)
+    zero = AddVector(2, torch.zeros(llama.d_model))
+    assert generate(llama, PROMPT, max_new_tokens=6, edits=[zero]).generated_ids.tolist() == \
+        generate(llama, PROMPT, max_new_tokens=6).generated_ids.tolist()
+    clean = record_residuals(llama, ids, range(llama.n_layers))
+    edited = record_residuals(llama, ids, range(llama.n_layers), edits=[AddVector(2, torch.ones(llama.d_model))])
     for layer in (0, 1):
         assert torch.equal(clean[layer], edited[layer])
     # position 0 (the attention sink) is not edited by default; the others are
@@ -248,15 +243,15 @@ def test_zero_edit_is_bit_identical_and_layers_below_are_untouched(model):
     torch.testing.assert_close(edited[2][1:], clean[2][1:] + 1)
 
 
-def test_an_edit_of_a_missing_layer_is_refused(model):
+def test_an_edit_of_a_missing_layer_is_refused(llama):
     with pytest.raises(ValueError, match="edits layer 9, but the model has layers 0..3"):
-        generate(model, PROMPT, max_new_tokens=2, edits=[AddVector(9, torch.zeros(model.d_model))])
+        generate(llama, PROMPT, max_new_tokens=2, edits=[AddVector(9, torch.zeros(llama.d_model))])
     with pytest.raises(TypeError, match="is not a residual edit"):
-        generate(model, PROMPT, max_new_tokens=2, edits=["steer"])
+        generate(llama, PROMPT, max_new_tokens=2, edits=["steer"])
 
 
-def test_generation_dataclass_ids(model):
-    gen = generate(model, PROMPT, max_new_tokens=2, stop_at_eos=False)
+def test_generation_dataclass_ids(llama):
+    gen = generate(llama, PROMPT, max_new_tokens=2, stop_at_eos=False)
     assert isinstance(gen, Generation)
     assert gen.ids.tolist() == gen.prompt_ids.tolist() + gen.generated_ids.tolist()
     assert "2 generated tokens" in repr(gen)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from conftest import CORPUS, make_tiny
+from helpers import random_lens
 
 from jlens_core import JacobianLens, LogitLens
 from jlens_core.interventions import Ablate, Steer, Swap, load_swap_set, swap_success, token_direction
@@ -20,25 +21,12 @@ from jlens_core.reading.tokens import TokenDisplay, is_word_like, spellings
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 
 
-def random_lens(model, seed: int = 0) -> JacobianLens:
-    gen = torch.Generator().manual_seed(seed)
-    d = model.d_model
-    mats = {layer: torch.eye(d) + 0.3 * torch.randn(d, d, generator=gen) for layer in range(model.n_layers - 1)}
-    return JacobianLens(mats, n_prompts=1, d_model=d, target_layer=model.n_layers - 1, n_layers=model.n_layers,
-                        model_name=model.name, model_fingerprint=model.fingerprint())
-
-
 def word_tokens(model, n: int = 4) -> list[str]:
     """``n`` texts that are one word-like vocabulary token each (with a leading space)."""
     display = TokenDisplay.for_model(model)
     out = [t for t in display.texts if t.startswith(" ") and len(t) > 2 and is_word_like(t)]
     assert len(out) >= n
     return out[:n]
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return make_tiny("llama")
 
 
 # -- read directions ---------------------------------------------------------------------------------

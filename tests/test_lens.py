@@ -8,7 +8,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import LONG_TEXT, make_hf_model, make_tiny, make_tokenizer, tiny_config
+from conftest import LONG_TEXT, make_hf_model, make_tokenizer, tiny_config
+from helpers import random_lens, tiny
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -18,24 +19,17 @@ PROMPTS = [LONG_TEXT, "The capital of Italy is Rome. Water boils at one hundred 
 
 
 @functools.cache
-def tiny(family: str = "llama", seed: int = 0, **kwargs):
-    return make_tiny(family, seed=seed, **kwargs)
-
-
-@functools.cache
 def fitted() -> JacobianLens:
     return fit(tiny(), PROMPTS, skip_first=2, max_seq_len=16, dim_batch=16)
 
 
-def random_lens(layers=(0, 1, 2), d=8, n=3, seed=0, **kwargs) -> JacobianLens:
-    gen = torch.Generator().manual_seed(seed)
-    return JacobianLens({layer: torch.randn(d, d, generator=gen) for layer in layers}, n, d,
-                        target_layer=max(layers) + 1, **kwargs)
+# A lens of no model: N(0, 1) matrices, 8 wide, layers 0-2, three prompts.
+plain_lens = functools.partial(random_lens, d=8, eye=0, noise=1.0, n_prompts=3)
 
 
 # -- reading ------------------------------------------------------------------------------------------
 def test_transport_is_j_times_h_over_the_last_axis():
-    lens = random_lens()
+    lens = plain_lens()
     h = torch.randn(2, 5, 8)
     out = lens.transport(h, 1)
     assert out.shape == h.shape
@@ -51,7 +45,7 @@ def test_transport_is_j_times_h_over_the_last_axis():
 
 
 def test_shrinkage_moves_towards_the_identity():
-    lens = random_lens()
+    lens = plain_lens()
     half = lens.with_shrinkage(0.5)
     h = torch.randn(4, 8)
     torch.testing.assert_close(half.transport(h, 0), 0.5 * lens.transport(h, 0) + 0.5 * h)
@@ -222,7 +216,7 @@ def test_lens_for_another_model_is_refused(tmp_path):
 
 # -- merge ----------------------------------------------------------------------------------------
 def test_merge_is_the_n_prompts_weighted_mean():
-    a, b = random_lens(n=1, seed=0), random_lens(n=3, seed=1)
+    a, b = plain_lens(n_prompts=1, seed=0), plain_lens(n_prompts=3, seed=1)
     merged = JacobianLens.merge([a, b])
     assert merged.n_prompts == 4 and merged.source_layers == [0, 1, 2]
     for layer in (0, 1, 2):
@@ -232,16 +226,16 @@ def test_merge_is_the_n_prompts_weighted_mean():
 
 
 def test_merge_refuses_mismatched_lenses():
-    base = random_lens(settings={"skip_first": 2})
+    base = plain_lens(settings={"skip_first": 2})
     with pytest.raises(ValueError, match="layers"):
-        JacobianLens.merge([base, random_lens(layers=(0, 1), settings={"skip_first": 2})])
+        JacobianLens.merge([base, plain_lens(layers=(0, 1), settings={"skip_first": 2})])
     with pytest.raises(ValueError, match="widths 8 and 6"):
-        JacobianLens.merge([base, random_lens(d=6, settings={"skip_first": 2})])
+        JacobianLens.merge([base, plain_lens(d=6, settings={"skip_first": 2})])
     with pytest.raises(ValueError, match="different skip_first: 2 vs 4"):
-        JacobianLens.merge([base, random_lens(settings={"skip_first": 4})])
+        JacobianLens.merge([base, plain_lens(settings={"skip_first": 4})])
     with pytest.raises(ValueError, match="different models"):
-        JacobianLens.merge([random_lens(settings={"skip_first": 2}, model_fingerprint=tiny().fingerprint()),
-                            random_lens(settings={"skip_first": 2},
+        JacobianLens.merge([plain_lens(settings={"skip_first": 2}, model_fingerprint=tiny().fingerprint()),
+                            plain_lens(settings={"skip_first": 2},
                                         model_fingerprint=tiny("llama", seed=1).fingerprint())])
     with pytest.raises(ValueError, match="at least one lens"):
         JacobianLens.merge([])

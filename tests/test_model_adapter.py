@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-from conftest import FAMILIES, LONG_TEXT, make_hf_model, make_tiny, make_tokenizer
+from conftest import FAMILIES, LONG_TEXT, make_hf_model, make_tokenizer
+from helpers import tiny
 from torch import nn
 
 from jlens_core import LAYOUTS, ActivationRecorder, HFLensModel, LensModel, ModelLayout
 from jlens_core.models.model import same_fingerprint
-
-
-@functools.cache
-def tiny(family: str):
-    return make_tiny(family)
-
 
 EXPECTED_LAYOUT = {"llama": "llama-like", "qwen2": "llama-like", "qwen3": "llama-like", "mistral": "llama-like",
                    "gemma": "llama-like", "gemma2": "llama-like", "olmo": "llama-like", "phi": "phi",

@@ -1,25 +1,33 @@
-"""pass@k's protocol (docs/method.md §8) on a tiny model with a character tokenizer: readout rules, complete
-single-token spellings, synonyms and coverage, each against ranks computed by hand from HF's own
-hidden states."""
+"""pass@k (docs/method.md §8): its protocol on a tiny model with a character tokenizer (readout rules, complete
+single-token spellings, synonyms and coverage), the frames on the tiny llama, each against ranks computed by
+hand from HF's own hidden states; the evaluation sets, shipped and read from files."""
 
 from __future__ import annotations
 
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
+from helpers import identity_lens, reference_logits
 
-from jlens_core import HFLensModel, LogitLens
+from jlens_core import HFLensModel, LensFileError, LogitLens
 from jlens_core.reading.passk import (
+    DETAIL_COLUMNS,
+    EVAL_DIR,
+    EVAL_SETS,
+    PASS_COLUMNS,
     bootstrap_interval,
     load_eval_set,
     macro_mean,
     number_synonyms,
     pass_at_k,
     readout_position,
+    summarize_pass_at_k,
     word_spellings,
 )
+from jlens_core.reading.tokens import spellings
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,\n+*=") + [str(d) for d in range(10)]
 # " cat" is one token (made by merges); "dog" is three; "7" is one: "seven" scores only through it
@@ -170,3 +178,114 @@ def test_reference_format_file_and_macro_mean(model, tmp_path):
     assert macro["pass_rate"].tolist() == [pytest.approx((summary.loc[0, "pass_rate"] + 0.0) / 2), 0.75]
     assert (macro["set"] == "macro mean").all()
     assert load_eval_set(path)[0]["readout"] == "last_newline"
+
+
+# -- on the tiny llama, and the evaluation sets --------------------------------------------------------
+ITEMS = [
+    {"prompt": "The capital of France is", "intermediates": ["France"], "target": "Paris"},
+    {"prompt": "Water boils at one hundred", "intermediates": ["water", "boils"], "target": "degrees"},
+    {"prompt": "def add(a, b):\n    return", "intermediates": "a", "target": "b"},
+]
+
+
+def test_pass_at_k_first_token_rule_frames_and_values(llama):
+    """``spelling="first_token"``: the older rule, every word scored; checked against HF's own hidden states."""
+    lenses = {"logit": LogitLens.for_model(llama), "jac": identity_lens(llama, layers=[1])}
+    summary, detail = pass_at_k(llama, lenses, ITEMS, k=(1, 5, 50, 300), return_detail=True, spelling="first_token")
+    assert list(summary.columns) == list(PASS_COLUMNS)
+    assert list(detail.columns) == list(DETAIL_COLUMNS)
+    assert summary[["lens", "k"]].values.tolist() == [[n, k] for n in ("logit", "jac") for k in (1, 5, 50, 300)]
+    assert (summary["n_items"] == 3).all() and (summary["n_words"] == 4).all() and (summary["words_scored"] == 4).all()
+    assert len(detail) == 2 * (4 + 3)
+    # every rank is in the full vocabulary: k = vocab passes everything
+    assert (summary[summary.k == 300]["pass_rate"] == 1.0).all()
+
+    # independent best ranks for the logit lens
+    for i, item in enumerate(ITEMS):
+        ids = llama.encode(item["prompt"])
+        last = torch.stack([logits[-1] for logits in reference_logits(llama, ids)])  # [n_layers, vocab]
+        words = item["intermediates"] if isinstance(item["intermediates"], list) else [item["intermediates"]]
+        for role, word in [("intermediate", w) for w in words] + [("target", item["target"])]:
+            cands = list(spellings(llama.tokenizer, word, rule="first").values())
+            ranks = torch.stack([(last > last[:, [c]]).sum(-1) + 1 for c in cands]).min(0).values  # [n_layers]
+            row = detail[(detail.item == i) & (detail.lens == "logit") & (detail.word == word)].iloc[0]
+            assert row.role == role and row.token_ids == cands
+            assert row.best_rank == int(ranks.min()) and row.best_layer == int(torch.argmin(ranks))
+            assert row.final_rank == int(ranks[-1])
+            jrow = detail[(detail.item == i) & (detail.lens == "jac") & (detail.word == word)].iloc[0]
+            assert jrow.best_rank == int(ranks[[1, 3]].min()) and jrow.best_layer in (1, 3)
+    # the set's score: the mean over items of each item's share of intermediates found
+    logit_inter = detail[(detail.lens == "logit") & (detail.role == "intermediate")]
+    for k in (1, 5, 50):
+        expected = float((logit_inter.best_rank <= k).groupby(logit_inter.item).mean().mean())
+        got = summary[(summary.lens == "logit") & (summary.k == k)].pass_rate.item()
+        assert got == pytest.approx(expected)
+    again = summarize_pass_at_k(detail, 5)
+    pd.testing.assert_frame_equal(again, summary[summary.k == 5].reset_index(drop=True))
+
+
+def test_pass_at_k_bad_input(llama):
+    lens = {"logit": LogitLens.for_model(llama)}
+    with pytest.raises(ValueError, match="k=0"):
+        pass_at_k(llama, lens, ITEMS, k=0)
+    with pytest.raises(ValueError, match=r"item 0: missing field\(s\) \['intermediates'\]"):
+        pass_at_k(llama, lens, [{"prompt": "x", "target": "y"}])
+    with pytest.raises(ValueError, match=r"item 0: missing field\(s\) \['prompt'\]"):
+        pass_at_k(llama, lens, [{"intermediates": ["y"]}])
+    with pytest.raises(ValueError, match="item 0: 'intermediates' must be a list"):
+        pass_at_k(llama, lens, [{"prompt": "x", "intermediates": [""], "target": "z"}])
+    with pytest.raises(ValueError, match="items is empty"):
+        pass_at_k(llama, lens, [])
+    with pytest.raises(ValueError, match="unknown readout rule 'middle'"):
+        pass_at_k(llama, lens, ITEMS, readout="middle")
+    with pytest.raises(ValueError, match=r"item 0: readout \{'before': 'zebra'\}: 'zebra' is not in the prompt"):
+        pass_at_k(llama, lens, ITEMS[:1], readout={"before": "zebra"})
+    with pytest.raises(LensFileError):
+        pass_at_k(llama, {"logit": LogitLens(llama.n_layers + 2, llama.d_model)}, ITEMS)
+
+
+def test_shipped_eval_sets(llama):
+    shipped = sorted(p.stem for p in EVAL_DIR.glob("*.json"))
+    assert shipped == sorted(EVAL_SETS) and "two_hop" in shipped
+    for name in shipped:
+        items = load_eval_set(name)
+        assert len(items) >= 20, name
+        names = [item["name"] for item in items]
+        assert len(set(names)) == len(names), name
+        for item in items:
+            assert item["prompt"].strip()
+            assert item["intermediates"] and all(isinstance(w, str) and w.strip() for w in item["intermediates"])
+            assert item["readout"] in ("last", "last_newline")
+    two_hop = load_eval_set("two_hop")
+    assert two_hop[0]["intermediates"] == ["France"] and two_hop[0]["target"] == "Paris"
+    assert load_eval_set("arithmetic_chain")[0]["synonyms"] == "numbers_ops"
+    summary = pass_at_k(llama, {"logit": LogitLens.for_model(llama)}, "antonym_chain", k=(1, 10))
+    assert summary["n_items"].tolist() == [28, 28]
+
+
+def test_load_eval_set_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="two_hop"):
+        load_eval_set("no_such_set")
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "intermediates": ["b"], "target": "c"}) + "\n\n{oops\n")
+    with pytest.raises(ValueError, match=r"mine.jsonl:3: not valid JSON"):
+        load_eval_set(path)
+    path.write_text(json.dumps({"prompt": "a", "intermediates": "b", "target": "c", "note": "kept"}) + "\n")
+    assert load_eval_set(str(path)) == [{"prompt": "a", "intermediates": ["b"], "target": "c", "note": "kept"}]
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"sets": []}))
+    with pytest.raises(ValueError, match="has no 'items' list"):
+        load_eval_set(ref)
+    ref.write_text(json.dumps({"items": [{"name": "x", "prompt": "p"}]}))
+    with pytest.raises(ValueError, match=r"ref.json item 1 \(x\): missing field\(s\) \['intermediates'\]"):
+        load_eval_set(ref)
+    ref.write_text(json.dumps({"readout": "sideways", "items": [{"prompt": "p", "intermediates": ["q"]}]}))
+    with pytest.raises(ValueError, match="unknown readout rule 'sideways'"):
+        load_eval_set(ref)
+    ref.write_text(json.dumps({"readout": "last_newline", "synonyms": "numbers_ops",
+                               "items": [{"prompt": "p", "intermediates": ["q"]},
+                                         {"prompt": "p", "intermediates": ["q"], "readout": -2}]}))
+    items = load_eval_set(ref)
+    assert items[0]["readout"] == "last_newline" and items[1]["readout"] == -2
+    assert items[0]["synonyms"] == "numbers_ops" and "target" not in items[0]
+

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 import torch
 from conftest import LONG_TEXT, make_tiny
+from helpers import identity_lens, random_lens, reference_logits
 
 from jlens_core import JacobianLens, LensFileError, LogitLens
 from jlens_core.reading import logit_stats, openmp_workers
@@ -18,57 +19,28 @@ from jlens_core.reading.tokens import TokenDisplay, is_word_like, token_id_for
 TEXT = "The capital of France is Paris. Water boils at one hundred degrees."
 
 
-def identity_lens(model, layers=None, **kwargs) -> JacobianLens:
-    layers = range(model.n_layers - 1) if layers is None else layers
-    return JacobianLens({layer: torch.eye(model.d_model) for layer in layers}, n_prompts=1,
-                        d_model=model.d_model, target_layer=model.n_layers - 1, n_layers=model.n_layers,
-                        model_name=model.name, model_fingerprint=model.fingerprint(), **kwargs)
-
-
-def reference_logits(model, ids) -> list[torch.Tensor]:
-    """Logit-lens logits ``[seq, vocab]`` per layer, from HF's own hidden states and output.
-
-    ``hidden_states[l + 1]`` is layer ``l``'s output for every layer but the last, whose entry HF
-    stores after the final norm; the last layer's logits are the model's own output.
-    """
-    hf = model.hf_model
-    with torch.no_grad():
-        out = hf(ids, output_hidden_states=True)
-        logits = []
-        for layer in range(model.n_layers - 1):
-            h = out.hidden_states[layer + 1][0]
-            logits.append(hf.lm_head(model.final_norm(h)).float())
-        logits.append(out.logits[0].float())
-    return logits
-
-
 @pytest.fixture(scope="module")
-def model():
-    return make_tiny("llama")
+def reading(llama):
+    return read_prompt(llama, LogitLens.for_model(llama), TEXT, top_k=5, pinned=[" Paris", "is"])
 
 
-@pytest.fixture(scope="module")
-def reading(model):
-    return read_prompt(model, LogitLens.for_model(model), TEXT, top_k=5, pinned=[" Paris", "is"])
-
-
-def test_frame_columns_and_shape(model, reading):
+def test_frame_columns_and_shape(llama, reading):
     frame = reading.frame
     assert list(frame.columns) == list(FRAME_COLUMNS) + ["rank_ Paris", "rank_is"]
     seq = len(reading.input_ids)
-    assert len(frame) == model.n_layers * seq
-    assert frame["layer"].tolist() == [layer for layer in range(model.n_layers) for _ in range(seq)]
-    assert frame["position"].tolist() == list(range(seq)) * model.n_layers
+    assert len(frame) == llama.n_layers * seq
+    assert frame["layer"].tolist() == [layer for layer in range(llama.n_layers) for _ in range(seq)]
+    assert frame["position"].tolist() == list(range(seq)) * llama.n_layers
     assert frame["token"].tolist()[:seq] == reading.tokens
     assert all(len(ids) == 5 and len(p) == 5 for ids, p in zip(frame["top_ids"], frame["top_probs"]))
-    assert reading.layers == list(range(model.n_layers)) and reading.output_layer == model.n_layers - 1
-    assert reading.grid("kl_bits").shape == (model.n_layers, seq)
+    assert reading.layers == list(range(llama.n_layers)) and reading.output_layer == llama.n_layers - 1
+    assert reading.grid("kl_bits").shape == (llama.n_layers, seq)
     assert frame["next_token_rank"].dtype == "Int64"
 
 
-def test_last_layer_is_the_model_output(model, reading):
+def test_last_layer_is_the_model_output(llama, reading):
     ids = torch.as_tensor(reading.input_ids)[None]
-    logits = model.hf_model(ids).logits[0].float()  # [seq, vocab]
+    logits = llama.hf_model(ids).logits[0].float()  # [seq, vocab]
     logp = logits.log_softmax(-1)
     entropy = -(logp.exp() * logp).sum(-1) / math.log(2)
     ce = -logp[:-1].gather(-1, ids[0, 1:, None])[:, 0] / math.log(2)
@@ -83,18 +55,18 @@ def test_last_layer_is_the_model_output(model, reading):
     np.testing.assert_array_equal(reading.final_top1_ids, logits.argmax(-1).numpy())
 
 
-def test_kl_nonnegative_everywhere(model, reading):
+def test_kl_nonnegative_everywhere(llama, reading):
     assert np.isfinite(reading.kl_bits).all() and (reading.kl_bits >= 0).all()
     assert (reading.kl_bits[:-1] > 0).any()
     assert (reading.entropy_bits > 0).all()
-    assert (reading.entropy_bits <= math.log2(model.vocab_size) + 1e-6).all()
+    assert (reading.entropy_bits <= math.log2(llama.vocab_size) + 1e-6).all()
 
 
-def test_ranks_and_topk_agree_with_argsort(model, reading):
+def test_ranks_and_topk_agree_with_argsort(llama, reading):
     ids = torch.as_tensor(reading.input_ids)[None]
     seq = ids.shape[1]
-    paris = token_id_for(model.tokenizer, " Paris")
-    per_layer = reference_logits(model, ids)
+    paris = token_id_for(llama.tokenizer, " Paris")
+    per_layer = reference_logits(llama, ids)
     final = per_layer[-1].log_softmax(-1)
     for layer, logits in enumerate(per_layer):
         order = torch.argsort(logits, dim=-1, descending=True)  # [seq, vocab]
@@ -115,53 +87,45 @@ def test_ranks_and_topk_agree_with_argsort(model, reading):
         np.testing.assert_allclose(reading.kl_bits[layer], kl.clamp_min(0).numpy(), rtol=1e-4, atol=1e-5)
 
 
-def test_identity_jacobian_reads_like_logit_lens(model, reading):
-    jac = read_prompt(model, identity_lens(model), TEXT, top_k=5, pinned=[" Paris", "is"])
+def test_identity_jacobian_reads_like_logit_lens(llama, reading):
+    jac = read_prompt(llama, identity_lens(llama), TEXT, top_k=5, pinned=[" Paris", "is"])
     assert jac.lens_kind == "jacobian" and reading.lens_kind == "logit"
     pd.testing.assert_frame_equal(jac.frame, reading.frame)
 
 
-def test_unfitted_layers_are_absent(model):
-    lens = identity_lens(model, layers=[0, 2])
-    r = read_prompt(model, lens, TEXT)
+def test_unfitted_layers_are_absent(llama):
+    lens = identity_lens(llama, layers=[0, 2])
+    r = read_prompt(llama, lens, TEXT)
     assert r.layers == [0, 2, 3]
     assert sorted(r.frame["layer"].unique()) == [0, 2, 3]
-    assert read_prompt(model, lens, TEXT, layers=[1, 2, -1]).layers == [2, 3]
+    assert read_prompt(llama, lens, TEXT, layers=[1, 2, -1]).layers == [2, 3]
     with pytest.raises(ValueError, match="readable"):
-        read_prompt(model, lens, TEXT, layers=[1])
+        read_prompt(llama, lens, TEXT, layers=[1])
     with pytest.raises(ValueError, match="layer 7 is out of range"):
-        read_prompt(model, lens, TEXT, layers=[7])
+        read_prompt(llama, lens, TEXT, layers=[7])
     with pytest.raises(ValueError, match="list of layers is empty"):
-        read_prompt(model, lens, TEXT, layers=[])
-
-
-def random_lens(model, layers, seed=0) -> JacobianLens:
-    gen = torch.Generator().manual_seed(seed)
-    mats = {layer: torch.eye(model.d_model) + 0.3 * torch.randn(model.d_model, model.d_model, generator=gen)
-            for layer in layers}
-    return JacobianLens(mats, n_prompts=1, d_model=model.d_model, target_layer=model.n_layers - 1,
-                        n_layers=model.n_layers, model_name=model.name, model_fingerprint=model.fingerprint())
+        read_prompt(llama, lens, TEXT, layers=[])
 
 
 @pytest.mark.parametrize("options", [{}, {"word_like": True, "positions": [0, 3, -1], "layers": [0, 1, 3]}])
-def test_read_prompts_equals_each_lens_read_alone(model, monkeypatch, options):
+def test_read_prompts_equals_each_lens_read_alone(llama, monkeypatch, options):
     from jlens_core.reading.readings import read_prompts
 
-    lenses = {"logit": LogitLens.for_model(model), "jacobian": random_lens(model, [0, 2]),
-              "other": random_lens(model, [1, 2], seed=1)}
+    lenses = {"logit": LogitLens.for_model(llama), "jacobian": random_lens(llama, [0, 2]),
+              "other": random_lens(llama, [1, 2], seed=1)}
     kwargs = dict(top_k=4, pinned=[" Paris"], **options)
-    monkeypatch.setattr(logit_stats, "CHUNK_ELEMENTS", 5 * model.vocab_size)  # groups mix the lenses' rows
+    monkeypatch.setattr(logit_stats, "CHUNK_ELEMENTS", 5 * llama.vocab_size)  # groups mix the lenses' rows
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # three workers share the groups
-    together = read_prompts(model, lenses, TEXT, **kwargs)
+    together = read_prompts(llama, lenses, TEXT, **kwargs)
     assert list(together) == list(lenses)
     monkeypatch.setattr(openmp_workers, "MAX_READING_WORKERS", 1)  # each lens alone, in this thread
     for name, lens in lenses.items():
-        alone = read_prompt(model, lens, TEXT, **kwargs)
+        alone = read_prompt(llama, lens, TEXT, **kwargs)
         assert together[name].layers == alone.layers and together[name].lens_kind == alone.lens_kind
         pd.testing.assert_frame_equal(together[name].frame, alone.frame, check_exact=False, rtol=1e-5, atol=1e-6)
         assert together[name].frame["top_tokens"].tolist() == alone.frame["top_tokens"].tolist()
     # the output row (shared) is the model's own distribution in every reading
-    top = model.n_layers - 1
+    top = llama.n_layers - 1
     for name in lenses:
         r = together[name]
         np.testing.assert_array_equal(r.kl_bits[r.layer_index(top)], 0.0)
@@ -170,133 +134,60 @@ def test_read_prompts_equals_each_lens_read_alone(model, monkeypatch, options):
     together["logit"].kl_bits[-1] = 5.0
     assert (together["jacobian"].kl_bits[-1] == 0).all()
     with pytest.raises(ValueError, match="lenses is empty"):
-        read_prompts(model, {}, TEXT)
+        read_prompts(llama, {}, TEXT)
     with pytest.raises(LensFileError):
-        read_prompts(model, {"logit": LogitLens(n_layers=model.n_layers, d_model=model.d_model + 1)}, TEXT)
+        read_prompts(llama, {"logit": LogitLens(n_layers=llama.n_layers, d_model=llama.d_model + 1)}, TEXT)
 
 
-def test_run_in_workers_reads_every_task_once_and_raises_a_workers_error(monkeypatch):
-    import threading
-
-    from jlens_core.reading.readings import reading_workers, run_in_workers
-
-    cpu = torch.device("cpu")
-    if openmp_workers._thread_openmp_setter() is None:
-        pytest.skip("no OpenMP runtime whose per-thread count can be set (not Linux)")
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    assert reading_workers(cpu, 10) == 4 and reading_workers(cpu, 2) == 2 and reading_workers(torch.device("meta"), 10) == 1
-    seen, threads, arrays = [], set(), []
-
-    def work(task, scratch):
-        scratch.setdefault("n", 0)
-        scratch["n"] += 1
-        seen.append(task)
-        threads.add(threading.get_ident())
-        assert not torch.is_grad_enabled()
-
-    run_in_workers(list(range(20)), work, arrays, cpu)
-    assert sorted(seen) == list(range(20)) and len(arrays) == 4 and sum(a.get("n", 0) for a in arrays) == 20
-    assert threading.get_ident() not in threads
-
-    def fail(task, scratch):
-        if task == 3:
-            raise ValueError("task 3 cannot be read")
-
-    with pytest.raises(ValueError, match="task 3 cannot be read"):
-        run_in_workers(list(range(8)), fail, [], cpu)
-
-
-def test_reading_workers_leave_the_thread_count_of_other_threads_alone(model):
-    # a worker sets its own OpenMP count only: threads started later (the app starts one per script
-    # run) still get the process's count, and so does the caller
-    import threading
-
-    from jlens_core.reading.readings import read_prompts
-
-    if openmp_workers._thread_openmp_setter() is None:
-        pytest.skip("no OpenMP runtime whose per-thread count can be set (not Linux)")
-    session_threads = torch.get_num_threads()  # the test session runs on one
-    chunk = logit_stats.CHUNK_ELEMENTS
-    torch.set_num_threads(2)  # two workers, one thread each
-    logit_stats.CHUNK_ELEMENTS = 3 * model.vocab_size  # several row groups
-    try:
-        assert openmp_workers.reading_workers(torch.device("cpu"), 5) == 2
-        read_prompts(model, {"logit": LogitLens.for_model(model)}, TEXT)
-        later = []
-        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
-        thread.start()
-        thread.join()
-        assert later == [2] and torch.get_num_threads() == 2
-    finally:
-        logit_stats.CHUNK_ELEMENTS = chunk
-        torch.set_num_threads(session_threads)
-
-
-def test_final_distribution_matches_float64():
-    from jlens_core.reading.readings import final_distribution
-
-    gen = torch.Generator().manual_seed(5)
-    logits = torch.randn(3, 40000, generator=gen) * 8 + 60
-    logits[1, 11] = float("-inf")  # a token the model rules out
-    before = logits.clone()
-    p, neg_entropy = final_distribution(logits)
-    logp = logits.double().log_softmax(-1)
-    exact = torch.where(logp.exp() > 0, logp.exp() * logp, 0).sum(-1)
-    torch.testing.assert_close(p.double(), logp.exp(), rtol=1e-5, atol=1e-9)
-    torch.testing.assert_close(neg_entropy, exact, rtol=0, atol=1e-7)
-    assert p.dtype == torch.float32 and neg_entropy.dtype == torch.float64 and p[1, 11] == 0
-    assert torch.equal(logits, before)
-
-
-def test_pinned_tokens(model, reading):
-    assert reading.pinned == {" Paris": token_id_for(model.tokenizer, " Paris"),
-                              "is": token_id_for(model.tokenizer, "is")}
-    raw = model.tokenizer.convert_ids_to_tokens(reading.pinned["is"])
-    by_id = read_prompt(model, LogitLens.for_model(model), TEXT, pinned=[reading.pinned["is"], raw])
+def test_pinned_tokens(llama, reading):
+    assert reading.pinned == {" Paris": token_id_for(llama.tokenizer, " Paris"),
+                              "is": token_id_for(llama.tokenizer, "is")}
+    raw = llama.tokenizer.convert_ids_to_tokens(reading.pinned["is"])
+    by_id = read_prompt(llama, LogitLens.for_model(llama), TEXT, pinned=[reading.pinned["is"], raw])
     np.testing.assert_array_equal(by_id.pinned_ranks[str(reading.pinned["is"])], reading.pinned_ranks["is"])
     np.testing.assert_array_equal(by_id.pinned_ranks[raw], reading.pinned_ranks["is"])
     assert (reading.frame["rank_ Paris"] >= 1).all()
     with pytest.raises(ValueError, match="Unknown pinned token ''"):
-        read_prompt(model, LogitLens.for_model(model), TEXT, pinned=[""])
+        read_prompt(llama, LogitLens.for_model(llama), TEXT, pinned=[""])
     with pytest.raises(ValueError, match="Unknown pinned token 100000"):
-        read_prompt(model, LogitLens.for_model(model), TEXT, pinned=[100000])
+        read_prompt(llama, LogitLens.for_model(llama), TEXT, pinned=[100000])
 
 
-def test_positions_and_truncation(model, reading):
-    part = read_prompt(model, LogitLens.for_model(model), TEXT, top_k=5, positions=[2, -1, 0, 2])
+def test_positions_and_truncation(llama, reading):
+    part = read_prompt(llama, LogitLens.for_model(llama), TEXT, top_k=5, positions=[2, -1, 0, 2])
     seq = len(reading.input_ids)
     assert part.positions.tolist() == [0, 2, seq - 1]
     # other rows in the matmuls: fp32 rounding may differ in the last digits
     np.testing.assert_allclose(part.kl_bits, reading.kl_bits[:, [0, 2, seq - 1]], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="position 99 is out of range"):
-        read_prompt(model, LogitLens.for_model(model), TEXT, positions=[99])
-    short = read_prompt(model, LogitLens.for_model(model), TEXT, max_seq_len=6)
+        read_prompt(llama, LogitLens.for_model(llama), TEXT, positions=[99])
+    short = read_prompt(llama, LogitLens.for_model(llama), TEXT, max_seq_len=6)
     assert len(short.input_ids) == 6 and np.isnan(short.ce_bits[:, -1]).all()
 
 
-def test_chunked_reading_is_identical(model, reading, monkeypatch):
-    monkeypatch.setattr(logit_stats, "CHUNK_ELEMENTS", 3 * model.vocab_size)
-    assert logit_stats.chunk_size(model.vocab_size) == 3  # 3 positions per chunk: the setting is the one read
-    chunked = read_prompt(model, LogitLens.for_model(model), TEXT, top_k=5, pinned=[" Paris", "is"])
+def test_chunked_reading_is_identical(llama, reading, monkeypatch):
+    monkeypatch.setattr(logit_stats, "CHUNK_ELEMENTS", 3 * llama.vocab_size)
+    assert logit_stats.chunk_size(llama.vocab_size) == 3  # 3 positions per chunk: the setting is the one read
+    chunked = read_prompt(llama, LogitLens.for_model(llama), TEXT, top_k=5, pinned=[" Paris", "is"])
     # tokens and ranks identical; the floats up to fp32 rounding (the BLAS may block other row counts differently)
     pd.testing.assert_frame_equal(chunked.frame, reading.frame, check_exact=False, rtol=1e-5, atol=1e-6)
     assert chunked.frame["top_tokens"].tolist() == reading.frame["top_tokens"].tolist()
 
 
 @pytest.mark.parametrize("chunk_rows, block_rows", [(None, 2), (3, 7), (3, 1)])
-def test_statistics_blocks_are_identical(model, reading, monkeypatch, chunk_rows, block_rows):
+def test_statistics_blocks_are_identical(llama, reading, monkeypatch, chunk_rows, block_rows):
     # block_rows 2 < positions: one layer, a run of positions per block (the remainder too);
     # 7 rows over chunks of 3 positions: two layers per block; 1: one cell per block
-    vocab = model.vocab_size
+    vocab = llama.vocab_size
     if chunk_rows:
         monkeypatch.setattr(logit_stats, "CHUNK_ELEMENTS", chunk_rows * vocab)
     monkeypatch.setattr(logit_stats, "STATS_BLOCK_ELEMENTS", block_rows * vocab)
-    blocked = read_prompt(model, LogitLens.for_model(model), TEXT, top_k=5, pinned=[" Paris", "is"])
+    blocked = read_prompt(llama, LogitLens.for_model(llama), TEXT, top_k=5, pinned=[" Paris", "is"])
     pd.testing.assert_frame_equal(blocked.frame, reading.frame, check_exact=False, rtol=1e-5, atol=1e-6)
     assert blocked.frame["top_tokens"].tolist() == reading.frame["top_tokens"].tolist()
 
 
-def test_grids_and_cells(model, reading):
+def test_grids_and_cells(llama, reading):
     grid = reading.top1_grid()
     assert len(grid) == reading.n_layers and len(grid[0]) == reading.n_positions
     assert grid[1][3] == reading.frame.query("layer == 1 and position == 3")["top_tokens"].iloc[0][0]
@@ -320,26 +211,26 @@ def cell_top(reading, layer, position):
     return row["top_tokens"]
 
 
-def test_whitespace_display_and_word_like(model):
-    lens = LogitLens.for_model(model)
-    plain = read_prompt(model, lens, TEXT, top_k=8)
-    glyph = read_prompt(model, lens, TEXT, top_k=8, show_whitespace=True)
+def test_whitespace_display_and_word_like(llama):
+    lens = LogitLens.for_model(llama)
+    plain = read_prompt(llama, lens, TEXT, top_k=8)
+    glyph = read_prompt(llama, lens, TEXT, top_k=8, show_whitespace=True)
     assert " capital" in plain.tokens and "·capital" in glyph.tokens
-    words = read_prompt(model, lens, TEXT, top_k=8, word_like=True)
-    display = TokenDisplay.for_model(model)
+    words = read_prompt(llama, lens, TEXT, top_k=8, word_like=True)
+    display = TokenDisplay.for_model(llama)
     assert all(is_word_like(display.texts[i]) for i in words.top_ids.reshape(-1))
     for stat in ("kl_bits", "entropy_bits", "next_token_rank", "final_top1_rank"):
         np.testing.assert_array_equal(words.grid(stat), plain.grid(stat))
 
 
-def test_read_from_ids(model, reading):
-    by_ids = read_prompt(model, LogitLens.for_model(model), reading.input_ids.tolist(), top_k=5,
+def test_read_from_ids(llama, reading):
+    by_ids = read_prompt(llama, LogitLens.for_model(llama), reading.input_ids.tolist(), top_k=5,
                          pinned=[" Paris", "is"])
     pd.testing.assert_frame_equal(by_ids.frame, reading.frame)
 
 
-def test_difference_and_compare(model, reading):
-    other = read_prompt(model, identity_lens(model, layers=[1]), TEXT, top_k=5)
+def test_difference_and_compare(llama, reading):
+    other = read_prompt(llama, identity_lens(llama, layers=[1]), TEXT, top_k=5)
     diff = difference(reading, other, "kl_bits")
     assert diff.index.tolist() == [1, 3] and diff.shape[1] == reading.n_positions
     # the same logits, unembedded in row groups of another size: equal up to the BLAS's fp32 blocking
@@ -347,27 +238,27 @@ def test_difference_and_compare(model, reading):
     both = compare_readings(reading, other, names=("logit", "jac"))
     assert {"kl_bits_logit", "kl_bits_jac", "kl_bits_diff", "top1_logit", "same_top1"} <= set(both.columns)
     assert both["same_top1"].all() and len(both) == 2 * reading.n_positions
-    elsewhere = read_prompt(model, LogitLens.for_model(model), "Another prompt entirely.")
+    elsewhere = read_prompt(llama, LogitLens.for_model(llama), "Another prompt entirely.")
     with pytest.raises(ValueError, match="different prompts"):
         difference(reading, elsewhere)
 
 
-def test_bad_input(model):
-    lens = LogitLens.for_model(model)
+def test_bad_input(llama):
+    lens = LogitLens.for_model(llama)
     with pytest.raises(ValueError, match="empty"):
-        read_prompt(model, lens, "")
+        read_prompt(llama, lens, "")
     with pytest.raises(ValueError, match="top_k=0"):
-        read_prompt(model, lens, TEXT, top_k=0)
+        read_prompt(llama, lens, TEXT, top_k=0)
     with pytest.raises(LensFileError, match="d_model"):
-        read_prompt(model, LogitLens(model.n_layers, 16), TEXT)
+        read_prompt(llama, LogitLens(llama.n_layers, 16), TEXT)
     with pytest.raises(LensFileError, match="6 layers"):
-        read_prompt(model, LogitLens(6, model.d_model), TEXT)
+        read_prompt(llama, LogitLens(6, llama.d_model), TEXT)
     wide = JacobianLens({0: torch.eye(16)}, n_prompts=1, d_model=16, target_layer=3)
     with pytest.raises(LensFileError):
-        read_prompt(model, wide, TEXT)
+        read_prompt(llama, wide, TEXT)
     other = make_tiny("llama", seed=1)
     with pytest.raises(LensFileError, match="unembedding differs"):
-        read_prompt(model, identity_lens(other), TEXT)
+        read_prompt(llama, identity_lens(other), TEXT)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gemma2"])
@@ -381,62 +272,20 @@ def test_other_families_last_layer(family):
     assert np.all(r.kl_bits[-1] == 0.0) and (r.kl_bits >= 0).all()
 
 
-def test_centred_logit_stats_match_float64_on_large_logits():
-    from jlens_core.reading.readings import centred_logit_stats, final_distribution, rank_of
-
-    torch.manual_seed(0)
-    z = torch.randn(3, 4, 500) * 30 + 100  # large logits: the cancelling terms are ~1e3 nats
-    z[0, 1, 7] = float("-inf")  # a token the lens rules out
-    final = torch.randn(4, 500) * 5
-    nxt = torch.tensor([3, 7, -1, 499])
-    exact_lp = z.double().log_softmax(-1)
-    q = final.double().log_softmax(-1)
-    entropy = -torch.where(exact_lp.exp() > 0, exact_lp.exp() * exact_lp, 0).sum(-1) / math.log(2)
-    kl = (q.exp() * (q - exact_lp)).sum(-1) / math.log(2)
-    ce = -exact_lp.gather(-1, nxt.clamp_min(0).expand(3, 4)[..., None])[..., 0] / math.log(2)
-    ranks = (z[..., None, :] > z.gather(-1, nxt.clamp_min(0).expand(3, 4)[..., None])[..., None]).sum(-1)[..., 0] + 1
-    final_p, final_neg_entropy = final_distribution(final)
-    centred = z.clone()
-    _, got_entropy, got_kl, got_ce = centred_logit_stats(centred, final_p, final_neg_entropy, nxt)
-    np.testing.assert_allclose(got_entropy.numpy(), entropy.numpy(), atol=1e-4)
-    np.testing.assert_allclose(got_kl.numpy(), kl.numpy(), rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(got_ce[..., :2].numpy(), ce[..., :2].numpy(), rtol=1e-5)
-    assert torch.isnan(got_ce[..., 2]).all() and torch.isinf(kl[0, 1]) == torch.isinf(got_kl[0, 1])
-    assert torch.equal(rank_of(centred, nxt.clamp_min(0).expand(3, 4)), ranks)
-
-
-def test_centred_logit_stats_hold_float64_precision_over_a_large_vocabulary():
-    # a 50k vocabulary and logits spread like an early layer's: sums accumulated in sequence (a BLAS dot
-    # product) drift by ~1e-3 bits here; the pairwise reductions stay within 1e-4
-    from jlens_core.reading.readings import centred_logit_stats, final_distribution
-
-    gen = torch.Generator().manual_seed(3)
-    z = torch.randn(2, 6, 50000, generator=gen) * 6 + 40
-    final = torch.randn(6, 50000, generator=gen) * 6
-    nxt = torch.arange(6) * 7
-    lp, q = z.double().log_softmax(-1), final.double().log_softmax(-1)
-    kl = (q.exp() * (q - lp)).sum(-1) / math.log(2)
-    entropy = -(lp.exp() * lp).sum(-1) / math.log(2)
-    final_p, final_neg_entropy = final_distribution(final)
-    _, got_entropy, got_kl, _ = centred_logit_stats(z.clone(), final_p, final_neg_entropy, nxt)
-    np.testing.assert_allclose(got_kl.numpy(), kl.numpy(), atol=1e-4, rtol=0)
-    np.testing.assert_allclose(got_entropy.numpy(), entropy.numpy(), atol=1e-4, rtol=0)
-
-
-def test_two_threads_reading_with_one_model_do_not_see_each_others_passes(model):
+def test_two_threads_reading_with_one_model_do_not_see_each_others_passes(llama):
     # The app reads in several threads (its warm-up, one per browser session): forward hooks belong to
     # the modules, so each reading must only see its own thread's forward passes.
     import threading
 
     texts = [TEXT, "A much shorter prompt here."]
-    expected = [read_prompt(model, LogitLens.for_model(model), t, top_k=3).kl_bits for t in texts]
+    expected = [read_prompt(llama, LogitLens.for_model(llama), t, top_k=3).kl_bits for t in texts]
     results, errors = {}, []
     start = threading.Barrier(2)
 
     def worker(i: int) -> None:
         try:
             start.wait()
-            results[i] = [read_prompt(model, LogitLens.for_model(model), texts[i], top_k=3).kl_bits
+            results[i] = [read_prompt(llama, LogitLens.for_model(llama), texts[i], top_k=3).kl_bits
                           for _ in range(25)]
         except Exception as exc:  # noqa: BLE001 - reported by the assertion below
             errors.append(repr(exc))
