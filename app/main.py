@@ -1,7 +1,8 @@
 """The jlens app: ``streamlit run app/main.py`` (or ``jlens app``).
 
 A multipage Streamlit app over ``jlens_core``: the sidebar (model, lens) is drawn here for every
-page; the pages in ``app/views/`` read what it loaded from :func:`common.context`.
+page; the pages in ``app/views/`` read what it loaded from :func:`common.context`
+(:mod:`sidebar`); :mod:`url_state` keeps the view in the URL.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ if _REPO_DIR not in sys.path and Path(_REPO_DIR, "jlens_core").is_dir():  # a so
 import streamlit as st
 
 import common
+import sidebar
+import url_state
 
 st.set_page_config(page_title="jlens", page_icon=":material/troubleshoot:", layout="wide")
 st.html(common.STALE_CSS)  # style only: no element on the page, so later elements keep their places
@@ -34,7 +37,7 @@ PAGES = [
 
 if "token" in st.query_params:  # the access token (app/access.py) never stays in a URL a visitor shares
     del st.query_params["token"]
-common.init_state()
+url_state.init_state()
 page = st.navigation(PAGES)
 # A browser fetches and compiles the chart and table components (Plotly's is 4.7 MB of JavaScript)
 # the first time a page shows one: seconds on a small machine. A session's first run shows a blank
@@ -46,7 +49,7 @@ if common.first_run_of_session():
     with preload.container(height=1, border=False):
         common.preload_components()
 try:
-    common.sidebar()
+    sidebar.sidebar()
 finally:  # also when the sidebar raises or stops the run
     preload.empty()
 try:
@@ -54,4 +57,4 @@ try:
 except Exception as exc:  # noqa: BLE001 - a bug in a page shows as a message; the app stays usable
     common.show_unexpected("This page failed", exc)
 finally:
-    common.sync_query_params()
+    url_state.sync_query_params()

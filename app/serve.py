@@ -1,7 +1,7 @@
 """Start the app's Streamlit server with its caches warming meanwhile (what ``jlens app`` runs).
 
 ``python app/serve.py run app/main.py [streamlit options]`` is ``streamlit run`` plus one thread in
-the server process that loads what a first visit needs (:func:`common.warm_up`: the model, its
+the server process that loads what a first visit needs (:func:`warm_up.warm_up`: the model, its
 shipped lens, the default prompt's readings) while Streamlit starts and the browser connects, so
 the first page is drawn from the cache. ``JLENS_APP_WARM=0`` turns the warm-up off.
 
@@ -80,9 +80,9 @@ def _warm_up() -> None:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        import common
+        from warm_up import warm_up
 
-        done = common.warm_up()
+        done = warm_up()
         log.info("Warmed up: %s.", "; ".join(done))
     except Exception:  # the first visit then loads it, and shows any error in the page
         log.warning("Warm-up failed; the first visit will load the model itself.", exc_info=True)
@@ -91,7 +91,7 @@ def _warm_up() -> None:
 
 
 def main() -> int:
-    if str(APP_DIR) not in sys.path:  # the pages import `common` from here, as `streamlit run` arranges
+    if str(APP_DIR) not in sys.path:  # the pages import `common` and its siblings from here, as `streamlit run` arranges
         sys.path.insert(0, str(APP_DIR))
     if (REPO_DIR / "jlens_core").is_dir() and str(REPO_DIR) not in sys.path:  # a checkout not installed
         sys.path.append(str(REPO_DIR))

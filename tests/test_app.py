@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import LONG_TEXT, make_hf_model, make_tokenizer
+from conftest import LONG_TEXT
 from streamlit.proto.WidgetStates_pb2 import WidgetStates
 from streamlit.testing.v1 import AppTest
 
@@ -32,14 +32,6 @@ PROMPT = "The capital of France is Paris. The capital of Italy is"
 
 
 # -- fixtures -------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("tiny-model")
-    make_hf_model("llama").save_pretrained(folder)
-    make_tokenizer().save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tiny_dir):
     return load_model(tiny_dir, device="cpu")
@@ -808,13 +800,13 @@ def test_warm_up_fills_the_caches_the_first_inspect_run_reads(tiny_dir, lens_fil
     import sys
 
     sys.path.insert(0, str(APP.parent))
-    import common
+    from warm_up import warm_up
 
     from jlens_core.reading import readings as readings_mod
 
     monkeypatch.setenv("JLENS_APP_MODEL", tiny_dir)
     monkeypatch.setenv("JLENS_APP_LENS", lens_file)
-    done = common.warm_up()
+    done = warm_up()
     assert done[0] == f"model {tiny_dir}" and f"lens {Path(lens_file).name}" in done
     assert done[-1] == "logit and jacobian readings of the default prompt"
     computed = []
@@ -832,9 +824,9 @@ def test_reading_store_keeps_readings_per_lens_and_waits_for_one_being_read():
     import threading
 
     sys.path.insert(0, str(APP.parent))
-    import common
+    import cache
 
-    store = common.ReadingStore(capacity=3)
+    store = cache.ReadingStore(capacity=3)
     calls, release = [], threading.Event()
 
     def compute(names):

@@ -7,6 +7,7 @@ import json
 
 import streamlit as st
 
+import cache
 import charts
 import common
 from jlens_core.debugging.diff import diff_dumps, divergence_curve
@@ -46,7 +47,7 @@ def _make_dump(spec: str, dtype: str, prompt: str, ops: list[str]) -> str:
     digest = hashlib.sha256(json.dumps([spec, dtype, prompt, sorted(ops), ss.get("device")]).encode()).hexdigest()
     folder = common.runs_dir() / "dumps" / digest[:16]
     if not (folder / "manifest.jsonl").is_file():
-        model = common.load_model_cached(common.confine_spec(spec, "model folder"), ss.get("device") or "auto", dtype)
+        model = cache.load_model_cached(common.confine_spec(spec, "model folder"), ss.get("device") or "auto", dtype)
         dump_hidden_states(model, prompt, folder, ops=ops, extra_settings={"model_spec": spec}, overwrite=True)
     return str(folder)
 

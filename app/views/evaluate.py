@@ -12,6 +12,7 @@ import streamlit as st
 
 import charts
 import common
+import lens_slots
 from jlens_core.corpus import BUILTIN_CORPUS, load_corpus
 from jlens_core.reading.evaluation import evaluate
 from jlens_core.reading.passk import EVAL_SETS, load_eval_set, macro_mean, pass_at_k
@@ -96,7 +97,7 @@ result = ss.get("eval_result")
 
 def _stored_evaluation() -> dict | None:
     """The shipped lenses' stored evaluation (``assets/lenses/<model>.eval/``), for the lenses loaded now."""
-    shipped = common.shipped_lens_path(model)
+    shipped = lens_slots.shipped_lens_path(model)
     if shipped is None or ss.get("lens_choice") != "shipped":
         return None
     folder = shipped.with_suffix(".eval")

@@ -8,6 +8,7 @@ import time
 import pandas as pd
 import streamlit as st
 
+import cache
 import charts
 import common
 import intervene
@@ -232,13 +233,13 @@ def read_lenses(names: list[str], into: dict | None = None, at: tuple[int, ...] 
     settings = (source, int(ss.top_k), tuple(pins), bool(ss.show_ws), bool(ss.word_like), tuple(layers), at,
                 MAX_TOKENS, n_prompt, edits_key, edits)
     try:
-        into.update(common.readings_cached(model, ctx.model_key, {n: (lenses[n], keys[n]) for n in todo}, *settings))
+        into.update(cache.readings_cached(model, ctx.model_key, {n: (lenses[n], keys[n]) for n in todo}, *settings))
         return
     except common.EXPECTED_ERRORS:
         pass  # then one lens at a time, to say which cannot read the prompt (the others still can)
     for name in todo:
         try:
-            into.update(common.readings_cached(model, ctx.model_key, {name: (lenses[name], keys[name])}, *settings))
+            into.update(cache.readings_cached(model, ctx.model_key, {name: (lenses[name], keys[name])}, *settings))
         except common.EXPECTED_ERRORS as exc:
             st.error(f"The {charts.LENS_NAMES[name].lower()} cannot read this prompt: {exc}")
 

@@ -7,6 +7,7 @@ import streamlit as st
 
 import charts
 import common
+import lens_slots
 from jlens_core.files import atomic_write
 from jlens_core.fitting import diagnostics
 from jlens_core.lenses import spectra
@@ -21,7 +22,7 @@ if ctx.lens is None:
             "file in the sidebar, or fit one on the Fit page.")
     st.stop()
 lens = ctx.lens
-st.caption(f"{common.lens_summary(lens)}. Each J_l is the average Jacobian of the target layer's residual with "
+st.caption(f"{lens_slots.lens_summary(lens)}. Each J_l is the average Jacobian of the target layer's residual with "
            "respect to layer l's residual (d × d).")
 
 

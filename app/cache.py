@@ -1,0 +1,141 @@
+"""The app's cached loaders: models, lens files and prompt readings, kept per server process.
+
+Models and lenses are Streamlit resources (``st.cache_resource``) keyed by what identifies them (a
+model by spec, device and dtype; a lens file by path, mtime and size, so a rewritten file loads
+again). Prompt readings are kept per lens in one :class:`ReadingStore`, so a rerun, another mode or
+another session's view of the same prompt costs nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import streamlit as st
+
+from jlens_core.lenses.lens import JacobianLens
+from jlens_core.models.loading import load_model
+
+
+@st.cache_resource(show_spinner=False, max_entries=3)
+def load_model_cached(spec: str, device: str, dtype: str):
+    """:func:`jlens_core.models.loading.load_model`, once per (spec, device, dtype) per server."""
+    return load_model(spec, device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype)
+
+
+@st.cache_resource(show_spinner=False, max_entries=12)
+def load_lens_cached(path: str, mtime: float, size: int) -> JacobianLens:
+    """:meth:`JacobianLens.load`, once per file version (path, mtime, size)."""
+    return JacobianLens.load(path)
+
+
+@st.cache_resource(show_spinner=False, max_entries=6)
+def load_tuned_cached(path: str, mtime: float, size: int):
+    """:meth:`TunedLens.load` (a file or a tuned-lens folder), once per version."""
+    from jlens_core.lenses.tuned import TunedLens
+
+    return TunedLens.load(path)
+
+
+@st.cache_data(show_spinner="Fetching the lens from the Hub…", max_entries=16, ttl=3600)
+def resolve_lens_cached(spec: str) -> str:
+    """A lens spec as a local path (``hf://owner/repo[@revision]/path`` through the Hub cache), cached."""
+    from jlens_core.lenses.hub import resolve_lens_path
+
+    return str(resolve_lens_path(spec))
+
+
+def load_versioned(loader: Callable[[str, float, int], Any], path: Path, probe: Path, model: Any,
+                   prefix: str) -> tuple[Any, str]:
+    """``loader(path, mtime, size)`` (cached per version of the file ``probe``) checked against ``model``, and its key.
+
+    The key, ``<prefix>|<path>|<mtime>|<size>``, names the lens in the reading caches: a rewritten file
+    is another lens.
+    """
+    stat = probe.stat()
+    lens = loader(str(path), stat.st_mtime, stat.st_size)
+    lens.check_model(model)
+    return lens, f"{prefix}|{path}|{stat.st_mtime}|{stat.st_size}"
+
+
+class ReadingStore:
+    """Prompt readings kept per lens (the least recently used dropped past ``capacity``).
+
+    A page reads the lenses it draws together (:func:`jlens_core.reading.readings.read_prompts`: one
+    forward pass, the shared final distribution), but keeps each lens's reading under its own key, so
+    a later view of any one of them (another mode, the cell detail) finds it. A reading being
+    computed in another thread (the server's warm-up, another session) is waited for, not redone.
+    """
+
+    def __init__(self, capacity: int = 48) -> None:
+        self.capacity = capacity
+        self._done: OrderedDict[tuple, Any] = OrderedDict()
+        self._pending: dict[tuple, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def get(self, keys: dict[str, tuple], compute: Callable[[list[str]], dict[str, Any]]) -> dict[str, Any]:
+        """``{name: reading}`` for ``keys`` (``{name: cache key}``); ``compute(names)`` reads the missing ones.
+
+        An exception from ``compute`` propagates, and nothing is stored for its names.
+        """
+        while True:
+            with self._lock:
+                found = {}
+                for name, key in keys.items():
+                    if key in self._done:
+                        self._done.move_to_end(key)
+                        found[name] = self._done[key]
+                waits = [self._pending[key] for name, key in keys.items() if name not in found and key in self._pending]
+                if not waits:
+                    missing = [name for name in keys if name not in found]
+                    for name in missing:
+                        self._pending[keys[name]] = threading.Event()
+                    break
+            for event in waits:  # another thread reads these; what it stored is found on the next pass
+                event.wait()
+        if missing:
+            computed: dict[str, Any] = {}
+            try:
+                computed = compute(missing)
+            finally:
+                with self._lock:
+                    for name in missing:
+                        if name in computed:
+                            self._done[keys[name]] = computed[name]
+                        self._pending.pop(keys[name]).set()
+                    while len(self._done) > self.capacity:
+                        self._done.popitem(last=False)
+            found.update(computed)
+        return {name: found[name] for name in keys}
+
+
+@st.cache_resource(show_spinner=False)
+def reading_store() -> ReadingStore:
+    """The server's one :class:`ReadingStore`."""
+    return ReadingStore()
+
+
+def readings_cached(model, model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, top_k: int,
+                    pinned: tuple, show_ws: bool, word_like: bool, layers: tuple | None, positions: tuple | None,
+                    max_seq_len: int, n_prompt: int | None = None, edits_key: str = "", edits=None) -> dict[str, Any]:
+    """:func:`jlens_core.reading.readings.read_prompts` of ``lenses`` (``{name: (lens, lens key)}``), cached per lens.
+
+    ``text`` is the prompt, or a tuple of token ids (a generation: the first ``n_prompt`` are the prompt);
+    ``edits`` are residual edits to read under (named by ``edits_key``). Returns ``{name: PromptReading}``.
+    """
+    from jlens_core.reading.readings import read_prompts
+
+    settings = (text, top_k, pinned, show_ws, word_like, layers, positions, max_seq_len, n_prompt, edits_key)
+    keys = {name: (model_key, lens_key, *settings) for name, (_, lens_key) in lenses.items()}
+
+    def compute(names: list[str]) -> dict[str, Any]:
+        return read_prompts(model, {name: lenses[name][0] for name in names},
+                            list(text) if isinstance(text, tuple) else text, top_k=top_k, pinned=pinned,
+                            show_whitespace=show_ws, word_like=word_like, layers=None if layers is None else list(layers),
+                            positions=None if positions is None else list(positions), max_seq_len=max_seq_len,
+                            n_prompt=n_prompt, edits=edits)
+
+    return reading_store().get(keys, compute)

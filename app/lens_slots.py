@@ -1,0 +1,266 @@
+"""The sidebar's lens slots: one picker per lens the app reads beside the logit lens.
+
+A :class:`LensSlot` says where its kind of lens comes from (shipped with the package, made on this
+server's Fit or Tune page, a typed path or ``hf://`` spec, an upload) and how a file of it loads;
+:func:`draw_slot` draws one slot's picker and loads the pick. :data:`SLOTS` is the list the sidebar
+draws, in order: the Jacobian lens and the tuned lens. Another kind of lens is one more entry.
+
+A slot's ``param`` names both its URL query parameter and its widgets' session keys
+(``<param>_choice``, ``<param>_path``, ``<param>_upload``, and ``<param>_request``: the URL's pick,
+applied once the model is loaded). Typed paths are confined to the workspace (``docs/security.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import streamlit as st
+
+import cache
+import common
+from common import ASSETS, ENV_LENS, LoadedLens
+from jlens_core.lenses.lens import JacobianLens
+
+LENS_DIR = ASSETS / "lenses"
+SHIPPED, NONE, FILE, UPLOAD, RUN = "shipped", "none", "file", "upload", "run:"
+
+
+@dataclass(frozen=True)
+class Source:
+    """A picker entry that names a file: the shipped lens (``shipped``) or one made here (``run:<name>``)."""
+
+    choice: str
+    label: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class LensSlot:
+    """One lens picker of the sidebar: where its lenses come from, how one loads, and its words."""
+
+    key: str  # the lens's name in Context.lenses() and in readings ("jacobian", "tuned")
+    param: str  # the URL query parameter, and the prefix of the widgets' session keys
+    default: str  # what "auto" picks: SHIPPED (NONE when nothing ships for the model) or NONE
+    sources: Callable[[Any, str], list[Source]]  # (model, model spec) -> the shipped and here-made files
+    loader: Callable[[str, float, int], Any]  # (path, mtime, size) -> the lens, cached per file version
+    version_file: Callable[[Path], Path]  # the file whose mtime and size version a path (raises when none)
+    summary: Callable[[Any], str]  # one line about a loaded lens
+    noun: str  # "lens", "tuned lens": in "Could not load the <noun>: ..."
+    label: str  # the picker's label
+    none_label: str
+    file_label: str
+    upload_label: str
+    upload_box_label: str
+    path_label: str
+    path_what: str  # the typed path in a confinement refusal ("The <path_what> ... is outside the workspace")
+    path_placeholder: str
+    path_help: str | None = None
+    picker_help: str | None = None
+    upload_types: tuple[str, ...] = ("safetensors",)
+    env: str | None = None  # the environment variable preselecting a lens when the URL names none
+    empty_note: str | None = None  # said when a model is loaded and the slot holds no lens
+
+    def state(self, part: str) -> str:
+        """The session key of one of the slot's values (``choice``, ``path``, ``upload``, ``request``)."""
+        return f"{self.param}_{part}"
+
+    def options(self, model: Any, spec: str) -> tuple[list[str], dict[str, str], dict[str, Path]]:
+        """The picker's choices, their labels, and the files the shipped and here-made ones name."""
+        sources = self.sources(model, spec) if model is not None else []
+        options = [NONE, *(s.choice for s in sources), FILE, UPLOAD]
+        labels = {NONE: self.none_label, FILE: self.file_label, UPLOAD: self.upload_label,
+                  **{s.choice: s.label for s in sources}}
+        return options, labels, {s.choice: s.path for s in sources}
+
+    def resolve_request(self, request: str, options: list[str]) -> str:
+        """The choice a requested value (the URL's, an environment's, ``auto``) stands for.
+
+        A shipped lens, run or upload that is not there falls back to the default; anything else not
+        among the options is a path, put in the slot's path box.
+        """
+        if request in options and request != "auto":
+            return request
+        if request == "auto" or request.startswith(RUN) or request in (SHIPPED, UPLOAD):
+            return self.default if self.default in options else NONE
+        st.session_state[self.state("path")] = request
+        return FILE
+
+    def url_value(self) -> str | None:
+        """The slot's value in the URL: the choice, a file's path; ``None`` (left out) when it says what ``auto`` does."""
+        ss = st.session_state
+        value = ss.get(self.state("choice")) or NONE
+        if value == FILE:
+            value = ss.get(self.state("path")) or NONE
+        return None if value == NONE and self.default == NONE else value
+
+
+def draw_slot(slot: LensSlot, model: Any, spec: str) -> LoadedLens | None:
+    """Draw ``slot``'s picker in the sidebar (disabled without a model) and return the lens it loads.
+
+    A lens that cannot load (a missing or foreign file, one fitted for another model, a path outside
+    the workspace) is said in the sidebar, and ``None`` returned: the app stays usable.
+    """
+    ss, sb = st.session_state, st.sidebar
+    options, labels, paths = slot.options(model, spec)
+    request, choice = slot.state("request"), slot.state("choice")
+    if request in ss and model is not None:  # the URL's pick, once the model is there
+        ss[choice] = slot.resolve_request(ss.pop(request), options)
+    if ss.get(choice) not in options:
+        ss[choice] = slot.resolve_request("auto", options)
+    sb.selectbox(slot.label, options, key=choice, format_func=lambda o: labels.get(o, o), disabled=model is None,
+                 help=slot.picker_help)
+    if model is None:
+        return None
+    picked = ss[choice]
+    try:
+        if picked in paths:
+            return load_slot_file(slot, paths[picked], labels[picked], model)
+        if picked == FILE:
+            sb.text_input(slot.path_label, key=slot.state("path"), placeholder=slot.path_placeholder,
+                          help=slot.path_help)
+            text = (ss.get(slot.state("path")) or "").strip()
+            return load_slot_file(slot, typed_path(text, slot.path_what), Path(text).name, model) if text else None
+        if picked == UPLOAD:
+            upload = sb.file_uploader(slot.upload_box_label, type=list(slot.upload_types), key=slot.state("upload"))
+            if upload is not None:
+                return load_slot_file(slot, common.save_upload(upload, ".safetensors"), upload.name, model)
+    except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app stays usable
+        sb.error(f"Could not load the {slot.noun}: {common.error_text(exc)}")
+    return None
+
+
+def typed_path(text: str, what: str) -> Path:
+    """A typed lens path: ``hf://`` through the Hub cache, anything else confined to the workspace."""
+    return Path(cache.resolve_lens_cached(text)) if text.startswith("hf://") else common.confine(text, what)
+
+
+def load_slot_file(slot: LensSlot, path: Path, label: str, model: Any) -> LoadedLens:
+    """The lens at ``path`` through ``slot``'s cached loader, checked against ``model``."""
+    lens, key = cache.load_versioned(slot.loader, path, slot.version_file(path), model, slot.key)
+    return LoadedLens(lens=lens, key=key, label=label)
+
+
+# -- the Jacobian lens -----------------------------------------------------------------------------------
+def shipped_lens_path(model: Any) -> Path | None:
+    """The lens shipped in ``assets/lenses/`` for ``model`` (by its name), or ``None``.
+
+    Asks :func:`jlens_core.lenses.shipped.shipped_lens_path` (the default model's lens), then looks for
+    ``assets/lenses/<model name>.safetensors``.
+    """
+    from jlens_core.lenses.shipped import shipped_lens_path as core_shipped
+
+    name = str(getattr(model, "name", "") or "")
+    found = core_shipped(name)
+    if found is not None:
+        return Path(found)
+    for candidate in dict.fromkeys([name, Path(name).name, name.replace("/", "--")]):
+        if candidate:
+            path = LENS_DIR / f"{candidate}.safetensors"
+            if path.is_file():
+                return path
+    return None
+
+
+def finished_runs(model: Any, spec: str) -> list[dict]:
+    """Lenses fitted by the Fit page (in the runs folder) for this model: ``[{"name", "path", "n"}]``."""
+    import runs
+
+    out = []
+    names = (spec, getattr(model, "name", None))
+    for run in runs.list_runs(common.runs_dir()):
+        if run.state != "done" or not run.lens_path.is_file():
+            continue
+        if run.model_spec not in names and run.status.get("model") not in names:
+            continue
+        out.append({"name": run.name, "path": run.lens_path, "n": run.status.get("n_done")})
+    return out
+
+
+def _jacobian_sources(model: Any, spec: str) -> list[Source]:
+    shipped = shipped_lens_path(model)
+    found = [Source(SHIPPED, f"Shipped lens ({shipped.name})", shipped)] if shipped is not None else []
+    for run in finished_runs(model, spec):
+        found.append(Source(f"{RUN}{run['name']}",
+                            f"Fitted here: {run['name']}" + (f" ({run['n']} prompts)" if run["n"] else ""), run["path"]))
+    return found
+
+
+def _lens_file(path: Path) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(f"No lens file at {str(path)!r}.")
+    return path
+
+
+def lens_summary(lens: JacobianLens) -> str:
+    """One line about a fitted lens: prompts, layers, target and the settings that shape it."""
+    s = lens.settings
+    layers = lens.source_layers
+    span = f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else str(layers[0])
+    parts = [f"{lens.n_prompts} prompts", f"layers {span} → {lens.target_layer}"]
+    for key in ("max_seq_len", "skip_first", "corpus"):
+        if s.get(key) is not None:
+            parts.append(f"{key} {s[key]}")
+    if lens.shrinkage:
+        parts.append(f"shrinkage {lens.shrinkage:g}")
+    if lens.stop_reason:
+        parts.append("stopped early")
+    return " · ".join(parts)
+
+
+# -- the tuned lens --------------------------------------------------------------------------------------
+def _tuned_sources(model: Any, spec: str) -> list[Source]:
+    from jlens_core.lenses.shipped import shipped_tuned_lens_path
+
+    shipped = shipped_tuned_lens_path(getattr(model, "name", ""))
+    found = [Source(SHIPPED, f"Shipped tuned lens ({shipped.name})", shipped)] if shipped is not None else []
+    for path in sorted(common.tuned_runs_dir().glob(f"{common.tuned_run_name(model)}*.safetensors")):
+        found.append(Source(f"{RUN}{path.stem}", f"Trained here: {path.stem}", path))
+    return found
+
+
+def _tuned_file(path: Path) -> Path:
+    probe = path / "params.pt" if path.is_dir() else path  # a folder in tuned-lens's format
+    if not probe.exists():
+        from jlens_core.lenses.tuned import TunedLens
+
+        TunedLens.load(path)  # raises the sentence that says what is missing
+    return probe
+
+
+def tuned_summary(lens: Any) -> str:
+    """One line about a tuned lens: layers, training, held-out KL."""
+    layers = lens.source_layers
+    parts = [f"layers {layers[0]}..{layers[-1]} → {lens.target_layer}" if layers else "no layers"]
+    s = lens.settings
+    if s.get("source") == "tuned-lens":
+        parts.append("tuned-lens format")
+    if s.get("steps"):
+        parts.append(f"{s['steps']} steps × {s.get('tokens_per_step', '?')} tokens")
+    kl = (lens.metrics or {}).get("heldout_kl_bits")
+    if kl:
+        parts.append(f"held-out KL {sum(kl.values()) / len(kl):.2f} bits")
+    return " · ".join(parts)
+
+
+JACOBIAN = LensSlot(
+    key="jacobian", param="lens", default=SHIPPED, sources=_jacobian_sources, loader=cache.load_lens_cached,
+    version_file=_lens_file, summary=lambda lens: f"**Jacobian lens** · {lens_summary(lens)}", noun="lens",
+    label="Lens", none_label="None: logit lens only", file_label="Lens file (path)…",
+    upload_label="Upload a lens file…", upload_box_label="Lens file", path_label="Lens file", path_what="lens file",
+    path_placeholder="/path/to/lens.safetensors or hf://owner/repo/lens.pt",
+    path_help="A lens file (jlens or the reference's .pt), or hf://owner/repo[@revision]/path on the "
+              "Hugging Face Hub (its cache; HF_HUB_OFFLINE honoured).",
+    upload_types=("safetensors", "pt"), env=ENV_LENS,
+    empty_note="No Jacobian lens loaded: the logit lens only. Fit one on the Fit page or load a lens file.")
+TUNED = LensSlot(
+    key="tuned", param="tuned", default=NONE, sources=_tuned_sources, loader=cache.load_tuned_cached,
+    version_file=_tuned_file, summary=lambda lens: f"**Tuned lens** · {tuned_summary(lens)}", noun="tuned lens",
+    label="Tuned lens", none_label="None", file_label="Tuned lens file or folder (path)…",
+    upload_label="Upload a tuned lens file…", upload_box_label="Tuned lens file", path_label="Tuned lens path", path_what="tuned lens path",
+    path_placeholder="/path/to/tuned.safetensors or folder",
+    picker_help="A third lens to compare: affine translators trained on the model's own output (Tune page), "
+                "a jlens tuned-lens file, or a folder in tuned-lens's format (config.json + params.pt).")
+SLOTS: tuple[LensSlot, ...] = (JACOBIAN, TUNED)

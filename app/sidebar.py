@@ -1,0 +1,99 @@
+"""The sidebar every page shares: the model, then one picker per lens slot, then what is loaded.
+
+:func:`sidebar` draws it and returns the :class:`common.Context` the pages read (also kept in the
+session for :func:`common.context`). A model or lens that cannot load is said in the sidebar; the
+app stays usable with what did load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import streamlit as st
+
+from cache import load_model_cached
+from common import DTYPES, Context, confine_spec, error_text
+from jlens_core.lenses.lens import LogitLens
+from jlens_core.models.loading import DEFAULT_ALIASES, DEFAULT_MODEL
+from lens_slots import SLOTS, draw_slot
+
+
+def sidebar() -> Context:
+    """Draw the sidebar (model, lenses, what is loaded) and return the loaded :class:`Context`."""
+    ss = st.session_state
+    ctx = Context()
+    _model_picker(ctx)
+    sb = st.sidebar
+    sb.markdown("### Lens")
+    for slot in SLOTS:
+        loaded = draw_slot(slot, ctx.model, ctx.model_spec)
+        if loaded is not None:
+            ctx.loaded[slot.key] = loaded
+    for slot in SLOTS:
+        if slot.key in ctx.loaded:
+            sb.caption(slot.summary(ctx.loaded[slot.key].lens))
+        elif ctx.model is not None and slot.empty_note:
+            sb.info(slot.empty_note)
+    if ss.get("mode") is None:
+        ss.mode = "side" if ctx.lens is not None else "logit"
+    elif ctx.lens is not None and ss.get("_lens_key") == "" and ss.mode == "logit":
+        ss.mode = "side"  # a lens was just loaded: compare the two
+    ss._lens_key = ctx.lens_key
+    ss._ctx = ctx
+    return ctx
+
+
+def _model_picker(ctx: Context) -> None:
+    """The model box, device and dtype; loads the model into ``ctx`` (or says why it could not)."""
+    ss, sb = st.session_state, st.sidebar
+    sb.markdown("### Model")
+    if ss.get("device") not in _device_options():
+        ss.device = "auto"
+    sb.text_input("Model", key="model_spec",
+                  help=f"`{DEFAULT_MODEL}` (embedded, offline), a Hugging Face id, a local model folder or a .gguf file")
+    c1, c2 = sb.columns(2)
+    c1.selectbox("Device", _device_options(), key="device")
+    c2.selectbox("Dtype", DTYPES, key="dtype")
+    spec = (ss.get("model_spec") or "").strip()
+    ctx.model_spec = spec
+    if not spec:
+        ctx.model_error = "Give a model: a name, a Hugging Face id, a folder or a .gguf file."
+    else:
+        key = f"{spec}|{ss.device}|{ss.dtype}"
+        failed = ss.setdefault("_failed_loads", {})
+        if key in failed:  # not retried on every rerun (a hub look-up can be slow); Retry does
+            ctx.model_error = failed[key]
+        else:
+            first = spec.lower() in DEFAULT_ALIASES
+            note = " (the first launch converts the embedded GGUF: about a minute; later ones take seconds)" \
+                if first else ""
+            try:
+                with sb.spinner(f"Loading {spec}{note}…"):
+                    ctx.model = load_model_cached(confine_spec(spec, "model folder"), ss.device, ss.dtype)
+                ctx.model_key = key
+                ctx.logit = LogitLens.for_model(ctx.model)
+            except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app stays usable
+                ctx.model_error = failed[key] = f"Could not load the model {spec!r}: {error_text(exc)}"
+    if ctx.model_error:
+        sb.error(ctx.model_error)
+        if ss.get("_failed_loads"):
+            sb.button("Retry", key="retry_load", on_click=lambda: ss["_failed_loads"].clear())
+    else:
+        sb.caption(_model_summary(ctx.model))
+
+
+def _device_options() -> list[str]:
+    import torch
+
+    options = ["auto", "cpu"]
+    if torch.cuda.is_available():
+        options.append("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        options.append("mps")
+    return options
+
+
+def _model_summary(model: Any) -> str:
+    return (f"**{model.name}** · {model.n_layers} layers · width {model.d_model} · vocab {model.vocab_size:,} · "
+            f"{model.device!s} {str(model.dtype).replace('torch.', '')}")

@@ -1,0 +1,110 @@
+"""The view kept in the URL: query parameters seed a session and are written back after every run.
+
+What a user sets up (``model``, ``lens``, ``tuned``, ``prompt``, ``mode``, ``stat``, ``pair``,
+``gen``, ``temp``, ``seed``, ``band``) is in the page's URL, so a view can be shared and reloaded.
+Each lens slot (:data:`lens_slots.SLOTS`) has its own parameter, named by the slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import streamlit as st
+
+import common
+from jlens_core.models.loading import DEFAULT_MODEL
+from lens_slots import SLOTS
+
+log = logging.getLogger("jlens.app")
+# Widget values kept across pages: the shared ones, and each lens slot's path box.
+KEPT_KEYS = common.PERSISTENT_KEYS + tuple(slot.state("path") for slot in SLOTS)
+
+
+def _query_value(name: str) -> str | None:
+    value = st.query_params.get(name)
+    return value if value else None
+
+
+def init_state() -> None:
+    """Seed the session from the URL (first run only) and keep page widgets' values across pages."""
+    ss = st.session_state
+    if not ss.get("_initialised"):
+        ss.model_spec = _query_value("model") or os.environ.get(common.ENV_MODEL) or DEFAULT_MODEL
+        ss.device = "auto"
+        ss.dtype = "auto"
+        for slot in SLOTS:  # applied by the slot's picker once the model is loaded
+            ss[slot.state("request")] = _query_value(slot.param) or (os.environ.get(slot.env) if slot.env else None) \
+                or "auto"
+        pair = (_query_value("pair") or "").split(",")
+        if len(pair) == 2 and all(x in common.LENS_KINDS for x in pair) and pair[0] != pair[1]:
+            ss.pair_a, ss.pair_b = pair
+        ss.prompt = _query_value("prompt") or common.default_prompt()
+        mode = _query_value("mode")
+        ss.mode = mode if mode in common.MODES else None  # decided once the lens is known
+        stat = _query_value("stat")
+        ss.stat = stat if stat in common.STATS else "top1_prob"
+        _seed_generation_state(ss)
+        ss._initialised = True
+    for key in KEPT_KEYS:
+        if key in ss:
+            ss[key] = ss[key]
+
+
+def _int_or(value: str | None, default: int | None) -> int | None:
+    try:
+        return int(value) if value is not None else default
+    except ValueError:
+        return default
+
+
+def _seed_generation_state(ss) -> None:
+    """``gen`` (new tokens), ``temp``, ``seed`` and ``band`` (``lo-hi``) from the URL, when given."""
+    gen = _int_or(_query_value("gen"), None)
+    if gen is not None:
+        ss.gen_n = max(0, min(gen, common.MAX_GEN_TOKENS))
+    try:
+        temp = float(_query_value("temp") or "nan")
+        if temp >= 0:
+            ss.gen_temp = min(temp, 2.0)
+    except ValueError:
+        pass
+    seed = _int_or(_query_value("seed"), None)
+    if seed is not None and seed >= 0:
+        ss.gen_seed = seed
+    band = (_query_value("band") or "").split("-")
+    if len(band) == 2 and all(part.isdigit() for part in band):
+        ss.band_request = (int(band[0]), int(band[1]))  # clamped to the model's layers by the page
+
+
+def generation_query() -> dict[str, str | None]:
+    """The generation and band part of the URL (``None``: leave the key out)."""
+    ss = st.session_state
+    n = int(ss.get("gen_n") or 0)
+    band = ss.get("band")
+    return {"gen": str(n) if n else None,
+            "temp": f"{float(ss.get('gen_temp') or 0):g}" if n and ss.get("gen_temp") else None,
+            "seed": str(int(ss.get("gen_seed") or 0)) if n and ss.get("gen_temp") else None,
+            "band": f"{int(band[0])}-{int(band[1])}" if band and ss.get("band_is_custom") else None}
+
+
+def sync_query_params() -> None:
+    """Write the shareable state back into the URL."""
+    ss = st.session_state
+    ctx = common.context()
+    wanted = {"model": ctx.model_spec or ss.get("model_spec") or DEFAULT_MODEL,
+              **{slot.param: slot.url_value() for slot in SLOTS},
+              "prompt": ss.get("prompt") or "", "mode": ss.get("mode") or "logit", "stat": ss.get("stat") or "top1_prob"}
+    wanted.update(generation_query())
+    pair = (ss.get("pair_a"), ss.get("pair_b"))
+    wanted["pair"] = ",".join(pair) if ss.get("mode") in ("side", "diff") and pair != ("logit", "jacobian") \
+        and all(pair) else None
+    try:
+        for key, value in wanted.items():
+            if value is None:
+                if key in st.query_params:
+                    del st.query_params[key]
+            elif st.query_params.get(key) != value:
+                st.query_params[key] = value
+    except Exception as exc:  # noqa: BLE001 - the URL is a convenience; never fail a page on it
+        log.debug("could not write query params: %s", exc)

@@ -1,0 +1,54 @@
+"""Fill the caches a first visit reads, before any browser connects (run by ``app/serve.py``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import common
+from cache import load_model_cached, readings_cached
+from jlens_core.lenses.lens import LogitLens
+from jlens_core.models.loading import DEFAULT_MODEL
+from lens_slots import FILE, NONE, RUN, SHIPPED, SLOTS, UPLOAD, LensSlot, load_slot_file
+
+
+def warm_up(spec: str | None = None) -> list[str]:
+    """Load what the first Inspect page reads, under the cache keys the pages use.
+
+    Run in a thread of the server process: the model (``JLENS_APP_MODEL`` or the default, device and
+    dtype "auto"), the lens each slot starts with (the shipped Jacobian lens, or the file
+    ``JLENS_APP_LENS`` names), and the readings of the default prompt with Inspect's default settings
+    (:data:`common.INSPECT_DEFAULTS`), so the first heatmap is drawn from the cache. A URL naming
+    another model, lens or prompt simply computes its own. Returns what it loaded, for the log.
+    """
+    spec = spec or os.environ.get(common.ENV_MODEL) or DEFAULT_MODEL
+    model = load_model_cached(common.confine_spec(spec, "model folder"), "auto", "auto")
+    done = [f"model {spec}"]
+    lenses = {"logit": (LogitLens.for_model(model), "logit")}
+    for slot in SLOTS:
+        path = _starting_path(slot, model, spec)
+        if path is not None and path.is_file():
+            loaded = load_slot_file(slot, path, path.name, model)
+            lenses[slot.key] = (loaded.lens, loaded.key)
+            done.append(f"lens {path.name}")
+    text = common.default_prompt()
+    n_tokens = min(int(model.encode(text).shape[1]), common.MAX_TOKENS)
+    layers = tuple(common.view_layers(model.n_layers, (0, model.n_layers - 1), common.INSPECT_DEFAULTS["stride"]))
+    readings_cached(model, f"{spec}|auto|auto", lenses, text, common.INSPECT_DEFAULTS["top_k"], (),
+                    common.INSPECT_DEFAULTS["show_ws"], common.INSPECT_DEFAULTS["word_like"], layers,
+                    common.default_positions(n_tokens), common.MAX_TOKENS, None, "", None)
+    done.append(f"{' and '.join(lenses)} readings of the default prompt")
+    return done
+
+
+def _starting_path(slot: LensSlot, model: Any, spec: str) -> Path | None:
+    """The file ``slot`` starts with when the URL names none (its environment variable, else its default)."""
+    request = (os.environ.get(slot.env) if slot.env else None) or "auto"
+    if request == "auto":
+        request = slot.default
+    if request == SHIPPED:
+        return next((s.path for s in slot.sources(model, spec) if s.choice == SHIPPED), None)
+    if request in (NONE, FILE, UPLOAD) or request.startswith((RUN, "hf://")):
+        return None  # nothing to warm, or a fetch better left to the page (it shows its progress)
+    return common.confine(request, slot.path_what)
