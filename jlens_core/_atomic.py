@@ -36,4 +36,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], *, share
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, encoding: str = "utf-8", shared: bool = False) -> Path:
     """Write ``text`` to ``path`` atomically (:func:`atomic_write`); returns ``path`` as a :class:`Path`."""
-    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding=encoding), shared=shared)
+    def write(tmp: str) -> None:
+        Path(tmp).write_text(text, encoding=encoding)
+
+    return atomic_write(path, write, shared=shared)

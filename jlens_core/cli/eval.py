@@ -8,9 +8,16 @@ import functools
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .._atomic import atomic_write, atomic_write_text
 from .main import CLIError, say
+
+if TYPE_CHECKING:  # the CLI imports torch only when a command runs
+    from ..lenses.protocol import Lens
+    from ..lenses.tuned import TunedLens
+    from ..models.model import LensModel
+    from ..reading.generation import Generation
 
 
 def _write_csv(frame, path: Path, **options) -> None:
@@ -18,35 +25,36 @@ def _write_csv(frame, path: Path, **options) -> None:
     atomic_write(path, lambda tmp: frame.to_csv(tmp, index=False, **options), shared=True)
 
 
-def resolve_lenses(specs: list[str], model, shrinkage: list[float] | None = None) -> dict:
+def resolve_lenses(specs: list[str], model: LensModel, shrinkage: list[float] | None = None) -> dict[str, Lens]:
     """``--lens`` values to ``{name: lens}``: ``logit``, ``default`` (the shipped Jacobian lens),
     ``tuned`` (the shipped tuned lens), a lens file (Jacobian or tuned) or a tuned-lens folder.
 
     A lens is named by its kind (``jacobian``, ``tuned``) unless two of a kind are given, then by its
     file name. Each Jacobian lens also appears shrunk, ``(1 - a) J + a I``, once per ``shrinkage`` value.
     """
-    from ..lenses.lens import LogitLens
+    from ..lenses.lens import JacobianLens, LogitLens
     from ..lenses.shipped import default_lens, default_tuned_lens, load_lens
 
-    loaded = []
+    loaded: list[tuple[str, str, Lens]] = []
     for spec in specs:
         if spec == "logit":
             loaded.append(("logit", spec, LogitLens.for_model(model)))
             continue
+        found: JacobianLens | TunedLens | None
         if spec in ("default", "tuned"):
-            lens = default_lens(model) if spec == "default" else default_tuned_lens(model)
-            if lens is None:
+            found = default_lens(model) if spec == "default" else default_tuned_lens(model)
+            if found is None:
                 what = "" if spec == "default" else "tuned "
                 raise CLIError(f"No shipped {what}lens for {model.name!r}: give a lens file, or 'logit'.")
         else:
-            lens = load_lens(spec, model=model)
-        loaded.append((str(getattr(lens, "kind", "jacobian")), spec, lens))
+            found = load_lens(spec, model=model)
+        loaded.append((str(found.kind), spec, found))
     kinds = [kind for kind, _, _ in loaded]
-    lenses = {}
+    lenses: dict[str, Lens] = {}
     for kind, spec, lens in loaded:
         name = kind if kinds.count(kind) == 1 or spec in ("default", "tuned", "logit") else Path(spec).stem
         lenses[name] = lens
-        if hasattr(lens, "with_shrinkage"):
+        if isinstance(lens, JacobianLens):  # shrinkage is the Jacobian lens's
             for alpha in shrinkage or []:
                 lenses[f"{name} (shrink {alpha:g})"] = lens.with_shrinkage(alpha)
     return lenses
@@ -190,6 +198,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     layers = parse_layer_spec(args.layers, model.n_layers) if args.layers else None
     if layers is not None and lens.target_layer not in layers:
         layers.append(lens.target_layer)  # the model's own output is always the last row
+    source: Generation | str
     if args.generate:
         bar = _bar(args.generate, "generating", args.no_progress, unit="token")
         try:
@@ -201,7 +210,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 bar.close()
         print(f"continuation ({source.n_generated} tokens, {source.stop_reason}): {source.continuation!r}")
     else:
-        source = model.chat(args.prompt) if args.chat else args.prompt
+        source = model.chat(args.prompt) if args.chat else str(args.prompt)
     reading = read_prompt(model, lens, source, top_k=1, layers=layers, max_seq_len=args.max_seq_len,
                           show_whitespace=True)
     if args.generate and args.last == LAST_DEFAULT:

@@ -4,8 +4,14 @@ next token and continuation with and without the edit (docs/method.md §7)."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from .main import CLIError, say
+
+if TYPE_CHECKING:  # the CLI imports torch only when a command runs
+    from ..interventions import Ablate, Steer, Swap
+    from ..lenses.protocol import Lens
+    from ..models.model import LensModel
 
 
 def _split(value: str, what: str) -> tuple[str, str]:
@@ -17,7 +23,7 @@ def _split(value: str, what: str) -> tuple[str, str]:
     return left, right
 
 
-def build_edits(args: argparse.Namespace, model, lens) -> list:
+def build_edits(args: argparse.Namespace, model: LensModel, lens: Lens) -> list[Swap | Steer | Ablate]:
     """The edits the options ask for (one sentence on bad input)."""
     from ..interventions import Ablate, Steer, Swap
     from ..layerspec import parse_layer_spec
@@ -28,7 +34,7 @@ def build_edits(args: argparse.Namespace, model, lens) -> list:
         n_prompt = int(model.encode(args.prompt).shape[1])
         positions = parse_layer_spec(args.positions, n_prompt)
     common = {"layers": layers, "positions": positions, "on_generated": args.on_generated}
-    edits = []
+    edits: list[Swap | Steer | Ablate] = []
     for value in args.swap or []:
         a, b = _split(value, "swap")
         edits.append(Swap(model, lens, a, b, args.alpha, **common))
@@ -47,6 +53,7 @@ def build_edits(args: argparse.Namespace, model, lens) -> list:
 
 
 def cmd_intervene(args: argparse.Namespace) -> int:
+    from ..interventions import Swap
     from ..interventions.compare import compare_runs
     from ..models.loading import load_model
     from .eval import resolve_lenses
@@ -63,8 +70,8 @@ def cmd_intervene(args: argparse.Namespace) -> int:
     result = compare_runs(model, args.prompt, edits, max_new_tokens=args.max_new_tokens, chat=args.chat,
                           top_k=10)
     for edit in edits:
-        print(f"edit: {edit!r}" + (f"; skipped layers {edit.skipped_layers} (|cos| > 0.999)"
-                                   if getattr(edit, "skipped_layers", None) else ""))
+        skipped = edit.skipped_layers if isinstance(edit, Swap) else []  # a swap skips near-parallel layers
+        print(f"edit: {edit!r}" + (f"; skipped layers {skipped} (|cos| > 0.999)" if skipped else ""))
     print(f"{'':>3} {'clean next token':<28} {'edited next token':<28}")
     for i, row in result.next_tokens.iterrows():
         print(f"{i + 1:>3} {row['clean_token']!r:<20} {row['clean_prob']:6.1%}  "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -146,8 +147,8 @@ class DumpDiff:
                 "rows": rows}
 
 
-def _get(run: dict, keys: tuple[str, ...]):
-    value = run
+def _get(run: dict, keys: tuple[str, ...]) -> Any:
+    value: Any = run
     for k in keys:
         value = value.get(k) if isinstance(value, dict) else None
     return value

@@ -43,6 +43,7 @@ import torch
 
 from .._atomic import atomic_write_text
 from ..layerspec import normalise_layers
+from ..models.model import LensModel
 from ..models.recorder import block_output, register_own_thread_hook
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def parse_ops(ops: str | Iterable[str]) -> tuple[str, ...]:
     names = [n for n in names if n]
     if not names:
         raise ValueError("No op selected: give some of 'residual', 'attn', 'mlp' (or 'all').")
-    chosen = set()
+    chosen: set[str] = set()
     for name in names:
         if name == "all":
             chosen.update(LAYER_OPS)
@@ -97,7 +98,8 @@ def parse_ops(ops: str | Iterable[str]) -> tuple[str, ...]:
 
 # -- writing -----------------------------------------------------------------------------------
 
-def _token_ids(model, text_or_ids, max_length: int | None) -> tuple[torch.Tensor, str | None]:
+def _token_ids(model: LensModel, text_or_ids: str | Sequence[int] | torch.Tensor, max_length: int | None
+               ) -> tuple[torch.Tensor, str | None]:
     if isinstance(text_or_ids, str):
         return model.encode(text_or_ids, max_length=max_length), text_or_ids
     if isinstance(text_or_ids, torch.Tensor):
@@ -196,7 +198,7 @@ class _DumpWriter:
         self.handles.clear()
 
 
-def dump_hidden_states(model, text_or_ids: str | Sequence[int] | torch.Tensor, out_dir: str | Path, *,
+def dump_hidden_states(model: LensModel, text_or_ids: str | Sequence[int] | torch.Tensor, out_dir: str | Path, *,
                        ops: str | Iterable[str] = ("residual",), layers: Iterable[int] | None = None,
                        ends: bool = True, max_length: int | None = None,
                        extra_settings: dict[str, Any] | None = None, overwrite: bool = False) -> Path:
@@ -245,7 +247,7 @@ def dump_hidden_states(model, text_or_ids: str | Sequence[int] | torch.Tensor, o
         if op in op_list and (path is None or get_path(model.layers[layer_list[0]], path) is None):
             missing.append(op)
             log.info("Layout %r does not expose the %s sublayer: op %r is not dumped.", layout.name, op, op)
-    final_norm = getattr(model, "final_norm", None)
+    final_norm = model.final_norm
     if ends and final_norm is None:
         missing.append("final_norm")
         log.info("Model %s has no final norm: op 'final_norm' is not dumped.", model.name)
@@ -283,8 +285,7 @@ def dump_hidden_states(model, text_or_ids: str | Sequence[int] | torch.Tensor, o
     run = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": {"name": model.name, "layout": layout.name, "class": type(model.hf_model).__name__
-                  if hasattr(model, "hf_model") else type(model).__name__,
+        "model": {"name": model.name, "layout": layout.name, "class": type(model.hf_model).__name__,
                   "n_layers": n_layers, "d_model": int(model.d_model), "fingerprint": model.fingerprint()},
         "dtype": str(model.dtype).replace("torch.", ""),
         "device": str(model.device),

@@ -8,6 +8,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..models.model import LensModel
 from ..reading.generation import Generation, generate
 
 
@@ -28,7 +29,7 @@ class RunComparison:
     first_difference: int | None
 
 
-def compare_runs(model: Any, prompt: str, edits: Sequence[Any], *, max_new_tokens: int = 20, chat: bool = False,
+def compare_runs(model: LensModel, prompt: str, edits: Sequence[Any], *, max_new_tokens: int = 20, chat: bool = False,
                  top_k: int = 10, progress=None) -> RunComparison:
     """Greedy continuations of ``prompt`` without and with ``edits``, and their next-token top-k."""
     clean = generate(model, prompt, max_new_tokens=max_new_tokens, chat=chat, top_k=top_k, progress=progress)

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 
+from ..lenses.protocol import Lens
+from ..models.model import LensModel
 from ..reading.edit_hooks import PositionRule
 from ..reading.tokens import token_id
 from .read_directions import check_layers, default_layers, token_direction
@@ -52,9 +53,9 @@ class _LensEdit:
 
     needs_clean = False
 
-    def __init__(self, model: Any, lens: Any, layers: Iterable[int] | None, positions: Iterable[int] | None,
+    def __init__(self, model: LensModel, lens: Lens, layers: Iterable[int] | None, positions: Iterable[int] | None,
                  on_generated: bool) -> None:
-        self.lens_kind = str(getattr(lens, "kind", type(lens).__name__))
+        self.lens_kind = str(lens.kind)
         self.layers: list[int] = check_layers(model, lens, default_layers(model, lens) if layers is None else layers)
         self.rule = _rule(positions, on_generated)
 
@@ -74,7 +75,7 @@ class Steer(_LensEdit):
             outside the lens.
     """
 
-    def __init__(self, model: Any, lens: Any, token: str | int, strength: float, *,
+    def __init__(self, model: LensModel, lens: Lens, token: str | int, strength: float, *,
                  layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                  on_generated: bool = False) -> None:
         if not isinstance(strength, (int, float)) or not math.isfinite(strength) or abs(strength) > MAX_STRENGTH:
@@ -100,7 +101,7 @@ class Steer(_LensEdit):
 class Ablate(_LensEdit):
     """``h <- h - (h . v̂_t) v̂_t``: remove what the lens reads as ``token``."""
 
-    def __init__(self, model: Any, lens: Any, token: str | int, *, layers: Iterable[int] | None = None,
+    def __init__(self, model: LensModel, lens: Lens, token: str | int, *, layers: Iterable[int] | None = None,
                  positions: Iterable[int] | None = None, on_generated: bool = False) -> None:
         super().__init__(model, lens, layers, positions, on_generated)
         self.token_id = token_id(model.tokenizer, token, rule="word", vocab_size=model.vocab_size)
@@ -133,7 +134,7 @@ class Swap(_LensEdit):
 
     needs_clean = True
 
-    def __init__(self, model: Any, lens: Any, source: str | int, replacement: str | int, alpha: float = 1.0, *,
+    def __init__(self, model: LensModel, lens: Lens, source: str | int, replacement: str | int, alpha: float = 1.0, *,
                  layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                  on_generated: bool = False,
                  directions: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:

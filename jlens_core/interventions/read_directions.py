@@ -18,12 +18,14 @@ right), and ``M_l^T`` is the vector-Jacobian product of the lens's ``transport``
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from ..layerspec import normalise_layers
+from ..lenses.protocol import Lens
+from ..models.model import LensModel
 from ..reading.tokens import token_id
 
 
@@ -35,7 +37,7 @@ def _is_layer_norm(norm: nn.Module) -> bool:
     return "layernorm" in name and "rms" not in name
 
 
-def norm_gain(model: Any) -> tuple[torch.Tensor, bool]:
+def norm_gain(model: LensModel) -> tuple[torch.Tensor, bool]:
     """``(gamma [d_model] fp32, centres)``: the final norm's per-dimension gain and whether it
     mean-centres (LayerNorm). No final norm: all ones, no centring.
 
@@ -43,7 +45,7 @@ def norm_gain(model: Any) -> tuple[torch.Tensor, bool]:
     which covers gains stored as ``w`` and as ``1 + w``.
     """
     d = int(model.d_model)
-    norm = getattr(model, "final_norm", None)
+    norm = model.final_norm
     if norm is None:
         return torch.ones(d), False
     if _is_layer_norm(norm):
@@ -59,30 +61,29 @@ def norm_gain(model: Any) -> tuple[torch.Tensor, bool]:
     return out * math.sqrt(1.0 + eps), False
 
 
-def head_row(model: Any, token_id: int) -> torch.Tensor:
+def head_row(model: LensModel, token_id: int) -> torch.Tensor:
     """``P^T u_t`` ``[d_model]`` fp32: the gradient of token ``t``'s logit with respect to the final
     norm's output, through any pre-head modules and the head (all linear)."""
     head_param = next(model.head.parameters())
     z = torch.zeros(1, model.d_model, device=head_param.device, dtype=torch.float32, requires_grad=True)
     with torch.enable_grad():
         x = z.to(head_param.dtype)
-        for module in getattr(model, "pre_head", []):
+        for module in model.pre_head:
             x = module(x)
         logit = model.head(x)[0, int(token_id)].float()
         (grad,) = torch.autograd.grad(logit, z)
     return grad[0].detach().cpu()
 
 
-def last_source_layer(lens: Any) -> int:
+def last_source_layer(lens: Lens) -> int:
     """The highest layer the lens reads below its target (its transport is not the identity there)."""
-    sources = getattr(lens, "source_layers", None)
-    layers = list(sources) if sources else [x for x in lens.layers if x != lens.target_layer]
+    layers = lens.source_layers
     if not layers:
         raise ValueError("The lens reads no layer below its target layer.")
     return max(layers)
 
 
-def default_layers(model: Any, lens: Any) -> list[int]:
+def default_layers(model: LensModel, lens: Lens) -> list[int]:
     """The middle band: from ``n_layers // 3`` to the lens's last source layer (that it reads)."""
     top = last_source_layer(lens)
     readable = set(lens.layers)
@@ -90,7 +91,7 @@ def default_layers(model: Any, lens: Any) -> list[int]:
     return band or [top]
 
 
-def check_layers(model: Any, lens: Any, layers) -> list[int]:
+def check_layers(model: LensModel, lens: Lens, layers: Iterable[int]) -> list[int]:
     """Layers normalised (:func:`~jlens_core.layerspec.normalise_layers`: negatives count from the end,
     sorted, de-duplicated); each must be a source layer the lens reads.
 
@@ -108,19 +109,20 @@ def check_layers(model: Any, lens: Any, layers) -> list[int]:
     return chosen
 
 
-def read_vector(model: Any, lens: Any, layer: int, token_id: int) -> torch.Tensor:
+def read_vector(model: LensModel, lens: Lens, layer: int, token_id: int) -> torch.Tensor:
     """``v_t = M_l^T C (gamma * P^T u_t)`` ``[d_model]`` fp32 (not normalised)."""
     gamma, centres = norm_gain(model)
     r = gamma * head_row(model, token_id)  # [d]
     if centres:
         r = r - r.mean()
     h = torch.zeros(model.d_model, dtype=torch.float32)
-    _, vjp = torch.func.vjp(lambda x: lens.transport(x, int(layer)), h)
+    # torch types vjp's result as a 3-tuple (the has_aux form); without has_aux it is (output, vjp_fn)
+    _, vjp = torch.func.vjp(lambda x: lens.transport(x, int(layer)), h)  # type: ignore[misc]
     (v,) = vjp(r)
     return v.detach().float()
 
 
-def token_direction(model: Any, lens: Any, layer: int, token: str | int) -> torch.Tensor:
+def token_direction(model: LensModel, lens: Lens, layer: int, token: str | int) -> torch.Tensor:
     """The unit read direction ``v̂_t`` ``[d_model]`` (fp32, CPU) of ``token`` at ``layer`` under ``lens``.
 
     Args:

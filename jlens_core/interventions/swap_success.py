@@ -33,6 +33,8 @@ import torch
 
 from .._paths import ASSETS_DIR
 from ..lenses.lens import LogitLens
+from ..lenses.protocol import Lens
+from ..models.model import LensModel
 from ..reading.edit_hooks import EditRunner
 from ..reading.tokens import spellings
 from .lens_edits import MAX_ALPHA, Swap, random_directions
@@ -123,7 +125,7 @@ class SwapReport:
         return self.seconds / max(1, self.n_items)
 
 
-def _greedy_next(model: Any, ids: torch.Tensor, edits: list | None = None, clean=None) -> int:
+def _greedy_next(model: LensModel, ids: torch.Tensor, edits: list | None = None, clean=None) -> int:
     runner = EditRunner(model, edits, int(ids.shape[1]))
     positions = torch.arange(int(ids.shape[1]))
     with torch.no_grad():
@@ -131,7 +133,7 @@ def _greedy_next(model: Any, ids: torch.Tensor, edits: list | None = None, clean
     return int(logits.float().argmax())
 
 
-def swap_success(model: Any, lenses: Mapping[str, Any], items: Iterable[dict], *,
+def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[dict], *,
                  layers: Sequence[int] | None = None, alphas: Sequence[float] = DEFAULT_ALPHAS,
                  random_control: bool = True, seed: int = 0,
                  progress: Callable[[int, int], None] | None = None) -> SwapReport:
@@ -155,7 +157,7 @@ def swap_success(model: Any, lenses: Mapping[str, Any], items: Iterable[dict], *
     if not alphas:
         raise ValueError("alphas is empty: give at least one swap scale.")
     lenses = dict(lenses)
-    if not any(getattr(lens, "kind", "") == "logit" for lens in lenses.values()):
+    if not any(lens.kind == "logit" for lens in lenses.values()):
         lenses["logit"] = LogitLens.for_model(model)
     for alpha in alphas:  # bad settings fail before any work
         if not 0 <= alpha <= MAX_ALPHA:
@@ -163,13 +165,14 @@ def swap_success(model: Any, lenses: Mapping[str, Any], items: Iterable[dict], *
     chosen = {name: check_layers(model, lens, layers) if layers is not None else default_layers(model, lens)
               for name, lens in lenses.items()}
     first = next(iter(chosen.values()))
-    vocab = getattr(model, "vocab_size", None)
+    vocab = model.vocab_size
     rows = []
     start = time.perf_counter()
     for i, item in enumerate(items):
         row: dict[str, Any] = {"name": item.get("name", f"#{i}"), "eligible": False, "reason": ""}
-        words = {k: direction_spelling(model.tokenizer, str(item[k]), vocab) for k in ITEM_FIELDS[1:]}
-        missing = [f"{k} {item[k]!r}" for k, v in words.items() if v is None]
+        spelled = {k: direction_spelling(model.tokenizer, str(item[k]), vocab) for k in ITEM_FIELDS[1:]}
+        missing = [f"{k} {item[k]!r}" for k, v in spelled.items() if v is None]
+        words = {k: v for k, v in spelled.items() if v is not None}  # all of them when none is missing
         ids = model.encode(str(item["prompt"]))
         if missing:
             row["reason"] = "skipped: no single-token spelling of " + ", ".join(missing)
@@ -182,7 +185,8 @@ def swap_success(model: Any, lenses: Mapping[str, Any], items: Iterable[dict], *
                 row["reason"] = f"not eligible: the model says {row['clean_next']!r}"
             else:
                 row["eligible"] = True
-                runs = {name: (lenses[name], chosen[name], None) for name in lenses}
+                runs: dict[str, tuple[Lens, list[int], dict[int, tuple[torch.Tensor, torch.Tensor]] | None]] = {
+                    name: (lenses[name], chosen[name], None) for name in lenses}
                 if random_control:
                     runs[RANDOM] = (next(iter(lenses.values())), first,
                                     random_directions(first, model.d_model, seed * 100003 + i))
@@ -205,13 +209,13 @@ def swap_success(model: Any, lenses: Mapping[str, Any], items: Iterable[dict], *
     summary_rows, best_rows = [], []
     names = list(lenses) + ([RANDOM] if random_control else [])
     for name in names:
-        best = None
+        best: dict[str, Any] | None = None
         for alpha in alphas:
             col = f"{name}@{alpha:g}"
             wins = int(eligible[col].sum()) if col in eligible else 0
             n = len(eligible)
             low, high = wilson_interval(wins, n)
-            rec = {"lens": name, "alpha": alpha, "eligible": n, "successes": wins,
+            rec: dict[str, Any] = {"lens": name, "alpha": alpha, "eligible": n, "successes": wins,
                    "rate": wins / n if n else math.nan, "ci_low": low, "ci_high": high}
             summary_rows.append(rec)
             if best is None or (n and rec["rate"] > best["rate"]):

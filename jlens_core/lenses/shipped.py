@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .._paths import ASSETS_DIR
 from ..models.loading import DEFAULT_ALIASES, DEFAULT_MODEL
+from ..models.model import LensModel
 from .hub import resolve_lens_path
 from .lens import JacobianLens
 from .tuned import FORMAT_NAME as TUNED_FORMAT
@@ -53,7 +54,7 @@ def shipped_lens_path(name: str = DEFAULT_MODEL) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def load_lens(spec: str = DEFAULT_MODEL, *, model=None) -> JacobianLens | TunedLens:
+def load_lens(spec: str = DEFAULT_MODEL, *, model: LensModel | None = None) -> JacobianLens | TunedLens:
     """A lens by model name (the shipped lens, e.g. :data:`DEFAULT_MODEL`), by path (a Jacobian lens
     file, a tuned lens file, or a tuned-lens folder: ``config.json`` + ``params.pt``) or from the Hub
     (``hf://owner/repo[@revision]/path/in/repo.pt``, through ``huggingface_hub``'s cache).
@@ -77,15 +78,15 @@ def load_lens(spec: str = DEFAULT_MODEL, *, model=None) -> JacobianLens | TunedL
     return JacobianLens.load(path, model=model)
 
 
-def default_tuned_lens(model) -> TunedLens | None:
+def default_tuned_lens(model: LensModel) -> TunedLens | None:
     """The shipped tuned lens for ``model``, or ``None``."""
-    path = shipped_tuned_lens_path(getattr(model, "name", ""))
+    path = shipped_tuned_lens_path(model.name)
     return None if path is None else TunedLens.load(path, model=model)
 
 
-def default_lens(model) -> JacobianLens | None:
+def default_lens(model: LensModel) -> JacobianLens | None:
     """The shipped lens for ``model`` (an :class:`~jlens_core.models.model.HFLensModel`), or ``None``."""
-    path = shipped_lens_path(getattr(model, "name", ""))
+    path = shipped_lens_path(model.name)
     if path is None:
         return None
     return JacobianLens.load(path, model=model)

@@ -20,11 +20,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
+
+from .lens import JacobianLens
+from .protocol import Lens
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +34,15 @@ LAYER_STATS_COLUMNS = ("layer", "fro_norm", "spectral_norm", "dist_identity", "e
 
 
 # -- matrices ------------------------------------------------------------------------------------
-def _jacobian_layers(lens: Any) -> list[int]:
-    jacobians = getattr(lens, "jacobians", None)
+def _jacobian_layers(lens: Lens) -> list[int]:
+    jacobians = lens.jacobians if isinstance(lens, JacobianLens) else None  # matrices are the Jacobian lens's
     if not jacobians:
         raise ValueError("This is not a fitted Jacobian lens (the logit lens has J = I at every layer): load or "
                          "fit a Jacobian lens to study its matrices.")
     return sorted(jacobians)
 
 
-def jacobian_matrix(lens: Any, layer: int) -> torch.Tensor:
+def jacobian_matrix(lens: Lens, layer: int) -> torch.Tensor:
     """``J_layer`` of a fitted lens (shrinkage applied) in fp64, ``[d, d]``; a clear error for a logit lens
     or a layer the lens was not fitted at."""
     layers = _jacobian_layers(lens)
@@ -89,7 +91,7 @@ def matrix_stats(matrix: torch.Tensor | np.ndarray, s: np.ndarray | None = None)
             "effective_rank": effective_rank(s), "stable_rank": fro * fro / (top * top) if top > 0 else 0.0}
 
 
-def layer_stats(lens: Any, layers: Iterable[int] | None = None) -> pd.DataFrame:
+def layer_stats(lens: Lens, layers: Iterable[int] | None = None) -> pd.DataFrame:
     """:func:`matrix_stats` of every fitted layer of ``lens`` (or of ``layers``), one row each.
 
     Returns:
@@ -103,7 +105,7 @@ def layer_stats(lens: Any, layers: Iterable[int] | None = None) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(LAYER_STATS_COLUMNS))
 
 
-def layer_stats_and_spectra(lens: Any) -> tuple[pd.DataFrame, dict[int, np.ndarray]]:
+def layer_stats_and_spectra(lens: Lens) -> tuple[pd.DataFrame, dict[int, np.ndarray]]:
     """:func:`layer_stats` of every fitted layer and its singular values, one SVD per layer.
 
     Returns:
@@ -118,7 +120,7 @@ def layer_stats_and_spectra(lens: Any) -> tuple[pd.DataFrame, dict[int, np.ndarr
     return pd.DataFrame(rows, columns=list(LAYER_STATS_COLUMNS)), spectra
 
 
-def layer_spectrum(lens: Any, layer: int) -> np.ndarray:
+def layer_spectrum(lens: Lens, layer: int) -> np.ndarray:
     """Singular values of ``J_layer`` (shrinkage applied), descending, ``float64[d_model]``.
 
     Raises:

@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ..models.model import LensModel
 from ..models.recorder import ActivationRecorder, block_output, register_own_thread_hook
 
 
@@ -72,7 +73,7 @@ class PositionRule:
         return chosen
 
 
-def check_edits(model: Any, edits: Iterable[Any] | None) -> list[Any]:
+def check_edits(model: LensModel, edits: Iterable[Any] | None) -> list[Any]:
     """The edits as a list, each checked against the protocol and the model's layer count.
 
     Raises:
@@ -81,9 +82,9 @@ def check_edits(model: Any, edits: Iterable[Any] | None) -> list[Any]:
             pass several streams (edits there are not defined yet).
     """
     out = list(edits or [])
-    streams = getattr(model, "stream_readout", None)
+    streams = model.stream_readout
     if out and streams is not None:
-        raise ValueError(f"Residual edits are not supported on {getattr(model, 'name', 'this model')!r}: its layers "
+        raise ValueError(f"Residual edits are not supported on {model.name!r}: its layers "
                          f"pass {streams.description or 'several streams'}, and an edit of its residual (the "
                          "collapse of those streams) has no single place to go yet.")
     for edit in out:
@@ -108,7 +109,7 @@ class EditRunner:
     edit needs the clean residuals, first runs ``clean_forward`` and records them.
     """
 
-    def __init__(self, model: Any, edits: Iterable[Any] | None, n_prompt: int) -> None:
+    def __init__(self, model: LensModel, edits: Iterable[Any] | None, n_prompt: int) -> None:
         self.model = model
         self.edits = check_edits(model, edits)
         self.n_prompt = int(n_prompt)

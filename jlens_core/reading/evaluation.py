@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 
 import pandas as pd
 import torch
 
+from ..lenses.protocol import Lens
+from ..models.model import LensModel
 from .readings import (
     as_lens_dict,
     centred_logit_stats,
@@ -38,7 +39,7 @@ Progress = Callable[[int, int], None]
 
 
 
-def default_skip_first(lenses: Mapping[str, Any]) -> int:
+def default_skip_first(lenses: Mapping[str, Lens]) -> int:
     """The ``skip_first`` :func:`evaluate` uses when none is given.
 
     The largest ``settings["skip_first"]`` among the Jacobian lenses (the positions they were fitted
@@ -46,7 +47,7 @@ def default_skip_first(lenses: Mapping[str, Any]) -> int:
     default) when no lens records one.
     """
     values = [int(lens.settings["skip_first"]) for lens in lenses.values()
-              if isinstance(getattr(lens, "settings", None), dict) and lens.settings.get("skip_first") is not None]
+              if lens.settings.get("skip_first") is not None]
     return max(values) if values else DEFAULT_SKIP_FIRST
 
 
@@ -74,7 +75,7 @@ class _Moments:
         return math.sqrt(var / self.n)
 
 
-def evaluate(model: Any, lenses: Mapping[str, Any], texts: Iterable[str] | str, *, max_seq_len: int | None = 128,
+def evaluate(model: LensModel, lenses: Mapping[str, Lens], texts: Iterable[str] | str, *, max_seq_len: int | None = 128,
              skip_first: int | None = None, layers: Iterable[int] | None = None,
              progress: Progress | None = None) -> pd.DataFrame:
     """Per-layer mean KL and cross-entropy of each lens over a corpus.
@@ -178,9 +179,9 @@ def evaluate(model: Any, lenses: Mapping[str, Any], texts: Iterable[str] | str, 
     rows = []
     for name, ls in lens_layers.items():
         for layer in ls:
-            kl, ce = kl_acc[name, layer], ce_acc[name, layer]
-            rows.append({"lens": name, "layer": layer, "kl_bits": kl.mean(), "ce_bits": ce.mean(),
-                         "n_tokens": kl.n, "kl_se": kl.se(), "ce_se": ce.se(), "n_texts": n_used})
+            kl_m, ce_m = kl_acc[name, layer], ce_acc[name, layer]
+            rows.append({"lens": name, "layer": layer, "kl_bits": kl_m.mean(), "ce_bits": ce_m.mean(),
+                         "n_tokens": kl_m.n, "kl_se": kl_m.se(), "ce_se": ce_m.se(), "n_texts": n_used})
     frame = pd.DataFrame(rows, columns=list(EVALUATE_COLUMNS))
     frame.attrs.update({"skip_first": skip, "max_seq_len": max_seq_len, "n_skipped": n_skipped})
     return frame

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..models.model import LensModel
 from .edit_hooks import EditRunner
 
 log = logging.getLogger(__name__)
@@ -93,10 +94,10 @@ class GenerationProgress:
     generation: Generation
 
 
-def eos_ids(model: Any) -> set[int]:
+def eos_ids(model: LensModel) -> set[int]:
     """End-of-sequence ids: the model's generation config, else the tokenizer's."""
     ids: set[int] = set()
-    config = getattr(getattr(model, "hf_model", None), "generation_config", None)
+    config = getattr(model.hf_model, "generation_config", None)  # not every transformers model has one
     for source in (getattr(config, "eos_token_id", None), getattr(model.tokenizer, "eos_token_id", None)):
         if source is None:
             continue
@@ -122,7 +123,7 @@ def check_generate_args(prompt: Any, max_new_tokens: int, temperature: float, to
 class _Stepper:
     """The model's forward for generation: with its key/value cache where it has one."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: LensModel) -> None:
         self.hf = model.hf_model
         params = inspect.signature(self.hf.forward).parameters
         self.keep_kwarg = "logits_to_keep" if "logits_to_keep" in params else (
@@ -144,7 +145,7 @@ class _Stepper:
         return out.logits[0, -1]
 
 
-def generate(model: Any, prompt: str | Iterable[int] | torch.Tensor, *, max_new_tokens: int = 32,
+def generate(model: LensModel, prompt: str | Iterable[int] | torch.Tensor, *, max_new_tokens: int = 32,
              temperature: float = 0.0, seed: int | None = None, chat: bool = False, stop_at_eos: bool = True,
              top_k: int = 10, edits: Iterable[Any] | None = None,
              progress: Callable[[GenerationProgress], bool | None] | None = None) -> Generation:
@@ -198,7 +199,7 @@ def generate(model: Any, prompt: str | Iterable[int] | torch.Tensor, *, max_new_
                         top_ids=np.zeros((0, k), np.int64), top_probs=np.zeros((0, k), np.float32),
                         stop_reason="max_new_tokens", temperature=float(temperature),
                         seed=None if seed is None else int(seed), chat=bool(chat),
-                        model_name=str(getattr(model, "name", "")), edits=[repr(e) for e in runner.edits])
+                        model_name=str(model.name), edits=[repr(e) for e in runner.edits])
     new_ids = ids
     with torch.no_grad():
         for step in range(int(max_new_tokens)):
@@ -231,7 +232,7 @@ def generate(model: Any, prompt: str | Iterable[int] | torch.Tensor, *, max_new_
     return result
 
 
-def _update(result: Generation, model: Any, generated: list[int], top_ids: list, top_probs: list) -> None:
+def _update(result: Generation, model: LensModel, generated: list[int], top_ids: list, top_probs: list) -> None:
     result.generated_ids = np.asarray(generated, dtype=np.int64)
     result.top_ids = np.stack(top_ids)
     result.top_probs = np.stack(top_probs)

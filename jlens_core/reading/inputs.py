@@ -11,39 +11,33 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..layerspec import normalise_layers, wrap_index
-from ..lenses.lens import LensFileError
+from ..lenses.protocol import Lens
+from ..models.model import LensModel
 from ..models.recorder import ActivationRecorder
 from .edit_hooks import EditRunner
 
 log = logging.getLogger(__name__)
 
 
-def check_lens(model: Any, lens: Any) -> None:
-    """Raise :class:`LensFileError` if ``lens`` does not belong to ``model``.
+def check_lens(model: LensModel, lens: Lens) -> None:
+    """Raise :class:`LensFileError` if ``lens`` does not belong to ``model`` (``lens.check_model``).
 
-    A :class:`JacobianLens` checks its width, target layer and unembedding fingerprint
-    (``lens.check_model``); a :class:`LogitLens` must have the model's width and layer count.
+    A :class:`JacobianLens` or :class:`TunedLens` checks its width, target layer and unembedding
+    fingerprint; a :class:`LogitLens` must have the model's width and layer count.
     """
-    if hasattr(lens, "check_model"):
-        lens.check_model(model)
-        return
-    n_layers = getattr(lens, "n_layers", model.n_layers)
-    if getattr(lens, "d_model", model.d_model) != model.d_model or n_layers != model.n_layers:
-        raise LensFileError(f"This {getattr(lens, 'kind', 'logit')} lens is for a model with "
-                            f"d_model={lens.d_model} and {n_layers} layers; {model.name!r} has "
-                            f"d_model={model.d_model} and {model.n_layers} layers. Use "
-                            "LogitLens.for_model(model).")
+    lens.check_model(model)
 
 
-def as_lens_dict(lenses: Any) -> dict[str, Any]:
+def as_lens_dict(lenses: Mapping[str, Lens] | Lens) -> dict[str, Lens]:
     """``{name: lens}`` from a dict or a single lens (named by its kind); a clear error when empty."""
     if isinstance(lenses, Mapping):
         out = {str(name): lens for name, lens in lenses.items()}
-    elif hasattr(lenses, "transport"):
-        out = {str(getattr(lenses, "kind", "lens")): lenses}
+    elif hasattr(lenses, "transport"):  # a run-time guard: callers pass whatever they hold
+        out = {str(lenses.kind): lenses}
     else:
         raise ValueError("lenses must be a dict {name: lens}, e.g. {'jacobian': lens, 'logit': "
                          "LogitLens.for_model(model)}.")
@@ -52,7 +46,7 @@ def as_lens_dict(lenses: Any) -> dict[str, Any]:
     return out
 
 
-def readable_layers(model: Any, lens: Any, layers: Iterable[int] | None = None) -> list[int]:
+def readable_layers(model: LensModel, lens: Lens, layers: Iterable[int] | None = None) -> list[int]:
     """The layers to read: ``lens.layers`` (all of them, or those of ``layers`` the lens has), sorted.
 
     Negative indices in ``layers`` count from the end. Layers the lens was not fitted at are left
@@ -71,14 +65,14 @@ def readable_layers(model: Any, lens: Any, layers: Iterable[int] | None = None) 
         chosen = [layer for layer in available if layer in wanted]
         missing = sorted(set(wanted) - set(chosen))
         if missing:
-            log.info("the %s lens has no layers %s; they are left out", getattr(lens, "kind", "?"), missing)
+            log.info("the %s lens has no layers %s; they are left out", lens.kind, missing)
     if not chosen:
         raise ValueError(f"None of the requested layers {sorted(set(layers or []))} is readable with this "
                          f"lens, which reads layers {available}.")
     return sorted(chosen)
 
 
-def record_residuals(model: Any, input_ids: torch.Tensor, layers: Iterable[int], *,
+def record_residuals(model: LensModel, input_ids: torch.Tensor, layers: Iterable[int], *,
                      edits: Iterable[Any] | None = None, n_prompt: int | None = None) -> dict[int, torch.Tensor]:
     """One forward pass (no gradients) recording decoder-layer outputs.
 
@@ -122,7 +116,8 @@ def resolve_positions(seq_len: int, positions: Iterable[int] | None) -> list[int
     return sorted(out)
 
 
-def encode_prompt(model: Any, text: str | Sequence[int] | torch.Tensor, max_seq_len: int | None) -> torch.Tensor:
+def encode_prompt(model: LensModel, text: str | Sequence[int] | np.ndarray | torch.Tensor,
+                  max_seq_len: int | None) -> torch.Tensor:
     """``LongTensor[1, seq]`` on the model's device, from text (``model.encode``) or token ids."""
     if isinstance(text, str):
         if not text:
@@ -135,15 +130,12 @@ def encode_prompt(model: Any, text: str | Sequence[int] | torch.Tensor, max_seq_
         raise ValueError(f"Token ids must be a non-empty [seq] or [1, seq] sequence, got shape {tuple(ids.shape)}.")
     if max_seq_len is not None:
         ids = ids[:, :max_seq_len]
-    device = getattr(model, "device", None)
-    return ids.to(device) if device is not None else ids
+    return ids.to(model.device)
 
 
-def model_vocab_size(model: Any) -> int:
-    size = getattr(model, "vocab_size", None)
-    if size is None:
-        raise ValueError(f"The model {getattr(model, 'name', model)!r} does not tell its vocab_size.")
-    return int(size)
+def model_vocab_size(model: LensModel) -> int:
+    """``model.vocab_size`` as an int (the logits a reading keeps)."""
+    return int(model.vocab_size)
 
 
 __all__ = ["as_lens_dict", "check_lens", "encode_prompt", "model_vocab_size", "readable_layers", "record_residuals",

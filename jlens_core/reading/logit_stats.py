@@ -24,7 +24,8 @@ CHUNK_ELEMENTS = 1 << 24
 STATS_BLOCK_ELEMENTS = 1 << 21
 
 
-def rank_of(logits: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+def rank_of(logits: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor | None = None,
+            kept: torch.Tensor | None = None) -> torch.Tensor:
     """1-based rank of ``ids`` among ``logits``: ``1 + #{v : logits[..., v] > logits[..., id]}``.
 
     The count runs as a matrix product (:func:`row_sums`), several times faster on the CPU than
@@ -35,13 +36,15 @@ def rank_of(logits: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor | Non
         ids: ``LongTensor[...]``, one id per row.
         scratch: overwritten if given (same shape and dtype as ``logits``), saving an array (and its
             page faults) per call.
+        kept: ``[vocab]`` 0/1 in ``logits``' dtype: only ids with a 1 are counted above (the
+            word-token readout, docs/method.md §9.1); the id itself need not be kept.
 
     Returns:
         ``LongTensor[...]``.
     """
     value = logits.gather(-1, ids.unsqueeze(-1))  # [..., 1]
     above = torch.gt(logits, value, out=scratch) if scratch is not None else (logits > value).to(logits.dtype)
-    return row_sums(above).long() + 1
+    return row_sums(above, kept).long() + 1
 
 
 def final_distribution(final_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,14 +71,16 @@ def final_distribution(final_logits: torch.Tensor) -> tuple[torch.Tensor, torch.
     return p.div_(total.float()[:, None]), neg_entropy
 
 
-def row_sums(x: torch.Tensor) -> torch.Tensor:
+def row_sums(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """``x.sum(-1)`` of 0/1 values as a matrix-vector product: ``[..., vocab] -> [...]``.
 
     Several times faster on the CPU than a reduction over a bool array, and exact for counts below
-    2**24; not for general floats (a BLAS sum accumulates in sequence).
+    2**24; not for general floats (a BLAS sum accumulates in sequence). ``weights`` (``[vocab]`` 0/1,
+    ``x``'s dtype) counts only the columns it marks, at the same cost.
     """
-    ones = torch.ones(x.shape[-1], 1, dtype=x.dtype, device=x.device)
-    return (x.reshape(-1, x.shape[-1]) @ ones).view(x.shape[:-1])
+    if weights is None:
+        weights = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    return (x.reshape(-1, x.shape[-1]) @ weights.reshape(-1, 1)).view(x.shape[:-1])
 
 
 def centred_logit_stats(z: torch.Tensor, final_p: torch.Tensor, final_neg_entropy: torch.Tensor,

@@ -72,7 +72,8 @@ def run_in_workers(tasks: list[Any], work: Callable[[Any, dict[str, torch.Tensor
 
     def worker(arrays: dict[str, torch.Tensor]) -> None:
         torch.get_num_threads()  # torch sets a new thread's OpenMP count on first use: before ours
-        set_threads(threads_each)
+        if set_threads is not None:  # found: reading_workers gave more than one worker
+            set_threads(threads_each)
         with torch.no_grad():
             while not errors:
                 with lock:

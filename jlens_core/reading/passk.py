@@ -45,6 +45,8 @@ import torch
 
 from .._paths import ASSETS_DIR
 from ..layerspec import wrap_index
+from ..lenses.protocol import Lens
+from ..models.model import LensModel
 from .readings import as_lens_dict, check_lens, encode_prompt, rank_of, readable_layers, record_residuals
 from .tokens import TokenDisplay, spellings
 
@@ -248,7 +250,7 @@ def word_spellings(tokenizer: Any, word: str, *, spelling: str = "whole", synony
 
 
 # -- readout positions ---------------------------------------------------------------------------------
-def readout_position(model: Any, prompt: str, ids: torch.Tensor, rule: Any) -> int:
+def readout_position(model: LensModel, prompt: str, ids: torch.Tensor, rule: Any) -> int:
     """The index into ``ids [1, seq]`` (the encoded ``prompt``) where the lens is read.
 
     Raises:
@@ -273,10 +275,10 @@ def readout_position(model: Any, prompt: str, ids: torch.Tensor, rule: Any) -> i
     if start < 0:
         raise ValueError(f"readout {{'before': {text!r}}}: {text!r} is not in the prompt.")
     # the encoded prefix up to the substring: its last token ends before it
-    prefix = model.encode(prompt[:start]) if prompt[:start] else None
-    n = int(prefix.shape[1]) if prefix is not None else 0
+    prefix: list[int] = model.encode(prompt[:start])[0].tolist() if prompt[:start] else []
+    n = len(prefix)
     # merges can differ at the cut: step back until the prefix matches the full encoding
-    while n > 0 and row[:n] != prefix[0, :n].tolist():
+    while n > 0 and row[:n] != prefix[:n]:
         n -= 1
     if n == 0:
         raise ValueError(f"readout {{'before': {text!r}}}: no token of the prompt comes before {text!r}.")
@@ -290,7 +292,7 @@ def _best_rank(logits: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     return ranks.min(-1).values
 
 
-def pass_at_k_detail(model: Any, lenses: Mapping[str, Any], items: Iterable[Mapping] | str, *,
+def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str, *,
                      layers: Iterable[int] | None = None, readout: Any = None, spelling: str = "whole",
                      synonyms: str | None = None, progress: Progress | None = None) -> pd.DataFrame:
     """Best ranks of each item's intermediate and target words, per lens, at the readout position.
@@ -325,7 +327,7 @@ def pass_at_k_detail(model: Any, lenses: Mapping[str, Any], items: Iterable[Mapp
     for lens in lenses.values():
         check_lens(model, lens)
     tokenizer = model.tokenizer
-    vocab = getattr(model, "vocab_size", None)
+    vocab = model.vocab_size
     top = model.n_layers - 1
     lens_layers = {name: readable_layers(model, lens, layers) for name, lens in lenses.items()}
     all_layers = sorted({layer for ls in lens_layers.values() for layer in ls})
@@ -414,7 +416,7 @@ def summarize_pass_at_k(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10
     return pd.DataFrame(rows, columns=list(PASS_COLUMNS))
 
 
-def pass_at_k(model: Any, lenses: Mapping[str, Any], items: Iterable[Mapping] | str, *,
+def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str, *,
               k: Sequence[int] | int = (1, 5, 10), layers: Iterable[int] | None = None, readout: Any = None,
               spelling: str = "whole", synonyms: str | None = None, n_boot: int = N_BOOT, seed: int = 0,
               progress: Progress | None = None, return_detail: bool = False

@@ -107,9 +107,14 @@ class PromptReading:
             raise KeyError(f"Layer {layer} was not read; this reading has layers {self.layers}.") from None
 
     @property
+    def _prompt_length(self) -> int:
+        """``n_prompt`` as an int (``None`` only until ``__post_init__`` fills it in)."""
+        return len(self.input_ids) if self.n_prompt is None else int(self.n_prompt)
+
+    @property
     def n_generated(self) -> int:
         """Tokens of the reading that the model generated (after the prompt)."""
-        return len(self.input_ids) - int(self.n_prompt)
+        return len(self.input_ids) - self._prompt_length
 
     @property
     def segments(self) -> list[str]:
@@ -162,7 +167,7 @@ class PromptReading:
         rank = self.next_token_rank[li, pi]
         return {"layer": self.layers[li], "position": int(self.positions[pi]),
                 "token": self.tokens[int(self.positions[pi])], "next_token": self.next_tokens[pi],
-                "segment": "generated" if int(self.positions[pi]) >= int(self.n_prompt) else "prompt",
+                "segment": "generated" if int(self.positions[pi]) >= self._prompt_length else "prompt",
                 "top_ids": self.top_ids[li, pi].tolist(), "top_tokens": self._names(self.top_ids[li, pi]),
                 "top_probs": [float(x) for x in self.top_probs[li, pi]],
                 "entropy_bits": float(self.entropy_bits[li, pi]), "kl_bits": float(self.kl_bits[li, pi]),
@@ -224,7 +229,7 @@ class PromptReading:
             "layer": layer_col,
             "position": position_col,
             "token": [self.tokens[p] for p in position_col.tolist()],
-            "segment": np.where(position_col >= int(self.n_prompt), "generated", "prompt"),
+            "segment": np.where(position_col >= self._prompt_length, "generated", "prompt"),
             "top_ids": flat_ids.tolist(),
             "top_tokens": [self._names(row) for row in flat_ids],
             "top_probs": self.top_probs.reshape(n_l * n_p, -1).astype(np.float64).tolist(),

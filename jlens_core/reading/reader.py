@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..lenses.protocol import Lens
+from ..models.model import LensModel
 from .edit_hooks import check_edits
 from .generation import Generation
 from .inputs import (
@@ -50,7 +52,7 @@ from .tokens import TokenDisplay, display_ids, encode_plain, token_id
 log = logging.getLogger(__name__)
 
 
-def _resolve_pinned(model: Any, display: TokenDisplay, pinned: Iterable[str | int]) -> dict[str, int]:
+def _resolve_pinned(model: LensModel, display: TokenDisplay, pinned: Iterable[str | int]) -> dict[str, int]:
     out: dict[str, int] = {}
     if isinstance(pinned, (str, int)):
         pinned = [pinned]
@@ -69,7 +71,7 @@ def _resolve_pinned(model: Any, display: TokenDisplay, pinned: Iterable[str | in
 
 
 
-def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor | Generation, *, top_k: int = 10,
+def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | torch.Tensor | Generation, *, top_k: int = 10,
                 layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                 pinned: Iterable[str | int] = (), show_whitespace: bool = False,
                 max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
@@ -110,7 +112,7 @@ def read_prompt(model: Any, lens: Any, text: str | Sequence[int] | torch.Tensor 
                         word_like=word_like, n_prompt=n_prompt, edits=edits)["lens"]
 
 
-def read_prompts(model: Any, lenses: Mapping[str, Any] | Any, text: str | Sequence[int] | torch.Tensor | Generation,
+def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens, text: str | Sequence[int] | torch.Tensor | Generation,
                  *, top_k: int = 10, layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                  pinned: Iterable[str | int] = (), show_whitespace: bool = False,
                  max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
@@ -134,13 +136,13 @@ def read_prompts(model: Any, lenses: Mapping[str, Any] | Any, text: str | Sequen
         LensFileError: a lens belongs to another model.
     """
     lens_map = as_lens_dict(lenses)
-    text, n_prompt = _check_arguments(text, n_prompt, top_k=top_k, max_seq_len=max_seq_len)
+    source, n_prompt = _check_arguments(text, n_prompt, top_k=top_k, max_seq_len=max_seq_len)
     for lens in lens_map.values():
         check_lens(model, lens)
     vocab = model_vocab_size(model)
     display = TokenDisplay.for_model(model)
     pins = _resolve_pinned(model, display, pinned)
-    ids = encode_prompt(model, text, max_seq_len)  # [1, seq]
+    ids = encode_prompt(model, source, max_seq_len)  # [1, seq]
     seq_len = int(ids.shape[1])
     pos_list = resolve_positions(seq_len, positions)
     layout = RowLayout({name: readable_layers(model, lens, layers) for name, lens in lens_map.items()})
@@ -151,24 +153,27 @@ def read_prompts(model: Any, lenses: Mapping[str, Any] | Any, text: str | Sequen
                        k=min(int(top_k), vocab), vocab=vocab, word_like=word_like)
     results = ReadingArrays(layout.n_rows, len(pos_list), targets, vocab)
     read_rows(model, RowGroupReader(model, lens_map, layout, resid, results, vocab))
-    shown_text = text if isinstance(text, str) else model.decode(ids[0].tolist())
+    shown_text = source if isinstance(source, str) else model.decode(ids[0].tolist())
     return _assemble_readings(model, lens_map, layout, results, ids, display, text=shown_text,
                               show_whitespace=bool(show_whitespace), word_like=bool(word_like), n_prompt=n_prompt,
                               edits=[repr(e) for e in edit_list])
 
 
-def _check_arguments(text: Any, n_prompt: int | None, *, top_k: int, max_seq_len: int | None,
-                     ) -> tuple[Any, int | None]:
+def _check_arguments(text: str | Sequence[int] | torch.Tensor | Generation, n_prompt: int | None, *, top_k: int,
+                     max_seq_len: int | None) -> tuple[str | Sequence[int] | np.ndarray | torch.Tensor, int | None]:
     """``(text, n_prompt)`` with a :class:`Generation` unpacked into its ids and prompt length.
 
     Raises:
         ValueError: an empty text, a negative or contradicting ``n_prompt``, ``top_k < 1`` or ``max_seq_len < 1``.
     """
+    source: str | Sequence[int] | np.ndarray | torch.Tensor
     if isinstance(text, Generation):
         if n_prompt is not None and int(n_prompt) != text.n_prompt:
             raise ValueError(f"n_prompt={n_prompt} contradicts the generation's {text.n_prompt} prompt tokens.")
-        n_prompt, text = text.n_prompt, text.ids
-    if isinstance(text, str) and not text:
+        n_prompt, source = text.n_prompt, text.ids
+    else:
+        source = text
+    if isinstance(source, str) and not source:
         raise ValueError("The prompt is empty: give some text to read.")
     if n_prompt is not None and int(n_prompt) < 0:
         raise ValueError(f"n_prompt={n_prompt} must be >= 0.")
@@ -176,7 +181,7 @@ def _check_arguments(text: Any, n_prompt: int | None, *, top_k: int, max_seq_len
         raise ValueError(f"top_k={top_k} must be at least 1.")
     if max_seq_len is not None and int(max_seq_len) < 1:
         raise ValueError(f"max_seq_len={max_seq_len} must be at least 1 (or None for no truncation).")
-    return text, n_prompt
+    return source, n_prompt
 
 
 def _targets(ids_row: torch.Tensor, pos_list: list[int], pins: dict[str, int], display: TokenDisplay, *, k: int,
@@ -200,7 +205,7 @@ def _targets(ids_row: torch.Tensor, pos_list: list[int], pins: dict[str, int], d
     return Targets(pos_t, next_t, pin_names, pin_t, mask, k)
 
 
-def _assemble_readings(model: Any, lenses: Mapping[str, Any], layout: RowLayout, results: ReadingArrays,
+def _assemble_readings(model: LensModel, lenses: Mapping[str, Lens], layout: RowLayout, results: ReadingArrays,
                        ids: torch.Tensor, display: TokenDisplay, *, text: str, show_whitespace: bool, word_like: bool,
                        n_prompt: int, edits: list[str]) -> dict[str, PromptReading]:
     """One :class:`PromptReading` per lens, from its rows of ``results``; no two share a mutable array.
@@ -214,7 +219,7 @@ def _assemble_readings(model: Any, lenses: Mapping[str, Any], layout: RowLayout,
     readings = {}
     for name, lens in lenses.items():
         readings[name] = PromptReading(
-            model_name=str(getattr(model, "name", "")), lens_kind=str(getattr(lens, "kind", type(lens).__name__)),
+            model_name=str(model.name), lens_kind=str(lens.kind),
             input_ids=input_ids, tokens=list(tokens), layers=list(layout.layer_lists[name]),
             positions=targets.positions.cpu().numpy().astype(np.int64), output_layer=model.n_layers - 1,
             top_k=targets.k, show_whitespace=show_whitespace, word_like=word_like,

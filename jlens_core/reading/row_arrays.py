@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..lenses.protocol import Lens
+from ..models.model import LensModel
 from . import logit_stats
 from .logit_stats import centred_logit_stats, chunk_size, final_distribution, rank_of
 from .openmp_workers import run_in_workers
@@ -178,8 +180,9 @@ class ReadingArrays:
 
     def copy_row(self, source: int, target: int) -> None:
         """Row ``target`` of every per-row array becomes a copy of row ``source``."""
-        for array in (self.top_ids, self.top_probs, self.entropy, self.kl, self.ce, self.next_rank, self.final_rank,
-                      *self.pin_ranks.values()):
+        arrays: tuple[np.ndarray, ...] = (self.top_ids, self.top_probs, self.entropy, self.kl, self.ce,
+                                          self.next_rank, self.final_rank, *self.pin_ranks.values())
+        for array in arrays:
             array[target] = array[source]
 
     def reading_fields(self, rows: slice) -> dict[str, Any]:
@@ -204,11 +207,12 @@ class RowGroupReader:
         vocab: the unembedding's width.
     """
 
-    def __init__(self, model: Any, lenses: Mapping[str, Any], layout: RowLayout, resid: Mapping[int, torch.Tensor],
+    def __init__(self, model: LensModel, lenses: Mapping[str, Lens], layout: RowLayout, resid: Mapping[int, torch.Tensor],
                  results: ReadingArrays, vocab: int) -> None:
         self.model, self.lenses, self.layout, self.resid = model, lenses, layout, resid
         self.results, self.vocab = results, vocab
-        self.takes_out = "out" in inspect.signature(model.unembed).parameters  # HFLensModel does; a protocol model may not
+        # LensModel's unembed takes out=; a model written before it did still reads (without reuse)
+        self.takes_out = "out" in inspect.signature(model.unembed).parameters
 
     def __call__(self, task: tuple[list[int], Chunk], scratch: dict[str, torch.Tensor]) -> None:
         rows, chunk = task
@@ -222,12 +226,11 @@ class RowGroupReader:
     def _unembed(self, carried: torch.Tensor, scratch: dict[str, torch.Tensor]) -> torch.Tensor:
         if not self.takes_out:
             return self.model.unembed(carried)
-        dtype = getattr(self.model, "dtype", carried.dtype)
-        out = reused_array(scratch, "logits", (carried.shape[0], self.vocab), dtype, carried.device)
+        out = reused_array(scratch, "logits", (carried.shape[0], self.vocab), self.model.dtype, carried.device)
         return self.model.unembed(carried, out=out)
 
 
-def read_rows(model: Any, reader: RowGroupReader) -> None:
+def read_rows(model: LensModel, reader: RowGroupReader) -> None:
     """Fill ``reader.results`` for every row of ``reader.layout`` at every read position.
 
     One logits array holds at most ``CHUNK_ELEMENTS``: ``c`` positions of a group of rows at a time,

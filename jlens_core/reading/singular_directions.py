@@ -12,28 +12,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import pandas as pd
 import torch
 
+from ..lenses.protocol import Lens
 from ..lenses.spectra import jacobian_matrix
+from ..models.model import LensModel
 from .tokens import TokenDisplay, display_ids
 
 DIRECTION_COLUMNS = ("direction", "singular_value", "side", "sign", "tokens", "scores")
 
 
-def _direction_scores(model: Any, directions: torch.Tensor) -> torch.Tensor:
+def _direction_scores(model: LensModel, directions: torch.Tensor) -> torch.Tensor:
     """``unembed(c x) - unembed(-c x)`` for each row ``x`` of ``directions [n, d]``: ``[n, vocab]`` fp32."""
     c = math.sqrt(directions.shape[-1])
-    dtype = getattr(model, "dtype", torch.float32)
-    device = getattr(model, "device", "cpu")
-    x = (c * directions).to(device=device, dtype=dtype)
+    x = (c * directions).to(device=model.device, dtype=model.dtype)
     with torch.no_grad():
         return (model.unembed(x).float() - model.unembed(-x).float()).cpu()
 
 
-def top_directions(model: Any, lens: Any, layer: int, *, n_directions: int = 5, top_k: int = 8,
+def top_directions(model: LensModel, lens: Lens, layer: int, *, n_directions: int = 5, top_k: int = 8,
                    show_whitespace: bool = False, sides: Sequence[str] = ("output", "input")) -> pd.DataFrame:
     """The top singular directions of ``J_layer``, decoded into tokens through the unembedding.
 
@@ -61,7 +60,7 @@ def top_directions(model: Any, lens: Any, layer: int, *, n_directions: int = 5, 
     bad = [s for s in sides if s not in ("output", "input")]
     if bad or not sides:
         raise ValueError(f"sides must be among 'output' and 'input', got {list(sides)}.")
-    if getattr(model, "d_model", lens.d_model) != lens.d_model:
+    if model.d_model != lens.d_model:
         raise ValueError(f"The lens is for d_model={lens.d_model}; the model has d_model={model.d_model}.")
     mat = jacobian_matrix(lens, layer)
     u, s, vh = torch.linalg.svd(mat)

@@ -82,9 +82,9 @@ def most_common_tokens(reading: PromptReading, *, layers: tuple[int, int] | Sequ
                     continue
             per_layer = counts.setdefault(token, {})
             per_layer[layer] = per_layer.get(layer, 0) + 1
+    ordered = sorted(counts.items(), key=lambda item: (-sum(item[1].values()), item[0]))  # most counted first
     rows = [{"token_id": tid, "token": reading._names([tid])[0], "count": sum(per.values()),
-             "n_layers": len(per), "per_layer": dict(sorted(per.items()))} for tid, per in counts.items()]
-    rows.sort(key=lambda r: (-r["count"], r["token_id"]))
+             "n_layers": len(per), "per_layer": dict(sorted(per.items()))} for tid, per in ordered]
     return pd.DataFrame(rows[: max(0, int(top_n))], columns=list(MOST_COMMON_COLUMNS))
 
 

@@ -36,9 +36,12 @@ import logging
 import re
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+
+if TYPE_CHECKING:  # this module imports no torch at run time
+    from ..models.model import LensModel
 
 log = logging.getLogger(__name__)
 
@@ -191,9 +194,9 @@ def _raw_tokens(tokenizer: Any, n: int, vocab: dict[str, int]) -> list[str | Non
     """The stored token string of every id ``0 .. n-1`` (``None`` where the tokenizer has none)."""
     raw: list[str | None] = [None] * n
     if vocab:
-        for tok, i in vocab.items():
+        for text, i in vocab.items():
             if 0 <= i < n:
-                raw[i] = tok
+                raw[i] = text
     missing = [i for i, tok in enumerate(raw) if tok is None]
     if missing:
         convert = getattr(tokenizer, "convert_ids_to_tokens", None) or getattr(tokenizer, "id_to_token", None)
@@ -265,6 +268,7 @@ class TokenDisplay:
         self.vocab_size = n
         self._strings: dict[bool, list[str]] = {}
         self._word_like: dict[bool, np.ndarray] = {}
+        self._text_to_id: dict[str, int] | None = None  # built by _text_to_id on first use
         log.debug("TokenDisplay: %d ids, kind %s", n, self.kind)
 
     @classmethod
@@ -283,16 +287,16 @@ class TokenDisplay:
         return cached
 
     @classmethod
-    def for_model(cls, model: Any) -> TokenDisplay:
+    def for_model(cls, model: LensModel) -> TokenDisplay:
         """The cached display of ``model.tokenizer``, covering all ``model.vocab_size`` logits.
 
         Raises:
-            ValueError: the model has no ``tokenizer`` attribute.
+            ValueError: the model's ``tokenizer`` is ``None``.
         """
-        tokenizer = getattr(model, "tokenizer", None)
+        tokenizer = model.tokenizer
         if tokenizer is None:
-            raise ValueError(f"The model {getattr(model, 'name', model)!r} has no tokenizer to name tokens with.")
-        return cls.for_tokenizer(tokenizer, vocab_size=getattr(model, "vocab_size", None))
+            raise ValueError(f"The model {model.name!r} has no tokenizer to name tokens with.")
+        return cls.for_tokenizer(tokenizer, vocab_size=model.vocab_size)
 
     # -- conversions ---------------------------------------------------------------------------
     @staticmethod
@@ -487,7 +491,7 @@ def pin_spec(tokenizer: Any, tid: int, *, vocab_size: int | None = None) -> str:
 
 def _text_to_id(display: TokenDisplay) -> dict[str, int]:
     """``{text: id}`` over the in-range non-special tokens (the smallest id where two share a text)."""
-    cached = getattr(display, "_text_to_id", None)
+    cached = display._text_to_id
     if cached is None:
         cached = {}
         for i, text in enumerate(display.texts):
