@@ -110,6 +110,13 @@ def make_tiny(family: str = "llama", *, seed: int = 0, **kwargs):
     return HFLensModel(make_hf_model(family, seed=seed, **kwargs), make_tokenizer(), name=f"tiny-{family}")
 
 
+def save_tiny(folder, family: str = "llama") -> str:
+    """Save a tiny random model of ``family`` and the test tokenizer to ``folder``; returns it as a string."""
+    make_hf_model(family).save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
 def pytest_addoption(parser):
     parser.addoption("--conformance", choices=("sample", "full"), default=None,
                      help="tests/test_conformance.py: every causal-LM architecture transformers ships "
@@ -144,6 +151,12 @@ def _one_torch_thread():
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    """A folder holding a tiny llama and the tokenizer (as ``load_model`` reads a local model), per module."""
+    return save_tiny(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")

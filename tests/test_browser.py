@@ -27,7 +27,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from conftest import LONG_TEXT, free_port, make_hf_model, make_tokenizer, wait_serving
+from conftest import LONG_TEXT, free_port, wait_serving
 
 CHROMIUM = os.environ.get("JLENS_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -242,14 +242,6 @@ def test_intervene_swap_on_the_default_model(server, browser, shots):
     page.get_by_text("Edited continuation", exact=True).scroll_into_view_if_needed()
     page.screenshot(path=str(shots / "inspect-intervene.png"))
     page.close()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("tiny-model")
-    make_hf_model("llama").save_pretrained(folder)
-    make_tokenizer().save_pretrained(folder)
-    return str(folder)
 
 
 def _fit_sample(page) -> tuple[int, int]:

@@ -8,7 +8,7 @@ import random
 import pandas as pd
 import pytest
 import torch
-from conftest import CORPUS, make_hf_model, make_tokenizer
+from conftest import CORPUS, save_tiny
 
 from jlens_core import JacobianLens, LogitLens, evaluate, fit, load_lens, load_model
 from jlens_core.cli.main import main
@@ -21,8 +21,7 @@ from jlens_core.plots import plot_convergence
 def work(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli-eval")
     model_dir = root / "tiny"
-    make_hf_model("llama").save_pretrained(model_dir)
-    make_tokenizer().save_pretrained(model_dir)
+    save_tiny(model_dir)
     rng = random.Random(0)
     words = CORPUS.split()
     texts = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(6)]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CORPUS, make_hf_model, make_tokenizer
+from conftest import CORPUS, make_hf_model, make_tokenizer, save_tiny
 
 from jlens_core import JacobianLens
 from jlens_core.cli.main import build_parser, main
@@ -49,8 +49,7 @@ def write_corpus(path: Path, texts: list[str]) -> Path:
 def work(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli-fit")
     model_dir = root / "tiny-llama"
-    make_hf_model("llama").save_pretrained(model_dir)
-    make_tokenizer().save_pretrained(model_dir)
+    save_tiny(model_dir)
     texts = make_texts(200)
     return {"root": root, "model": str(model_dir), "texts": texts,
             "corpus": str(write_corpus(root / "corpus.txt", texts))}
