@@ -18,6 +18,7 @@ right), and ``M_l^T`` is the vector-Jacobian product of the lens's ``transport``
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -61,18 +62,31 @@ def norm_gain(model: LensModel) -> tuple[torch.Tensor, bool]:
     return out * math.sqrt(1.0 + eps), False
 
 
-def head_row(model: LensModel, token_id: int) -> torch.Tensor:
-    """``P^T u_t`` ``[d_model]`` fp32: the gradient of token ``t``'s logit with respect to the final
-    norm's output, through any pre-head modules and the head (all linear)."""
+def _head_gradient(model: LensModel, token_id: int | None) -> torch.Tensor:
+    """The gradient ``[d_model]`` fp32 (CPU), with respect to the final norm's output, of token ``token_id``'s
+    logit, or of the mean logit over the vocabulary (``None``), through the pre-head modules and the head."""
     head_param = next(model.head.parameters())
     z = torch.zeros(1, model.d_model, device=head_param.device, dtype=torch.float32, requires_grad=True)
     with torch.enable_grad():
         x = z.to(head_param.dtype)
         for module in model.pre_head:
             x = module(x)
-        logit = model.head(x)[0, int(token_id)].float()
-        (grad,) = torch.autograd.grad(logit, z)
+        logits = model.head(x)[0]
+        picked = logits[: int(model.vocab_size)].float().mean() if token_id is None else logits[int(token_id)].float()
+        (grad,) = torch.autograd.grad(picked, z)
     return grad[0].detach().cpu()
+
+
+def head_row(model: LensModel, token_id: int) -> torch.Tensor:
+    """``P^T u_t`` ``[d_model]`` fp32: the gradient of token ``t``'s logit with respect to the final
+    norm's output, through any pre-head modules and the head (all linear)."""
+    return _head_gradient(model, token_id)
+
+
+def mean_head_row(model: LensModel) -> torch.Tensor:
+    """``mean_t P^T u_t`` ``[d_model]`` fp32 over the model's vocabulary (``t < model.vocab_size``; padded
+    head rows past it are left out): the gradient of the mean logit, since the head is linear."""
+    return _head_gradient(model, None)
 
 
 def last_source_layer(lens: Lens) -> int:
@@ -109,10 +123,10 @@ def check_layers(model: LensModel, lens: Lens, layers: Iterable[int]) -> list[in
     return chosen
 
 
-def read_vector(model: LensModel, lens: Lens, layer: int, token_id: int) -> torch.Tensor:
-    """``v_t = M_l^T C (gamma * P^T u_t)`` ``[d_model]`` fp32 (not normalised)."""
+def _pull_back(model: LensModel, lens: Lens, layer: int, row: torch.Tensor) -> torch.Tensor:
+    """``M_l^T C (gamma * row)`` ``[d_model]`` fp32: a head-side vector carried back to layer ``layer``."""
     gamma, centres = norm_gain(model)
-    r = gamma * head_row(model, token_id)  # [d]
+    r = gamma * row  # [d]
     if centres:
         r = r - r.mean()
     h = torch.zeros(model.d_model, dtype=torch.float32)
@@ -122,7 +136,74 @@ def read_vector(model: LensModel, lens: Lens, layer: int, token_id: int) -> torc
     return v.detach().float()
 
 
-def token_direction(model: LensModel, lens: Lens, layer: int, token: str | int) -> torch.Tensor:
+# lens -> {(id(model), layer): mean read vector}; weak, so a lens that goes away takes its entries along
+_MEAN_CACHE: weakref.WeakKeyDictionary[Lens, dict[tuple[int, int], torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def mean_read_vector(model: LensModel, lens: Lens, layer: int) -> torch.Tensor:
+    """``m_l = mean_t v_t`` ``[d_model]`` fp32 over the vocabulary (``t < model.vocab_size``): the mean read
+    direction at ``layer``, the centre of :func:`token_direction`'s ``centred=True`` (docs/method.md §9.1).
+
+    ``v_t`` is linear in the head row, so ``m_l = M_l^T C (gamma * mean_t P^T u_t)``: one backward pass
+    through the head and one through the lens. Cached per (lens, model, layer); a lens whose matrices
+    change in place after a call keeps the old mean (build a new lens object instead).
+    """
+    key = (id(model), int(layer))
+    try:
+        per_lens = _MEAN_CACHE.setdefault(lens, {})
+    except TypeError:  # a lens that cannot be weakly referenced is not cached
+        per_lens = {}
+    if key not in per_lens:
+        per_lens[key] = _pull_back(model, lens, layer, mean_head_row(model))
+    return per_lens[key]
+
+
+def read_vector(model: LensModel, lens: Lens, layer: int, token_id: int, *, centred: bool = False) -> torch.Tensor:
+    """``v_t = M_l^T C (gamma * P^T u_t)`` ``[d_model]`` fp32 (not normalised); with ``centred``,
+    ``v_t - m_l`` (:func:`mean_read_vector`)."""
+    v = _pull_back(model, lens, layer, head_row(model, token_id))
+    return v - mean_read_vector(model, lens, layer) if centred else v
+
+
+def read_vector_norms(model: LensModel, lens: Lens, layer: int, *, centred: bool = False,
+                      chunk: int = 4096) -> torch.Tensor:
+    """``||v_t||`` (or ``||v_t - m_l||`` with ``centred``) for every vocabulary token ``t < model.vocab_size``:
+    ``[vocab_size]`` fp32 (CPU). Used to draw swap success's norm-matched control (docs/method.md §7).
+
+    The head's matrix comes from the head itself (``d_model`` basis vectors through the pre-head modules and
+    the head, minus its bias), the lens's from its transport of the identity, so the numbers match
+    :func:`read_vector` for any linear head and transport. Memory: the ``[d_model, vocab]`` head matrix
+    once, in the head's dtype and device; ``chunk`` vocabulary rows at a time in fp32 after that.
+    """
+    d, vocab = int(model.d_model), int(model.vocab_size)
+    head_param = next(model.head.parameters())
+    gamma, centres = norm_gain(model)
+    with torch.no_grad():
+        basis = torch.cat([torch.zeros(1, d), torch.eye(d)]).to(device=head_param.device, dtype=head_param.dtype)
+        x = basis
+        for module in model.pre_head:
+            x = module(x)
+        out = model.head(x)[:, :vocab]  # [1 + d, vocab]
+        head_t = out[1:] - out[:1]  # [d, vocab]: column t is P^T u_t (the head is linear up to its bias)
+        probe = torch.cat([torch.zeros(1, d), torch.eye(d)])
+        moved = lens.transport(probe, int(layer)).float()
+        transport_t = (moved[1:] - moved[:1]).to(head_t.device)  # [d, d]: row i is M_l e_i, i.e. M_l^T
+        gamma = gamma.to(head_t.device)
+        mean = mean_read_vector(model, lens, layer).to(head_t.device) if centred else None
+        norms = []
+        for start in range(0, vocab, int(chunk)):
+            rows = head_t[:, start:start + int(chunk)].T.float() * gamma  # [k, d]: gamma * P^T u_t
+            if centres:
+                rows = rows - rows.mean(dim=1, keepdim=True)
+            v = rows @ transport_t.T  # [k, d]: (M_l^T r_t)^T
+            if mean is not None:
+                v = v - mean
+            norms.append(v.norm(dim=1).cpu())
+    return torch.cat(norms)
+
+
+def token_direction(model: LensModel, lens: Lens, layer: int, token: str | int, *,
+                    centred: bool = False) -> torch.Tensor:
     """The unit read direction ``v̂_t`` ``[d_model]`` (fp32, CPU) of ``token`` at ``layer`` under ``lens``.
 
     Args:
@@ -131,6 +212,9 @@ def token_direction(model: LensModel, lens: Lens, layer: int, token: str | int) 
             linear ``transport(h, layer)``.
         layer: a source layer the lens reads.
         token: one vocabulary token: an id, ``"<id:N>"``, a raw entry, or its exact text (``" Paris"``).
+        centred: normalise ``v_t - m_l`` instead of ``v_t``, with ``m_l`` the mean read direction over the
+            vocabulary at ``layer`` (:func:`mean_read_vector`). Every lens logit shifts by the same
+            ``h . m_l``, so readings do not change; edits along the unit vector do (docs/method.md §9.1).
 
     Raises:
         ValueError: a token that is not a single vocabulary token (the message shows its pieces),
@@ -138,12 +222,13 @@ def token_direction(model: LensModel, lens: Lens, layer: int, token: str | int) 
     """
     check_layers(model, lens, [layer])
     tid = token_id(model.tokenizer, token, rule="exact", vocab_size=model.vocab_size)
-    v = read_vector(model, lens, layer, tid)
+    v = read_vector(model, lens, layer, tid, centred=centred)
     norm = float(v.norm())
     if not math.isfinite(norm) or norm == 0.0:
-        raise ValueError(f"The read direction of token {token!r} at layer {layer} is zero.")
+        raise ValueError(f"The {'centred ' if centred else ''}read direction of token {token!r} at layer {layer} "
+                         "is zero.")
     return v / norm
 
 
-__all__ = ["check_layers", "default_layers", "head_row", "last_source_layer", "norm_gain", "read_vector",
-           "token_direction"]
+__all__ = ["check_layers", "default_layers", "head_row", "last_source_layer", "mean_head_row", "mean_read_vector",
+           "norm_gain", "read_vector", "read_vector_norms", "token_direction"]
