@@ -171,6 +171,8 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
 
     def on_progress(event) -> None:
         nonlocal first_idx
+        if diag_file is None or status is None:  # only rank 0 reports progress, and it has both
+            return
         first_idx = event.prompt_index if first_idx is None else first_idx
         diag_file.writelines(json.dumps(rec) + "\n" for rec in event.records)
         diag_file.flush()
@@ -194,18 +196,18 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
     except BaseException as exc:
         from ..fitting.fit import RankFailedError
 
-        rank_failed = isinstance(exc, RankFailedError)
+        failed = exc if isinstance(exc, RankFailedError) else None
         if status is not None:
             state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
             tb = traceback.format_exc() if state == "failed" else None
-            if rank_failed:
-                tb = "".join(traceback.format_exception(exc.original)) if exc.original is not None else None
-            status.write(state=state, error=str(exc) if rank_failed else f"{type(exc).__name__}: {exc}",
-                         traceback=tb, failed_rank=exc.rank if rank_failed else None)
-        if rank_failed:
+            if failed is not None:
+                tb = "".join(traceback.format_exception(failed.original)) if failed.original is not None else None
+            status.write(state=state, error=str(exc) if failed is not None else f"{type(exc).__name__}: {exc}",
+                         traceback=tb, failed_rank=failed.rank if failed is not None else None)
+        if failed is not None:
             world.dist.barrier()  # no rank exits (and gets the others killed) before rank 0 has said why
-            if exc.original is not None:  # the rank that failed shows its own error (a traceback if a bug)
-                raise exc.original from None
+            if failed.original is not None:  # the rank that failed shows its own error (a traceback if a bug)
+                raise failed.original from None
             raise CLIError(str(exc)) from None
         raise
     finally:
@@ -213,7 +215,7 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
             bar.close()
         if diag_file is not None:
             diag_file.close()
-    if rank == 0:
+    if status is not None:  # rank 0
         lens.settings["corpus"] = args.corpus
         lens.save(out, dtype=args.save_dtype)
         status.write(state="done", n_done=lens.n_prompts, stop_reason=lens.stop_reason, lens=str(out),
