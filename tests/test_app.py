@@ -348,8 +348,9 @@ def test_inspect_intervene_panel(tiny_dir, tiny_model, lens_file):
     texts = [m.value for m in at.markdown]
     i = texts.index("**Edited continuation**")
     first = next((k for k, (a, b) in enumerate(zip(clean.generated_ids, edited.generated_ids)) if a != b), None)
-    if first is not None:
-        assert ":orange-background[**" in texts[i + 1] and ":orange-background[**" in texts[i - 1]
+    # the first token that differs is highlighted in both continuations, and nothing when none differs
+    marked = [":orange-background[**" in texts[i + 1], ":orange-background[**" in texts[i - 1]]
+    assert marked == [first is not None] * 2
     # the heatmap of the edited run
     at.toggle(key="iv_edited_heatmap").set_value(True).run()
     assert chart(ok(at), "heatmap")["layout"]["title"]["text"].startswith(f"Edited run ({swap!r})")
