@@ -768,6 +768,7 @@ def test_jlens_app_command(capsys):
     assert "--server.port 8999" in out and "--server.headless true" in out and "--theme.base dark" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_jlens_app_stops_its_server_with_it(signum, tmp_path):
     """``kill`` of ``jlens app`` stops the Streamlit server it started: nothing is left serving."""

@@ -36,9 +36,10 @@ REPO = Path(__file__).resolve().parent.parent
 HEATMAP = '.st-key-heatmap [data-testid="stPlotlyChart"] .js-plotly-plot'  # the Inspect heatmap (its key)
 FIRST_LOAD_S = 420  # the default model's first launch converts a GGUF (tens of seconds; more on a busy CPU)
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).is_file(),
-                                reason=f"chromium is not installed ({CHROMIUM} not found): `apt-get install "
-                                       "chromium` (run.sh does it) to run the browser tests")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not Path(CHROMIUM).is_file(),
+                                 reason=f"chromium is not installed ({CHROMIUM} not found): `apt-get install "
+                                        "chromium` (run.sh does it) to run the browser tests")]
 sync_api = pytest.importorskip("playwright.sync_api", reason="Python Playwright is not installed (pip install "
                                                             "playwright; no browser download is needed)")
 

@@ -333,6 +333,7 @@ def run_torchrun(*args, timeout=300) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_equals_a_one_process_fit(work, tmp_path, reference):
     n = 13  # odd: rank 1 has one prompt less
     out = tmp_path / "sharded.safetensors"
@@ -350,6 +351,7 @@ def test_torchrun_two_ranks_equals_a_one_process_fit(work, tmp_path, reference):
     assert (status["state"], status["world_size"], status["n_done"]) == ("done", 2, n)
 
 
+@pytest.mark.slow
 def test_torchrun_killed_and_resumed_with_the_same_k_equals_one_fit(work, tmp_path, reference):
     n = 200
     out, ckpt = tmp_path / "sharded.safetensors", tmp_path / "sharded-run.ckpt"
@@ -407,6 +409,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_failing_rank_stops_the_others_with_its_error(work, tmp_path):
     script = tmp_path / "failing_rank.py"
     script.write_text(FAILING_RANK)

@@ -331,10 +331,12 @@ def check(arch: str) -> Result:
 
 
 def _params() -> list:
+    """The architectures to check; those outside :data:`SAMPLE` are marked ``slow`` (the fast loop checks the
+    sample, the whole suite every architecture)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     archs = all_architectures() if full_sweep() else [a for a in SAMPLE if a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
-    return archs
+    return [a if a in SAMPLE else pytest.param(a, marks=pytest.mark.slow) for a in archs]
 
 
 @pytest.mark.parametrize("arch", _params())

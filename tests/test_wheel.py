@@ -57,6 +57,7 @@ def run(installed, *args: str, timeout: int = 300) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
+@pytest.mark.slow
 def test_the_wheel_carries_its_assets_and_app(installed):
     import zipfile
 
@@ -71,6 +72,7 @@ def test_the_wheel_carries_its_assets_and_app(installed):
     assert all(str(installed["site"]) in line for line in where), where
 
 
+@pytest.mark.slow
 def test_jlens_inspect_from_the_wheel(installed):
     proc = run(installed, "inspect", "--lens", "default", "--prompt", "The capital of France is", "--last", "3")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -80,6 +82,7 @@ def test_jlens_inspect_from_the_wheel(installed):
     assert evals.returncode == 0, evals.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_jlens_app_from_the_wheel(installed):
     printed = run(installed, "app", "--print-command")
     assert printed.returncode == 0 and re.search(r"jlens_app/main\.py", printed.stdout), printed.stdout
