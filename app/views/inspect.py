@@ -1,9 +1,16 @@
-"""Inspect: read a prompt through the logit and the Jacobian lens, at every layer x position."""
+"""Inspect: read a prompt through the logit and the Jacobian lens, at every layer x position.
+
+:func:`render` draws the page, one function per section, top to bottom: the prompt and its
+continuation, the lens and statistic controls, the display options, the heatmap, the most common
+tokens, the cell detail, the Intervene panel and the downloads.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 import streamlit as st
@@ -17,27 +24,115 @@ from jlens_core.reading.readings import most_common_tokens
 from jlens_core.reading.tokens import pin_spec, token_id
 
 MAX_TOKENS = common.MAX_TOKENS
-
-ss = st.session_state
-ctx = common.require_model()
-model = ctx.model
-n_layers = model.n_layers
-examples = common.example_prompts()
-has_template = bool(getattr(model.tokenizer, "chat_template", None))
-for key, value in common.INSPECT_DEFAULTS.items():
-    ss.setdefault(key, value)
-if ss.mode not in common.MODES:
-    ss.mode = "logit"
-
-
-if "band_request" in ss:  # from the URL, once the model's depth is known
-    lo, hi = sorted(max(0, min(int(x), n_layers - 1)) for x in ss.pop("band_request"))
-    ss.band = (lo, hi)
-if not isinstance(ss.get("band"), (tuple, list)) or max(ss.band) > n_layers - 1:
-    ss.band = (0, n_layers - 1)
-ss.band_is_custom = tuple(ss.band) != (0, n_layers - 1)
 MAX_GEN = common.MAX_GEN_TOKENS
 GEN_KEEP = 8  # generations kept per session (the last ones)
+
+ss = st.session_state
+
+
+@dataclass
+class View:
+    """What this run reads and shows: the text (prompt, then any continuation) and the cells drawn."""
+
+    text: str  # the prompt as the model reads it (chat template applied)
+    prompt: str  # the prompt as typed
+    generation: Any  # the continuation read with the prompt, or None
+    n_prompt_tokens: int
+    tokens: list[str]  # display strings of the positions read
+    positions: tuple[int, ...]
+    layers: list[int]
+    band: tuple[int, int]
+    pins: list[str]
+    pair: tuple[str, str]  # the two lenses of "side by side" and "difference"
+
+    @property
+    def source(self) -> str | tuple[int, ...]:
+        """What is read: the text, or a generation's token ids."""
+        return tuple(int(x) for x in self.generation.ids) if self.generation is not None else self.text
+
+    @property
+    def n_prompt(self) -> int | None:
+        return self.generation.n_prompt if self.generation is not None else None
+
+
+class Reader:
+    """Reads the view through the loaded lenses (together, cached per lens), each (lens, positions) once a run."""
+
+    def __init__(self, ctx: common.Context, view: View, edits: list | None, edits_key: str) -> None:
+        self.ctx, self.view, self.edits, self.edits_key = ctx, view, edits, edits_key
+        self.readings: dict[str, Any] = {}
+        self._tried: set[tuple[str, tuple[int, ...]]] = set()  # (lens, positions) read or failed this run
+
+    def read(self, names: list[str], into: dict | None = None, at: tuple[int, ...] | None = None) -> None:
+        """Read the loaded lenses among ``names`` at positions ``at`` (default: every shown one) into ``into``."""
+        into = self.readings if into is None else into
+        at = self.view.positions if at is None else at
+        lenses, keys = self.ctx.lenses(), self.ctx.lens_keys()
+        todo = [name for name in names if name in lenses and name not in into and (name, at) not in self._tried]
+        if not todo:
+            return
+        self._tried.update((name, at) for name in todo)
+        v = self.view
+        settings = (v.source, int(ss.top_k), tuple(v.pins), bool(ss.show_ws), bool(ss.word_like), tuple(v.layers), at,
+                    MAX_TOKENS, v.n_prompt, self.edits_key, self.edits)
+        model, model_key = self.ctx.model, self.ctx.model_key
+        try:
+            into.update(cache.readings_cached(model, model_key, {n: (lenses[n], keys[n]) for n in todo}, *settings))
+            return
+        except common.EXPECTED_ERRORS:
+            pass  # then one lens at a time, to say which cannot read the prompt (the others still can)
+        for name in todo:
+            try:
+                into.update(cache.readings_cached(model, model_key, {name: (lenses[name], keys[name])}, *settings))
+            except common.EXPECTED_ERRORS as exc:
+                st.error(f"The {charts.LENS_NAMES[name].lower()} cannot read this prompt: {exc}")
+
+    def everything(self) -> dict:
+        """Every loaded lens at every shown position (the download table); cached readings are reused."""
+        self.read(list(common.LENS_KINDS))
+        return self.readings
+
+
+def render(ctx: common.Context) -> None:
+    """Draw the page for the loaded model and lenses."""
+    model = ctx.model
+    _init_state(model.n_layers)
+    examples = common.example_prompts()
+    has_template = bool(getattr(model.tokenizer, "chat_template", None))
+    prompt_inputs(examples, has_template)
+    pins, bad_pins = _valid_pins(model)
+    pair = lens_controls(ctx, pins)
+    prompt, text, full_ids = _encode(model, has_template)
+    n_prompt_tokens = int(full_ids.shape[1])  # the prompt alone (a continuation is appended below)
+    generation = continuation(ctx, text)
+    if generation is not None:
+        full_ids = generation.ids[None, :]
+    view = display_options(model, prompt, text, full_ids, generation, n_prompt_tokens, pins, pair, bad_pins)
+    intervene.init(model, intervene.directions_lens(ctx)[1])
+    intervene.run_if_requested(ctx, prompt, text)
+    edited_view = intervene.heatmap_edits(ctx, text)
+    edits, edits_key = edited_view if edited_view else (None, "")
+    reader = Reader(ctx, view, edits, edits_key)
+    fig, mode = heatmap(view, reader, edits)
+    most_common_panel(model, view, reader.readings, mode)
+    detail, layer, position = cell_detail(view, reader)
+    intervene.prefill_token(model, detail, layer, position)
+    intervene.panel(ctx, detail, text, view.n_prompt_tokens)
+    downloads(reader, fig)
+
+
+def _init_state(n_layers: int) -> None:
+    """Inspect's widgets' defaults, and the layer band (the URL's, clamped to the model's layers)."""
+    for key, value in common.INSPECT_DEFAULTS.items():
+        ss.setdefault(key, value)
+    if ss.mode not in common.MODES:
+        ss.mode = "logit"
+    if "band_request" in ss:  # from the URL, once the model's depth is known
+        lo, hi = sorted(max(0, min(int(x), n_layers - 1)) for x in ss.pop("band_request"))
+        ss.band = (lo, hi)
+    if not isinstance(ss.get("band"), (tuple, list)) or max(ss.band) > n_layers - 1:
+        ss.band = (0, n_layers - 1)
+    ss.band_is_custom = tuple(ss.band) != (0, n_layers - 1)
 
 
 def _request_stop() -> None:
@@ -50,7 +145,7 @@ def _pin(spec: str) -> None:
         ss.pinned = ",".join(current + [spec])
 
 
-def _use_example() -> None:
+def _use_example(examples: list[dict], has_template: bool) -> None:
     for example in examples:
         if example["label"] == ss.get("example"):
             ss.prompt = example["prompt"]
@@ -58,86 +153,98 @@ def _use_example() -> None:
     ss.example = None
 
 
-st.title("Inspect a prompt")
-st.caption("What each layer already predicts: the logit lens reads `unembed(h_l)`, the Jacobian lens "
-           "`unembed(J_l h_l)`. Hover a cell for its top-k tokens; click it for the detail panel below.")
-left, right = st.columns([4, 1])
-left.text_area("Prompt", key="prompt", height=110, placeholder="Type a prompt…")
-right.selectbox("Examples", [e["label"] for e in examples], index=None, key="example",
-                placeholder="Pick an example…", on_change=_use_example)
-right.toggle("Chat template", key="chat", disabled=not has_template,
-             help="Wrap the prompt in the model's chat template (instruct models); the reading then "
-                  "starts inside the assistant's answer." if has_template else "This tokenizer has no chat template.")
-
-with st.expander("Generate a continuation", expanded=int(ss.gen_n) > 0):
-    g1, g2, g3 = st.columns(3)
-    g1.number_input("New tokens", min_value=0, max_value=MAX_GEN, step=1, key="gen_n",
-                    help=f"0 reads the prompt alone. 1-{MAX_GEN}: the model writes that many tokens first (it stops "
-                         "early at its end-of-sequence token) and the heatmap reads prompt + continuation.")
-    g2.number_input("Temperature", min_value=0.0, max_value=2.0, step=0.1, key="gen_temp",
-                    help="0 = greedy (the model's top-1 at each step); above 0 samples, reproducibly with the seed.")
-    g3.number_input("Seed", min_value=0, max_value=2**31 - 1, step=1, key="gen_seed", disabled=not ss.gen_temp,
-                    help="The sampling seed (used when the temperature is above 0).")
-
-pins_raw = [p for p in (ss.get("pinned") or "").split(",") if p.strip()]
-pins, bad_pins = [], []
-for pin in pins_raw:
-    try:
-        token_id(model.tokenizer, pin, rule="first", vocab_size=model.vocab_size)
-        pins.append(pin)
-    except ValueError as exc:
-        bad_pins.append(f"{pin!r} ({exc})")
-stat_options = list(common.STATS) + [f"rank_{p}" for p in pins]
-if ss.get("stat") not in stat_options:
-    ss.stat = "top1_prob"
-
-available = list(ctx.lenses())
-mode_options = ["logit", "jacobian"] + (["tuned"] if "tuned" in available else []) + ["side", "diff"] + (
-    ["three"] if len(available) == 3 else [])
-if ss.mode not in mode_options:
-    ss.mode = "logit"
-for key, default in (("pair_a", "logit"),
-                     ("pair_b", "tuned" if "tuned" in available and "jacobian" not in available else "jacobian")):
-    if ss.get(key) not in common.LENS_KINDS:
-        ss[key] = default
-if ss.pair_a == ss.pair_b:
-    ss.pair_b = next(k for k in common.LENS_KINDS if k != ss.pair_a)
-pair = (ss.pair_a, ss.pair_b)
+def prompt_inputs(examples: list[dict], has_template: bool) -> None:
+    """The title, the prompt box, the examples, the chat toggle and the Generate controls."""
+    st.title("Inspect a prompt")
+    st.caption("What each layer already predicts: the logit lens reads `unembed(h_l)`, the Jacobian lens "
+               "`unembed(J_l h_l)`. Hover a cell for its top-k tokens; click it for the detail panel below.")
+    left, right = st.columns([4, 1])
+    left.text_area("Prompt", key="prompt", height=110, placeholder="Type a prompt…")
+    right.selectbox("Examples", [e["label"] for e in examples], index=None, key="example",
+                    placeholder="Pick an example…", on_change=_use_example, args=(examples, has_template))
+    right.toggle("Chat template", key="chat", disabled=not has_template,
+                 help="Wrap the prompt in the model's chat template (instruct models); the reading then starts "
+                      "inside the assistant's answer." if has_template else "This tokenizer has no chat template.")
+    with st.expander("Generate a continuation", expanded=int(ss.gen_n) > 0):
+        g1, g2, g3 = st.columns(3)
+        g1.number_input("New tokens", min_value=0, max_value=MAX_GEN, step=1, key="gen_n",
+                        help=f"0 reads the prompt alone. 1-{MAX_GEN}: the model writes that many tokens first (it "
+                             "stops early at its end-of-sequence token) and the heatmap reads prompt + continuation.")
+        g2.number_input("Temperature", min_value=0.0, max_value=2.0, step=0.1, key="gen_temp",
+                        help="0 = greedy (the model's top-1 at each step); above 0 samples, reproducibly with the "
+                             "seed.")
+        g3.number_input("Seed", min_value=0, max_value=2**31 - 1, step=1, key="gen_seed", disabled=not ss.gen_temp,
+                        help="The sampling seed (used when the temperature is above 0).")
 
 
-def _mode_label(m: str) -> str:
-    if m == "diff":
-        return f"Difference ({charts.LENS_NAMES[pair[1]].replace(' lens', '')} − {pair[0]})"
-    return common.MODES.get(m, m)
+def _valid_pins(model: Any) -> tuple[list[str], list[str]]:
+    """The pinned tokens the tokenizer can read, and the others with the reason (for a warning)."""
+    pins, bad_pins = [], []
+    for pin in (p for p in (ss.get("pinned") or "").split(",") if p.strip()):
+        try:
+            token_id(model.tokenizer, pin, rule="first", vocab_size=model.vocab_size)
+            pins.append(pin)
+        except ValueError as exc:
+            bad_pins.append(f"{pin!r} ({exc})")
+    return pins, bad_pins
 
 
-c1, c2 = st.columns([3, 2])
-c1.radio("Lens", mode_options, key="mode", format_func=_mode_label, horizontal=True)
-c2.selectbox("Colour by", stat_options, key="stat",
-             format_func=lambda s: common.STATS.get(s) or f"Rank of pinned {s[5:]!r}")
-if ss.mode in ("side", "diff") and len(available) > 2:
-    q1, q2, _ = st.columns([1, 1, 3])
-    q1.selectbox("Lens A", common.LENS_KINDS, key="pair_a", format_func=charts.LENS_NAMES.get)
-    q2.selectbox("Lens B", common.LENS_KINDS, key="pair_b", format_func=charts.LENS_NAMES.get,
-                 help="Side by side: A above B. Difference: B − A.")
+def lens_controls(ctx: common.Context, pins: list[str]) -> tuple[str, str]:
+    """The lens mode, the statistic to colour by and, with three lenses, which two to compare; returns the pair."""
+    stat_options = list(common.STATS) + [f"rank_{p}" for p in pins]
+    if ss.get("stat") not in stat_options:
+        ss.stat = "top1_prob"
+    available = list(ctx.lenses())
+    mode_options = ["logit", "jacobian"] + (["tuned"] if "tuned" in available else []) + ["side", "diff"] + (
+        ["three"] if len(available) == 3 else [])
+    if ss.mode not in mode_options:
+        ss.mode = "logit"
+    for key, default in (("pair_a", "logit"),
+                         ("pair_b", "tuned" if "tuned" in available and "jacobian" not in available else "jacobian")):
+        if ss.get(key) not in common.LENS_KINDS:
+            ss[key] = default
+    if ss.pair_a == ss.pair_b:
+        ss.pair_b = next(k for k in common.LENS_KINDS if k != ss.pair_a)
     pair = (ss.pair_a, ss.pair_b)
 
-prompt = ss.get("prompt") or ""
-if not prompt.strip():
-    st.warning("The prompt is empty: type some text, or pick an example.")
-    st.stop()
-try:
-    text = model.chat(prompt) if ss.chat and has_template else prompt
-    full_ids = model.encode(text)
-except ValueError as exc:
-    st.error(f"Cannot read this prompt: {exc}")
-    st.stop()
-n_prompt_tokens = int(full_ids.shape[1])  # the prompt alone (a continuation is appended below)
+    def mode_label(m: str) -> str:
+        if m == "diff":
+            return f"Difference ({charts.LENS_NAMES[pair[1]].replace(' lens', '')} − {pair[0]})"
+        return common.MODES.get(m, m)
 
-# -- the continuation -----------------------------------------------------------------------------------
-generation = None
-n_new = int(ss.gen_n)
-if n_new > 0:
+    c1, c2 = st.columns([3, 2])
+    c1.radio("Lens", mode_options, key="mode", format_func=mode_label, horizontal=True)
+    c2.selectbox("Colour by", stat_options, key="stat",
+                 format_func=lambda s: common.STATS.get(s) or f"Rank of pinned {s[5:]!r}")
+    if ss.mode in ("side", "diff") and len(available) > 2:
+        q1, q2, _ = st.columns([1, 1, 3])
+        q1.selectbox("Lens A", common.LENS_KINDS, key="pair_a", format_func=charts.LENS_NAMES.get)
+        q2.selectbox("Lens B", common.LENS_KINDS, key="pair_b", format_func=charts.LENS_NAMES.get,
+                     help="Side by side: A above B. Difference: B − A.")
+        pair = (ss.pair_a, ss.pair_b)
+    return pair
+
+
+def _encode(model: Any, has_template: bool) -> tuple[str, str, Any]:
+    """The prompt, the text the model reads (chat template applied) and its ids; stops the page on bad input."""
+    prompt = ss.get("prompt") or ""
+    if not prompt.strip():
+        st.warning("The prompt is empty: type some text, or pick an example.")
+        st.stop()
+    try:
+        text = model.chat(prompt) if ss.chat and has_template else prompt
+        return prompt, text, model.encode(text)
+    except ValueError as exc:
+        st.error(f"Cannot read this prompt: {exc}")
+        st.stop()
+        raise  # st.stop() ends the run; this line is never reached
+
+
+def continuation(ctx: common.Context, text: str) -> Any:
+    """The continuation the Generate controls ask for (generated once, kept per session), or ``None``."""
+    n_new = int(ss.gen_n)
+    if n_new <= 0:
+        return None
     temp = float(ss.gen_temp)
     gen_key = (ctx.model_key, text, n_new, temp, int(ss.gen_seed) if temp else None)
     store = ss.setdefault("_generations", {})
@@ -150,166 +257,148 @@ if n_new > 0:
         store[gen_key] = generation
     ss._gen_stop = False
     if generation is None:
-        bar = st.progress(0.0, text=f"Generating {n_new} tokens…")
-        stop_slot = st.empty()
-        stop_slot.button("Stop generating", key="gen_stop", on_click=_request_stop, icon=":material/stop:",
-                         help="Keep the tokens generated so far.")
-
-        def _progress(p) -> None:
-            ss._gen_partial = (gen_key, p.generation)
-            bar.progress(p.step / p.total, text=f"Generating… {p.step}/{p.total} tokens: "
-                                                f"{p.generation.continuation[-80:]!r}")
-
-        try:
-            generation = generate(model, text, max_new_tokens=n_new, temperature=temp,
-                                  seed=int(ss.gen_seed) if temp else None, progress=_progress)
-        except common.EXPECTED_ERRORS as exc:
-            st.error(f"Cannot generate: {exc}")
-            st.stop()
+        generation = _generate(ctx.model, text, n_new, temp, gen_key)
         store[gen_key] = generation
         for old in list(store)[:-GEN_KEEP]:
             del store[old]
-        bar.empty()
-        stop_slot.empty()
     how = "greedy" if not temp else f"temperature {temp:g}, seed {int(ss.gen_seed)}"
     ended = {"eos": "it ended its answer", "stopped": "stopped", "max_new_tokens": "the token budget"}
     st.markdown(f"**Continuation** ({generation.n_generated} tokens, {how}; {ended[generation.stop_reason]}): "
                 f"`{generation.continuation.strip() or '∅'}`")
-    full_ids = generation.ids[None, :]
-n_tokens = min(int(full_ids.shape[1]), MAX_TOKENS)
-tokens = common.token_strings(model, [int(x) for x in full_ids[0, :n_tokens]], ss.show_ws)
-
-with st.expander("Display options", expanded=False):
-    d1, d2, d3 = st.columns(3)
-    d1.slider("Top-k tokens", 1, 20, key="top_k")
-    d1.text_input("Pin tokens", key="pinned", placeholder=" Paris, Rome",
-                  help="Comma-separated; typed as is, so ' Paris' (with its space) is the token after a space. "
-                       "Their rank over layers shows in the cell detail; colour by it above.")
-    d2.number_input("Layer stride", min_value=1, max_value=max(1, n_layers - 1), step=1, key="stride",
-                    help="Show every n-th layer (the model's output row is always shown).")
-    if n_layers > 1:
-        d1.slider("Layer band", 0, n_layers - 1, key="band",
-                  help="Layers the heatmap and the most common tokens cover (the output row is always shown). "
-                       "The first layers of a Jacobian lens are often degenerate (it reads every token the same "
-                       "way there): start the band above them to see what the middle layers hold.")
-    if n_tokens > 1:
-        if ss.get("_pos_for") != (text, n_tokens) or "pos_range" not in ss:
-            shown = common.default_positions(n_tokens)
-            ss.pos_range = (shown[0], shown[-1])
-            ss._pos_for = (text, n_tokens)
-        d2.slider("Positions", 0, n_tokens - 1, key="pos_range")
-    d3.toggle("Whitespace as glyphs", key="show_ws", help="Show spaces as ·, newlines as ↵, tabs as →.")
-    d3.toggle("Word-like tokens only", key="word_like",
-              help="Top-k lists keep word-like tokens only (ranks stay over the full vocabulary).")
-if bad_pins:
-    st.warning("Not pinned: " + "; ".join(bad_pins))
-if int(full_ids.shape[1]) > MAX_TOKENS:
-    st.info(f"The prompt has {int(full_ids.shape[1])} tokens; the first {MAX_TOKENS} are read.")
-
-lo, hi = ss.pos_range if n_tokens > 1 else (0, 0)
-positions = tuple(range(int(lo), int(hi) + 1))
-stride = int(ss.stride)
-band_lo, band_hi = (int(x) for x in ss.band)
-layers = common.view_layers(n_layers, (band_lo, band_hi), stride)
-source = tuple(int(x) for x in generation.ids) if generation is not None else text
-n_prompt = generation.n_prompt if generation is not None else None
-intervene.init(model, intervene.directions_lens(ctx)[1])
-intervene.run_if_requested(ctx, prompt, text)
-edited_view = intervene.heatmap_edits(ctx, text)
-edits, edits_key = edited_view if edited_view else (None, "")
-
-readings = {}
-tried: set[tuple[str, tuple[int, ...]]] = set()  # (lens, positions) read or failed this run
+    return generation
 
 
-def read_lenses(names: list[str], into: dict | None = None, at: tuple[int, ...] = positions) -> None:
-    """Read the prompt through the loaded lenses among ``names`` (together, cached per lens) at positions ``at``."""
-    into = readings if into is None else into
-    lenses, keys = ctx.lenses(), ctx.lens_keys()
-    todo = [name for name in names if name in lenses and name not in into and (name, at) not in tried]
-    if not todo:
-        return
-    tried.update((name, at) for name in todo)
-    settings = (source, int(ss.top_k), tuple(pins), bool(ss.show_ws), bool(ss.word_like), tuple(layers), at,
-                MAX_TOKENS, n_prompt, edits_key, edits)
+def _generate(model: Any, text: str, n_new: int, temp: float, gen_key: tuple) -> Any:
+    """Generate with a progress bar and a Stop button (the partial generation is kept in the session)."""
+    bar = st.progress(0.0, text=f"Generating {n_new} tokens…")
+    stop_slot = st.empty()
+    stop_slot.button("Stop generating", key="gen_stop", on_click=_request_stop, icon=":material/stop:",
+                     help="Keep the tokens generated so far.")
+
+    def progress(p) -> None:
+        ss._gen_partial = (gen_key, p.generation)
+        bar.progress(p.step / p.total, text=f"Generating… {p.step}/{p.total} tokens: "
+                                            f"{p.generation.continuation[-80:]!r}")
+
     try:
-        into.update(cache.readings_cached(model, ctx.model_key, {n: (lenses[n], keys[n]) for n in todo}, *settings))
-        return
-    except common.EXPECTED_ERRORS:
-        pass  # then one lens at a time, to say which cannot read the prompt (the others still can)
-    for name in todo:
-        try:
-            into.update(cache.readings_cached(model, ctx.model_key, {name: (lenses[name], keys[name])}, *settings))
-        except common.EXPECTED_ERRORS as exc:
-            st.error(f"The {charts.LENS_NAMES[name].lower()} cannot read this prompt: {exc}")
+        generation = generate(model, text, max_new_tokens=n_new, temperature=temp,
+                              seed=int(ss.gen_seed) if temp else None, progress=progress)
+    except common.EXPECTED_ERRORS as exc:
+        st.error(f"Cannot generate: {exc}")
+        st.stop()
+        raise  # st.stop() ends the run; this line is never reached
+    bar.empty()
+    stop_slot.empty()
+    return generation
 
 
-def read_everything() -> dict:
-    """Every loaded lens at every shown position (the download table); cached readings are reused."""
-    read_lenses(list(common.LENS_KINDS))
-    return readings
+def display_options(model: Any, prompt: str, text: str, full_ids: Any, generation: Any, n_prompt_tokens: int,
+                    pins: list[str], pair: tuple[str, str], bad_pins: list[str]) -> View:
+    """The Display options (top-k, pins, layers, positions, token display) and the :class:`View` they give."""
+    n_layers = model.n_layers
+    n_tokens = min(int(full_ids.shape[1]), MAX_TOKENS)
+    tokens = common.token_strings(model, [int(x) for x in full_ids[0, :n_tokens]], ss.show_ws)
+    with st.expander("Display options", expanded=False):
+        d1, d2, d3 = st.columns(3)
+        d1.slider("Top-k tokens", 1, 20, key="top_k")
+        d1.text_input("Pin tokens", key="pinned", placeholder=" Paris, Rome",
+                      help="Comma-separated; typed as is, so ' Paris' (with its space) is the token after a space. "
+                           "Their rank over layers shows in the cell detail; colour by it above.")
+        d2.number_input("Layer stride", min_value=1, max_value=max(1, n_layers - 1), step=1, key="stride",
+                        help="Show every n-th layer (the model's output row is always shown).")
+        if n_layers > 1:
+            d1.slider("Layer band", 0, n_layers - 1, key="band",
+                      help="Layers the heatmap and the most common tokens cover (the output row is always shown). "
+                           "The first layers of a Jacobian lens are often degenerate (it reads every token the "
+                           "same way there): start the band above them to see what the middle layers hold.")
+        if n_tokens > 1:
+            if ss.get("_pos_for") != (text, n_tokens) or "pos_range" not in ss:
+                shown = common.default_positions(n_tokens)
+                ss.pos_range = (shown[0], shown[-1])
+                ss._pos_for = (text, n_tokens)
+            d2.slider("Positions", 0, n_tokens - 1, key="pos_range")
+        d3.toggle("Whitespace as glyphs", key="show_ws", help="Show spaces as ·, newlines as ↵, tabs as →.")
+        d3.toggle("Word-like tokens only", key="word_like",
+                  help="Top-k lists keep word-like tokens only (ranks stay over the full vocabulary).")
+    if bad_pins:
+        st.warning("Not pinned: " + "; ".join(bad_pins))
+    if int(full_ids.shape[1]) > MAX_TOKENS:
+        st.info(f"The prompt has {int(full_ids.shape[1])} tokens; the first {MAX_TOKENS} are read.")
+    lo, hi = ss.pos_range if n_tokens > 1 else (0, 0)
+    band = (int(ss.band[0]), int(ss.band[1]))
+    return View(text=text, prompt=prompt, generation=generation, n_prompt_tokens=n_prompt_tokens, tokens=tokens,
+                positions=tuple(range(int(lo), int(hi) + 1)), layers=common.view_layers(n_layers, band, int(ss.stride)),
+                band=band, pins=pins, pair=pair)
 
 
-# The lenses the heatmap draws are read over every shown position (the logit lens always: the output
-# row uses it); the cell detail reads any other loaded lens at the selected position only, below.
-shown_now = {"side": list(pair), "diff": list(pair), "three": list(common.LENS_KINDS)}.get(ss.mode, [ss.mode])
-# A line of text, not a spinner: the spinner's animation, and the page below it moving down and up as
-# it comes and goes, cost the browser CPU the reading needs (a new prompt's redraw took ~0.15 s longer).
-reading_note = st.empty()
-reading_note.caption("Reading the prompt…")
-read_started = time.perf_counter()
-read_lenses(["logit"] + shown_now)
-read_seconds = time.perf_counter() - read_started
-reading_note.caption(f"{len(positions)} positions × {len(layers)} layers"
-                     + (f", read in {read_seconds:.1f} s" if read_seconds >= 0.05 else ""))
-if "logit" not in readings:
-    st.stop()
+def heatmap(view: View, reader: Reader, edits: list | None) -> tuple[Any, str]:
+    """Read the lenses the heatmap draws and draw it; returns the figure and the mode drawn."""
+    pair, mode = view.pair, ss.mode
+    # The lenses the heatmap draws are read over every shown position (the logit lens always: the output
+    # row uses it); the cell detail reads any other loaded lens at the selected position only, below.
+    shown_now = {"side": list(pair), "diff": list(pair), "three": list(common.LENS_KINDS)}.get(mode, [mode])
+    # A line of text, not a spinner: the spinner's animation, and the page below it moving down and up as
+    # it comes and goes, cost the browser CPU the reading needs (a new prompt's redraw took ~0.15 s longer).
+    reading_note = st.empty()
+    reading_note.caption("Reading the prompt…")
+    read_started = time.perf_counter()
+    reader.read(["logit"] + shown_now)
+    read_seconds = time.perf_counter() - read_started
+    reading_note.caption(f"{len(view.positions)} positions × {len(view.layers)} layers"
+                         + (f", read in {read_seconds:.1f} s" if read_seconds >= 0.05 else ""))
+    readings = reader.readings
+    if "logit" not in readings:
+        st.stop()
+    missing = [name for name in shown_now if name not in readings]
+    if missing or (mode in ("side", "diff") and pair[0] == pair[1]):
+        what = " and ".join(charts.LENS_NAMES[m] for m in missing) or "second lens"
+        st.info(f"No {what} {'are' if len(missing) > 1 else 'is'} loaded, so this shows the logit lens. Pick, fit "
+                "or train a lens (sidebar, Fit and Tune pages) to compare.")
+        mode = "logit"
+    _select_cell(view)
+    fig = charts.heatmap_figure(readings, mode, ss.stat, layers=view.layers, pair=pair,
+                                selected=(int(ss.cell_layer), int(ss.cell_pos)))
+    if edits:
+        fig.update_layout(title=f"Edited run ({'; '.join(repr(e) for e in edits)}) · " + fig.layout.title.text)
+    st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points",
+                    config={"displaylogo": False, "toImageButtonOptions": {"filename": "jlens-heatmap"}})
+    return fig, mode
 
-mode = ss.mode
-needed = {"side": list(pair), "diff": list(pair), "three": list(common.LENS_KINDS)}.get(mode, [mode])
-missing = [name for name in needed if name not in readings]
-if missing or (mode in ("side", "diff") and pair[0] == pair[1]):
-    what = " and ".join(charts.LENS_NAMES[m] for m in missing) or "second lens"
-    st.info(f"No {what} {'are' if len(missing) > 1 else 'is'} loaded, so this shows the logit lens. Pick, fit or "
-            "train a lens (sidebar, Fit and Tune pages) to compare.")
-    mode = "logit"
 
-# The selected cell (a click on the heatmap selects the marker under the cursor), before the figure is
-# built, so that the figure outlines the cell the detail panel below shows.
-selection = (ss.get("heatmap") or {}).get("selection") or {}
-points = list(selection.get("points") or [])
-if points:
-    signature = json.dumps({k: points[0].get(k) for k in ("x", "y", "curve_number")}, default=str)
-    if signature != ss.get("_last_point"):
-        ss._last_point = signature
-        cell = charts.cell_from_point(points[0], layers)
-        if cell is not None and cell[1] in positions:
-            ss.cell_layer, ss.cell_pos = cell
-if ss.get("cell_layer") not in layers:
-    ss.cell_layer = layers[-1]
-if ss.get("cell_pos") not in positions:
-    ss.cell_pos = positions[-1]
+def _select_cell(view: View) -> None:
+    """The selected cell: the heatmap's clicked marker, else the last one kept in view.
 
-fig = charts.heatmap_figure(readings, mode, ss.stat, layers=layers, pair=pair,
-                            selected=(int(ss.cell_layer), int(ss.cell_pos)))
-if edits:
-    fig.update_layout(title=f"Edited run ({'; '.join(repr(e) for e in edits)}) · " + fig.layout.title.text)
-st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points",
-                config={"displaylogo": False, "toImageButtonOptions": {"filename": "jlens-heatmap"}})
+    Decided before the figure is built, so that the figure outlines the cell the detail panel shows.
+    """
+    selection = (ss.get("heatmap") or {}).get("selection") or {}
+    points = list(selection.get("points") or [])
+    if points:
+        signature = json.dumps({k: points[0].get(k) for k in ("x", "y", "curve_number")}, default=str)
+        if signature != ss.get("_last_point"):
+            ss._last_point = signature
+            cell = charts.cell_from_point(points[0], view.layers)
+            if cell is not None and cell[1] in view.positions:
+                ss.cell_layer, ss.cell_pos = cell
+    if ss.get("cell_layer") not in view.layers:
+        ss.cell_layer = view.layers[-1]
+    if ss.get("cell_pos") not in view.positions:
+        ss.cell_pos = view.positions[-1]
 
-# -- most common tokens ---------------------------------------------------------------------------------
-shown_lenses = list(pair) if mode in ("side", "diff") else (list(readings) if mode == "three" else [mode])
-band_rows = [layer for layer in layers if layer != n_layers - 1]
-with st.expander(f"Most common tokens, layers {band_lo}–{band_hi}", expanded=True):
-    st.toggle("Word-like tokens only", key="mc_word_like",
-              help="Count each cell's most probable word-like token instead of its top-1.")
-    if not band_rows:
-        st.caption("The band holds only the output row: widen it (Display options) to count the layers' top-1 tokens.")
-    else:
-        panels = st.columns(len(shown_lenses))
-        for panel, name in zip(panels, shown_lenses):
+
+def most_common_panel(model: Any, view: View, readings: dict, mode: str) -> None:
+    """Each drawn lens's most frequent top-1 tokens over the band, a button per token to pin it."""
+    shown_lenses = list(view.pair) if mode in ("side", "diff") else (list(readings) if mode == "three" else [mode])
+    band_rows = [layer for layer in view.layers if layer != model.n_layers - 1]
+    with st.expander(f"Most common tokens, layers {view.band[0]}–{view.band[1]}", expanded=True):
+        st.toggle("Word-like tokens only", key="mc_word_like",
+                  help="Count each cell's most probable word-like token instead of its top-1.")
+        if not band_rows:
+            st.caption("The band holds only the output row: widen it (Display options) to count the layers' top-1 "
+                       "tokens.")
+            return
+        for panel, name in zip(st.columns(len(shown_lenses)), shown_lenses):
             table = most_common_tokens(readings[name], layers=band_rows, word_like=bool(ss.mc_word_like), top_n=10)
-            panel.markdown(f"**{charts.LENS_NAMES[name]}**: top-1 most often across {len(positions)} positions "
+            panel.markdown(f"**{charts.LENS_NAMES[name]}**: top-1 most often across {len(view.positions)} positions "
                            f"× {len(band_rows)} layers. Click a token to pin it.")
             if table.empty:
                 panel.caption("No word-like token in these cells' top-k.")
@@ -329,59 +418,66 @@ with st.expander(f"Most common tokens, layers {band_lo}–{band_hi}", expanded=T
                                        on_click=_pin, args=(spec,), help=f"Pin {spec!r} ({row['count']} cells)",
                                        width="stretch")
 
-# -- cell detail ------------------------------------------------------------------------------------
-# The lenses the heatmap does not draw are read at the selected position only (every shown layer):
-# a whole reading per lens would compete with the browser drawing the heatmap, for one column of it.
-detail = dict(readings)
-with st.spinner("Reading the selected position through the other lenses…"):
-    read_lenses(list(common.LENS_KINDS), into=detail, at=(int(ss.cell_pos),))
 
-st.subheader("Cell detail")
-labels = dict(zip(layers, charts.row_labels(layers, n_layers - 1)))
-p1, p2, p3 = st.columns([1, 2, 3])
-p1.selectbox("Layer", layers, key="cell_layer", format_func=labels.get)
-p2.selectbox("Position", positions, key="cell_pos", format_func=lambda p: f"{p}: {tokens[p]}")
-layer, position = int(ss.cell_layer), int(ss.cell_pos)
-cells = {name: (r.cell(layer, position) if layer in r.layers else None) for name, r in detail.items()}
-base = cells["logit"]
-final_top1 = readings["logit"].final_top1_tokens[readings["logit"].position_index(position)]
-p3.markdown(f"Token **`{base['token']}`** at position {position}"
-            + (f", next token **`{base['next_token']}`**" if base["next_token"] else "")
-            + f"; the model's own top-1 is **`{final_top1}`**.")
-if cells.get("jacobian") is None and "jacobian" in detail:
-    st.caption(f"The Jacobian lens was not fitted at layer {layer}.")
-st.plotly_chart(charts.topk_bars({k: v for k, v in cells.items() if v is not None}, k=int(ss.top_k)),
-                key="cell_bars", config={"displaylogo": False})
-rows = []
-for name, cell in cells.items():
-    if cell is None:
-        continue
+def cell_detail(view: View, reader: Reader) -> tuple[dict, int, int]:
+    """The selected cell through every loaded lens: top-k bars, statistics, pinned ranks.
+
+    The lenses the heatmap does not draw are read at the selected position only (every shown layer): a
+    whole reading per lens would compete with the browser drawing the heatmap, for one column of it.
+    Returns the readings used (``{lens: reading}``) and the cell (layer, position).
+    """
+    readings = reader.readings
+    detail = dict(readings)
+    with st.spinner("Reading the selected position through the other lenses…"):
+        reader.read(list(common.LENS_KINDS), into=detail, at=(int(ss.cell_pos),))
+    st.subheader("Cell detail")
+    n_layers = reader.ctx.model.n_layers
+    labels = dict(zip(view.layers, charts.row_labels(view.layers, n_layers - 1)))
+    p1, p2, p3 = st.columns([1, 2, 3])
+    p1.selectbox("Layer", view.layers, key="cell_layer", format_func=labels.get)
+    p2.selectbox("Position", view.positions, key="cell_pos", format_func=lambda p: f"{p}: {view.tokens[p]}")
+    layer, position = int(ss.cell_layer), int(ss.cell_pos)
+    cells = {name: (r.cell(layer, position) if layer in r.layers else None) for name, r in detail.items()}
+    base = cells["logit"]
+    final_top1 = readings["logit"].final_top1_tokens[readings["logit"].position_index(position)]
+    p3.markdown(f"Token **`{base['token']}`** at position {position}"
+                + (f", next token **`{base['next_token']}`**" if base["next_token"] else "")
+                + f"; the model's own top-1 is **`{final_top1}`**.")
+    if cells.get("jacobian") is None and "jacobian" in detail:
+        st.caption(f"The Jacobian lens was not fitted at layer {layer}.")
+    st.plotly_chart(charts.topk_bars({k: v for k, v in cells.items() if v is not None}, k=int(ss.top_k)),
+                    key="cell_bars", config={"displaylogo": False})
+    st.dataframe(pd.DataFrame([_cell_row(name, cell) for name, cell in cells.items() if cell is not None]),
+                 hide_index=True, width="stretch")
+    pinned_fig = charts.pinned_ranks_figure(detail, position)
+    if pinned_fig is not None:
+        st.plotly_chart(pinned_fig, key="pinned_ranks", config={"displaylogo": False})
+    elif not view.pins:
+        st.caption("Pin tokens (Display options) to follow their rank across layers here.")
+    return detail, layer, position
+
+
+def _cell_row(name: str, cell: dict) -> dict:
+    """One lens's row of the cell detail's table."""
     row = {"lens": charts.LENS_NAMES[name], "top-1": cell["top_tokens"][0], "p(top-1)": cell["top_probs"][0],
            "entropy (bits)": cell["entropy_bits"], "KL to final (bits)": cell["kl_bits"],
            "next-token CE (bits)": cell["ce_bits"], "next-token rank": cell["next_token_rank"],
            "final top-1 rank": cell["final_top1_rank"]}
     row.update({f"rank {k[5:]!r}": v for k, v in cell.items() if k.startswith("rank_")})
-    rows.append(row)
-st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
-pinned_fig = charts.pinned_ranks_figure(detail, position)
-if pinned_fig is not None:
-    st.plotly_chart(pinned_fig, key="pinned_ranks", config={"displaylogo": False})
-elif not pins:
-    st.caption("Pin tokens (Display options) to follow their rank across layers here.")
-
-# -- intervene ----------------------------------------------------------------------------------------------
-intervene.prefill_token(model, detail, layer, position)
-intervene.panel(ctx, detail, text, n_prompt_tokens)
-
-# -- downloads ------------------------------------------------------------------------------------------
-def _table_csv() -> str:
-    """Every loaded lens at every shown position, built when the button is pressed."""
-    return pd.concat([r.frame.assign(lens=name) for name, r in read_everything().items()],
-                     ignore_index=True).to_csv(index=False)
+    return row
 
 
-b1, b2, _ = st.columns([1, 1, 3])
-b1.download_button("Download table (CSV)", data=_table_csv, file_name="jlens-reading.csv",
-                   mime="text/csv", on_click="ignore", icon=":material/download:")
-b2.download_button("Download figure (HTML)", data=lambda: fig.to_html(include_plotlyjs=True, full_html=True),
-                   file_name="jlens-heatmap.html", mime="text/html", on_click="ignore", icon=":material/download:")
+def downloads(reader: Reader, fig: Any) -> None:
+    """The reading as a table (every loaded lens, built when pressed) and the heatmap as HTML."""
+    def table_csv() -> str:
+        return pd.concat([r.frame.assign(lens=name) for name, r in reader.everything().items()],
+                         ignore_index=True).to_csv(index=False)
+
+    b1, b2, _ = st.columns([1, 1, 3])
+    b1.download_button("Download table (CSV)", data=table_csv, file_name="jlens-reading.csv",
+                       mime="text/csv", on_click="ignore", icon=":material/download:")
+    b2.download_button("Download figure (HTML)", data=lambda: fig.to_html(include_plotlyjs=True, full_html=True),
+                       file_name="jlens-heatmap.html", mime="text/html", on_click="ignore", icon=":material/download:")
+
+
+render(common.require_model())
