@@ -222,12 +222,12 @@ def test_swap_success_counts_eligible_skipped_and_matches_generation(llama):
     assert row["jacobian@4 next"] == edited_first[4.0] and row["jacobian@1 next"] == edited_first[1.0]
     target_spelled = bool(spellings(llama.tokenizer, target.strip() or "x"))
     assert bool(row["jacobian@4"]) == target_spelled
-    assert set(report.summary["lens"]) == {"jacobian", "logit", "random"}
+    assert set(report.summary["lens"]) == {"jacobian", "logit", "random", "norm-matched"}
     jac4 = report.summary[(report.summary["lens"] == "jacobian") & (report.summary["alpha"] == 4.0)].iloc[0]
     assert jac4["eligible"] == 1 and jac4["successes"] == int(target_spelled)
     assert jac4["ci_low"] <= jac4["rate"] <= jac4["ci_high"]
     assert report.items.set_index("name").loc["multi", "reason"].startswith("skipped: no single-token spelling of source")
-    assert len(report.best) == 3 and report.seconds > 0
+    assert len(report.best) == 4 and report.seconds > 0
 
 
 def test_wilson_interval():

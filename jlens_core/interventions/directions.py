@@ -5,10 +5,13 @@ from .read_directions import (
     default_layers,
     head_row,
     last_source_layer,
+    mean_head_row,
+    mean_read_vector,
     norm_gain,
     read_vector,
+    read_vector_norms,
     token_direction,
 )
 
-__all__ = ["check_layers", "default_layers", "head_row", "last_source_layer", "norm_gain", "read_vector",
-           "token_direction"]
+__all__ = ["check_layers", "default_layers", "head_row", "last_source_layer", "mean_head_row", "mean_read_vector",
+           "norm_gain", "read_vector", "read_vector_norms", "token_direction"]

@@ -4,7 +4,9 @@
 Each edit acts on the outputs of its decoder ``layers`` at the positions its
 :class:`~jlens_core.reading.edit_hooks.PositionRule` selects (default: every prompt position but the
 first, an attention sink; generated tokens only with ``on_generated=True``), with ``v̂_t`` the unit
-read direction of token ``t`` at that layer (:func:`~jlens_core.interventions.read_directions.token_direction`):
+read direction of token ``t`` at that layer (:func:`~jlens_core.interventions.read_directions.token_direction`;
+with ``centred=True`` the unit vector of ``v_t - m_l``, ``m_l`` the mean read direction over the vocabulary,
+docs/method.md §9.1):
 
 * :class:`Steer` ``t``, strength ``s`` in [-4, 4]: ``h <- h + s ||h|| v̂_t`` per position;
 * :class:`Ablate` ``t``: ``h <- h - (h . v̂_t) v̂_t``;
@@ -62,9 +64,9 @@ class _LensEdit:
     def selects(self, positions: torch.Tensor, n_prompt: int) -> torch.Tensor:
         return self.rule.selects(positions, n_prompt)
 
-    def _where(self) -> str:
+    def _where(self, centred: bool = False) -> str:
         span = f"{self.layers[0]}..{self.layers[-1]}" if len(self.layers) > 1 else str(self.layers[0])
-        return f"layers {span}, {self.lens_kind} lens"
+        return f"layers {span}, {self.lens_kind} lens" + (", centred directions" if centred else "")
 
 
 class Steer(_LensEdit):
@@ -77,7 +79,7 @@ class Steer(_LensEdit):
 
     def __init__(self, model: LensModel, lens: Lens, token: str | int, strength: float, *,
                  layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
-                 on_generated: bool = False) -> None:
+                 on_generated: bool = False, centred: bool = False) -> None:
         if not isinstance(strength, (int, float)) or not math.isfinite(strength) or abs(strength) > MAX_STRENGTH:
             raise ValueError(f"Steering strength {strength!r} is out of range: give a number in "
                              f"[-{MAX_STRENGTH:g}, {MAX_STRENGTH:g}] (multiples of the residual's norm).")
@@ -85,7 +87,9 @@ class Steer(_LensEdit):
         self.token_id = token_id(model.tokenizer, token, rule="word", vocab_size=model.vocab_size)
         self.token = model.decode([self.token_id])
         self.strength = float(strength)
-        self.directions = {layer: token_direction(model, lens, layer, self.token_id) for layer in self.layers}
+        self.centred = bool(centred)
+        self.directions = {layer: token_direction(model, lens, layer, self.token_id, centred=self.centred)
+                           for layer in self.layers}
 
     def apply(self, layer: int, h: torch.Tensor, clean: torch.Tensor | None) -> torch.Tensor:
         if self.strength == 0.0:
@@ -95,18 +99,20 @@ class Steer(_LensEdit):
         return hf + self.strength * hf.norm(dim=-1, keepdim=True) * v
 
     def __repr__(self) -> str:
-        return f"Steer({self.token!r}, strength={self.strength:g}, {self._where()})"
+        return f"Steer({self.token!r}, strength={self.strength:g}, {self._where(self.centred)})"
 
 
 class Ablate(_LensEdit):
     """``h <- h - (h . v̂_t) v̂_t``: remove what the lens reads as ``token``."""
 
     def __init__(self, model: LensModel, lens: Lens, token: str | int, *, layers: Iterable[int] | None = None,
-                 positions: Iterable[int] | None = None, on_generated: bool = False) -> None:
+                 positions: Iterable[int] | None = None, on_generated: bool = False, centred: bool = False) -> None:
         super().__init__(model, lens, layers, positions, on_generated)
         self.token_id = token_id(model.tokenizer, token, rule="word", vocab_size=model.vocab_size)
         self.token = model.decode([self.token_id])
-        self.directions = {layer: token_direction(model, lens, layer, self.token_id) for layer in self.layers}
+        self.centred = bool(centred)
+        self.directions = {layer: token_direction(model, lens, layer, self.token_id, centred=self.centred)
+                           for layer in self.layers}
 
     def apply(self, layer: int, h: torch.Tensor, clean: torch.Tensor | None) -> torch.Tensor:
         v = self.directions[layer].to(device=h.device, dtype=torch.float32)  # [d]
@@ -114,7 +120,7 @@ class Ablate(_LensEdit):
         return hf - (hf @ v)[:, None] * v
 
     def __repr__(self) -> str:
-        return f"Ablate({self.token!r}, {self._where()})"
+        return f"Ablate({self.token!r}, {self._where(self.centred)})"
 
 
 class Swap(_LensEdit):
@@ -127,6 +133,8 @@ class Swap(_LensEdit):
         layers: decoder layers to edit (default: ``n_layers // 3`` to the lens's last source layer).
         positions, on_generated: the position rule (see the module docstring).
         directions: ``{layer: (v_A, v_B)}`` to use instead of the lens's (the random-direction control).
+        centred: use the centred read directions (:func:`token_direction` ``centred=True``; ignored with
+            ``directions``).
 
     Attributes:
         skipped_layers: layers left alone because ``|cos(v_A, v_B)| > 0.999`` there.
@@ -137,7 +145,8 @@ class Swap(_LensEdit):
     def __init__(self, model: LensModel, lens: Lens, source: str | int, replacement: str | int, alpha: float = 1.0, *,
                  layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                  on_generated: bool = False,
-                 directions: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 directions: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 centred: bool = False) -> None:
         if not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or not 0 <= alpha <= MAX_ALPHA:
             raise ValueError(f"Swap scale alpha={alpha!r} is out of range: give a number in [0, {MAX_ALPHA:g}] "
                              "(1 exchanges the two coordinates).")
@@ -148,13 +157,14 @@ class Swap(_LensEdit):
             raise ValueError(f"Cannot swap {source!r} with itself: give two different tokens.")
         self.source_id, self.replacement_id = a, b
         self.source, self.replacement, self.alpha = model.decode([a]), model.decode([b]), float(alpha)
+        self.centred = bool(centred) and directions is None
         self.bases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer: (V [d, 2], V⁺ [2, d])
         self.skipped_layers: list[int] = []
         for layer in self.layers:
             if directions is not None:
                 va, vb = (x.float() / x.float().norm() for x in directions[layer])
             else:
-                va, vb = token_direction(model, lens, layer, a), token_direction(model, lens, layer, b)
+                va, vb = (token_direction(model, lens, layer, t, centred=self.centred) for t in (a, b))
             if abs(float(va @ vb)) > COLLINEAR_COS:
                 self.skipped_layers.append(layer)
                 continue
@@ -178,7 +188,7 @@ class Swap(_LensEdit):
         return h.float() @ pinv.to(h.device).T
 
     def __repr__(self) -> str:
-        return f"Swap({self.source!r} -> {self.replacement!r}, alpha={self.alpha:g}, {self._where()})"
+        return f"Swap({self.source!r} -> {self.replacement!r}, alpha={self.alpha:g}, {self._where(self.centred)})"
 
 
 def random_directions(layers: Sequence[int], d_model: int, seed: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

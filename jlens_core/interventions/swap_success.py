@@ -12,9 +12,24 @@ lens and ``alpha``, a :class:`~jlens_core.interventions.lens_edits.Swap` of ``so
 (directions: the spelling with a leading space where one token stands for it) is applied at the
 chosen layers and every prompt position but the first; the item **succeeds** when the edited greedy
 next token spells ``swap_answer``. The swap success of a lens is the fraction of eligible items that
-succeed, with a 95 % Wilson interval. Controls: the logit lens (always included) and random unit
-directions in place of ``v_A, v_B`` (the same alphas; the floor). Items whose words have no
-single-token spelling are skipped and counted.
+succeed, with a 95 % Clopper-Pearson (exact) interval in ``ci_low, ci_high`` and the Wilson interval
+beside it (:mod:`~jlens_core.interventions.intervals`). With ``centred=True`` every lens swaps along
+centred read directions (docs/method.md §9.1). Items whose words have no single-token spelling are
+skipped and counted.
+
+Controls, all scored on the target's answer (``swap_answer``), the last two with the first lens and its
+layers:
+
+* the logit lens (always included);
+* ``"random"``: random unit directions in place of ``v_A, v_B`` (the floor);
+* ``"norm-matched"``: ``source`` swapped with a random vocabulary token in place of ``replacement``,
+  drawn uniformly among the tokens whose read direction's norm (raw or centred, as the swap uses;
+  averaged over the edited layers) is within 10 % of the replacement's, leaving out the source, the
+  replacement and every spelling of both answers. An item with no such token has no control (counted in
+  ``n_unmatched``); the other arms still score it.
+
+Both random draws of item ``i`` use a generator seeded with ``seed * 100003 + i``; the report records
+``seed``, and each item its seed and drawn token.
 """
 
 from __future__ import annotations
@@ -36,9 +51,10 @@ from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.edit_hooks import EditRunner
-from ..reading.tokens import spellings
+from ..reading.tokens import spellings, token_id
+from .intervals import clopper_pearson_interval, wilson_interval
 from .lens_edits import MAX_ALPHA, Swap, random_directions
-from .read_directions import check_layers, default_layers
+from .read_directions import check_layers, default_layers, read_vector_norms
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +62,11 @@ ITEM_FIELDS = ("prompt", "source", "replacement", "answer", "swap_answer")
 SWAP_SETS = {"swaps": "written for jlens: geography, people, objects, numbers (>= 60 items)"}
 DEFAULT_ALPHAS = (0.5, 1.0, 2.0, 4.0)
 RANDOM = "random"
-SUMMARY_COLUMNS = ("lens", "alpha", "eligible", "successes", "rate", "ci_low", "ci_high")
+NORM_MATCHED = "norm-matched"
+NORM_TOLERANCE = 0.10  # the norm-matched control's token: read-direction norm within 10 % of the replacement's
+INTERVAL = "clopper-pearson"  # what ci_low, ci_high hold (wilson_low, wilson_high beside them)
+SUMMARY_COLUMNS = ("lens", "alpha", "eligible", "successes", "rate", "ci_low", "ci_high", "wilson_low",
+                   "wilson_high")
 
 
 def load_swap_set(spec: str | Path) -> list[dict]:
@@ -80,17 +100,6 @@ def load_swap_set(spec: str | Path) -> list[dict]:
     return items
 
 
-def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """The 95 % Wilson score interval of a binomial proportion (``(nan, nan)`` for ``n = 0``)."""
-    if n <= 0:
-        return math.nan, math.nan
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
 def direction_spelling(tokenizer: Any, word: str, vocab_size: int | None = None) -> str | None:
     """The spelling whose read direction stands for ``word``: the first single-token one
     (leading-space forms first), or ``None``."""
@@ -102,13 +111,19 @@ class SwapReport:
     """What :func:`swap_success` returns.
 
     Attributes:
-        summary: one row per (lens, alpha), columns :data:`SUMMARY_COLUMNS` (``lens`` includes
-            ``"random"``, the random-direction control); rates over the eligible items.
-        best: one row per lens: the alpha with the highest rate, its rate and interval.
+        summary: one row per (lens, alpha), columns :data:`SUMMARY_COLUMNS` (``lens`` includes the
+            controls ``"random"`` and ``"norm-matched"``); rates over the eligible items the arm scored
+            (``eligible``), ``ci_low, ci_high`` the 95 % Clopper-Pearson interval, ``wilson_low,
+            wilson_high`` the 95 % Wilson interval.
+        best: one row per lens: the alpha with the highest rate, its rate and intervals.
         items: one row per item: ``name, eligible, reason`` (why not eligible / skipped), the clean
-            next token, and per lens x alpha the edited next token and success.
+            next token, ``seed`` and ``control_token`` (the norm-matched draw, ``None`` when no token is
+            within 10 %), and per lens x alpha the edited next token and success.
         n_items, n_eligible, n_skipped: counts (skipped: a word with no single-token spelling).
+        n_unmatched: eligible items with no norm-matched control token.
         layers: the edited layers per lens; seconds: wall time; seconds_per_item.
+        seed: the seed of the random controls; centred: whether the swaps used centred directions;
+        control_lens: the lens whose directions the two random controls use; interval: :data:`INTERVAL`.
     """
 
     summary: pd.DataFrame
@@ -119,6 +134,11 @@ class SwapReport:
     n_skipped: int
     layers: dict[str, list[int]] = field(default_factory=dict)
     seconds: float = 0.0
+    n_unmatched: int = 0
+    seed: int = 0
+    centred: bool = False
+    control_lens: str = ""
+    interval: str = INTERVAL
 
     @property
     def seconds_per_item(self) -> float:
@@ -133,10 +153,37 @@ def _greedy_next(model: LensModel, ids: torch.Tensor, edits: list | None = None,
     return int(logits.float().argmax())
 
 
+def _mean_norms(model: LensModel, lens: Lens, layers: Sequence[int], centred: bool) -> torch.Tensor:
+    """``[vocab_size]``: each token's read-direction norm averaged over ``layers``."""
+    return torch.stack([read_vector_norms(model, lens, layer, centred=centred) for layer in layers]).mean(dim=0)
+
+
+def norm_matched_token(norms: torch.Tensor, target: int, exclude: Iterable[int], generator: torch.Generator,
+                       tolerance: float = NORM_TOLERANCE) -> int | None:
+    """A token drawn uniformly among those whose ``norms`` lie within ``tolerance`` (relative) of
+    ``norms[target]``, leaving out ``target`` and ``exclude``; ``None`` when there is none."""
+    goal = float(norms[int(target)])
+    close = (norms - goal).abs() <= tolerance * goal
+    close[int(target)] = False
+    for t in exclude:
+        if 0 <= int(t) < len(close):
+            close[int(t)] = False
+    candidates = torch.nonzero(close & (norms > 0)).flatten()
+    if goal <= 0 or len(candidates) == 0:
+        return None
+    return int(candidates[int(torch.randint(len(candidates), (1,), generator=generator))])
+
+
+def _arm_rates(values: pd.Series) -> tuple[int, int]:
+    """``(successes, scored)`` of one arm's column over the eligible items (an item it did not score is NaN)."""
+    scored = values.dropna()
+    return int(scored.astype(bool).sum()), len(scored)
+
+
 def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[dict], *,
                  layers: Sequence[int] | None = None, alphas: Sequence[float] = DEFAULT_ALPHAS,
-                 random_control: bool = True, seed: int = 0,
-                 progress: Callable[[int, int], None] | None = None) -> SwapReport:
+                 random_control: bool = True, norm_matched_control: bool = True, centred: bool = False,
+                 seed: int = 0, progress: Callable[[int, int], None] | None = None) -> SwapReport:
     """Swap success of each lens on ``items`` (see the module docstring).
 
     Args:
@@ -146,7 +193,10 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
         layers: layers to edit (default per lens: ``n_layers // 3`` to its last source layer).
         alphas: swap scales to try; the best per lens is reported beside each.
         random_control: add the random-direction control (``"random"``, with the first lens's layers).
-        seed: seeds the random directions (one pair per item).
+        norm_matched_control: add the norm-matched token control (``"norm-matched"``, the first lens).
+        centred: swap along centred read directions (docs/method.md §9.1), the lenses and the
+            norm-matched control alike (its norms are then the centred ones).
+        seed: seeds both random controls (item ``i`` draws with ``seed * 100003 + i``).
         progress: called as ``progress(done, total)`` after each item.
 
     Raises:
@@ -164,15 +214,16 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
             raise ValueError(f"Swap scale alpha={alpha:g} is out of range: give numbers in [0, {MAX_ALPHA:g}].")
     chosen = {name: check_layers(model, lens, layers) if layers is not None else default_layers(model, lens)
               for name, lens in lenses.items()}
-    first = next(iter(chosen.values()))
+    control_name = next(iter(chosen))
+    control_lens, first = lenses[control_name], chosen[control_name]
     vocab = model.vocab_size
-    rows = []
     start = time.perf_counter()
+    norms = _mean_norms(model, control_lens, first, centred) if norm_matched_control else None
+    rows = []
     for i, item in enumerate(items):
         row: dict[str, Any] = {"name": item.get("name", f"#{i}"), "eligible": False, "reason": ""}
-        spelled = {k: direction_spelling(model.tokenizer, str(item[k]), vocab) for k in ITEM_FIELDS[1:]}
-        missing = [f"{k} {item[k]!r}" for k, v in spelled.items() if v is None]
-        words = {k: v for k, v in spelled.items() if v is not None}  # all of them when none is missing
+        words = {k: direction_spelling(model.tokenizer, str(item[k]), vocab) for k in ITEM_FIELDS[1:]}
+        missing = [f"{k} {item[k]!r}" for k, v in words.items() if v is None]
         ids = model.encode(str(item["prompt"]))
         if missing:
             row["reason"] = "skipped: no single-token spelling of " + ", ".join(missing)
@@ -185,14 +236,24 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
                 row["reason"] = f"not eligible: the model says {row['clean_next']!r}"
             else:
                 row["eligible"] = True
-                runs: dict[str, tuple[Lens, list[int], dict[int, tuple[torch.Tensor, torch.Tensor]] | None]] = {
-                    name: (lenses[name], chosen[name], None) for name in lenses}
+                item_seed = seed * 100003 + i
+                row["seed"] = item_seed
+                source, replacement = (str(words[k]) for k in ("source", "replacement"))
+                runs: dict[str, tuple[Lens, list[int], Any, str | int]] = {
+                    name: (lenses[name], chosen[name], None, replacement) for name in lenses}
                 if random_control:
-                    runs[RANDOM] = (next(iter(lenses.values())), first,
-                                    random_directions(first, model.d_model, seed * 100003 + i))
-                for name, (lens, run_layers, directions) in runs.items():
-                    swap = Swap(model, lens, words["source"], words["replacement"], 1.0, layers=run_layers,
-                                directions=directions)
+                    runs[RANDOM] = (control_lens, first, random_directions(first, model.d_model, item_seed),
+                                    replacement)
+                if norms is not None:
+                    ids_of = [token_id(model.tokenizer, w, rule="exact", vocab_size=vocab) for w in (source, replacement)]
+                    drawn = norm_matched_token(norms, ids_of[1], {ids_of[0]} | answer_ids | swap_ids,
+                                               torch.Generator().manual_seed(item_seed))
+                    row["control_token"] = None if drawn is None else model.decode([drawn])
+                    if drawn is not None:
+                        runs[NORM_MATCHED] = (control_lens, first, None, drawn)
+                for name, (lens, run_layers, directions, target) in runs.items():
+                    swap = Swap(model, lens, source, target, 1.0, layers=run_layers, directions=directions,
+                                centred=centred)
                     runner = EditRunner(model, [swap], int(ids.shape[1]))
                     clean = runner.clean_residuals(lambda: model.hf_model(input_ids=ids))  # noqa: B023
                     for alpha in alphas:
@@ -207,29 +268,34 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
     table = pd.DataFrame(rows)
     eligible = table[table["eligible"]] if not table.empty else table
     summary_rows, best_rows = [], []
-    names = list(lenses) + ([RANDOM] if random_control else [])
+    names = list(lenses) + ([RANDOM] if random_control else []) + ([NORM_MATCHED] if norm_matched_control else [])
     for name in names:
-        best: dict[str, Any] | None = None
+        best = None
         for alpha in alphas:
             col = f"{name}@{alpha:g}"
-            wins = int(eligible[col].sum()) if col in eligible else 0
-            n = len(eligible)
-            low, high = wilson_interval(wins, n)
+            wins, n = _arm_rates(eligible[col]) if col in eligible else (0, 0)
+            low, high = clopper_pearson_interval(wins, n)
+            w_low, w_high = wilson_interval(wins, n)
             rec: dict[str, Any] = {"lens": name, "alpha": alpha, "eligible": n, "successes": wins,
-                   "rate": wins / n if n else math.nan, "ci_low": low, "ci_high": high}
+                                   "rate": wins / n if n else math.nan, "ci_low": low, "ci_high": high,
+                                   "wilson_low": w_low, "wilson_high": w_high}
             summary_rows.append(rec)
             if best is None or (n and rec["rate"] > best["rate"]):
                 best = rec
         best_rows.append(best)
     n_skipped = int(table["reason"].str.startswith("skipped").sum()) if not table.empty else 0
+    n_unmatched = int(eligible["control_token"].isna().sum()) if norm_matched_control and len(eligible) else 0
+    controls = {**({RANDOM: first} if random_control else {}), **({NORM_MATCHED: first} if norm_matched_control else {})}
     report = SwapReport(summary=pd.DataFrame(summary_rows, columns=list(SUMMARY_COLUMNS)),
                         best=pd.DataFrame(best_rows, columns=list(SUMMARY_COLUMNS)), items=table,
                         n_items=len(items), n_eligible=len(eligible), n_skipped=n_skipped,
-                        layers={**chosen, **({RANDOM: first} if random_control else {})}, seconds=seconds)
-    log.info("swap success: %d items, %d eligible, %d skipped, %.1f s", report.n_items, report.n_eligible,
-             report.n_skipped, seconds)
+                        layers={**chosen, **controls}, seconds=seconds, n_unmatched=n_unmatched, seed=int(seed),
+                        centred=bool(centred), control_lens=control_name)
+    log.info("swap success: %d items, %d eligible, %d skipped, %d without a norm-matched control, %.1f s",
+             report.n_items, report.n_eligible, report.n_skipped, report.n_unmatched, seconds)
     return report
 
 
-__all__ = ["DEFAULT_ALPHAS", "SUMMARY_COLUMNS", "SWAP_SETS", "SwapReport", "direction_spelling", "load_swap_set",
+__all__ = ["DEFAULT_ALPHAS", "INTERVAL", "NORM_MATCHED", "NORM_TOLERANCE", "RANDOM", "SUMMARY_COLUMNS", "SWAP_SETS",
+           "SwapReport", "clopper_pearson_interval", "direction_spelling", "load_swap_set", "norm_matched_token",
            "swap_success", "wilson_interval"]
