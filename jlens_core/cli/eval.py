@@ -105,7 +105,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         for name, items in eval_sets:
             bar = _bar(len(items), f"pass@k {Path(name).stem}", args.no_progress, unit="item")
             table, detail = pass_at_k(model, lenses, items, k=tuple(args.k), readout=readout, spelling=args.spelling,
-                                      progress=functools.partial(_advance, bar) if bar else None, return_detail=True)
+                                      progress=functools.partial(_advance, bar) if bar else None, return_detail=True,
+                                      vocab=args.vocab, exclude_copied=args.exclude_copied)
             if bar:
                 bar.close()
             table.insert(0, "set", Path(name).stem)
@@ -144,7 +145,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         written = [out / "eval.csv"] + written + ([plot] if plot else [])
         print(frame.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     if args.pass_at_k:
-        print()
+        excluded = "copied intermediates excluded" if args.exclude_copied else "copied intermediates counted"
+        print(f"\npass@k · readout vocab={args.vocab} · {excluded}")
         print(passes.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     if swap_sets:
         print()
@@ -212,7 +214,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         source = model.chat(args.prompt) if args.chat else str(args.prompt)
     reading = read_prompt(model, lens, source, top_k=1, layers=layers, max_seq_len=args.max_seq_len,
-                          show_whitespace=True)
+                          show_whitespace=True, vocab=args.vocab)
     if args.generate and args.last == LAST_DEFAULT:
         args.last = reading.n_generated + 1  # the continuation and the prompt's last token
     positions = reading.positions[-args.last:] if args.last else reading.positions
@@ -224,10 +226,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     grid = reading.top1_grid()
     cols = [reading.position_index(p) for p in positions]
-    print(f"{model.name} · {lens.kind} lens · top-1 token per layer (rows) and position (columns)")
+    fitted = reading.fitted
+    print(f"{model.name} · {lens.kind} lens · vocab={reading.vocab} · top-1 token per layer (rows) and position "
+          "(columns)")
+    if not fitted[cols].all():
+        print(f"(unfit): positions before the lens's skip_first={reading.skip_first}, where it was never fitted")
     print("layer ".rjust(7) + " ".join(cell(reading.tokens[c]) for c in cols))
-    if reading.n_generated:
-        print("".rjust(7) + " ".join(cell("(gen)" if reading.segments[c] == "generated" else "") for c in cols))
+    if reading.n_generated or not fitted[cols].all():
+        marks = ["(gen)" if reading.segments[c] == "generated" else "" if fitted[c] else "(unfit)" for c in cols]
+        print("".rjust(7) + " ".join(cell(m) for m in marks))
     print("-" * (7 + (width + 1) * len(cols)))
     for i, layer in enumerate(reading.layers):
         label = "out" if layer == reading.output_layer else str(layer)
@@ -267,6 +274,11 @@ def register(subparsers) -> None:
     e.add_argument("--spelling", choices=["whole", "first_token"], default="whole",
                    help="pass@k word matching: complete single-token spellings (default) or the older first-token rule")
     e.add_argument("--k", type=int, nargs="+", default=[1, 5, 10], help="k values for pass@k (default 1 5 10)")
+    e.add_argument("--vocab", choices=["all", "word"], default="all",
+                   help="pass@k readout: every token (default) or word tokens only (a letter or digit in the text; "
+                        "the item's spellings are always kept)")
+    e.add_argument("--exclude-copied", action="store_true",
+                   help="pass@k: leave out intermediates that appear in the prompt (the 'copied' column counts them)")
     e.add_argument("--swap", action="append", default=None, metavar="SET",
                    help="also measure swap success on a swap set ('swaps', shipped, or a .jsonl); writes "
                         "swap_success.csv and swap_items.csv")
@@ -292,6 +304,8 @@ def register(subparsers) -> None:
     i.add_argument("--no-progress", action="store_true", help="no progress bar while generating")
     i.add_argument("--width", type=int, default=9, help="characters per cell (default 9)")
     i.add_argument("--max-seq-len", type=int, default=None, help="truncate the prompt to this many tokens")
+    i.add_argument("--vocab", choices=["all", "word"], default="all",
+                   help="top-1 among every token (default) or among word tokens (a letter or digit in the text)")
     i.set_defaults(func=cmd_inspect)
 
 

@@ -24,6 +24,12 @@ pass@k of an item is the fraction of its scored intermediates whose best rank ov
 is ``<= k``; a set's score is the mean over items with at least one scored intermediate, with a
 bootstrap 95 % interval over those items.
 
+``vocab="word"`` (the word-token readout, docs/method.md §9.1) ranks among the tokens whose text has
+a letter or digit, plus every candidate spelling of the item's words (never excluded). An
+intermediate is **copied** when the word, or one of its synonyms, occurs in the prompt text
+(:func:`appears_in_prompt`); the summary counts the copied scored intermediates, and
+``exclude_copied=True`` leaves them out of the score and the coverage (docs/method.md §8).
+
 Sets are JSON files in the reference format ``{"items": [...], "readout"?, "synonyms"?,
 "description"?}`` or JSON Lines of items (our older format); an item may carry its own ``readout``.
 """
@@ -49,6 +55,7 @@ from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from .readings import as_lens_dict, check_lens, encode_prompt, rank_of, readable_layers, record_residuals
 from .tokens import TokenDisplay, spellings
+from .word_readout import check_vocab, kept_ids_mask
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +63,10 @@ EVAL_DIR = ASSETS_DIR / "evaluations"
 READOUT_RULES = ("last", "last_newline")
 SPELLINGS = ("whole", "first_token")
 SYNONYM_SETS = ("numbers_ops",)
-PASS_COLUMNS = ("lens", "k", "pass_rate", "ci_low", "ci_high", "items_scored", "n_items", "words_scored",
-                "n_words")
-DETAIL_COLUMNS = ("item", "name", "lens", "role", "word", "scored", "spellings", "token_ids", "position",
-                  "readout_token", "best_rank", "best_layer", "final_rank")
+PASS_COLUMNS = ("lens", "vocab", "k", "pass_rate", "ci_low", "ci_high", "items_scored", "n_items", "words_scored",
+                "n_words", "copied", "copied_excluded")
+DETAIL_COLUMNS = ("item", "name", "lens", "role", "word", "scored", "copied", "spellings", "token_ids", "position",
+                  "readout_token", "best_rank", "best_layer", "final_rank", "vocab")
 N_BOOT = 2000
 
 Progress = Callable[[int, int], None]
@@ -249,6 +256,25 @@ def word_spellings(tokenizer: Any, word: str, *, spelling: str = "whole", synony
     return out
 
 
+def appears_in_prompt(prompt: str, word: str, *, synonyms: str | None = None) -> bool:
+    """Whether ``word`` (or, with ``synonyms="numbers_ops"``, one of its synonyms) is in ``prompt``: copied.
+
+    Each form, stripped of surrounding whitespace, is searched case-insensitively; an end of the form
+    that is a letter, digit or underscore must not touch another one in the prompt (a whole word:
+    "Paris" is not in "Parisian"; "+" is in "3+4"). Tokenisation plays no part.
+    """
+    forms = number_synonyms(word) if synonyms == "numbers_ops" else [word]
+    for form in forms:
+        core = form.strip()
+        if not core:
+            continue
+        left = r"(?<!\w)" if re.match(r"\w", core[0]) else ""
+        right = r"(?!\w)" if re.match(r"\w", core[-1]) else ""
+        if re.search(left + re.escape(core) + right, prompt, flags=re.IGNORECASE):
+            return True
+    return False
+
+
 # -- readout positions ---------------------------------------------------------------------------------
 def readout_position(model: LensModel, prompt: str, ids: torch.Tensor, rule: Any) -> int:
     """The index into ``ids [1, seq]`` (the encoded ``prompt``) where the lens is read.
@@ -286,15 +312,20 @@ def readout_position(model: LensModel, prompt: str, ids: torch.Tensor, rule: Any
 
 
 # -- pass@k ------------------------------------------------------------------------------------------------
-def _best_rank(logits: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """``LongTensor[n]``: per row of ``logits [n, vocab]``, the best 1-based rank among ``candidates``."""
-    ranks = torch.stack([rank_of(logits, c.expand(logits.shape[0])) for c in candidates], dim=-1)  # [n, n_cand]
+def _best_rank(logits: torch.Tensor, candidates: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """``LongTensor[n]``: per row of ``logits [n, vocab]``, the best 1-based rank among ``candidates``.
+
+    ``kept``: ``[vocab]`` 0/1, the ids counted above a candidate (None: all).
+    """
+    ranks = torch.stack([rank_of(logits, c.expand(logits.shape[0]), kept=kept) for c in candidates],
+                        dim=-1)  # [n, n_cand]
     return ranks.min(-1).values
 
 
 def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str, *,
                      layers: Iterable[int] | None = None, readout: Any = None, spelling: str = "whole",
-                     synonyms: str | None = None, progress: Progress | None = None) -> pd.DataFrame:
+                     synonyms: str | None = None, progress: Progress | None = None, vocab: str = "all"
+                     ) -> pd.DataFrame:
     """Best ranks of each item's intermediate and target words, per lens, at the readout position.
 
     Args:
@@ -304,16 +335,20 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
             item's, else the set's, else ``"last"``.
         spelling: ``"whole"`` (complete single-token spellings) or ``"first_token"``.
         synonyms: ``"numbers_ops"`` or ``None``; default: the item's (from its set).
+        vocab: ``"all"`` (default) or ``"word"``: rank among the word tokens plus the item's candidate
+            spellings (docs/method.md §9.1).
 
     Returns:
         DataFrame, one row per item x lens x word, columns :data:`DETAIL_COLUMNS`: ``scored`` (the
-        word has a spelling), ``spellings`` / ``token_ids`` (what it is ranked by), ``position`` and
-        ``readout_token`` (where it was read), ``best_rank`` (best over the layers; NaN unscored),
-        ``best_layer`` (lowest layer reaching it), ``final_rank`` (in the model's own output).
+        word has a spelling), ``copied`` (it appears in the prompt, :func:`appears_in_prompt`),
+        ``spellings`` / ``token_ids`` (what it is ranked by), ``position`` and ``readout_token``
+        (where it was read), ``best_rank`` (best over the layers; NaN unscored), ``best_layer``
+        (lowest layer reaching it), ``final_rank`` (in the model's own output), ``vocab``.
 
     Raises:
-        ValueError: malformed items, an unknown readout / spelling / synonyms, a readout substring
-            not in its prompt (the message names the item), no lenses.
+        ValueError: malformed items, an unknown readout / spelling / synonyms / vocab, a readout
+            substring not in its prompt (the message names the item), no lenses, a ``"word"`` readout
+            that keeps no token.
         LensFileError: a lens belongs to another model.
     """
     if spelling not in SPELLINGS:
@@ -322,12 +357,14 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
     if readout is not None:
         readout = check_readout(readout)
     synonyms = _check_synonyms(synonyms)
+    check_vocab(vocab)
     lenses = as_lens_dict(lenses)
     items = _check_items(items)
     for lens in lenses.values():
         check_lens(model, lens)
     tokenizer = model.tokenizer
-    vocab = model.vocab_size
+    vocab_size = model.vocab_size
+    kept_np = kept_ids_mask(TokenDisplay.for_model(model), vocab, vocab_size)  # bool[vocab_size] or None
     top = model.n_layers - 1
     lens_layers = {name: readable_layers(model, lens, layers) for name, lens in lenses.items()}
     all_layers = sorted({layer for ls in lens_layers.values() for layer in ls})
@@ -339,8 +376,9 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
         if item.get("target"):
             words.append(("target", item["target"]))
         item_synonyms = synonyms if synonyms is not None else item.get("synonyms")
-        spellings = [word_spellings(tokenizer, w, spelling=spelling, synonyms=item_synonyms, vocab_size=vocab)
+        spellings = [word_spellings(tokenizer, w, spelling=spelling, synonyms=item_synonyms, vocab_size=vocab_size)
                      for _, w in words]
+        copied = {w: appears_in_prompt(item["prompt"], w, synonyms=item_synonyms) for _, w in words}
         ids = encode_prompt(model, item["prompt"], None)  # [1, seq]
         rule = readout if readout is not None else item.get("readout", "last")
         try:
@@ -349,6 +387,11 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
             raise ValueError(f"item {name}: {exc}") from None
         resid = record_residuals(model, ids[:, : position + 1], all_layers)  # causal: nothing after is needed
         device = resid[top].device
+        kept = None
+        if kept_np is not None:  # the word tokens, and every spelling of the item's words (never excluded)
+            kept = torch.as_tensor(kept_np, device=device).to(torch.float32)  # [vocab_size]
+            for spelled in spellings:
+                kept[list(spelled.values())] = 1.0
         with torch.no_grad():
             final_logits = model.unembed(resid[top][position:position + 1]).float()  # [1, vocab]
             for lens_name, lens in lenses.items():
@@ -359,15 +402,16 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
                     logits[ls.index(top)] = final_logits[0]
                 for (role, word), spelled in zip(words, spellings):
                     row = {"item": index, "name": name, "lens": lens_name, "role": role, "word": word,
-                           "scored": bool(spelled), "spellings": list(spelled), "token_ids": list(spelled.values()),
+                           "scored": bool(spelled), "copied": copied[word],
+                           "spellings": list(spelled), "token_ids": list(spelled.values()),
                            "position": position, "readout_token": display.texts[int(ids[0, position])],
-                           "best_rank": math.nan, "best_layer": None, "final_rank": math.nan}
+                           "best_rank": math.nan, "best_layer": None, "final_rank": math.nan, "vocab": vocab}
                     if spelled:
                         cands = torch.tensor(list(spelled.values()), dtype=torch.long, device=device)
-                        per_layer = _best_rank(logits, cands)  # [n_layers]
+                        per_layer = _best_rank(logits, cands, kept)  # [n_layers]
                         best = int(per_layer.min())
                         row.update(best_rank=best, best_layer=ls[int(torch.argmax((per_layer == best).int()))],
-                                   final_rank=int(_best_rank(final_logits, cands)[0]))
+                                   final_rank=int(_best_rank(final_logits, cands, kept)[0]))
                     rows.append(row)
         del resid
         if progress is not None:
@@ -386,14 +430,21 @@ def bootstrap_interval(values: Sequence[float], *, n_boot: int = N_BOOT, seed: i
 
 
 def summarize_pass_at_k(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), *, n_boot: int = N_BOOT,
-                        seed: int = 0) -> pd.DataFrame:
+                        seed: int = 0, exclude_copied: bool = False) -> pd.DataFrame:
     """pass@k per lens from a :func:`pass_at_k_detail` frame (see the module docstring).
 
+    Args:
+        detail: a :func:`pass_at_k_detail` frame; one without ``copied`` / ``vocab`` columns (an
+            older CSV) counts no word as copied and its readout as ``"all"``.
+        exclude_copied: leave the copied intermediates out of the score and the coverage.
+
     Returns:
-        DataFrame, one row per lens x k, columns :data:`PASS_COLUMNS`: ``pass_rate`` (mean over
-        scored items of the fraction of their scored intermediates found), its bootstrap
-        ``ci_low``/``ci_high``, ``items_scored``/``n_items`` and ``words_scored``/``n_words``
-        (coverage).
+        DataFrame, one row per lens x k, columns :data:`PASS_COLUMNS`: ``vocab`` (the readout),
+        ``pass_rate`` (mean over scored items of the fraction of their scored intermediates found),
+        its bootstrap ``ci_low``/``ci_high``, ``items_scored``/``n_items`` and
+        ``words_scored``/``n_words`` (coverage; with ``exclude_copied`` the copied words are not
+        scored), ``copied`` (scored intermediates that appear in the prompt, excluded or not) and
+        ``copied_excluded`` (``exclude_copied``).
 
     Raises:
         ValueError: a ``k`` below 1, or an empty ``k``.
@@ -402,25 +453,34 @@ def summarize_pass_at_k(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10
     if not ks or any(x < 1 for x in ks):
         raise ValueError(f"k={k} must be one or more integers >= 1 (ranks are 1-based: k=1 is top-1).")
     inter = detail[detail["role"] == "intermediate"]
+    copied_col = (inter["copied"].astype(bool) if "copied" in inter
+                  else pd.Series(False, index=inter.index))  # [n_intermediate_rows]
     rows = []
     for name in dict.fromkeys(detail["lens"]):
         sub = inter[inter["lens"] == name]
         scored = sub[sub["scored"].astype(bool)]
-        n_items = int(detail.loc[detail["lens"] == name, "item"].nunique())
+        n_copied = int(copied_col[scored.index].sum())
+        if exclude_copied:
+            scored = scored[~copied_col[scored.index]]
+        lens_rows = detail[detail["lens"] == name]
+        vocab = str(lens_rows["vocab"].iloc[0]) if "vocab" in detail and len(lens_rows) else "all"
+        n_items = int(lens_rows["item"].nunique())
         for kk in ks:
             per_item = (scored["best_rank"] <= kk).groupby(scored["item"]).mean()  # [items_scored]
             low, high = bootstrap_interval(per_item.to_numpy(), n_boot=n_boot, seed=seed)
-            rows.append({"lens": name, "k": kk, "pass_rate": float(per_item.mean()) if len(per_item) else math.nan,
+            rows.append({"lens": name, "vocab": vocab, "k": kk,
+                         "pass_rate": float(per_item.mean()) if len(per_item) else math.nan,
                          "ci_low": low, "ci_high": high, "items_scored": len(per_item), "n_items": n_items,
-                         "words_scored": len(scored), "n_words": len(sub)})
+                         "words_scored": len(scored), "n_words": len(sub), "copied": n_copied,
+                         "copied_excluded": bool(exclude_copied)})
     return pd.DataFrame(rows, columns=list(PASS_COLUMNS))
 
 
 def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str, *,
               k: Sequence[int] | int = (1, 5, 10), layers: Iterable[int] | None = None, readout: Any = None,
               spelling: str = "whole", synonyms: str | None = None, n_boot: int = N_BOOT, seed: int = 0,
-              progress: Progress | None = None, return_detail: bool = False
-              ) -> pd.DataFrame | tuple[pd.DataFrame, pd.DataFrame]:
+              progress: Progress | None = None, return_detail: bool = False, vocab: str = "all",
+              exclude_copied: bool = False) -> pd.DataFrame | tuple[pd.DataFrame, pd.DataFrame]:
     """pass@k of latent intermediate steps, per lens, with the protocol of the module docstring.
 
     Args:
@@ -431,6 +491,10 @@ def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapp
         n_boot, seed: the bootstrap of the interval over items.
         progress: called as ``progress(items_done, n_items)``.
         return_detail: also return the per-word table of :func:`pass_at_k_detail`.
+        vocab: ``"all"`` (default) or ``"word"``: the readout (:func:`pass_at_k_detail`); the table's
+            ``vocab`` column says which.
+        exclude_copied: leave intermediates that appear in the prompt out of the score and coverage
+            (:func:`summarize_pass_at_k`); the ``copied`` column counts them either way.
 
     Returns:
         DataFrame with columns :data:`PASS_COLUMNS` (one row per lens x k); with ``return_detail``,
@@ -440,8 +504,8 @@ def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapp
     if not ks or any(int(x) < 1 for x in ks):
         raise ValueError(f"k={k} must be one or more integers >= 1 (ranks are 1-based: k=1 is top-1).")
     detail = pass_at_k_detail(model, lenses, items, layers=layers, readout=readout, spelling=spelling,
-                              synonyms=synonyms, progress=progress)
-    summary = summarize_pass_at_k(detail, ks, n_boot=n_boot, seed=seed)
+                              synonyms=synonyms, progress=progress, vocab=vocab)
+    summary = summarize_pass_at_k(detail, ks, n_boot=n_boot, seed=seed, exclude_copied=exclude_copied)
     return (summary, detail) if return_detail else summary
 
 
@@ -450,13 +514,19 @@ def macro_mean(per_set: pd.DataFrame) -> pd.DataFrame:
     ``set = "macro mean"``, ``pass_rate`` the unweighted mean of the sets' scores (NaN sets left out)."""
     rows = []
     for (lens, kk), part in per_set.groupby(["lens", "k"], sort=False):
-        rows.append({"set": "macro mean", "lens": lens, "k": kk, "pass_rate": float(part["pass_rate"].mean()),
-                     "items_scored": int(part["items_scored"].sum()), "n_items": int(part["n_items"].sum()),
-                     "words_scored": int(part["words_scored"].sum()), "n_words": int(part["n_words"].sum())})
+        row = {"set": "macro mean", "lens": lens, "k": kk, "pass_rate": float(part["pass_rate"].mean()),
+               "items_scored": int(part["items_scored"].sum()), "n_items": int(part["n_items"].sum()),
+               "words_scored": int(part["words_scored"].sum()), "n_words": int(part["n_words"].sum())}
+        for column in ("vocab", "copied_excluded"):  # one readout per table: carried, not averaged
+            if column in part:
+                row[column] = part[column].iloc[0]
+        if "copied" in part:
+            row["copied"] = int(part["copied"].sum())
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
 __all__ = ["DETAIL_COLUMNS", "EVAL_DIR", "EVAL_SETS", "PASS_COLUMNS", "READOUT_RULES", "SPELLINGS", "SYNONYM_SETS",
-           "bootstrap_interval", "check_item", "check_readout", "load_eval_set", "macro_mean", "number_synonyms",
+           "appears_in_prompt", "bootstrap_interval", "check_item", "check_readout", "load_eval_set", "macro_mean", "number_synonyms",
            "pass_at_k", "pass_at_k_detail", "readout_position", "shipped_sets", "summarize_pass_at_k",
            "word_spellings"]

@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..lenses.protocol import Lens
 from .tokens import display_ids
 
-FRAME_COLUMNS = ("layer", "position", "token", "segment", "top_ids", "top_tokens", "top_probs", "entropy_bits",
-                 "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank")
+FRAME_COLUMNS = ("layer", "position", "token", "segment", "fitted", "top_ids", "top_tokens", "top_probs",
+                 "entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank")
 GRID_STATS = ("entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank", "top1_prob")
 
 
@@ -53,6 +54,14 @@ class PromptReading:
         n_prompt: how many of ``input_ids`` are the prompt; the rest were generated (a reading of a
             :class:`~jlens_core.reading.generation.Generation`).
         edits: ``repr`` of the residual edits the reading was taken under (empty: the clean model).
+        vocab: the readout, ``"all"`` or ``"word"`` (docs/method.md §9.1): with ``"word"`` the top-k
+            lists and every rank leave out tokens whose text has no letter or digit; entropy, KL and
+            CE are over the full distribution either way.
+        word_ids: ``bool[vocab]`` (read-only, shared by the readings of one tokenizer): the word tokens,
+            the ids ``vocab="word"`` keeps (:func:`~jlens_core.reading.word_readout.word_mask`); None in
+            a reading built by hand.
+        skip_first: the lens's ``settings["skip_first"]`` (0 when it has none: the logit lens): the
+            positions before it were never fitted (:attr:`fitted`).
     """
 
     text: str
@@ -80,6 +89,9 @@ class PromptReading:
     vocab_strings: list[str] = field(repr=False, default_factory=list)
     n_prompt: int | None = None
     edits: list[str] = field(default_factory=list)
+    vocab: str = "all"
+    word_ids: np.ndarray | None = field(repr=False, default=None)
+    skip_first: int = 0
 
     def __post_init__(self) -> None:
         if self.n_prompt is None:
@@ -115,6 +127,16 @@ class PromptReading:
     def n_generated(self) -> int:
         """Tokens of the reading that the model generated (after the prompt)."""
         return len(self.input_ids) - self._prompt_length
+
+    @property
+    def fitted(self) -> np.ndarray:
+        """``bool[n_positions]``: whether each read position is at or past the lens's ``skip_first``.
+
+        A Jacobian lens is fitted on positions ``>= skip_first`` only (docs/method.md §3), so a reading
+        before them is of a map never fitted there; a tuned lens likewise trains on positions
+        ``>= skip_first``. The logit lens fits nothing: every position is ``True``.
+        """
+        return self.positions >= int(self.skip_first)
 
     @property
     def segments(self) -> list[str]:
@@ -168,6 +190,7 @@ class PromptReading:
         return {"layer": self.layers[li], "position": int(self.positions[pi]),
                 "token": self.tokens[int(self.positions[pi])], "next_token": self.next_tokens[pi],
                 "segment": "generated" if int(self.positions[pi]) >= self._prompt_length else "prompt",
+                "fitted": bool(self.fitted[pi]),
                 "top_ids": self.top_ids[li, pi].tolist(), "top_tokens": self._names(self.top_ids[li, pi]),
                 "top_probs": [float(x) for x in self.top_probs[li, pi]],
                 "entropy_bits": float(self.entropy_bits[li, pi]), "kl_bits": float(self.kl_bits[li, pi]),
@@ -230,6 +253,7 @@ class PromptReading:
             "position": position_col,
             "token": [self.tokens[p] for p in position_col.tolist()],
             "segment": np.where(position_col >= self._prompt_length, "generated", "prompt"),
+            "fitted": position_col >= int(self.skip_first),
             "top_ids": flat_ids.tolist(),
             "top_tokens": [self._names(row) for row in flat_ids],
             "top_probs": self.top_probs.reshape(n_l * n_p, -1).astype(np.float64).tolist(),
@@ -250,4 +274,14 @@ class PromptReading:
                 f"pinned={list(self.pinned)})")
 
 
-__all__ = ["FRAME_COLUMNS", "GRID_STATS", "PromptReading"]
+def lens_skip_first(lens: Lens) -> int:
+    """The first position a reading through ``lens`` counts as fitted: ``lens.settings["skip_first"]``, else 0.
+
+    The Jacobian lens's fit and the tuned lens's training record it; the logit lens (``settings = {}``)
+    and a lens file without it have every position fitted.
+    """
+    value = lens.settings.get("skip_first")
+    return max(0, int(value)) if value is not None else 0
+
+
+__all__ = ["FRAME_COLUMNS", "GRID_STATS", "PromptReading", "lens_skip_first"]

@@ -45,9 +45,10 @@ from .inputs import (
     record_residuals,
     resolve_positions,
 )
-from .prompt_reading import PromptReading
+from .prompt_reading import PromptReading, lens_skip_first
 from .row_arrays import ReadingArrays, RowGroupReader, RowLayout, Targets, read_rows
 from .tokens import TokenDisplay, display_ids, encode_plain, token_id
+from .word_readout import check_vocab, kept_ids_mask, word_mask
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | torch.
                 layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                 pinned: Iterable[str | int] = (), show_whitespace: bool = False,
                 max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
-                edits: Iterable[Any] | None = None) -> PromptReading:
+                edits: Iterable[Any] | None = None, vocab: str = "all") -> PromptReading:
     """Read a prompt through a lens at every layer x position (docs/method.md §6).
 
     Args:
@@ -93,30 +94,37 @@ def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | torch.
             :func:`jlens_core.reading.tokens.token_id`, ``rule="first"``).
         show_whitespace: display whitespace as glyphs (``·`` ``↵`` ``→``) in token strings.
         max_seq_len: truncate the prompt to this many tokens (default: no truncation).
-        word_like: restrict the top-k lists to word-like tokens (:func:`~jlens_core.reading.tokens.is_word_like`);
-            probabilities stay those of the full softmax and ranks stay over the full vocabulary.
+        word_like: restrict the top-k lists to word-like tokens (:func:`~jlens_core.reading.tokens.is_word_like`,
+            stricter than ``vocab="word"``: a display filter); probabilities stay those of the full
+            softmax and ranks are those ``vocab`` gives.
         n_prompt: with token ids, how many of them are the prompt (the rest are marked ``generated``);
             taken from a ``Generation``; default: all of them.
         edits: residual edits (:mod:`jlens_core.reading.edit_hooks`) applied during the forward pass: the
             reading is of the edited stream, and "final" means the edited model's own output.
+        vocab: ``"all"`` (default) or ``"word"``: the word-token readout
+            (:mod:`~jlens_core.reading.word_readout`, docs/method.md §9.1) leaves tokens whose text has
+            no letter or digit out of the top-k lists and out of every rank; entropy, KL and CE stay
+            over the full distribution.
 
     Returns:
-        A :class:`PromptReading` (its ``.frame`` is the long DataFrame).
+        A :class:`PromptReading` (its ``.frame`` is the long DataFrame; positions before the lens's
+        ``skip_first`` are marked ``fitted = False``).
 
     Raises:
-        ValueError: empty text, ``top_k < 1``, bad layers or positions, an unknown pinned token.
+        ValueError: empty text, ``top_k < 1``, bad layers or positions, an unknown pinned token, an
+            unknown ``vocab`` or a ``"word"`` readout that keeps no token.
         LensFileError: the lens belongs to another model.
     """
     return read_prompts(model, {"lens": lens}, text, top_k=top_k, layers=layers, positions=positions,
                         pinned=pinned, show_whitespace=show_whitespace, max_seq_len=max_seq_len,
-                        word_like=word_like, n_prompt=n_prompt, edits=edits)["lens"]
+                        word_like=word_like, n_prompt=n_prompt, edits=edits, vocab=vocab)["lens"]
 
 
 def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens, text: str | Sequence[int] | torch.Tensor | Generation,
                  *, top_k: int = 10, layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                  pinned: Iterable[str | int] = (), show_whitespace: bool = False,
                  max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
-                 edits: Iterable[Any] | None = None) -> dict[str, PromptReading]:
+                 edits: Iterable[Any] | None = None, vocab: str = "all") -> dict[str, PromptReading]:
     """Read one prompt through several lenses at once: :func:`read_prompt` for each, sharing the work.
 
     The lenses share one forward pass, the model's final distribution and its output row (the same
@@ -132,15 +140,18 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens, text: str 
         ``{name: PromptReading}`` in the order of ``lenses``.
 
     Raises:
-        ValueError: no lens, empty text, ``top_k < 1``, bad layers or positions, an unknown pinned token.
+        ValueError: no lens, empty text, ``top_k < 1``, bad layers or positions, an unknown pinned token,
+            an unknown ``vocab`` or a ``"word"`` readout that keeps no token.
         LensFileError: a lens belongs to another model.
     """
+    check_vocab(vocab)
     lens_map = as_lens_dict(lenses)
     source, n_prompt = _check_arguments(text, n_prompt, top_k=top_k, max_seq_len=max_seq_len)
     for lens in lens_map.values():
         check_lens(model, lens)
-    vocab = model_vocab_size(model)
+    vocab_size = model_vocab_size(model)
     display = TokenDisplay.for_model(model)
+    kept = kept_ids_mask(display, vocab, vocab_size)  # bool[vocab_size], None for "all"
     pins = _resolve_pinned(model, display, pinned)
     ids = encode_prompt(model, source, max_seq_len)  # [1, seq]
     seq_len = int(ids.shape[1])
@@ -150,13 +161,14 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens, text: str 
     edit_list = check_edits(model, edits)
     resid = record_residuals(model, ids, layout.all_layers, edits=edit_list, n_prompt=n_prompt)  # {layer: [seq, d]}
     targets = _targets(ids[0].to(resid[model.n_layers - 1].device), pos_list, pins, display,
-                       k=min(int(top_k), vocab), vocab=vocab, word_like=word_like)
-    results = ReadingArrays(layout.n_rows, len(pos_list), targets, vocab)
-    read_rows(model, RowGroupReader(model, lens_map, layout, resid, results, vocab))
+                       k=min(int(top_k), vocab_size), vocab_size=vocab_size, word_like=word_like, kept=kept)
+    results = ReadingArrays(layout.n_rows, len(pos_list), targets, vocab_size)
+    read_rows(model, RowGroupReader(model, lens_map, layout, resid, results, vocab_size))
     shown_text = source if isinstance(source, str) else model.decode(ids[0].tolist())
     return _assemble_readings(model, lens_map, layout, results, ids, display, text=shown_text,
                               show_whitespace=bool(show_whitespace), word_like=bool(word_like), n_prompt=n_prompt,
-                              edits=[repr(e) for e in edit_list])
+                              edits=[repr(e) for e in edit_list], vocab=vocab,
+                              word_ids=word_mask(display))
 
 
 def _check_arguments(text: str | Sequence[int] | torch.Tensor | Generation, n_prompt: int | None, *, top_k: int,
@@ -185,11 +197,12 @@ def _check_arguments(text: str | Sequence[int] | torch.Tensor | Generation, n_pr
 
 
 def _targets(ids_row: torch.Tensor, pos_list: list[int], pins: dict[str, int], display: TokenDisplay, *, k: int,
-             vocab: int, word_like: bool) -> Targets:
+             vocab_size: int, word_like: bool, kept: np.ndarray | None) -> Targets:
     """The read positions, their next tokens, the pinned ids and the top-k settings, on ``ids_row``'s device.
 
-    ``ids_row``: ``LongTensor[seq]`` the prompt. With ``word_like`` top-k lists only word-like tokens
-    (and ``k`` is capped at how many there are).
+    ``ids_row``: ``LongTensor[seq]`` the prompt. ``kept``: ``bool[vocab_size]`` the ids of the word-token
+    readout (None: all): ranks count only them above a token, and top-k lists only them. With
+    ``word_like`` top-k lists only word-like tokens (and ``k`` is capped at how many there are).
     """
     device, seq_len = ids_row.device, int(ids_row.shape[0])
     pos_t = torch.tensor(pos_list, dtype=torch.long, device=device)  # [n_pos]
@@ -197,20 +210,28 @@ def _targets(ids_row: torch.Tensor, pos_list: list[int], pins: dict[str, int], d
                          torch.full_like(pos_t, -1))  # [n_pos]
     pin_names = list(pins)
     pin_t = torch.tensor([pins[n] for n in pin_names], dtype=torch.long, device=device)  # [n_pinned]
-    mask = None
+    mask = kept_t = None
+    if kept is not None:
+        mask = torch.as_tensor(kept, device=device)  # [vocab_size] bool
+        kept_t = mask.to(torch.float32)  # [vocab_size] 0/1, the weights of the rank counts
     if word_like:
-        mask_np = display.word_like_mask()[:vocab]
-        mask = torch.as_tensor(np.pad(mask_np, (0, vocab - len(mask_np))), device=device)  # [vocab] bool
+        mask_np = display.word_like_mask()[:vocab_size]
+        word_like_t = torch.as_tensor(np.pad(mask_np, (0, vocab_size - len(mask_np))), device=device)  # [vocab_size]
+        mask = word_like_t if mask is None else mask & word_like_t
+    if mask is not None:
         k = max(1, min(k, int(mask.sum())))
-    return Targets(pos_t, next_t, pin_names, pin_t, mask, k)
+    return Targets(pos_t, next_t, pin_names, pin_t, mask, k, kept_t)
 
 
 def _assemble_readings(model: LensModel, lenses: Mapping[str, Lens], layout: RowLayout, results: ReadingArrays,
                        ids: torch.Tensor, display: TokenDisplay, *, text: str, show_whitespace: bool, word_like: bool,
-                       n_prompt: int, edits: list[str]) -> dict[str, PromptReading]:
+                       n_prompt: int, edits: list[str], vocab: str,
+                       word_ids: np.ndarray | None) -> dict[str, PromptReading]:
     """One :class:`PromptReading` per lens, from its rows of ``results``; no two share a mutable array.
 
-    ``ids``: ``LongTensor[1, seq]`` the prompt read; the keyword arguments are the readings' fields.
+    ``ids``: ``LongTensor[1, seq]`` the prompt read; the keyword arguments are the readings' fields
+    (``word_ids`` is the read-only cached mask, shared). Each reading's ``skip_first`` is its lens's
+    (:func:`~jlens_core.reading.prompt_reading.lens_skip_first`).
     """
     input_ids = ids[0].cpu().numpy().astype(np.int64)
     strings = display.strings(show_whitespace)
@@ -225,7 +246,8 @@ def _assemble_readings(model: LensModel, lenses: Mapping[str, Lens], layout: Row
             top_k=targets.k, show_whitespace=show_whitespace, word_like=word_like,
             pinned=dict(zip(targets.pin_names, targets.pin_ids.tolist())),
             next_ids=targets.next_ids.cpu().numpy().astype(np.int64), vocab_strings=strings,
-            text=text, n_prompt=n_prompt, edits=list(edits), **results.reading_fields(layout.rows(name)))
+            text=text, n_prompt=n_prompt, edits=list(edits), vocab=vocab, word_ids=word_ids,
+            skip_first=lens_skip_first(lens), **results.reading_fields(layout.rows(name)))
     return readings
 
 

@@ -67,8 +67,10 @@ class Targets:
         positions: ``LongTensor[n_pos]`` the read positions.
         next_ids: ``LongTensor[n_pos]`` the actual next token, ``-1`` at the prompt's last position.
         pin_names / pin_ids: the pinned tokens' names and ``LongTensor[n_pinned]`` ids.
-        mask: ``BoolTensor[vocab]`` of the tokens top-k may list (word-like), or None for all.
+        mask: ``BoolTensor[vocab]`` of the tokens top-k may list (word tokens, or word-like), or None for all.
         k: tokens kept per cell.
+        kept: ``FloatTensor[vocab]`` 0/1, the ids ranks count above a token (the word-token readout,
+            docs/method.md §9.1), or None for all.
     """
 
     positions: torch.Tensor
@@ -77,6 +79,7 @@ class Targets:
     pin_ids: torch.Tensor
     mask: torch.Tensor | None
     k: int
+    kept: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -165,11 +168,12 @@ class ReadingArrays:
         self.entropy[rows, sl] = ent.double().cpu().numpy()
         self.kl[rows, sl] = kld.double().cpu().numpy()
         self.ce[rows, sl] = cel.double().cpu().numpy()
-        nr = rank_of(z, nxt.clamp_min(0).expand(g, -1), work).double()
+        nr = rank_of(z, nxt.clamp_min(0).expand(g, -1), work, t.kept).double()
         self.next_rank[rows, sl] = torch.where(nxt >= 0, nr, torch.full_like(nr, float("nan"))).cpu().numpy()
-        self.final_rank[rows, sl] = rank_of(z, chunk.final_top1.expand(g, -1), work).cpu().numpy()
+        self.final_rank[rows, sl] = rank_of(z, chunk.final_top1.expand(g, -1), work, t.kept).cpu().numpy()
         for j, name in enumerate(t.pin_names):
-            self.pin_ranks[name][rows, sl] = rank_of(z, t.pin_ids[j].expand(g, z.shape[1]), work).cpu().numpy()
+            self.pin_ranks[name][rows, sl] = rank_of(z, t.pin_ids[j].expand(g, z.shape[1]), work,
+                                                     t.kept).cpu().numpy()
         if t.mask is None:
             top_z, indices = z.topk(t.k, dim=-1)  # [g, c, k]
         else:

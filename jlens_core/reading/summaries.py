@@ -12,6 +12,7 @@ import pandas as pd
 
 from .prompt_reading import PromptReading
 from .tokens import is_word_like
+from .word_readout import check_vocab
 
 MOST_COMMON_COLUMNS = ("token_id", "token", "count", "n_layers", "per_layer")
 
@@ -40,12 +41,14 @@ def band_layers(reading: PromptReading, band: tuple[int, int] | Sequence[int] | 
 
 def most_common_tokens(reading: PromptReading, *, layers: tuple[int, int] | Sequence[int] | None = None,
                        positions: Iterable[int] | None = None, word_like: bool = False,
-                       top_n: int = 20) -> pd.DataFrame:
+                       top_n: int = 20, vocab: str = "all") -> pd.DataFrame:
     """The tokens that are a lens's top-1 most often across positions, within a band of layers.
 
     Each (layer, position) cell of the band contributes its top-1 token. With ``word_like`` a cell
     contributes its most probable *word-like* token among its top-k (:func:`~jlens_core.reading.tokens.is_word_like`)
-    and nothing when its top-k holds none.
+    and nothing when its top-k holds none; with ``vocab="word"`` likewise its most probable *word token*
+    (a letter or digit in its text, :mod:`~jlens_core.reading.word_readout`, docs/method.md §9.1). A
+    reading taken with ``vocab="word"`` already lists word tokens only.
 
     Args:
         reading: a :class:`PromptReading`.
@@ -54,20 +57,33 @@ def most_common_tokens(reading: PromptReading, *, layers: tuple[int, int] | Sequ
         positions: positions to count over (default all of the reading's).
         word_like: count word-like tokens only.
         top_n: rows returned (the most frequent first; ties by token id).
+        vocab: ``"all"`` (default) or ``"word"``: count word tokens only.
 
     Returns:
         DataFrame with columns :data:`MOST_COMMON_COLUMNS`: ``count`` (cells where it is top-1),
         ``n_layers`` (layers where it is top-1 at least once) and ``per_layer`` (``{layer: count}``).
+
+    Raises:
+        ValueError: a band with none of the reading's layers, an unknown ``vocab``, or ``vocab="word"``
+            on a reading without its word mask (one built by hand).
     """
+    if check_vocab(vocab) == "word" and reading.word_ids is None:
+        raise ValueError("vocab='word' needs the reading's word mask: read the prompt with read_prompt, which "
+                         "records it.")
     chosen = band_layers(reading, layers)
     pos = reading.positions.tolist() if positions is None else [int(p) for p in positions]
     cols = [reading.position_index(p) for p in pos]
     word: dict[int, bool] | None = {} if word_like else None
+    keep = reading.word_ids if vocab == "word" else None  # bool[vocab]
     counts: dict[int, dict[int, int]] = {}
     for layer in chosen:
         li = reading.layer_index(layer)
         for pi in cols:
             row = reading.top_ids[li, pi]  # [top_k]
+            if keep is not None:
+                row = row[keep[np.minimum(row, len(keep) - 1)] & (row < len(keep))]  # its word tokens, in order
+                if not len(row):
+                    continue
             token = int(row[0])
             if word is not None:
                 token = -1
