@@ -427,6 +427,17 @@ def test_a_tuned_lens_folder_from_the_url(tiny_dir, tiny_model, tmp_path):
     assert any("needs config.json and params.pt" in e.value for e in at.sidebar.error)
 
 
+def test_lens_slots_share_one_rule_for_what_the_url_asks(tiny_dir):
+    """Both slots (app/lens_slots.py): a shipped lens or run that is not there falls back to the slot's default."""
+    at = ok(make_app(model=tiny_dir, lens="run:gone", tuned="shipped", prompt=PROMPT).run())  # none ships for it
+    assert (at.session_state["lens_choice"], at.session_state["tuned_choice"]) == ("none", "none")
+    assert not at.sidebar.error
+    params = {k: (v[0] if isinstance(v, list) else v) for k, v in at.query_params.items()}
+    # "none" stays in the URL where the default would load a lens (the Jacobian slot: the shipped one)
+    assert params["lens"] == "none" and "tuned" not in params
+    assert [s.label for s in at.sidebar.selectbox][-2:] == ["Lens", "Tuned lens"]
+
+
 def test_side_by_side_reads_an_undrawn_lens_at_the_selected_position_only(tiny_dir, tiny_model, lens_file, tmp_path,
                                                                             monkeypatch):
     from jlens_core.lenses.tuned import TunedLens
