@@ -27,10 +27,15 @@ backward call, and, where memory allows, all rows go through one layer at a time
 as one matrix per position; ``dim_batch`` then sizes the attention half's chunks) and ``"auto"``
 (the default: ``"fused"`` where the model supports it, else ``"batched"``). All give the same
 Jacobian.
+
+``rules="relevance"`` computes the same quantity with the relevance rules in the backward
+(docs/method.md §9.1): the autograd methods run their forward-with-graph inside
+:func:`~jlens_core.fitting.relevance.relevance_rules`, the fused method uses the rules' coefficients.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -41,7 +46,8 @@ from ..layerspec import resolve_layers  # re-exported: its old home, imported by
 from ..models.model import LensModel
 from ..models.recorder import ActivationRecorder
 from .fused import FusedMismatchError, fused_jacobians, fused_unsupported_reason, sliding_window_shorter_than
-from .methods import METHODS
+from .methods import METHODS, check_rules
+from .relevance import relevance_rules, relevance_unsupported_reason, unsupported_message
 
 log = logging.getLogger(__name__)
 
@@ -191,8 +197,11 @@ def _prefix_cache_usable(model: LensModel, ids: torch.Tensor, target: int, skip_
 
 
 def _forward_suffix(model: LensModel, ids: torch.Tensor, sources: list[int], target: int, skip_first: int,
-                    batch: int) -> tuple[dict[int, torch.Tensor], int]:
+                    batch: int, rules: str = "jacobian") -> tuple[dict[int, torch.Tensor], int]:
     """Prefix without grad as a cache, then ``V`` with a graph from the lowest source layer up.
+
+    With ``rules="relevance"`` the forward with the graph runs under
+    :func:`~jlens_core.fitting.relevance.relevance_rules` (same values, the rules' gradients).
 
     Where those shortcuts are not exact (:func:`_prefix_cache_usable`), the whole prompt runs with
     the graph instead, and the recorded tensors keep the prefix and the last position.
@@ -203,8 +212,9 @@ def _forward_suffix(model: LensModel, ids: torch.Tensor, sources: list[int], tar
     """
     seq_len = ids.shape[1]
     ids = ids.expand(batch, -1)
+    rules_on = relevance_rules(model) if rules == "relevance" else contextlib.nullcontext()
     if not _prefix_cache_usable(model, ids[:1], target, skip_first):
-        with torch.enable_grad(), ActivationRecorder(model.layers, sources + [target],
+        with rules_on, torch.enable_grad(), ActivationRecorder(model.layers, sources + [target],
                                                      start_graph_at=sources[0], stop_after=target) as rec:
             model.run_with_cache(ids)
         return rec.activations, skip_first
@@ -212,8 +222,8 @@ def _forward_suffix(model: LensModel, ids: torch.Tensor, sources: list[int], tar
     if skip_first > 0:
         with torch.no_grad():
             cache = model.run_with_cache(ids[:, :skip_first], use_cache=True)
-    with torch.enable_grad(), ActivationRecorder(model.layers, sources + [target], start_graph_at=sources[0],
-                                                 stop_after=target) as rec:
+    with rules_on, torch.enable_grad(), ActivationRecorder(model.layers, sources + [target],
+                                                           start_graph_at=sources[0], stop_after=target) as rec:
         model.run_with_cache(ids[:, skip_first: seq_len - 1], cache=cache)
     return rec.activations, 0
 
@@ -240,7 +250,7 @@ def _remember(model: LensModel, attr: str, value: bool) -> None:
 
 def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Tensor, *, source_layers: Iterable[int] | None = None,
                         target_layer: int | None = None, dim_batch: int | str = 8, max_seq_len: int = 128,
-                        skip_first: int = 16, method: str = "auto") -> PromptJacobian:
+                        skip_first: int = 16, method: str = "auto", rules: str = "jacobian") -> PromptJacobian:
     """The per-prompt Jacobians ``{l: J_l}`` of docs/method.md §2.
 
     Args:
@@ -256,14 +266,19 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
             analytic backward of :mod:`jlens_core.fitting.fused`), ``"batched"`` (autograd: one forward,
             ``dim_batch`` cotangents batched in backward) or ``"replicated"`` (autograd: the prompt
             replicated ``dim_batch`` times, one cotangent each). Same result; speed and memory differ.
+        rules: ``"jacobian"`` (ordinary gradients) or ``"relevance"`` (the R-lens's backward rules,
+            docs/method.md §9.1: residual-path norms' denominators constant, identity rule for
+            activations, half rule for gated products, MoE routers constant; forward unchanged).
 
     Returns:
         :class:`PromptJacobian` with fp32 CPU matrices ``[d_model, d_model]``.
 
     Raises:
-        ValueError: bad layer indices, ``dim_batch < 1``, an unknown method, ``"fused"`` on a model
-            it does not support, or a prompt with no valid position.
+        ValueError: bad layer indices, ``dim_batch < 1``, an unknown method or rules, ``"fused"`` on a
+            model it does not support, ``rules="relevance"`` on a model whose layers have a part the
+            rules do not name, or a prompt with no valid position.
     """
+    check_rules(rules)
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}.")
     if dim_batch != "auto" and (not isinstance(dim_batch, int) or dim_batch < 1):
@@ -272,6 +287,10 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
     ids = prompt_ids(model, prompt, max_seq_len)
     seq_len = ids.shape[1]
     valid_position_mask(seq_len, skip_first)  # raises on a too-short prompt
+    if rules == "relevance":
+        reason = relevance_unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(unsupported_message(model, reason))
     n_valid = seq_len - 1 - skip_first
     d = model.d_model
     jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
@@ -288,7 +307,7 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
         fallback_rows = rows_per_pass = dim_batch
     if method == "fused":
         try:
-            jacobians = fused_jacobians(model, ids, sources, target, skip_first, rows_per_pass)
+            jacobians = fused_jacobians(model, ids, sources, target, skip_first, rows_per_pass, rules=rules)
             return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid)
         except FusedMismatchError as exc:
             if not auto:
@@ -298,7 +317,8 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
             _remember(model, "_jlens_fused_usable", False)
             method, rows_per_pass = "batched", fallback_rows
 
-    acts, off = _forward_suffix(model, ids, sources, target, skip_first, 1) if method == "batched" else ({}, 0)
+    acts, off = (_forward_suffix(model, ids, sources, target, skip_first, 1, rules) if method == "batched"
+                 else ({}, 0))
     for start in range(0, d, rows_per_pass):
         rows = range(start, min(start + rows_per_pass, d))
         if method == "batched":
@@ -310,7 +330,7 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
                 jacobians[layer][start: rows.stop] = g[:, :, off: off + n_valid].float().sum(dim=(1, 2)).cpu() / n_valid
         else:
             k = len(rows)
-            rep, off = _forward_suffix(model, ids, sources, target, skip_first, k)
+            rep, off = _forward_suffix(model, ids, sources, target, skip_first, k, rules)
             h_target = rep[target][:, off: off + n_valid]  # [k, n_valid, d]
             cot = _one_hot_cotangents(rows, 1, n_valid, d, h_target)[:, 0]  # [k, n_valid, d]
             grads = torch.autograd.grad(h_target, [rep[layer] for layer in sources], grad_outputs=cot)

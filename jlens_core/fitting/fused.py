@@ -23,6 +23,11 @@ layer's ``down_proj`` reads rows of the weight instead of multiplying by a one-h
 where the memory allows (:func:`use_layer_major`), all ``d`` rows go through one layer at a time,
 so the MLP half can be one ``d x d`` matrix per position (:func:`mlp_jacobians`), formed once and
 applied to every row: ``4 n d^2 ff + 2 n d^3`` FLOPs per layer instead of ``6 n d^2 ff``.
+
+``rules="relevance"`` (docs/method.md §9.1) changes only the coefficients: the RMSNorms' ``C`` term
+(the derivative of the denominator) is zero, the SiLU derivative is ``silu(z) / z = sigmoid(z)``
+(0.5 at 0), and both factors of ``silu(gate) * up`` get half their gradient. The same backward
+then runs, at the same cost.
 """
 
 from __future__ import annotations
@@ -115,9 +120,12 @@ def sliding_window_shorter_than(config: Any, seq_len: int) -> bool:
     return int(window) < seq_len
 
 
-def _rms_coefficients(x: torch.Tensor, norm: nn.Module, dtype: torch.dtype
+def _rms_coefficients(x: torch.Tensor, norm: nn.Module, dtype: torch.dtype, relevance: bool = False
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """RMSNorm forward of ``x`` [m, d] and the backward coefficients (A, B, C) of its rows."""
+    """RMSNorm forward of ``x`` [m, d] and the backward coefficients (A, B, C) of its rows.
+
+    ``relevance``: the denominator is a constant (docs/method.md §9.1), so ``C = 0``.
+    """
     eps: float | None = getattr(norm, "variance_epsilon", None)
     if eps is None:
         eps = getattr(norm, "eps", 1e-6)
@@ -127,7 +135,7 @@ def _rms_coefficients(x: torch.Tensor, norm: nn.Module, dtype: torch.dtype
     weight = gain.float()
     normed = gain * (xf * r).to(x.dtype)
     d = x.shape[-1]
-    a, b, c = (weight * r, weight * xf, xf * r.pow(3) / d)
+    a, b, c = (weight * r, weight * xf, torch.zeros_like(xf) if relevance else xf * r.pow(3) / d)
     return normed, (a.to(dtype), b.to(dtype), c.to(dtype))
 
 
@@ -151,8 +159,12 @@ def _rotate_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 def _layer_forward(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, skip: int,
-                   config: Any) -> tuple[torch.Tensor, LayerCoefficients]:
-    """Re-run one decoder layer on ``x`` [S, d]; return its output at the valid positions [n, d]."""
+                   config: Any, rules: str = "jacobian") -> tuple[torch.Tensor, LayerCoefficients]:
+    """Re-run one decoder layer on ``x`` [S, d]; return its output at the valid positions [n, d].
+
+    ``rules="relevance"``: the coefficients of docs/method.md §9.1 (the forward is the same).
+    """
+    relevance = rules == "relevance"
     dtype = x.dtype
     attn, mlp = layer.self_attn, layer.mlp
     S, d = x.shape
@@ -162,7 +174,7 @@ def _layer_forward(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     rep = heads // kv_heads
     scale = getattr(attn, "scaling", None) or hd ** -0.5
 
-    xn, (a1, b1, c1) = _rms_coefficients(x, layer.input_layernorm, dtype)  # xn: [S, d]
+    xn, (a1, b1, c1) = _rms_coefficients(x, layer.input_layernorm, dtype, relevance)  # xn: [S, d]
     q = _linear(xn[skip:], attn.q_proj).view(n, heads, hd).transpose(0, 1)  # [H, n, hd]
     k = _linear(xn, attn.k_proj).view(S, kv_heads, hd).transpose(0, 1)  # [Hkv, S, hd]
     v = _linear(xn, attn.v_proj).view(S, kv_heads, hd).transpose(0, 1)  # [Hkv, S, hd]
@@ -179,13 +191,16 @@ def _layer_forward(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     merged = out.view(kv_heads, rep, n, hd).permute(2, 0, 1, 3).reshape(n, heads * hd)
     y = x[skip:] + _linear(merged, attn.o_proj)  # [n, d]
 
-    yn, (a2, b2, c2) = _rms_coefficients(y, layer.post_attention_layernorm, dtype)
+    yn, (a2, b2, c2) = _rms_coefficients(y, layer.post_attention_layernorm, dtype, relevance)
     gate = _linear(yn, mlp.gate_proj).float()  # [n, ff]
     up = _linear(yn, mlp.up_proj).float()
     sig = torch.sigmoid(gate)
     silu = gate * sig
-    dsilu = sig * (1 + gate * (1 - sig))
     h = y + _linear((silu * up).to(dtype), mlp.down_proj)  # [n, d]
+    if relevance:  # identity rule silu(z)/z = sigmoid(z); half rule on silu(gate) * up
+        dsilu, silu = 0.5 * sig, 0.5 * silu
+    else:
+        dsilu = sig * (1 + gate * (1 - sig))
     coefficients = LayerCoefficients(
         a1=a1[skip:], b1=b1[skip:], c1=c1[skip:], a2=a2, b2=b2, c2=c2,
         silu_gate=silu.to(dtype), dact_gate=(up * dsilu).to(dtype),
@@ -211,12 +226,13 @@ class PreparedPrompt:
 
 
 def prepare_layers(model: LensModel, ids: torch.Tensor, lowest_source: int, target: int, skip_first: int,
-                   rtol: float | None = None) -> PreparedPrompt:
+                   rtol: float | None = None, rules: str = "jacobian") -> PreparedPrompt:
     """Forward pass of ``ids`` [1, seq] with the coefficients of layers ``lowest_source + 1 .. target``.
 
     The model's own forward records the residual before each of those layers (the input of layer
     ``j`` is exactly what the model computed); each layer is then re-run here and its output at the
-    valid positions compared with the model's.
+    valid positions compared with the model's. ``rules`` chooses the backward coefficients
+    (``"jacobian"`` or ``"relevance"``, docs/method.md §9.1).
 
     Raises:
         ValueError: the model is not supported (:func:`fused_unsupported_reason`).
@@ -247,7 +263,7 @@ def prepare_layers(model: LensModel, ids: torch.Tensor, lowest_source: int, targ
     layers = {}
     with torch.no_grad():
         for j in range(lowest_source + 1, target + 1):
-            out, coeffs = _layer_forward(model.layers[j], resid[j - 1], cos, sin, skip_first, config)
+            out, coeffs = _layer_forward(model.layers[j], resid[j - 1], cos, sin, skip_first, config, rules)
             expected = resid[j][skip_first:].float()
             err = float((out.float() - expected).norm() / expected.norm().clamp_min(1e-30))
             if not err <= rtol:
@@ -418,7 +434,7 @@ def _layer_major_jacobians(prep: PreparedPrompt, sources: list[int], target: int
 
 def fused_jacobians(model: LensModel, ids: torch.Tensor, sources: list[int], target: int, skip_first: int,
                     dim_batch: int, rtol: float | None = None,
-                    layer_major: bool | None = None) -> dict[int, torch.Tensor]:
+                    layer_major: bool | None = None, rules: str = "jacobian") -> dict[int, torch.Tensor]:
     """``{l: J_l}`` (fp32, CPU, ``[d, d]``) for one prompt ``ids`` [1, seq], by the analytic backward.
 
     Same definition and result as the autograd estimator (docs/method.md §2), in one of two orders:
@@ -432,9 +448,10 @@ def fused_jacobians(model: LensModel, ids: torch.Tensor, sources: list[int], tar
       target down to the lowest source; memory grows with ``dim_batch``, not ``d``.
 
     ``None`` (default) takes layer-major when its memory fits (:func:`use_layer_major`).
+    ``rules``: ``"jacobian"`` or ``"relevance"`` (docs/method.md §9.1; only the coefficients differ).
     Raises as :func:`prepare_layers`.
     """
-    prep = prepare_layers(model, ids, sources[0], target, skip_first, rtol)
+    prep = prepare_layers(model, ids, sources[0], target, skip_first, rtol, rules)
     d = model.d_model
     n = prep.n_valid
     if layer_major is None:
