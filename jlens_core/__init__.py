@@ -40,6 +40,7 @@ _SOURCES = {
     "JacobianLens": ".lenses.lens",
     "LensFileError": ".lenses.lens",
     "LogitLens": ".lenses.lens",
+    "Lens": ".lenses.protocol",
     "default_lens": ".lenses.shipped",
     "load_lens": ".lenses.shipped",
     "TunedLens": ".lenses.tuned",
@@ -75,6 +76,7 @@ __all__ = [
     "Generation",
     "HFLensModel",
     "JacobianLens",
+    "Lens",
     "LensFileError",
     "LensModel",
     "LogitLens",
@@ -125,6 +127,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .interventions.swap_success import SwapReport, load_swap_set, swap_success
     from .layerspec import resolve_layers
     from .lenses.lens import JacobianLens, LensFileError, LogitLens
+    from .lenses.protocol import Lens
     from .lenses.shipped import default_lens, load_lens
     from .lenses.tuned import TunedLens
     from .models.layouts import LAYOUTS, ModelLayout

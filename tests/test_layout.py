@@ -30,6 +30,7 @@ PUBLIC_NAMES = [
     "JacobianLens", "LensFileError", "LensModel", "LogitLens", "ModelLayout", "PromptJacobian", "PromptReading",
     "default_lens", "evaluate", "fit", "jacobian_for_prompt", "load_corpus", "load_eval_set", "load_lens",
     "load_model", "pass_at_k", "read_prompt", "read_prompts", "resolve_layers", "valid_position_mask",
+    "Lens",  # the lens protocol (issue #29 §4)
     # the front door for what the docs import (issue #29 §5)
     "Ablate", "Generation", "Steer", "Swap", "SwapReport", "TunedLens", "compare_readings", "compare_runs",
     "diff_dumps", "difference", "divergence_curve", "dump_hidden_states", "generate", "load_swap_set",
