@@ -16,6 +16,8 @@ from .._atomic import atomic_write
 from ..lenses.lens import JacobianLens
 from ..models.model import LensModel
 from .estimator import METHODS, jacobian_for_prompt, resolve_layers
+from .methods import check_rules
+from .relevance import relevance_unsupported_reason, unsupported_message
 from .resume import check_same_settings, prompts_digest
 
 log = logging.getLogger(__name__)
@@ -23,7 +25,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = "jlens-checkpoint"
 CHECKPOINT_VERSION = 1
 # Settings recorded in a checkpoint that shape the result; resuming with another value is an error.
-CHECKPOINT_SETTINGS = ("source_layers", "target_layer", "skip_first", "max_seq_len", "model_fingerprint")
+CHECKPOINT_SETTINGS = ("source_layers", "target_layer", "skip_first", "max_seq_len", "model_fingerprint", "rules")
 
 
 @dataclass
@@ -145,7 +147,7 @@ def checkpoint_from_lens(lens: JacobianLens, prompts: Sequence, path: str | os.P
                          "were given: pass the prompt list of the original fit.")
     settings = {"source_layers": list(lens.source_layers), "target_layer": lens.target_layer,
                 "skip_first": lens.settings["skip_first"], "max_seq_len": lens.settings["max_seq_len"],
-                "model_name": lens.model_name, "model_fingerprint": lens.model_fingerprint}
+                "model_name": lens.model_name, "model_fingerprint": lens.model_fingerprint, "rules": lens.rules}
     state = FitState({layer: lens.jacobians[layer].double() * lens.n_prompts for layer in lens.source_layers},
                      n_done=lens.n_prompts, next_idx=next_idx, n_skipped=n_skipped,
                      diagnostics=list(lens.diagnostics))
@@ -170,7 +172,8 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
 
 
 def _check_resume(path, payload: dict, settings: dict, prompts: Sequence) -> None:
-    check_same_settings(path, payload["settings"], settings, CHECKPOINT_SETTINGS, run="fit")
+    saved = {"rules": "jacobian", **payload["settings"]}  # checkpoints from before rules= are J fits
+    check_same_settings(path, saved, settings, CHECKPOINT_SETTINGS, run="fit")
     if payload["next_idx"] > len(prompts) or prompts_digest(prompts, payload["next_idx"]) != payload["prompts_digest"]:
         raise ValueError(
             f"The checkpoint {str(path)!r} was made on another prompt list: its first {payload['next_idx']} "
@@ -350,17 +353,18 @@ class _FitRun:
                             self.model.d_model, target_layer=settings["target_layer"], n_layers=self.model.n_layers,
                             settings=lens_settings, model_name=self.model.name,
                             model_fingerprint=settings["model_fingerprint"], diagnostics=state.diagnostics,
-                            stop_reason=state.stop_reason)
+                            stop_reason=state.stop_reason, rules=settings["rules"])
 
 
 def _check_fit_settings(*, checkpoint_every: int, method: str, dim_batch: int | str, skip_first: int,
-                        max_seq_len: int) -> None:
+                        max_seq_len: int, rules: str = "jacobian") -> None:
     """Settings errors, raised before any prompt: they must not pass for "prompt too short" (each
     prompt would be skipped, and recorded so)."""
     if checkpoint_every < 1:
         raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1.")
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}.")
+    check_rules(rules)
     if dim_batch != "auto" and (not isinstance(dim_batch, int) or dim_batch < 1):
         raise ValueError(f"dim_batch={dim_batch!r} must be an integer >= 1 or 'auto'.")
     if skip_first < 0:
@@ -374,7 +378,7 @@ def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | N
         checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 1, resume: bool = True,
         progress: Callable[[FitProgress], None] | None = None,
         should_stop: Callable[[FitState], str | None] | None = None, method: str = "auto",
-        world: World | None = None) -> JacobianLens:
+        world: World | None = None, rules: str = "jacobian") -> JacobianLens:
     """Fit a Jacobian lens: the plain mean of per-prompt ``J_l`` over the prompts with valid positions.
 
     Args:
@@ -389,22 +393,30 @@ def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | N
             string stops the fit early and is recorded as the lens's ``stop_reason``.
         world: a :class:`World` to shard prompts over ``torch.distributed`` ranks (rank ``r`` fits
             prompts ``r, r + K, ...``; sums are all-reduced at each checkpoint and at the end).
+        rules: ``"jacobian"`` (the J-lens) or ``"relevance"`` (the R-lens: the same average with the
+            relevance rules in the backward, docs/method.md §9.1); recorded in the lens and checkpoint.
 
     Returns:
         The fitted :class:`~jlens_core.lenses.lens.JacobianLens`, with the diagnostics of every prompt x layer.
 
     Raises:
-        ValueError: bad layers or settings, a checkpoint made with other settings or prompts, or no
-            prompt with a valid position.
+        ValueError: bad layers or settings (unknown ``rules`` included), ``rules="relevance"`` on a model
+            the rules do not cover, a checkpoint made with other settings (rules included) or prompts, or
+            no prompt with a valid position.
         RankFailedError: sharded, on every rank, once a rank failed on a prompt (with its error).
     """
     sources, target = resolve_layers(model.n_layers, source_layers, target_layer)
     _check_fit_settings(checkpoint_every=checkpoint_every, method=method, dim_batch=dim_batch,
-                        skip_first=skip_first, max_seq_len=max_seq_len)
+                        skip_first=skip_first, max_seq_len=max_seq_len, rules=rules)
+    if rules == "relevance":  # before any prompt: per prompt it would read as "skipped"
+        reason = relevance_unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(unsupported_message(model, reason))
     settings = {"source_layers": sources, "target_layer": target, "skip_first": skip_first,
                 "max_seq_len": max_seq_len, "model_name": model.name,
-                "model_fingerprint": model.fingerprint()}
-    estimator = {"dim_batch": dim_batch, "max_seq_len": max_seq_len, "skip_first": skip_first, "method": method}
+                "model_fingerprint": model.fingerprint(), "rules": rules}
+    estimator = {"dim_batch": dim_batch, "max_seq_len": max_seq_len, "skip_first": skip_first, "method": method,
+                 "rules": rules}
     run = _FitRun(model, prompts, settings, estimator, world=world if world is not None else _OneProcess(),
                   checkpoint_path=checkpoint_path, checkpoint_every=checkpoint_every, progress=progress,
                   should_stop=should_stop)

@@ -33,7 +33,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -156,7 +156,7 @@ def _is_attention(name: str, module: nn.Module) -> bool:
 def _activation_classes() -> tuple[type, ...]:
     from transformers.activations import ACT2CLS
 
-    classes: set[type] = {entry[0] if isinstance(entry, tuple) else entry for entry in ACT2CLS.values()}
+    classes: set[type] = {cast(type, entry[0] if isinstance(entry, tuple) else entry) for entry in ACT2CLS.values()}
     classes |= {nn.SiLU, nn.GELU, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.Mish,
                 nn.Hardswish, nn.Tanh, nn.Softplus}
     return tuple(sorted(classes, key=lambda c: c.__name__))

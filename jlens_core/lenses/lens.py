@@ -10,13 +10,13 @@ import os
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
-from .protocol import Lens
+from .protocol import FittedLens, Lens
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,8 @@ FORMAT_VERSION = 1
 FP16_MAX = 65504.0
 # Fit settings that shape the result: lenses that differ in any of them cannot be merged.
 RESULT_SETTINGS = ("skip_first", "max_seq_len", "target_layer")
+# The backward rules a lens can be fitted with (docs/method.md §9.1): "jacobian" is the J-lens, "relevance" the R-lens.
+LENS_RULES = ("jacobian", "relevance")
 
 
 class LensFileError(ValueError):
@@ -99,20 +101,23 @@ class JacobianLens:
         model_name / model_fingerprint: model identity (see ``HFLensModel.fingerprint``).
         diagnostics: per prompt x layer fit records (docs/method.md §3).
         shrinkage: ``a`` in ``(1 - a) J + a I`` applied by :meth:`transport` (default 0).
+        rules: the backward rules of the fit: ``"jacobian"`` (the J-lens, default) or ``"relevance"``
+            (the R-lens, docs/method.md §9.1). :attr:`kind` is the same word.
 
     Raises:
-        ValueError: a matrix that is not ``[d_model, d_model]``, or no matrices.
+        ValueError: a matrix that is not ``[d_model, d_model]``, no matrices, or unknown ``rules``.
     """
-
-    kind = "jacobian"
 
     def __init__(self, jacobians: dict[int, torch.Tensor], n_prompts: int, d_model: int, *,
                  target_layer: int | None = None, n_layers: int | None = None, settings: dict | None = None,
                  model_name: str | None = None, model_fingerprint: dict | None = None,
-                 diagnostics: list[dict] | None = None, shrinkage: float = 0.0, stop_reason: str | None = None
-                 ) -> None:
+                 diagnostics: list[dict] | None = None, shrinkage: float = 0.0, stop_reason: str | None = None,
+                 rules: str = "jacobian") -> None:
         if not jacobians:
             raise ValueError("A JacobianLens needs at least one layer's matrix.")
+        if rules not in LENS_RULES:
+            raise ValueError(f"rules={rules!r} is not one of {LENS_RULES}.")
+        self.rules = rules
         self.d_model = int(d_model)
         self.jacobians: dict[int, torch.Tensor] = {}
         for layer, mat in sorted(jacobians.items()):
@@ -133,10 +138,16 @@ class JacobianLens:
         self.shrinkage = float(shrinkage)
         self._device_cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
+    @property
+    def kind(self) -> str:
+        """``"jacobian"`` (the J-lens) or ``"relevance"`` (the R-lens): names the lens in readings and tables."""
+        return self.rules
+
     def __repr__(self) -> str:
+        rules = "" if self.rules == "jacobian" else f", rules={self.rules!r}"
         return (f"JacobianLens(model={self.model_name!r}, layers={self.source_layers[0]}..{self.source_layers[-1]}"
                 f" ({len(self.source_layers)}), target={self.target_layer}, d_model={self.d_model}, "
-                f"n_prompts={self.n_prompts})")
+                f"n_prompts={self.n_prompts}{rules})")
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -170,7 +181,7 @@ class JacobianLens:
         return JacobianLens(self.jacobians, self.n_prompts, self.d_model, target_layer=self.target_layer,
                             n_layers=self.n_layers, settings=self.settings, model_name=self.model_name,
                             model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
-                            shrinkage=alpha, stop_reason=self.stop_reason)
+                            shrinkage=alpha, stop_reason=self.stop_reason, rules=self.rules)
 
     def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
         """``J_l @ h`` over the last axis: ``[..., d_model] -> [..., d_model]``, in ``h``'s dtype and device.
@@ -207,7 +218,7 @@ class JacobianLens:
                 "model_fingerprint": self.model_fingerprint, "d_model": self.d_model,
                 "n_layers": self.n_layers, "source_layers": self.source_layers,
                 "target_layer": self.target_layer, "n_prompts": self.n_prompts, "settings": self.settings,
-                "stop_reason": self.stop_reason, "diagnostics": self.diagnostics}
+                "rules": self.rules, "stop_reason": self.stop_reason, "diagnostics": self.diagnostics}
 
     def save(self, path: str | os.PathLike, *, dtype: str | torch.dtype = "float32") -> Path:
         """Write safetensors weights (``J.<layer>``) with the JSON metadata in the header, atomically.
@@ -314,13 +325,17 @@ class JacobianLens:
         if info.get("format_version", 0) > FORMAT_VERSION:
             raise LensFileError(f"{str(path)!r} has lens format version {info['format_version']}; this jlens "
                                 f"reads up to {FORMAT_VERSION}. Upgrade jlens.")
+        rules = info.get("rules", "jacobian")  # files from before the R-lens are J-lenses
+        if rules not in LENS_RULES:
+            raise LensFileError(f"{str(path)!r} records rules={rules!r}, which this jlens does not know "
+                                f"(it reads {' and '.join(LENS_RULES)}): upgrade jlens or refit the lens.")
         missing = [layer for layer in info.get("source_layers", []) if layer not in tensors]
         if missing or not tensors:
             raise LensFileError(f"{str(path)!r} lacks the matrices of layers {missing or 'all'}.")
         return cls(tensors, info["n_prompts"], info["d_model"], target_layer=info.get("target_layer"),
                    n_layers=info.get("n_layers"), settings=info.get("settings"),
                    model_name=info.get("model_name"), model_fingerprint=info.get("model_fingerprint"),
-                   diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"))
+                   diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"), rules=rules)
 
     @classmethod
     def _load_reference(cls, path: Path) -> JacobianLens:
@@ -348,13 +363,16 @@ class JacobianLens:
         """The ``n_prompts``-weighted mean of lenses fitted on disjoint prompt sets.
 
         Raises:
-            ValueError: no lenses, or lenses of different layers, widths, target, settings or model.
+            ValueError: no lenses, or lenses of different rules, layers, widths, target, settings or model.
         """
         lenses = list(lenses)
         if not lenses:
             raise ValueError("merge needs at least one lens.")
         first = lenses[0]
         for other in lenses[1:]:
+            if other.rules != first.rules:
+                raise ValueError(f"Cannot merge a {first.rules} lens with a {other.rules} lens: they average "
+                                 "different quantities (docs/method.md §9.1), so merge lenses of one kind only.")
             if other.d_model != first.d_model:
                 raise ValueError(f"Cannot merge lenses of widths {first.d_model} and {other.d_model}.")
             if other.source_layers != first.source_layers:
@@ -378,7 +396,7 @@ class JacobianLens:
             settings["n_skipped"] = sum(int(lens.settings["n_skipped"]) for lens in lenses)
         return cls(mats, total, first.d_model, target_layer=first.target_layer, n_layers=first.n_layers,
                    settings=settings, model_name=first.model_name, model_fingerprint=first.model_fingerprint,
-                   diagnostics=diagnostics)
+                   diagnostics=diagnostics, rules=first.rules)
 
 
 def lens_layers(lens: Lens, layers: Iterable[int] | None = None) -> list[int]:
@@ -387,3 +405,8 @@ def lens_layers(lens: Lens, layers: Iterable[int] | None = None) -> list[int]:
     if layers is None:
         return available
     return [layer for layer in sorted(set(layers)) if layer in available]
+
+
+if TYPE_CHECKING:  # mypy checks here that each lens implements the protocol every signature takes
+    _logit_is_a_lens: type[Lens] = LogitLens
+    _jacobian_is_a_fitted_lens: type[FittedLens] = JacobianLens
