@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 
 from .._atomic import atomic_write_text
-from ..fitting.methods import METHODS
+from ..fitting.methods import METHODS, RULES
 from ..fitting.runfiles import sidecar  # the run-file format, shared with the app
 from .main import CLIError, say
 
@@ -192,7 +192,7 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
         lens = fit(model, prompts, source_layers=sources, target_layer=args.target_layer, dim_batch=args.dim_batch,
                    max_seq_len=args.max_seq_len, skip_first=args.skip_first, checkpoint_path=checkpoint,
                    checkpoint_every=args.checkpoint_every, resume=not args.no_resume, method=args.method,
-                   progress=on_progress if rank == 0 else None, should_stop=stop, world=world)
+                   progress=on_progress if rank == 0 else None, should_stop=stop, world=world, rules=args.rules)
     except BaseException as exc:
         from ..fitting.fit import RankFailedError
 
@@ -270,6 +270,10 @@ def register(subparsers) -> None:
                    help="how the backward passes run, same result: 'fused' (analytic backward; Llama, Mistral, "
                         "Qwen2 layouts), 'batched' (autograd, cotangents batched), 'replicated' (autograd, prompt "
                         "replicated) or 'auto' (default: 'fused' where supported, else 'batched')")
+    p.add_argument("--rules", choices=list(RULES), default="jacobian",
+                   help="backward rules: 'jacobian' (default: the J-lens, ordinary gradients) or 'relevance' (the "
+                        "R-lens: norms' denominators constant, identity rule for activations, half rule for gated "
+                        "products; docs/method.md §9.1)")
     p.add_argument("--layers", default=None, help="source layers: '0,4,8', '0:12', '0:12:2', 'all' (default: all "
                                                   "below the target)")
     p.add_argument("--target-layer", type=int, default=-1, help="target layer, negative from the end (default -1)")
