@@ -23,13 +23,16 @@ import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
 from .lens import LensFileError
+
+if TYPE_CHECKING:
+    from .protocol import FittedLens
 
 log = logging.getLogger(__name__)
 
@@ -263,5 +266,8 @@ class TunedLens:
             "bias": True, "base_model_revision": None, "unembed_hash": None, "lens_type": "linear_tuned_lens"}))
         return folder
 
+
+if TYPE_CHECKING:  # mypy checks here that the tuned lens implements the protocol every signature takes
+    _tuned_is_a_fitted_lens: type[FittedLens] = TunedLens
 
 __all__ = ["TunedLens"]

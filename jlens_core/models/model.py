@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -429,3 +429,7 @@ def same_fingerprint(a: dict | None, b: dict | None, rtol: float = 2e-2) -> bool
     if len(na) != len(nb):
         return False
     return all(abs(x - y) <= rtol * max(abs(x), abs(y), 1e-6) for x, y in zip(na, nb))
+
+
+if TYPE_CHECKING:  # mypy checks here that the adapter implements the protocol every signature takes
+    _implements_lens_model: type[LensModel] = HFLensModel
