@@ -120,6 +120,7 @@ def structural_layout(model: nn.Module) -> ModelLayout | None:
     * readout: when the head sits inside a top-level module of its own (BERT's ``cls``), that module;
       else the top-level modules declared before the head (ModernBERT's prediction head) are pre-head.
     """
+    # ``model`` is any torch module handed in (not a LensModel): transformers' accessors may be absent
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
     try:
