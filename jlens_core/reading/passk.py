@@ -389,7 +389,7 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
         device = resid[top].device
         kept = None
         if kept_np is not None:  # the word tokens, and every spelling of the item's words (never excluded)
-            kept = torch.as_tensor(kept_np, device=device).to(torch.float32)  # [vocab_size]
+            kept = torch.tensor(kept_np, dtype=torch.float32, device=device)  # [vocab_size]
             for spelled in spellings:
                 kept[list(spelled.values())] = 1.0
         with torch.no_grad():

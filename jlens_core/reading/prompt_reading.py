@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 
 from ..lenses.protocol import Lens
-from .tokens import display_ids
+from .tokens import TokenDisplay, display_ids
+from .word_readout import word_mask
 
 FRAME_COLUMNS = ("layer", "position", "token", "segment", "fitted", "top_ids", "top_tokens", "top_probs",
                  "entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank")
@@ -57,9 +58,8 @@ class PromptReading:
         vocab: the readout, ``"all"`` or ``"word"`` (docs/method.md §9.1): with ``"word"`` the top-k
             lists and every rank leave out tokens whose text has no letter or digit; entropy, KL and
             CE are over the full distribution either way.
-        word_ids: ``bool[vocab]`` (read-only, shared by the readings of one tokenizer): the word tokens,
-            the ids ``vocab="word"`` keeps (:func:`~jlens_core.reading.word_readout.word_mask`); None in
-            a reading built by hand.
+        display: the tokenizer's cached :class:`~jlens_core.reading.tokens.TokenDisplay` (names the
+            tokens; gives :attr:`word_ids`); None in a reading built by hand.
         skip_first: the lens's ``settings["skip_first"]`` (0 when it has none: the logit lens): the
             positions before it were never fitted (:attr:`fitted`).
     """
@@ -90,7 +90,7 @@ class PromptReading:
     n_prompt: int | None = None
     edits: list[str] = field(default_factory=list)
     vocab: str = "all"
-    word_ids: np.ndarray | None = field(repr=False, default=None)
+    display: TokenDisplay | None = field(repr=False, default=None)
     skip_first: int = 0
 
     def __post_init__(self) -> None:
@@ -127,6 +127,12 @@ class PromptReading:
     def n_generated(self) -> int:
         """Tokens of the reading that the model generated (after the prompt)."""
         return len(self.input_ids) - self._prompt_length
+
+    @property
+    def word_ids(self) -> np.ndarray | None:
+        """``bool[vocab]`` (read-only, cached per tokenizer): the word tokens, the ids ``vocab="word"`` keeps
+        (:func:`~jlens_core.reading.word_readout.word_mask`); None without a :attr:`display`."""
+        return None if self.display is None else word_mask(self.display)
 
     @property
     def fitted(self) -> np.ndarray:

@@ -48,7 +48,7 @@ from .inputs import (
 from .prompt_reading import PromptReading, lens_skip_first
 from .row_arrays import ReadingArrays, RowGroupReader, RowLayout, Targets, read_rows
 from .tokens import TokenDisplay, display_ids, encode_plain, token_id
-from .word_readout import check_vocab, kept_ids_mask, word_mask
+from .word_readout import check_vocab, kept_ids_mask
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +167,7 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens, text: str 
     shown_text = source if isinstance(source, str) else model.decode(ids[0].tolist())
     return _assemble_readings(model, lens_map, layout, results, ids, display, text=shown_text,
                               show_whitespace=bool(show_whitespace), word_like=bool(word_like), n_prompt=n_prompt,
-                              edits=[repr(e) for e in edit_list], vocab=vocab,
-                              word_ids=word_mask(display))
+                              edits=[repr(e) for e in edit_list], vocab=vocab)
 
 
 def _check_arguments(text: str | Sequence[int] | torch.Tensor | Generation, n_prompt: int | None, *, top_k: int,
@@ -212,7 +211,7 @@ def _targets(ids_row: torch.Tensor, pos_list: list[int], pins: dict[str, int], d
     pin_t = torch.tensor([pins[n] for n in pin_names], dtype=torch.long, device=device)  # [n_pinned]
     mask = kept_t = None
     if kept is not None:
-        mask = torch.as_tensor(kept, device=device)  # [vocab_size] bool
+        mask = torch.tensor(kept, device=device)  # [vocab_size] bool (a copy: the cached mask is read-only)
         kept_t = mask.to(torch.float32)  # [vocab_size] 0/1, the weights of the rank counts
     if word_like:
         mask_np = display.word_like_mask()[:vocab_size]
@@ -225,12 +224,11 @@ def _targets(ids_row: torch.Tensor, pos_list: list[int], pins: dict[str, int], d
 
 def _assemble_readings(model: LensModel, lenses: Mapping[str, Lens], layout: RowLayout, results: ReadingArrays,
                        ids: torch.Tensor, display: TokenDisplay, *, text: str, show_whitespace: bool, word_like: bool,
-                       n_prompt: int, edits: list[str], vocab: str,
-                       word_ids: np.ndarray | None) -> dict[str, PromptReading]:
+                       n_prompt: int, edits: list[str], vocab: str) -> dict[str, PromptReading]:
     """One :class:`PromptReading` per lens, from its rows of ``results``; no two share a mutable array.
 
     ``ids``: ``LongTensor[1, seq]`` the prompt read; the keyword arguments are the readings' fields
-    (``word_ids`` is the read-only cached mask, shared). Each reading's ``skip_first`` is its lens's
+    (``display`` the cached one, shared). Each reading's ``skip_first`` is its lens's
     (:func:`~jlens_core.reading.prompt_reading.lens_skip_first`).
     """
     input_ids = ids[0].cpu().numpy().astype(np.int64)
@@ -246,7 +244,7 @@ def _assemble_readings(model: LensModel, lenses: Mapping[str, Lens], layout: Row
             top_k=targets.k, show_whitespace=show_whitespace, word_like=word_like,
             pinned=dict(zip(targets.pin_names, targets.pin_ids.tolist())),
             next_ids=targets.next_ids.cpu().numpy().astype(np.int64), vocab_strings=strings,
-            text=text, n_prompt=n_prompt, edits=list(edits), vocab=vocab, word_ids=word_ids,
+            text=text, n_prompt=n_prompt, edits=list(edits), vocab=vocab, display=display,
             skip_first=lens_skip_first(lens), **results.reading_fields(layout.rows(name)))
     return readings
 

@@ -3,9 +3,10 @@
 A token is a **word token** when its decoded text has a letter or a digit
 (``any(c.isalnum() for c in text)``). Not word tokens, so left out of top-k lists and ranks under
 ``vocab="word"``: whitespace, punctuation and symbol tokens, byte fragments that decode to no
-character of either kind, special and added tokens (their decoded text, with special tokens
-skipped, is empty), and the padded rows of an output head wider than the tokenizer (ids
-``>= len(tokenizer)``, which stand for no text).
+character of either kind (the ``\\xNN`` escapes :class:`~jlens_core.reading.tokens.TokenDisplay`
+writes for bytes that do not decode are not text), special and added tokens (their decoded text,
+with special tokens skipped, is empty), and the padded rows of an output head wider than the
+tokenizer (ids ``>= len(tokenizer)``, which stand for no text).
 
 Under ``vocab="word"`` the rank of a token ``t`` is ``1 + #{v in W : logit_v > logit_t}`` with
 ``W`` the kept ids: only kept tokens can stand above it, whether ``t`` is kept or not. Entropy, KL
@@ -17,6 +18,7 @@ The mask is computed once per tokenizer (a pass over its decoded texts) and cach
 
 from __future__ import annotations
 
+import re
 import weakref
 
 import numpy as np
@@ -25,6 +27,8 @@ from .tokens import TokenDisplay, id_label
 
 VOCABS = ("all", "word")
 
+# how TokenDisplay.texts writes a byte that does not decode (``errors="backslashreplace"``)
+_UNDECODED_BYTE = re.compile(r"\\x[0-9a-f]{2}")
 _MASKS: weakref.WeakKeyDictionary[TokenDisplay, np.ndarray] = weakref.WeakKeyDictionary()
 
 
@@ -57,7 +61,7 @@ def word_mask(display: TokenDisplay) -> np.ndarray:
     tokenizer = display.tokenizer
     n_named = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.get_vocab_size(with_added_tokens=True)
     texts = display.texts
-    mask = np.fromiter((i < n_named and texts[i] != id_label(i) and is_word_token(texts[i])
+    mask = np.fromiter((i < n_named and texts[i] != id_label(i) and is_word_token(_UNDECODED_BYTE.sub("", texts[i]))
                         for i in range(display.vocab_size)), dtype=bool, count=display.vocab_size)
     if display.special_ids:
         mask[list(display.special_ids)] = False
