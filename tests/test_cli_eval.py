@@ -202,7 +202,7 @@ def test_eval_swap_writes_swap_success_csv(work, tmp_path, capsys):
                  "--swap", str(set_file), "--alpha", "1", "4", "--out", str(out), "--no-progress"])
     assert code == 0
     table = pd.read_csv(out / "swap_success.csv")
-    assert set(table["lens"]) == {"jacobian", "logit", "random"} and set(table["alpha"]) == {1.0, 4.0}
+    assert set(table["lens"]) == {"jacobian", "logit", "random", "norm-matched"} and set(table["alpha"]) == {1.0, 4.0}
     assert (table["set"] == "mine").all() and (table["items"] == 3).all()
     per_item = pd.read_csv(out / "swap_items.csv")
     assert len(per_item) == 3 and not (out / "eval.csv").exists()  # --n-texts 0: no per-layer evaluation

@@ -125,12 +125,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         summaries, item_tables = [], []
         for name, items in swap_sets:
             bar = _bar(len(items), f"swap {Path(name).stem}", args.no_progress, unit="item")
-            report = swap_success(model, lenses, items, alphas=tuple(args.alpha),
-                                  progress=functools.partial(_advance, bar) if bar else None)
+            report = swap_success(model, lenses, items, alphas=tuple(args.alpha), centred=args.centred,
+                                  seed=args.swap_seed, progress=functools.partial(_advance, bar) if bar else None)
             if bar:
                 bar.close()
             summaries.append(report.summary.assign(set=Path(name).stem, items=report.n_items,
-                                                   skipped=report.n_skipped,
+                                                   skipped=report.n_skipped, unmatched=report.n_unmatched,
+                                                   centred=report.centred, seed=report.seed,
                                                    seconds_per_item=round(report.seconds_per_item, 3)))
             item_tables.append(report.items.assign(set=Path(name).stem))
         swaps = pd.concat(summaries, ignore_index=True)
@@ -149,7 +150,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"\npass@k · readout vocab={args.vocab} · {excluded}")
         print(passes.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     if swap_sets:
-        print()
+        print(f"\nswap success · {'centred' if args.centred else 'raw'} read directions · 95 % intervals: "
+              f"ci = Clopper-Pearson, wilson = Wilson · controls seeded with {args.swap_seed} · unmatched: "
+              "eligible items with no norm-matched token within 10 %")
         print(swaps.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print("\nWrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
@@ -284,6 +287,10 @@ def register(subparsers) -> None:
                         "swap_success.csv and swap_items.csv")
     e.add_argument("--alpha", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0],
                    help="swap scales for --swap (default 0.5 1 2 4)")
+    e.add_argument("--centred", action="store_true",
+                   help="--swap along centred read directions (each minus the mean over the vocabulary at its layer)")
+    e.add_argument("--swap-seed", type=int, default=0,
+                   help="seed of --swap's random-direction and norm-matched controls (default 0; recorded in the table)")
     e.add_argument("--out", required=True, help="folder for eval.csv, eval.json, eval.png")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=_eval_defaults)

@@ -33,7 +33,8 @@ def build_edits(args: argparse.Namespace, model: LensModel, lens: Lens) -> list[
     if args.positions:
         n_prompt = int(model.encode(args.prompt).shape[1])
         positions = parse_layer_spec(args.positions, n_prompt)
-    common = {"layers": layers, "positions": positions, "on_generated": args.on_generated}
+    common = {"layers": layers, "positions": positions, "on_generated": args.on_generated,
+              "centred": args.centred}
     edits: list[Swap | Steer | Ablate] = []
     for value in args.swap or []:
         a, b = _split(value, "swap")
@@ -105,6 +106,8 @@ def register(subparsers) -> None:
     p.add_argument("--positions", default=None,
                    help="prompt positions to edit, e.g. '5:' or '3,4' (default: all but the first)")
     p.add_argument("--on-generated", action="store_true", help="also edit the tokens the model generates")
+    p.add_argument("--centred", action="store_true",
+                   help="edit along centred read directions (each minus the mean over the vocabulary at its layer)")
     p.add_argument("--alpha", type=float, default=1.0, help="swap scale (1 exchanges the coordinates; 0..16)")
     p.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (default 20)")
     p.set_defaults(func=cmd_intervene)

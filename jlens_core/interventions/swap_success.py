@@ -117,8 +117,8 @@ class SwapReport:
             wilson_high`` the 95 % Wilson interval.
         best: one row per lens: the alpha with the highest rate, its rate and intervals.
         items: one row per item: ``name, eligible, reason`` (why not eligible / skipped), the clean
-            next token, ``seed`` and ``control_token`` (the norm-matched draw, ``None`` when no token is
-            within 10 %), and per lens x alpha the edited next token and success.
+            next token, ``seed``, ``control_id`` and ``control_token`` (the norm-matched draw, ``None`` when no
+            token is within 10 %), and per lens x alpha the edited next token and success.
         n_items, n_eligible, n_skipped: counts (skipped: a word with no single-token spelling).
         n_unmatched: eligible items with no norm-matched control token.
         layers: the edited layers per lens; seconds: wall time; seconds_per_item.
@@ -248,6 +248,7 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
                     ids_of = [token_id(model.tokenizer, w, rule="exact", vocab_size=vocab) for w in (source, replacement)]
                     drawn = norm_matched_token(norms, ids_of[1], {ids_of[0]} | answer_ids | swap_ids,
                                                torch.Generator().manual_seed(item_seed))
+                    row["control_id"] = drawn
                     row["control_token"] = None if drawn is None else model.decode([drawn])
                     if drawn is not None:
                         runs[NORM_MATCHED] = (control_lens, first, None, drawn)
