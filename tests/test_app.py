@@ -561,6 +561,7 @@ def _state(at: AppTest) -> str:
 N_FIT = 40  # prompts of the fit started from the page (each ~1 s with its checkpoint and status files)
 
 
+@pytest.mark.slow  # a 40-prompt fit in a subprocess, stopped and resumed
 def test_fit_page_start_stop_resume_and_use_the_lens(tiny_dir, tmp_path, runs_root):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"Text number {i}. {LONG_TEXT}" for i in range(N_FIT)))

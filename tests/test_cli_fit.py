@@ -239,6 +239,7 @@ def signal_fit_midway(args: list[str], status_path: Path, stderr_path: Path, sig
     return proc
 
 
+@pytest.mark.slow
 def test_fit_killed_with_sigkill_and_resumed_equals_the_uninterrupted_fit(work, tmp_path, reference):
     n = 200
     out, ckpt = tmp_path / "killed.safetensors", tmp_path / "killed-run.ckpt"
@@ -263,6 +264,7 @@ def test_fit_killed_with_sigkill_and_resumed_equals_the_uninterrupted_fit(work, 
     assert json.loads(status_path.read_text())["state"] == "done"
 
 
+@pytest.mark.slow
 def test_sigint_stops_the_fit_with_its_checkpoint_even_when_started_with_sigint_ignored(work, tmp_path, reference):
     # A background job of a non-interactive shell (``jlens fit ... &`` in a script, CI) starts with
     # SIGINT ignored; the app's Stop and Ctrl-C must still stop the fit and keep its checkpoint.

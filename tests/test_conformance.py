@@ -15,7 +15,9 @@ An architecture transformers itself cannot build or run is skipped with the reas
 declares unsupported (no residual stream) must raise the adapter's one-sentence ``ValueError``.
 
 The default run is the full sweep (about a minute on 2 cores); ``JLENS_CONFORMANCE=sample`` (or
-``pytest --conformance=sample``) checks a fixed sample (:data:`SAMPLE`) only. A markdown table::
+``pytest --conformance=sample``) checks a fixed sample (:data:`SAMPLE`) only. Every architecture outside the
+sample, and the few slow ones in it (:data:`SLOW`), is marked ``slow``: the fast loop (``-m "not slow"``)
+checks the rest of the sample. A markdown table::
 
     python tests/test_conformance.py [--full] > conformance.md
 """
@@ -55,6 +57,9 @@ SAMPLE = (
     "deepseek_v4", "hy_v4", "kimi_linear", "qwen3_5", "xlnet", "prophetnet", "xlm", "mllama", "mistral",
     "gemma4_text", "inkling_text", "dory", "roberta",
 )
+# Sampled architectures over 5 s each on 2 cores (Mamba-style scans on CPU): marked slow, so the fast loop
+# (-m "not slow") checks the rest of the sample and the whole suite checks them too.
+SLOW = ("bamba", "falcon_h1", "kimi_linear")
 
 
 @dataclass
@@ -331,12 +336,12 @@ def check(arch: str) -> Result:
 
 
 def _params() -> list:
-    """The architectures to check; those outside :data:`SAMPLE` are marked ``slow`` (the fast loop checks the
-    sample, the whole suite every architecture)."""
+    """The architectures to check; those outside :data:`SAMPLE`, and those in :data:`SLOW`, are marked
+    ``slow`` (the fast loop checks the rest of the sample, the whole suite every architecture)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     archs = all_architectures() if full_sweep() else [a for a in SAMPLE if a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
-    return [a if a in SAMPLE else pytest.param(a, marks=pytest.mark.slow) for a in archs]
+    return [a if a in SAMPLE and a not in SLOW else pytest.param(a, marks=pytest.mark.slow) for a in archs]
 
 
 @pytest.mark.parametrize("arch", _params())
