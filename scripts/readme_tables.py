@@ -3,7 +3,8 @@
     python scripts/readme_tables.py [EVAL_DIR] [--page docs/results.md] [--print]
 
 EVAL_DIR defaults to assets/lenses/smollm2-135m.eval (``eval.csv``, ``pass_at_k.csv``, optional
-``swap_success.csv``, as ``jlens eval`` writes them). Each table replaces the text between its markers
+``pass_at_k_detail.csv`` and ``swap_success.csv``, as ``jlens eval`` writes them; from the detail, the
+pass@k table adds pass@10 with the copied intermediates left out, docs/method.md §8). Each table replaces the text between its markers
 in the page, ``<!-- readme_tables:NAME -->`` and ``<!-- /readme_tables:NAME -->`` (NAME: ``per_layer``,
 ``pass_at_k``, ``swap``); the prose around them is left alone. A missing marker is an error: nothing is
 written. ``--print`` prints the tables instead. The one-line summaries under each table (best lens per
@@ -49,10 +50,28 @@ def per_layer_table(evals: pd.DataFrame, every: int = 4) -> tuple[str, str]:
     return "\n".join(lines), summary
 
 
-def pass_table(passes: pd.DataFrame) -> str:
-    """The pass@k table: per set x lens, pass@1/5/10, the interval at k=10, coverage."""
-    lines = ["| set | lens | pass@1 | pass@5 | pass@10 | 95 % interval @10 | items scored | words scored |",
-             "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+def excluding_copied(detail: pd.DataFrame, k: int = 10) -> pd.DataFrame:
+    """pass@``k`` per set x lens with the copied intermediates left out (``set, lens, pass_rate``), and the
+    macro mean over sets, from a ``pass_at_k_detail.csv`` frame."""
+    from jlens_core.reading.passk import summarize_pass_at_k
+
+    parts = [summarize_pass_at_k(part, k, exclude_copied=True, n_boot=1).assign(set=name)
+             for name, part in detail.groupby("set", sort=False)]
+    per_set = pd.concat(parts, ignore_index=True)[["set", "lens", "pass_rate"]]
+    macro = per_set.groupby("lens", sort=False)["pass_rate"].mean().reset_index().assign(set="macro mean")
+    return pd.concat([per_set, macro], ignore_index=True)
+
+
+def pass_table(passes: pd.DataFrame, excluded: pd.DataFrame | None = None) -> str:
+    """The pass@k table: per set x lens, pass@1/5/10, the interval at k=10, the copied intermediates and
+    pass@10 without them (with ``excluded``, from :func:`excluding_copied`), coverage; headed by the readout."""
+    vocab = ", ".join(sorted(set(passes["vocab"].dropna()))) if "vocab" in passes else "all"
+    head = "| set | lens | pass@1 | pass@5 | pass@10 | 95 % interval @10 |"
+    rule = "| --- | --- | ---: | ---: | ---: | --- |"
+    if excluded is not None:
+        head += " copied | pass@10 without copied |"
+        rule += " ---: | ---: |"
+    lines = [f"Readout: `vocab={vocab}`.", "", head + " items scored | words scored |", rule + " ---: | ---: |"]
     for name in passes["set"].unique():
         rows = passes[passes["set"] == name]
         for key, label in LENSES[:MAIN]:
@@ -65,20 +84,27 @@ def pass_table(passes: pd.DataFrame) -> str:
                 name != "macro mean" else ""
             cover = (f"{int(sub['items_scored'].iloc[0])}/{int(sub['n_items'].iloc[0])}",
                      f"{int(sub['words_scored'].iloc[0])}/{int(sub['n_words'].iloc[0])}") if key == "logit" else ("", "")
+            copied = ""
+            if excluded is not None:
+                hit = excluded[(excluded["set"] == name) & (excluded["lens"] == key)]["pass_rate"]
+                n_copied = f"{int(sub['copied'].iloc[0])}" if key == "logit" and "copied" in sub else ""
+                copied = f" {n_copied} | {hit.iloc[0]:.2f} |" if len(hit) else f" {n_copied} |  |"
             lines.append(f"| {first} | {label} | " + " | ".join(f"{rate.get(k, float('nan')):.2f}" for k in (1, 5, 10))
-                         + f" | {ci} | {cover[0]} | {cover[1]} |")
+                         + f" | {ci} |{copied} {cover[0]} | {cover[1]} |")
     return "\n".join(lines)
 
 
 def swap_table(swaps: pd.DataFrame) -> tuple[str, str]:
     """The swap-success table (per lens x alpha, best alpha with its interval) and a summary line."""
     alphas = sorted(swaps["alpha"].unique())
-    lines = ["| directions | " + " | ".join(f"α={a:g}" for a in alphas) + " | best (95 % interval) |",
+    # runs since issue #31 hold Clopper-Pearson in ci_low/ci_high and Wilson beside it; older ones Wilson only
+    interval = "Clopper-Pearson" if "wilson_low" in swaps else "Wilson"
+    lines = ["| directions | " + " | ".join(f"α={a:g}" for a in alphas) + f" | best (95 % {interval}) |",
              "| --- |" + " ---: |" * len(alphas) + " --- |"]
-    labels = dict(LENSES[:MAIN]) | {"random": "random (control)"}
-    for key in ("jacobian", "tuned", "logit", "random"):
+    labels = dict(LENSES[:MAIN]) | {"random": "random (control)", "norm-matched": "norm-matched token (control)"}
+    for key in ("jacobian", "tuned", "logit", "random", "norm-matched"):
         sub = swaps[swaps["lens"] == key].set_index("alpha")
-        if sub.empty:
+        if sub.empty or sub["rate"].isna().all():
             continue
         best = sub["rate"].idxmax()
         lines.append(f"| {labels[key]} | " + " | ".join(f"{sub.at[a, 'rate']:.2f}" for a in alphas)
@@ -97,7 +123,9 @@ def tables(folder: Path) -> tuple[dict[str, str], list[str]]:
         FileNotFoundError: ``eval.csv`` or ``pass_at_k.csv`` is missing from ``folder``.
     """
     per_layer, layer_summary = per_layer_table(pd.read_csv(folder / "eval.csv"))
-    found = {"per_layer": per_layer, "pass_at_k": pass_table(pd.read_csv(folder / "pass_at_k.csv"))}
+    detail_path = folder / "pass_at_k_detail.csv"
+    excluded = excluding_copied(pd.read_csv(detail_path)) if detail_path.is_file() else None
+    found = {"per_layer": per_layer, "pass_at_k": pass_table(pd.read_csv(folder / "pass_at_k.csv"), excluded)}
     summaries = [layer_summary]
     if (folder / "swap_success.csv").is_file():
         found["swap"], swap_summary = swap_table(pd.read_csv(folder / "swap_success.csv"))
