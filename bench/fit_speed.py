@@ -6,8 +6,10 @@ relative Frobenius difference of the results, the peak memory (RSS) of each, and
 GFLOP/s of jlens against the fp32 matmul peak measured in the same run: the best of the peaks
 measured at the start and after each repetition, and (because a shared host's speed drifts) the
 peak measured in the worker right before and right after each timed section. The jlens rows
-are its default method (``auto``: the fused analytic backward on this model) and the autograd
-method ``batched``. Each measurement runs in its own subprocess so its peak memory is its own.
+are its default method (``auto``: the fused analytic backward on this model), the autograd
+method ``batched``, and ``jlens-relevance``: the R-lens's fit (``rules="relevance"``, docs/method.md §9.1,
+fused here), whose ``rel.diff`` is against another quantity (the J-lens) and says only how far
+they differ; its ratio to the ``jlens`` row is the relevance fit's cost. Each measurement runs in its own subprocess so its peak memory is its own.
 
     python bench/fit_speed.py                 # full: all 29 source layers, seq 64 and 128, 3 reps
     python bench/fit_speed.py --quick         # source layers 24..28 only, 2 reps
@@ -204,9 +206,11 @@ def worker(args) -> None:
         jac = reference_jacobian_for_prompt(model, ids, sources, target, dim_batch, args.skip_first)
     else:
         method = {"jlens": "auto", "jlens-batched": "batched", "jlens-replicated": "replicated",
-                  "jlens-fused": "fused"}[args.method]
+                  "jlens-fused": "fused", "jlens-relevance": "auto"}[args.method]
+        rules = "relevance" if args.method == "jlens-relevance" else "jacobian"
         jac = jacobian_for_prompt(model, ids, source_layers=sources, target_layer=target, dim_batch=dim_batch,
-                                  max_seq_len=args.seq, skip_first=args.skip_first, method=method).jacobians
+                                  max_seq_len=args.seq, skip_first=args.skip_first, method=method,
+                                  rules=rules).jacobians
     _sync(args.device)
     seconds = time.perf_counter() - t0
     peak_after = matmul_peak_gflops(seconds=1.5, device=args.device, dtype=dtype)
@@ -215,7 +219,7 @@ def worker(args) -> None:
         peak_mb = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    fused = args.method in ("jlens", "jlens-fused") and not fused_unsupported_reason(model)
+    fused = args.method in ("jlens", "jlens-fused", "jlens-relevance") and not fused_unsupported_reason(model)
     layer_major = fused and use_layer_major(model, args.seq - 1 - args.skip_first)
     flops = reference_flops(model, args.seq, sources, target) if args.method == "reference" else \
         backward_flops(model, args.seq, args.skip_first, sources, target, fused=fused, layer_major=layer_major)
@@ -247,12 +251,12 @@ def main() -> None:
                                                         "SmolLM2-135M), 2 repetitions")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 2 with --quick)")
     p.add_argument("--seqs", default="64,128", help="max_seq_len values (default 64,128)")
-    p.add_argument("--methods", default="reference,naive,jlens-batched,jlens",
+    p.add_argument("--methods", default="reference,naive,jlens-batched,jlens,jlens-relevance",
                    help="comma-separated; the first is the baseline of the ratios: reference (the reference jlens's "
                         "own algorithm), naive (docs/method.md §2 as written: a forward per chunk of rows, backward to the "
                         "embedding), jlens (the default method, 'auto': the fused backward here), jlens-batched "
-                        "(autograd, cotangents batched), jlens-replicated, jlens-fused "
-                        "(default: reference,naive,jlens-batched,jlens)")
+                        "(autograd, cotangents batched), jlens-replicated, jlens-fused, jlens-relevance (the "
+                        "R-lens's fit, rules='relevance') (default: reference,naive,jlens-batched,jlens,jlens-relevance)")
     p.add_argument("--dim-batch", default="8", help="rows per backward pass, or 'auto' (default 8)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", default=None, help="model dtype: float32 / bfloat16 / float16 (default fp32 on the CPU, "
