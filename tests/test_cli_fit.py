@@ -239,12 +239,19 @@ def signal_fit_midway(args: list[str], status_path: Path, stderr_path: Path, sig
     return proc
 
 
+def checkpointed_fit(work, tmp_path, name: str, n: int):
+    """(lens path, checkpoint path, diagnostics path, status path, arguments) of an ``n``-prompt fit that
+    checkpoints after every prompt."""
+    out, ckpt = tmp_path / f"{name}.safetensors", tmp_path / f"{name}-run.ckpt"
+    diag_path, status_path, _ = sidecars(out)
+    args = fit_args(work, out, "--n-prompts", str(n), "--checkpoint", str(ckpt), "--checkpoint-every", "1")
+    return out, ckpt, diag_path, status_path, args
+
+
 @pytest.mark.slow
 def test_fit_killed_with_sigkill_and_resumed_equals_the_uninterrupted_fit(work, tmp_path, reference):
     n = 200
-    out, ckpt = tmp_path / "killed.safetensors", tmp_path / "killed-run.ckpt"
-    diag_path, status_path, _ = sidecars(out)
-    args = fit_args(work, out, "--n-prompts", str(n), "--checkpoint", str(ckpt), "--checkpoint-every", "1")
+    out, ckpt, diag_path, status_path, args = checkpointed_fit(work, tmp_path, "killed", n)
     proc = signal_fit_midway(args, status_path, tmp_path / "stderr.txt", signal.SIGKILL, after=5)
     assert proc.returncode == -signal.SIGKILL
     assert not out.exists()
@@ -269,9 +276,7 @@ def test_sigint_stops_the_fit_with_its_checkpoint_even_when_started_with_sigint_
     # A background job of a non-interactive shell (``jlens fit ... &`` in a script, CI) starts with
     # SIGINT ignored; the app's Stop and Ctrl-C must still stop the fit and keep its checkpoint.
     n = 200
-    out, ckpt = tmp_path / "stopped.safetensors", tmp_path / "stopped-run.ckpt"
-    _, status_path, _ = sidecars(out)
-    args = fit_args(work, out, "--n-prompts", str(n), "--checkpoint", str(ckpt), "--checkpoint-every", "1")
+    out, ckpt, _, status_path, args = checkpointed_fit(work, tmp_path, "stopped", n)
     signal_fit_midway(args, status_path, tmp_path / "stderr.txt", signal.SIGINT, after=3,
                       launcher=["bash", "-c", 'trap "" INT; exec "$@"', "bash"])
     status = json.loads(status_path.read_text())
