@@ -3,7 +3,8 @@ directions and see whether the model's output follows.
 
 ``directions`` (:func:`token_direction`: the unit direction a lens reads as a token), ``edits``
 (:class:`Steer`, :class:`Ablate`, :class:`Swap`: residual edits for ``generate`` and
-``read_prompt``), ``swap_success`` (the swap experiment over a set of items, with controls).
+``read_prompt``), ``swap_success`` (the swap experiment over a set of items, with controls),
+``intervals`` (Clopper-Pearson and Wilson intervals of its rates).
 Imports :mod:`jlens_core.models`, :mod:`jlens_core.lenses`, :mod:`jlens_core.reading` and the leaves.
 """
 

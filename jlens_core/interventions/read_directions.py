@@ -13,6 +13,11 @@ and :func:`token_direction` returns it unit-normalised (``v̂_t``). Nothing here
 ``P^T u_t`` is the gradient of the head through the pre-head modules (linear, so exact), the gain
 comes from the norm itself (a probe with the all-ones vector, so ``1 + w`` gains such as Gemma's are
 right), and ``M_l^T`` is the vector-Jacobian product of the lens's ``transport`` (linear in ``h``).
+
+Centred directions (docs/method.md §9.1): ``v_t - m_l`` with ``m_l = mean_t v_t`` over the vocabulary
+(:func:`mean_read_vector`). Every lens logit then shifts by the same ``h . m_l``, so readings do not
+change; edits along the unit vector do. :func:`read_vector_norms` gives ``||v_t||`` (or the centred
+norm) for the whole vocabulary at once, for swap success's norm-matched control.
 """
 
 from __future__ import annotations
