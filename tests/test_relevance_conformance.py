@@ -30,19 +30,17 @@ from conftest import make_tokenizer
 from helpers import rel_frob
 from test_conformance import (
     REL_TOL,
-    SAMPLE,
     SEQ,
     SKIP,
     Result,
     _first_line,
     _params,
     _Skip,
-    all_architectures,
     build,
     definition,
     prompt,
-    table,
 )
+from test_conformance import main as conformance_table
 
 from jlens_core import HFLensModel, jacobian_for_prompt
 from jlens_core.fitting.relevance import relevance_rules
@@ -86,23 +84,7 @@ def test_relevance_conformance(arch):
 
 
 def main(argv: list[str]) -> int:
-    import logging
-
-    logging.disable(logging.WARNING)
-    torch.set_num_threads(1)
-    archs = all_architectures() if "--full" in argv else list(SAMPLE)
-    only = [a for a in argv if not a.startswith("--")]
-    if only:
-        archs = [a for a in archs if a in only]
-    results = []
-    for arch in archs:
-        try:
-            results.append(check_relevance(arch))
-        except Exception as exc:  # noqa: BLE001
-            results.append(Result(arch, "failed", f"{type(exc).__name__}: {_first_line(exc)}"))
-        print(f"{results[-1].arch}: {results[-1].outcome} {results[-1].reason}", file=sys.stderr, flush=True)
-    print(table(results).replace("unsupported", "refused"))
-    return 0
+    return conformance_table(argv, check_relevance, {"unsupported": "refused"})
 
 
 if __name__ == "__main__":
