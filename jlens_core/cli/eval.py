@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from .._atomic import atomic_write, atomic_write_text
 from .main import CLIError, say
+from .model_args import add_model_arguments
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     from ..lenses.protocol import Lens
@@ -247,10 +248,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--model", default="smollm2-135m",
-                        help="'smollm2-135m' (embedded default), a Hugging Face id, a local folder or a .gguf file")
-    common.add_argument("--device", default=None, help="cuda, mps, cpu (default: best available)")
-    common.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default fp32 on CPU, bf16 on GPU)")
+    add_model_arguments(common)
 
     e = subparsers.add_parser("eval", parents=[common], help="per-layer KL and cross-entropy of lenses on a corpus",
                               description="Mean KL(final || lens) and next-token cross-entropy (bits) per layer and "

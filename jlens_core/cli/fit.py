@@ -22,6 +22,7 @@ from .._atomic import atomic_write_text
 from ..fitting.methods import METHODS, RULES
 from ..fitting.runfiles import sidecar  # the run-file format, shared with the app
 from .main import CLIError, say
+from .model_args import add_model_arguments
 
 log = logging.getLogger(__name__)
 
@@ -249,8 +250,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("fit", help="fit a Jacobian lens on a corpus",
                               description="Fit a Jacobian lens: d_model backward passes per prompt, averaged over "
                                           "the corpus. Resumable; under torchrun, sharded over ranks.")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="model: 'smollm2-135m' (embedded default), a Hugging Face id, a local folder or a .gguf file")
+    add_model_arguments(p, device_help="cuda, cuda:1, mps, cpu, or auto (spread over GPUs); default: best")
     p.add_argument("--corpus", default="stdlib-docs",
                    help="'stdlib-docs' (built-in), a .txt (paragraphs) or .jsonl (text field) file, or a HF dataset")
     p.add_argument("--out", required=True, help="lens file to write (safetensors), e.g. lens.safetensors")
@@ -284,8 +284,6 @@ def register(subparsers) -> None:
                    help="stop once the max relative change of the running mean stays below X")
     p.add_argument("--stop-patience", type=int, default=5,
                    help="prompts in a row below --stop-at-delta before stopping (default 5)")
-    p.add_argument("--device", default=None, help="cuda, cuda:1, mps, cpu, or auto (spread over GPUs); default: best")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default fp32 on CPU, bf16 on GPU)")
     p.add_argument("--save-dtype", default="float32", choices=["float32", "float16"],
                    help="storage precision of the lens file (default float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (diagnostics are still written)")

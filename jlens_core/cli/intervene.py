@@ -7,6 +7,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from .main import CLIError, say
+from .model_args import add_model_arguments
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     from ..interventions import Ablate, Steer, Swap
@@ -91,10 +92,7 @@ def register(subparsers) -> None:
         "intervene", help="steer / ablate / swap along a lens's read directions; compare next token and continuation",
         description="Edit the residual stream along the directions a lens reads as tokens and compare the "
                     "model's next-token top-10 and greedy continuation with and without the edit.")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="'smollm2-135m' (embedded default), a Hugging Face id, a local folder or a .gguf file")
-    p.add_argument("--device", default=None, help="cuda, mps, cpu (default: best available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
+    add_model_arguments(p)
     p.add_argument("--lens", default="default", help="a lens file, 'default' (the shipped lens) or 'logit'")
     p.add_argument("--prompt", required=True, help="the text the model continues")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .fit import _interruptible
 from .main import CLIError, say
+from .model_args import add_model_arguments
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -70,10 +71,7 @@ def register(subparsers) -> None:
                                           "+ b), minimising KL(final || lens) over corpus tokens with the model frozen. "
                                           "Checkpoints next to --out; rerun the same command to resume; Ctrl-C keeps "
                                           "the checkpoint.")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="'smollm2-135m' (embedded default), a Hugging Face id, a local folder or a .gguf file")
-    p.add_argument("--device", default=None, help="cuda, mps, cpu (default: best available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
+    add_model_arguments(p)
     p.add_argument("--corpus", default="stdlib-docs", help="'stdlib-docs', a .txt or .jsonl file, or a HF dataset")
     p.add_argument("--split", choices=["all", "fit", "eval"], default="fit", help="corpus part to train on (default fit)")
     p.add_argument("--n-texts", type=int, default=200, help="training texts (default 200)")
