@@ -48,42 +48,33 @@ def make_tokenizer():
     return tok
 
 
+# family -> (config class, the fields beyond width, depth and heads); gpt2 names its sizes its own way
+_DECODER_FAMILIES = {
+    "llama": ("LlamaConfig", {"num_key_value_heads": 2}),
+    "qwen2": ("Qwen2Config", {"num_key_value_heads": 2}),
+    "qwen3": ("Qwen3Config", {"num_key_value_heads": 2, "head_dim": 8}),
+    "mistral": ("MistralConfig", {"num_key_value_heads": 2}),
+    "gemma": ("GemmaConfig", {"num_key_value_heads": 2, "head_dim": 8}),
+    "gemma2": ("Gemma2Config", {"num_key_value_heads": 2, "head_dim": 8, "final_logit_softcapping": 30.0,
+                                "sliding_window": 8}),
+    "olmo": ("OlmoConfig", {}),
+    "phi": ("PhiConfig", {}),
+    "gpt_neox": ("GPTNeoXConfig", {"max_position_embeddings": 256}),
+}
+
+
 def tiny_config(family: str, *, n_layers: int = 4, d_model: int = 32):
-    """A transformers config for a tiny model of ``family`` (vocab ``TINY_VOCAB``)."""
+    """A transformers config for a tiny model of ``family`` (vocab ``TINY_VOCAB``, 4 heads)."""
     import transformers as tf
 
     common = {"vocab_size": TINY_VOCAB, "bos_token_id": 0, "eos_token_id": 1}
     heads = 4
-    if family == "llama":
-        return tf.LlamaConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                              num_attention_heads=heads, num_key_value_heads=2, **common)
-    if family == "qwen2":
-        return tf.Qwen2Config(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                              num_attention_heads=heads, num_key_value_heads=2, **common)
-    if family == "qwen3":
-        return tf.Qwen3Config(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                              num_attention_heads=heads, num_key_value_heads=2, head_dim=8, **common)
-    if family == "mistral":
-        return tf.MistralConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                                num_attention_heads=heads, num_key_value_heads=2, **common)
-    if family == "gemma":
-        return tf.GemmaConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                              num_attention_heads=heads, num_key_value_heads=2, head_dim=8, **common)
-    if family == "gemma2":
-        return tf.Gemma2Config(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                               num_attention_heads=heads, num_key_value_heads=2, head_dim=8,
-                               final_logit_softcapping=30.0, sliding_window=8, **common)
-    if family == "olmo":
-        return tf.OlmoConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                             num_attention_heads=heads, **common)
-    if family == "phi":
-        return tf.PhiConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                            num_attention_heads=heads, **common)
+    if family in _DECODER_FAMILIES:
+        name, extra = _DECODER_FAMILIES[family]
+        return getattr(tf, name)(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+                                 num_attention_heads=heads, **extra, **common)
     if family == "gpt2":
         return tf.GPT2Config(n_embd=d_model, n_layer=n_layers, n_head=heads, n_positions=256, **common)
-    if family == "gpt_neox":
-        return tf.GPTNeoXConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                                num_attention_heads=heads, max_position_embeddings=256, **common)
     if family == "opt":
         return tf.OPTConfig(hidden_size=d_model, ffn_dim=2 * d_model, num_hidden_layers=n_layers,
                             num_attention_heads=heads, word_embed_proj_dim=d_model, max_position_embeddings=256,
