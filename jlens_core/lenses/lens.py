@@ -33,6 +33,21 @@ class LensFileError(ValueError):
     """A file that cannot be read as a lens: not a lens, truncated, or for another model."""
 
 
+def check_made_for(lens: FittedLens, model: LensModel, *, what: str, made: str, remedy: str) -> None:
+    """Raise :class:`LensFileError` unless ``lens`` matches ``model``'s shape and unembedding.
+
+    ``what`` names the lens in the message ("lens", "tuned lens"), ``made`` how it was made ("fitted
+    on", "trained for"), ``remedy`` what to do instead.
+    """
+    if lens.d_model != model.d_model or lens.target_layer >= model.n_layers:
+        raise LensFileError(f"This {what} is for a model with d_model={lens.d_model} and target layer "
+                            f"{lens.target_layer} ({lens.model_name!r}); {model.name!r} has "
+                            f"d_model={model.d_model} and {model.n_layers} layers.")
+    if not same_fingerprint(lens.model_fingerprint, model.fingerprint()):
+        raise LensFileError(f"This {what} was {made} {lens.model_name!r}, whose unembedding differs from "
+                            f"that of {model.name!r}: {remedy}.")
+
+
 class LogitLens:
     """The logit lens: ``J_l = I`` at every layer. Same reading interface as :class:`JacobianLens`.
 
@@ -204,13 +219,8 @@ class JacobianLens:
 
     def check_model(self, model: LensModel) -> None:
         """Raise :class:`LensFileError` if this lens was fitted for another model than ``model``."""
-        if self.d_model != model.d_model or self.target_layer >= model.n_layers:
-            raise LensFileError(f"This lens is for a model with d_model={self.d_model} and target layer "
-                                f"{self.target_layer} ({self.model_name!r}); {model.name!r} has "
-                                f"d_model={model.d_model} and {model.n_layers} layers.")
-        if not same_fingerprint(self.model_fingerprint, model.fingerprint()):
-            raise LensFileError(f"This lens was fitted on {self.model_name!r}, whose unembedding differs from "
-                                f"that of {model.name!r}: fit a lens for this model, or load its own lens.")
+        check_made_for(self, model, what="lens", made="fitted on",
+                       remedy="fit a lens for this model, or load its own lens")
 
     # -- files ---------------------------------------------------------------------------------
     def metadata(self) -> dict:

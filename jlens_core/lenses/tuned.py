@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._atomic import atomic_write
-from ..models.model import LensModel, same_fingerprint
-from .lens import LensFileError
+from ..models.model import LensModel
+from .lens import LensFileError, check_made_for
 
 if TYPE_CHECKING:
     from .protocol import FittedLens
@@ -132,13 +132,7 @@ class TunedLens:
 
     def check_model(self, model: LensModel) -> None:
         """Raise :class:`LensFileError` if this lens was trained for another model than ``model``."""
-        if self.d_model != model.d_model or self.target_layer >= model.n_layers:
-            raise LensFileError(f"This tuned lens is for a model with d_model={self.d_model} and target layer "
-                                f"{self.target_layer}; {model.name!r} has d_model={model.d_model} and "
-                                f"{model.n_layers} layers.")
-        if not same_fingerprint(self.model_fingerprint, model.fingerprint()):
-            raise LensFileError(f"This tuned lens was trained for {self.model_name!r}, whose unembedding differs from "
-                                f"{model.name!r}'s: load the lens of this model.")
+        check_made_for(self, model, what="tuned lens", made="trained for", remedy="load the lens of this model")
 
     # -- files ---------------------------------------------------------------------------------------
     def metadata(self) -> dict:
