@@ -191,7 +191,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ..layerspec import check_layer_spec, parse_layer_spec
     from ..models.loading import load_model
     from ..reading.generation import check_generate_args, generate
-    from ..reading.readings import read_prompt
+    from ..reading.reader import read_prompt
 
     if not args.prompt:
         raise CLIError("--prompt is empty: give some text to read.")

@@ -17,17 +17,15 @@ import torch
 
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
-from .readings import (
+from .inputs import (
     as_lens_dict,
-    centred_logit_stats,
     check_lens,
-    chunk_size,
     encode_prompt,
-    final_distribution,
     model_vocab_size,
     readable_layers,
     record_residuals,
 )
+from .logit_stats import centred_logit_stats, chunk_size, final_distribution
 
 log = logging.getLogger(__name__)
 

@@ -53,7 +53,8 @@ from .._paths import ASSETS_DIR
 from ..layerspec import wrap_index
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
-from .readings import as_lens_dict, check_lens, encode_prompt, rank_of, readable_layers, record_residuals
+from .inputs import as_lens_dict, check_lens, encode_prompt, readable_layers, record_residuals
+from .logit_stats import rank_of
 from .tokens import TokenDisplay, spellings
 from .word_readout import check_vocab, kept_ids_mask
 

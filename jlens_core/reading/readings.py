@@ -18,60 +18,33 @@ without effect.
 
 from __future__ import annotations
 
-from .inputs import (
-    as_lens_dict,
-    check_lens,
-    encode_prompt,
-    model_vocab_size,
-    readable_layers,
-    record_residuals,
-    resolve_positions,
-)
-from .logit_stats import (
-    LN2,
-    centred_logit_stats,
-    chunk_size,
-    final_distribution,
-    rank_of,
-    row_sums,
-)
-from .openmp_workers import reading_workers, run_in_workers
-from .prompt_reading import FRAME_COLUMNS, GRID_STATS, PromptReading
-from .reader import read_prompt, read_prompts
-from .summaries import (
-    COMPARE_STATS,
-    MOST_COMMON_COLUMNS,
-    band_layers,
-    compare_readings,
-    difference,
-    most_common_tokens,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "COMPARE_STATS",
-    "FRAME_COLUMNS",
-    "GRID_STATS",
-    "LN2",
-    "MOST_COMMON_COLUMNS",
-    "PromptReading",
-    "as_lens_dict",
-    "band_layers",
-    "centred_logit_stats",
-    "check_lens",
-    "chunk_size",
-    "compare_readings",
-    "difference",
-    "encode_prompt",
-    "final_distribution",
-    "model_vocab_size",
-    "most_common_tokens",
-    "rank_of",
-    "read_prompt",
-    "read_prompts",
-    "readable_layers",
-    "reading_workers",
-    "record_residuals",
-    "resolve_positions",
-    "row_sums",
-    "run_in_workers",
-]
+# defining module -> the public names this module re-exports from it (imported on first use)
+_SOURCES = {
+    "inputs": ("as_lens_dict", "check_lens", "encode_prompt", "model_vocab_size", "readable_layers",
+               "record_residuals", "resolve_positions"),
+    "logit_stats": ("LN2", "centred_logit_stats", "chunk_size", "final_distribution", "rank_of", "row_sums"),
+    "openmp_workers": ("reading_workers", "run_in_workers"),
+    "prompt_reading": ("FRAME_COLUMNS", "GRID_STATS", "PromptReading"),
+    "reader": ("read_prompt", "read_prompts"),
+    "summaries": ("COMPARE_STATS", "MOST_COMMON_COLUMNS", "band_layers", "compare_readings", "difference",
+                  "most_common_tokens"),
+}
+_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)  # noqa: PLE0605 - one list of names, in _SOURCES
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __package__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))
