@@ -120,15 +120,17 @@ def reading_store() -> ReadingStore:
 
 def readings_cached(model, model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, top_k: int,
                     pinned: tuple, show_ws: bool, word_like: bool, layers: tuple | None, positions: tuple | None,
-                    max_seq_len: int, n_prompt: int | None = None, edits_key: str = "", edits=None) -> dict[str, Any]:
+                    max_seq_len: int, n_prompt: int | None = None, edits_key: str = "", edits=None,
+                    vocab: str = "all") -> dict[str, Any]:
     """:func:`jlens_core.reading.readings.read_prompts` of ``lenses`` (``{name: (lens, lens key)}``), cached per lens.
 
     ``text`` is the prompt, or a tuple of token ids (a generation: the first ``n_prompt`` are the prompt);
-    ``edits`` are residual edits to read under (named by ``edits_key``). Returns ``{name: PromptReading}``.
+    ``edits`` are residual edits to read under (named by ``edits_key``); ``vocab`` is the readout (``"all"``,
+    or ``"word"``: word tokens only in top-k lists and ranks). Returns ``{name: PromptReading}``.
     """
     from jlens_core.reading.readings import read_prompts
 
-    settings = (text, top_k, pinned, show_ws, word_like, layers, positions, max_seq_len, n_prompt, edits_key)
+    settings = (text, top_k, pinned, show_ws, word_like, layers, positions, max_seq_len, n_prompt, edits_key, vocab)
     keys = {name: (model_key, lens_key, *settings) for name, (_, lens_key) in lenses.items()}
 
     def compute(names: list[str]) -> dict[str, Any]:
@@ -136,6 +138,6 @@ def readings_cached(model, model_key: str, lenses: dict[str, tuple[Any, str]], t
                             list(text) if isinstance(text, tuple) else text, top_k=top_k, pinned=pinned,
                             show_whitespace=show_ws, word_like=word_like, layers=None if layers is None else list(layers),
                             positions=None if positions is None else list(positions), max_seq_len=max_seq_len,
-                            n_prompt=n_prompt, edits=edits)
+                            n_prompt=n_prompt, edits=edits, vocab=vocab)
 
     return reading_store().get(keys, compute)

@@ -22,8 +22,12 @@ from jlens_core.reading.tokens import display_ids, visible
 MAX_TEXT_CELLS = 3000  # cells above this are drawn without their top-1 token (hover still has it)
 PLOT_WIDTH_PX = 1000  # about the width of the heatmap in the wide layout
 MAX_HOVER_CELLS = 20000  # above this, hover lists only the top 3
-LENS_NAMES = {"logit": "Logit lens", "jacobian": "Jacobian lens", "tuned": "Tuned lens"}
-LENS_COLORS = {"logit": "#6c8ebf", "jacobian": "#d6762b", "tuned": "#4c9a5a"}
+# by lens kind, in the order panels and legends list them ("relevance": a Jacobian lens fitted with relevance rules)
+LENS_NAMES = {"logit": "Logit lens", "jacobian": "Jacobian lens", "relevance": "R-lens", "tuned": "Tuned lens"}
+LENS_SHORT = {"logit": "Logit", "jacobian": "Jacobian", "relevance": "R-lens", "tuned": "Tuned"}  # in "B − A"
+LENS_ABBR = {"logit": "logit", "jacobian": "Jac", "relevance": "R", "tuned": "Tuned"}  # the difference's colour bar
+LENS_DASHES = {"logit": "dot", "jacobian": "solid", "relevance": "dash", "tuned": "dashdot"}  # pinned-rank lines
+LENS_COLORS = {"logit": "#6c8ebf", "jacobian": "#d6762b", "relevance": "#8e5bb5", "tuned": "#4c9a5a"}
 STAT_LABELS = {"top1_prob": "top-1 probability", "entropy_bits": "entropy (bits)", "kl_bits": "KL to final (bits)",
                "ce_bits": "next-token CE (bits)", "next_token_rank": "rank of next token",
                "final_top1_rank": "rank of final top-1"}
@@ -102,6 +106,7 @@ def _hover(reading: Any, stat: str, layers: Sequence[int], values: np.ndarray, k
             labels[token_id] = esc(shown(token_names(reading, [token_id])[0]))
         return labels[token_id]
 
+    unfitted = unfitted_note(reading)
     for row, layer in enumerate(layers):
         if layer not in reading.layers:
             out.append([f"L{layer}: not fitted in this lens"] * len(positions))
@@ -113,11 +118,41 @@ def _hover(reading: Any, stat: str, layers: Sequence[int], values: np.ndarray, k
         for pi, p in enumerate(positions):
             head = (f"<b>L{layer}</b> · pos {p} <b>{esc(shown(tokens[pi]))}</b>"
                     + (f" → next <b>{esc(shown(nexts[pi]))}</b>" if nexts[pi] else "")
-                    + f"<br>{STAT_LABELS.get(stat, stat)}: {_fmt(stat, values[row, pi])}")
+                    + f"<br>{STAT_LABELS.get(stat, stat)}: {_fmt(stat, values[row, pi])}"
+                    + (unfitted if p < reading.skip_first and layer != reading.output_layer else ""))
             body = "<br>".join(f"{j + 1}. {label(i)}  {pr:.1%}" for j, (i, pr) in enumerate(zip(ids[pi], probs[pi])))
             line.append(head + "<br>" + body)
         out.append(line)
     return out
+
+
+def unfitted_note(reading: Any) -> str:
+    """The hover line of a cell at a position the reading's lens was never fitted on (before its ``skip_first``)."""
+    return (f"<br><i>not fitted: position &lt; skip_first={int(reading.skip_first)} of this lens "
+            "(its fit averaged later positions only)</i>")
+
+
+UNFITTED_FILL = "rgba(120, 120, 120, 0.45)"  # the shade over positions before a lens's skip_first
+
+
+def shade_unfitted(fig: go.Figure, panels: Sequence[Any], layers: Sequence[int]) -> None:
+    """A translucent shade over the columns each panel's lens was never fitted on (positions < ``skip_first``).
+
+    ``panels`` holds one reading per panel, top to bottom; the output row (the model itself) stays unshaded.
+    The reason is in the cells' hover (:func:`unfitted_note`).
+    """
+    for index, reading in enumerate(panels, start=1):
+        skip = int(getattr(reading, "skip_first", 0) or 0)
+        shown_positions = reading.positions.tolist()
+        if not shown_positions or shown_positions[0] >= skip:
+            continue
+        suffix = "" if index == 1 else str(index)
+        rows = [row for row, layer in enumerate(layers) if layer != reading.output_layer]
+        if not rows:
+            continue
+        fig.add_shape(type="rect", xref=f"x{suffix}", yref=f"y{suffix}", x0=shown_positions[0] - 0.5,
+                      x1=min(skip, shown_positions[-1] + 1) - 0.5, y0=rows[0] - 0.5, y1=rows[-1] + 0.5,
+                      fillcolor=UNFITTED_FILL, line={"width": 0}, layer="above", name="not fitted")
 
 
 def shown(token: str) -> str:
@@ -208,7 +243,7 @@ def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers:
     Args:
         readings: ``{"logit": PromptReading, "jacobian": PromptReading}`` (``jacobian`` optional
             except for the modes that need it).
-        mode: one lens (``"logit"``, ``"jacobian"``, ``"tuned"``), ``"side"`` (the two lenses of ``pair``,
+        mode: one lens (a key of :data:`LENS_NAMES`), ``"side"`` (the two lenses of ``pair``,
             one above the other), ``"diff"`` (``pair[1] − pair[0]``) or ``"three"`` (every lens given).
         pair: the two lenses of ``"side"`` and ``"diff"``.
         stat: a statistic of :meth:`PromptReading.grid` (``top1_prob``, ``entropy_bits``, ...).
@@ -225,13 +260,14 @@ def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers:
     height = max(320, n_panels * 24 * len(layers) + 150 + 40 * (n_panels - 1))
     title = f"{STAT_LABELS.get(stat, stat)} — cells show the top-1 token" if chars else \
         f"{STAT_LABELS.get(stat, stat)} — {n_cells:,} cells: hover for tokens, narrow the range to see them"
-    if mode in ("logit", "jacobian", "tuned"):
+    if mode in LENS_NAMES:
         reading = readings[mode]
         fig = go.Figure(_panel(reading, stat, layers, chars=chars, hover_k=hover_k, name=LENS_NAMES[mode]))
         _axes(fig, reading, layers)
+        shade_unfitted(fig, [reading], layers)
         fig.update_layout(title=f"{LENS_NAMES[mode]}: {title}")
     elif mode in ("side", "three"):
-        names = list(pair) if mode == "side" else [n for n in ("logit", "jacobian", "tuned") if n in readings]
+        names = list(pair) if mode == "side" else [n for n in LENS_NAMES if n in readings]
         panels = [readings[n] for n in names]
         values_all = [stat_values(r, stat, layers) for r in panels]
         _, settings = _colour(stat, np.concatenate(values_all, axis=1))
@@ -243,11 +279,12 @@ def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers:
                                 name=LENS_NAMES.get(name, name), coloraxis="coloraxis"):
                 fig.add_trace(trace, row=row, col=1)
         _axes(fig, panels[0], layers, n_panels=len(panels))
+        shade_unfitted(fig, panels, layers)
         fig.update_layout(coloraxis={k: v for k, v in settings.items() if k != "zmin" and k != "zmax"}
                           | {"cmin": settings["zmin"], "cmax": settings["zmax"]}, title=title)
     elif mode == "diff":
         a, b = readings[pair[0]], readings[pair[1]]
-        name_a, name_b = (LENS_NAMES.get(n, n).replace(" lens", "") for n in pair)
+        name_a, name_b = (LENS_SHORT.get(n, n) for n in pair)
         va, vb = stat_values(a, stat, layers), stat_values(b, stat, layers)
         if stat in RANK_STATS:
             z = np.log10(np.clip(vb, 1, None)) - np.log10(np.clip(va, 1, None))
@@ -266,9 +303,11 @@ def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers:
                   for dz, ha, hb in zip(zrow, ra, rb)] for zrow, ra, rb in zip(z, hover_a, hover_b)]
         fig = go.Figure(_panel(b, stat, layers, chars=chars, hover_k=min(hover_k, 5), z=z, name="difference",
                                colour={"colorscale": scale, "zmid": 0.0, "zmin": -span, "zmax": span,
-                                       "colorbar": {"title": {"text": f"{name_b[:3]} − {name_a[:5].lower()}"}}}, hovertext=hover))
+                                       "colorbar": {"title": {"text": f"{LENS_ABBR.get(pair[1], name_b)} − {LENS_ABBR.get(pair[0], name_a).lower()}"}}}, hovertext=hover))
         _axes(fig, b, layers)
-        fig.update_layout(title=f"{name_b} − {name_a.lower()}, {unit} (blue: the {name_b} lens is better); "
+        shade_unfitted(fig, [max((a, b), key=lambda r: int(getattr(r, "skip_first", 0) or 0))], layers)
+        fig.update_layout(title=f"{name_b} − {name_a.lower()}, {unit} (blue: the {LENS_NAMES.get(pair[1], name_b)} "
+                                "is better); "
                                 f"cells show the {name_b} top-1")
     else:
         raise ValueError(f"Unknown mode {mode!r}.")
@@ -329,7 +368,7 @@ def pinned_ranks_figure(readings: Mapping[str, Any], position: int) -> go.Figure
         for token, ranks in reading.pinned_ranks.items():
             fig.add_trace(go.Scatter(x=reading.layers, y=ranks[:, pi], mode="lines+markers",
                                      name=f"{esc(repr(token))} · {LENS_NAMES.get(name, name)}",
-                                     line={"dash": "solid" if name == "jacobian" else "dot"},
+                                     line={"dash": LENS_DASHES.get(name, "dot")},
                                      hovertemplate="layer %{x}: rank %{y}<extra>%{fullData.name}</extra>"))
     if not fig.data:
         return None

@@ -35,9 +35,12 @@ ENV_MODEL = "JLENS_APP_MODEL"  # the model preselected when the URL names none
 ENV_LENS = "JLENS_APP_LENS"  # the lens preselected when the URL names none
 ENV_RUNS = "JLENS_RUNS_DIR"  # where the Fit page keeps its runs
 
-MODES = {"logit": "Logit lens", "jacobian": "Jacobian lens", "tuned": "Tuned lens", "side": "Side by side",
-         "diff": "Difference", "three": "All three"}
-LENS_KINDS = ("logit", "jacobian", "tuned")
+# Inspect's lens modes: one lens, two of them (side by side, difference: the pair picked) or every loaded lens
+# ("three": the name a shared URL keeps; its label counts the lenses)
+MODES = {"logit": "Logit lens", "jacobian": "Jacobian lens", "relevance": "R-lens", "tuned": "Tuned lens",
+         "side": "Side by side", "diff": "Difference", "three": "All lenses"}
+LENS_KINDS = ("logit", "jacobian", "relevance", "tuned")  # the lenses' names in Context.lenses(), in panel order
+VOCABS = {"all": "every token", "word": "word tokens only"}  # the readout (jlens_core.reading.word_readout)
 STATS = {"top1_prob": "Top-1 probability", "entropy_bits": "Entropy (bits)", "kl_bits": "KL to final (bits)",
          "ce_bits": "Cross-entropy of the next token (bits)", "next_token_rank": "Rank of the next token",
          "final_top1_rank": "Rank of the final top-1"}
@@ -46,15 +49,16 @@ MAX_TOKENS = 1024  # Inspect truncates prompts to this many tokens
 DEFAULT_WINDOW = 256  # positions Inspect shows at first for a long prompt (the last ones)
 # Inspect's widgets before the user touches them (also what warm_up reads the default prompt with)
 INSPECT_DEFAULTS = {"chat": False, "top_k": 10, "pinned": "", "stride": 1, "show_ws": False, "word_like": False,
-                    "gen_n": 0, "gen_temp": 0.0, "gen_seed": 0, "mc_word_like": False}
+                    "vocab_word": False, "gen_n": 0, "gen_temp": 0.0, "gen_seed": 0, "mc_word_like": False}
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Widget values kept when the user moves to another page (Streamlit drops a widget's state when
 # the widget is not drawn; writing it back each run keeps it).
-PERSISTENT_KEYS = ("prompt", "mode", "stat", "chat", "top_k", "pinned", "stride", "show_ws", "word_like",
+PERSISTENT_KEYS = ("prompt", "mode", "stat", "chat", "top_k", "pinned", "stride", "show_ws", "word_like", "vocab_word",
                    "eval_source", "eval_n", "fit_run", "gen_n", "gen_temp", "gen_seed", "band",
                    "mc_word_like", "iv_op", "iv_token", "iv_replacement", "iv_strength", "iv_alpha", "iv_layers",
-                   "iv_pos_mode", "iv_pos_range", "iv_on_generated", "iv_new", "iv_edited_heatmap", "pair_a", "pair_b")
+                   "iv_pos_mode", "iv_pos_range", "iv_on_generated", "iv_new", "iv_edited_heatmap", "iv_centred", "iv_lens",
+                   "pair_a", "pair_b", "fit_rules")
 # (the lens slots' path boxes are kept too: url_state adds them, one per slot)
 # A rerun dims the last run's elements with a 1 s opacity fade (from 0.5 s in), and expanders fade their
 # borders: Chromium without a GPU repaints the page every frame of it, on the cores the run's matrix
@@ -187,7 +191,7 @@ class Context:
     model_key: str = ""
     model_error: str | None = None
     logit: LogitLens | None = None
-    loaded: dict[str, LoadedLens] = field(default_factory=dict)  # by slot key ("jacobian", "tuned"), in slot order
+    loaded: dict[str, LoadedLens] = field(default_factory=dict)  # by slot key (LENS_KINDS but "logit"), in slot order
 
     @property
     def lens(self) -> JacobianLens | None:
@@ -197,6 +201,11 @@ class Context:
     @property
     def lens_key(self) -> str:
         return self.loaded["jacobian"].key if "jacobian" in self.loaded else ""
+
+    @property
+    def relevance(self) -> JacobianLens | None:
+        """The R-lens (a Jacobian lens fitted with relevance rules), when one is loaded."""
+        return self._lens("relevance")
 
     @property
     def tuned(self) -> Any:
@@ -211,7 +220,7 @@ class Context:
         return self.loaded[key].lens if key in self.loaded else None
 
     def lenses(self) -> dict[str, Any]:
-        """``{"logit": ..., "jacobian": ..., "tuned": ...}``: the logit lens and every lens loaded."""
+        """``{"logit": ..., "jacobian": ..., "relevance": ..., "tuned": ...}``: the logit lens and every lens loaded."""
         return {"logit": self.logit, **{key: item.lens for key, item in self.loaded.items()}}
 
     def lens_keys(self) -> dict[str, str]:

@@ -29,16 +29,28 @@ def init(model: Any, lens: Any) -> None:
     band = default_layers(model, lens)
     for key, value in (("iv_op", "swap"), ("iv_token", ""), ("iv_replacement", None), ("iv_strength", 1.0),
                        ("iv_alpha", 1.0), ("iv_pos_mode", "all"), ("iv_on_generated", False), ("iv_new", 20),
-                       ("iv_edited_heatmap", False)):
+                       ("iv_edited_heatmap", False), ("iv_centred", False)):
         ss.setdefault(key, value)
-    if not isinstance(ss.get("iv_layers"), (tuple, list)) or max(ss.iv_layers) >= model.n_layers - 1:
+    readable = [x for x in lens.layers if x != lens.target_layer]  # another lens may read fewer layers
+    if not isinstance(ss.get("iv_layers"), (tuple, list)) or max(ss.iv_layers) >= model.n_layers - 1 \
+            or min(ss.iv_layers) < readable[0] or max(ss.iv_layers) > readable[-1]:
         ss.iv_layers = (band[0], band[-1])
 
 
-def directions_lens(ctx: Any) -> tuple[str, Any]:
-    """The lens whose read directions the edits use: the Jacobian lens when one is loaded."""
+DIRECTION_LENSES = ("jacobian", "relevance", "logit")  # lenses with read directions, in order of preference
+
+
+def direction_choices(ctx: Any) -> list[str]:
+    """The loaded lenses whose read directions an edit can use (the tuned lens has none: it is affine)."""
     lenses = ctx.lenses()
-    name = "jacobian" if "jacobian" in lenses else "logit"
+    return [name for name in DIRECTION_LENSES if name in lenses]
+
+
+def directions_lens(ctx: Any) -> tuple[str, Any]:
+    """The lens whose read directions the edits use: the panel's pick (``iv_lens``), else the Jacobian lens,
+    else the R-lens, else the logit lens."""
+    lenses, choices = ctx.lenses(), direction_choices(ctx)
+    name = ss.get("iv_lens") if ss.get("iv_lens") in choices else choices[0]
     return name, lenses[name]
 
 
@@ -47,7 +59,7 @@ def prefill_token(model: Any, readings: dict, layer: int, position: int) -> None
     if ss.get("_iv_prefill_for") == (layer, position):
         return
     ss._iv_prefill_for = (layer, position)
-    reading = readings.get("jacobian") or readings["logit"]
+    reading = next((readings[name] for name in DIRECTION_LENSES if readings.get(name) is not None), readings["logit"])
     if layer in reading.layers:
         ss.iv_token = model.decode([reading.cell(layer, position)["top_ids"][0]])
 
@@ -67,7 +79,8 @@ def build_edits(model: Any, lens: Any, n_prompt: int) -> list:
     """The edit the panel describes (raises ``ValueError`` with one sentence on bad input)."""
     lo, hi = (int(x) for x in ss.iv_layers)
     layers = list(range(lo, hi + 1))
-    common_kw = {"layers": layers, "positions": _positions(n_prompt), "on_generated": bool(ss.iv_on_generated)}
+    common_kw = {"layers": layers, "positions": _positions(n_prompt), "on_generated": bool(ss.iv_on_generated),
+                 "centred": bool(ss.iv_centred)}
     token = ss.iv_token or ""
     if not token.strip():
         raise ValueError("The token is empty: click a cell (its top-1 is filled in) or type one.")
@@ -85,7 +98,7 @@ def settings_key(model_key: str, lens_key: str, text: str) -> tuple:
     return (model_key, lens_key, text, ss.iv_op, ss.iv_token, ss.get("iv_replacement"), float(ss.iv_strength),
             float(ss.iv_alpha), tuple(ss.iv_layers), ss.iv_pos_mode, tuple(ss.get("iv_pos_range") or ()),
             int(ss.get("cell_pos") or 0) if ss.iv_pos_mode == "from" else None, bool(ss.iv_on_generated),
-            int(ss.iv_new))
+            int(ss.iv_new), bool(ss.iv_centred))
 
 
 def request_run() -> None:
@@ -155,6 +168,11 @@ def panel(ctx: Any, readings: dict, chat_text: str, n_prompt: int) -> None:
                "tokens, and see whether the model follows. Swap exchanges the read coordinates of A and B "
                "(targets from the clean run); steer adds s·‖h‖ along a token's direction; ablate removes it.")
     c1, c2, c3 = st.columns([2, 2, 2])
+    choices = direction_choices(ctx)
+    if len(choices) > 2:  # a Jacobian lens and an R-lens: which one's directions
+        ss.iv_lens = name
+        c1.selectbox("Directions of", choices, key="iv_lens", format_func=charts.LENS_NAMES.get,
+                     help="The lens whose read directions the edit uses.")
     c1.radio("Operation", list(OPS), key="iv_op", format_func=OPS.get, horizontal=False)
     c2.text_input("Token" if ss.iv_op != "swap" else "A (the concept to replace)", key="iv_token",
                   help="One vocabulary token: filled in from the clicked cell's top-1; a bare word means its "
@@ -177,6 +195,10 @@ def panel(ctx: Any, readings: dict, chat_text: str, n_prompt: int) -> None:
         d2.slider("Prompt positions", 0, n_prompt - 1, key="iv_pos_range")
     d3.number_input("New tokens", min_value=1, max_value=common.MAX_GEN_TOKENS, step=1, key="iv_new")
     d3.toggle("Also on generated tokens", key="iv_on_generated")
+    st.checkbox("Centred directions (minus the vocabulary mean; readings unchanged, edits differ)", key="iv_centred",
+                help="Each read direction minus the mean read direction over the vocabulary at that layer: every "
+                     "logit shifts by the same amount, so readings do not change, but the vector an edit adds or "
+                     "exchanges does (docs/interventions.md).")
     st.button("Run", key="iv_run", on_click=request_run, type="primary", icon=":material/science:")
 
     stored = current(ctx, chat_text)

@@ -3,7 +3,8 @@
 A :class:`LensSlot` says where its kind of lens comes from (shipped with the package, made on this
 server's Fit or Tune page, a typed path or ``hf://`` spec, an upload) and how a file of it loads;
 :func:`draw_slot` draws one slot's picker and loads the pick. :data:`SLOTS` is the list the sidebar
-draws, in order: the Jacobian lens and the tuned lens. Another kind of lens is one more entry.
+draws, in order: the Jacobian lens, the R-lens (a Jacobian lens fitted with relevance rules) and the
+tuned lens. Another kind of lens is one more entry.
 
 A slot's ``param`` names both its URL query parameter and its widgets' session keys
 (``<param>_choice``, ``<param>_path``, ``<param>_upload``, and ``<param>_request``: the URL's pick,
@@ -41,7 +42,7 @@ class Source:
 class LensSlot:
     """One lens picker of the sidebar: where its lenses come from, how one loads, and its words."""
 
-    key: str  # the lens's name in Context.lenses() and in readings ("jacobian", "tuned")
+    key: str  # the lens's name in Context.lenses() and in readings ("jacobian", "relevance", "tuned")
     param: str  # the URL query parameter, and the prefix of the widgets' session keys
     default: str  # what "auto" picks: SHIPPED (NONE when nothing ships for the model) or NONE
     sources: Callable[[Any, str], list[Source]]  # (model, model spec) -> the shipped and here-made files
@@ -62,6 +63,9 @@ class LensSlot:
     upload_types: tuple[str, ...] = ("safetensors",)
     env: str | None = None  # the environment variable preselecting a lens when the URL names none
     empty_note: str | None = None  # said when a model is loaded and the slot holds no lens
+    unshipped_label: str | None = None  # the "none" choice's label when nothing ships for the model (says so)
+    kinds: tuple[str, ...] = ()  # the lens kinds (``lens.kind``) the slot takes; empty: any its loader reads
+    wrong_kind: str = ""  # why another kind is refused, and where it goes: "{kind}" is the file's
 
     def state(self, part: str) -> str:
         """The session key of one of the slot's values (``choice``, ``path``, ``upload``, ``request``)."""
@@ -71,7 +75,10 @@ class LensSlot:
         """The picker's choices, their labels, and the files the shipped and here-made ones name."""
         sources = self.sources(model, spec) if model is not None else []
         options = [NONE, *(s.choice for s in sources), FILE, UPLOAD]
-        labels = {NONE: self.none_label, FILE: self.file_label, UPLOAD: self.upload_label,
+        none_label = self.none_label
+        if self.unshipped_label and model is not None and not any(s.choice == SHIPPED for s in sources):
+            none_label = self.unshipped_label
+        labels = {NONE: none_label, FILE: self.file_label, UPLOAD: self.upload_label,
                   **{s.choice: s.label for s in sources}}
         return options, labels, {s.choice: s.path for s in sources}
 
@@ -140,6 +147,8 @@ def typed_path(text: str, what: str) -> Path:
 def load_slot_file(slot: LensSlot, path: Path, label: str, model: Any) -> LoadedLens:
     """The lens at ``path`` through ``slot``'s cached loader, checked against ``model``."""
     lens, key = cache.load_versioned(slot.loader, path, slot.version_file(path), model, slot.key)
+    if slot.kinds and lens.kind not in slot.kinds:
+        raise ValueError(slot.wrong_kind.format(kind=lens.kind))
     return LoadedLens(lens=lens, key=key, label=label)
 
 
@@ -164,14 +173,14 @@ def shipped_lens_path(model: Any) -> Path | None:
     return None
 
 
-def finished_runs(model: Any, spec: str) -> list[dict]:
-    """Lenses fitted by the Fit page (in the runs folder) for this model: ``[{"name", "path", "n"}]``."""
+def finished_runs(model: Any, spec: str, rules: str = "jacobian") -> list[dict]:
+    """Lenses fitted by the Fit page (in the runs folder) for this model with ``rules``: ``[{"name", "path", "n"}]``."""
     import runs
 
     out = []
     names = (spec, getattr(model, "name", None))
     for run in runs.list_runs(common.runs_dir()):
-        if run.state != "done" or not run.lens_path.is_file():
+        if run.state != "done" or not run.lens_path.is_file() or run.rules != rules:
             continue
         if run.model_spec not in names and run.status.get("model") not in names:
             continue
@@ -179,13 +188,55 @@ def finished_runs(model: Any, spec: str) -> list[dict]:
     return out
 
 
+def _fitted_here(model: Any, spec: str, rules: str) -> list[Source]:
+    return [Source(f"{RUN}{run['name']}", f"Fitted here: {run['name']}" + (f" ({run['n']} prompts)" if run["n"] else ""),
+                   run["path"]) for run in finished_runs(model, spec, rules)]
+
+
 def _jacobian_sources(model: Any, spec: str) -> list[Source]:
     shipped = shipped_lens_path(model)
     found = [Source(SHIPPED, f"Shipped lens ({shipped.name})", shipped)] if shipped is not None else []
-    for run in finished_runs(model, spec):
-        found.append(Source(f"{RUN}{run['name']}",
-                            f"Fitted here: {run['name']}" + (f" ({run['n']} prompts)" if run["n"] else ""), run["path"]))
-    return found
+    return found + _fitted_here(model, spec, "jacobian")
+
+
+def file_rules(path: str | Path) -> str | None:
+    """The ``rules`` a jlens lens file records (``"jacobian"`` for files from before rules), read from its
+    header alone; ``None`` for a file that is not a readable jlens lens (a .pt, a foreign file)."""
+    import json
+
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            info = json.loads((f.metadata() or {}).get("jlens") or "null")
+    except Exception:  # noqa: BLE001 - not a safetensors lens: the slot's own load says why, if picked
+        return None
+    return str(info.get("rules", "jacobian")) if isinstance(info, dict) else None
+
+
+def slot_for_rules(rules: str | None) -> LensSlot:
+    """The slot a Jacobian lens fitted with ``rules`` loads into (the R-lens slot for ``"relevance"``)."""
+    return RELEVANCE if rules == "relevance" else JACOBIAN
+
+
+# -- the R-lens ------------------------------------------------------------------------------------------
+def shipped_relevance_path(model: Any) -> Path | None:
+    """The R-lens shipped for ``model``: ``assets/lenses/<model>.relevance.safetensors``, next to its J lens."""
+    jacobian = shipped_lens_path(model)
+    names = [jacobian.name.removesuffix(".safetensors")] if jacobian is not None else []
+    name = str(getattr(model, "name", "") or "")
+    names += [name, Path(name).name, name.replace("/", "--")]
+    for candidate in dict.fromkeys(n for n in names if n):
+        path = LENS_DIR / f"{candidate}.relevance.safetensors"
+        if path.is_file():
+            return path
+    return None
+
+
+def _relevance_sources(model: Any, spec: str) -> list[Source]:
+    shipped = shipped_relevance_path(model)
+    found = [Source(SHIPPED, f"Shipped R-lens ({shipped.name})", shipped)] if shipped is not None else []
+    return found + _fitted_here(model, spec, "relevance")
 
 
 def _lens_file(path: Path) -> Path:
@@ -254,7 +305,21 @@ JACOBIAN = LensSlot(
     path_help="A lens file (jlens or the reference's .pt), or hf://owner/repo[@revision]/path on the "
               "Hugging Face Hub (its cache; HF_HUB_OFFLINE honoured).",
     upload_types=("safetensors", "pt"), env=ENV_LENS,
-    empty_note="No Jacobian lens loaded: the logit lens only. Fit one on the Fit page or load a lens file.")
+    empty_note="No Jacobian lens loaded: the logit lens only. Fit one on the Fit page or load a lens file.",
+    kinds=("jacobian",), wrong_kind="this file is an R-lens (fitted with rules={kind!r}): pick it in the R-lens "
+                                    "slot below.")
+RELEVANCE = LensSlot(
+    key="relevance", param="rlens", default=NONE, sources=_relevance_sources, loader=cache.load_lens_cached,
+    version_file=_lens_file, summary=lambda lens: f"**R-lens** · {lens_summary(lens)}", noun="R-lens",
+    label="R-lens", none_label="None", unshipped_label="None (no shipped R-lens for this model)",
+    file_label="R-lens file (path)…", upload_label="Upload an R-lens file…", upload_box_label="R-lens file",
+    path_label="R-lens file", path_what="R-lens file", path_placeholder="/path/to/lens.safetensors or hf://owner/repo/lens",
+    path_help="A lens file fitted with relevance rules (`jlens fit --rules relevance`), or "
+              "hf://owner/repo[@revision]/path on the Hugging Face Hub.",
+    picker_help="The relevance lens: the same average Jacobian, fitted with LRP-style backward rules "
+                "(docs/method.md §9.1). Fit one on the Fit page (rules: Relevance).",
+    kinds=("relevance",), wrong_kind="this file is a lens fitted with rules={kind!r}, not an R-lens: pick it in the "
+                                     "Lens slot above.")
 TUNED = LensSlot(
     key="tuned", param="tuned", default=NONE, sources=_tuned_sources, loader=cache.load_tuned_cached,
     version_file=_tuned_file, summary=lambda lens: f"**Tuned lens** · {tuned_summary(lens)}", noun="tuned lens",
@@ -263,4 +328,4 @@ TUNED = LensSlot(
     path_placeholder="/path/to/tuned.safetensors or folder",
     picker_help="A third lens to compare: affine translators trained on the model's own output (Tune page), "
                 "a jlens tuned-lens file, or a folder in tuned-lens's format (config.json + params.pt).")
-SLOTS: tuple[LensSlot, ...] = (JACOBIAN, TUNED)
+SLOTS: tuple[LensSlot, ...] = (JACOBIAN, RELEVANCE, TUNED)

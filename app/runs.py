@@ -109,6 +109,14 @@ class Run:
         return str(self.info.get("model") or self.status.get("model") or "")
 
     @property
+    def rules(self) -> str:
+        """The fit's backward rules: ``"jacobian"`` (a J lens) or ``"relevance"`` (an R-lens), as the Fit page set them.
+
+        A fit followed from elsewhere has no settings here; its lens file's header says (the Fit page reads it).
+        """
+        return str(self.info.get("settings", {}).get("rules") or "jacobian")
+
+    @property
     def followed(self) -> bool:
         """A fit started elsewhere (by the CLI) that the app only watches."""
         return not self.info.get("args")
@@ -196,7 +204,8 @@ def new_name(model_spec: str) -> str:
 def fit_arguments(*, model: str, corpus: str, out: Path, n_prompts: int | None = None, max_seq_len: int = 128,
                   dim_batch: int = 8, min_chars: int = 400, split: str = "fit", layers: str | None = None,
                   target_layer: int = -1, checkpoint: str | None = None, stop_at_delta: float | None = None,
-                  device: str | None = None, dtype: str | None = None, skip_first: int | None = None) -> list[str]:
+                  device: str | None = None, dtype: str | None = None, skip_first: int | None = None,
+                  rules: str = "jacobian") -> list[str]:
     """The ``jlens fit`` command-line arguments for these settings (see ``jlens fit --help``)."""
     args = ["--model", model, "--corpus", corpus, "--out", str(out), "--max-seq-len", str(int(max_seq_len)),
             "--dim-batch", str(int(dim_batch)), "--min-chars", str(int(min_chars)), "--split", split,
@@ -215,6 +224,8 @@ def fit_arguments(*, model: str, corpus: str, out: Path, n_prompts: int | None =
         args += ["--dtype", dtype]
     if skip_first is not None:
         args += ["--skip-first", str(int(skip_first))]
+    if rules != "jacobian":  # the R-lens: the same average under relevance rules (docs/method.md §9.1)
+        args += ["--rules", rules]
     return args
 
 

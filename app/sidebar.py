@@ -34,11 +34,13 @@ def sidebar() -> Context:
             sb.caption(slot.summary(ctx.loaded[slot.key].lens))
         elif ctx.model is not None and slot.empty_note:
             sb.info(slot.empty_note)
+    # the Jacobian-type lenses loaded (J, R): with one, Inspect starts side by side with the logit lens
+    fitted_keys = "|".join(ctx.loaded[key].key for key in ("jacobian", "relevance") if key in ctx.loaded)
     if ss.get("mode") is None:
-        ss.mode = "side" if ctx.lens is not None else "logit"
-    elif ctx.lens is not None and ss.get("_lens_key") == "" and ss.mode == "logit":
+        ss.mode = "side" if fitted_keys else "logit"
+    elif fitted_keys and ss.get("_lens_key") == "" and ss.mode == "logit":
         ss.mode = "side"  # a lens was just loaded: compare the two
-    ss._lens_key = ctx.lens_key
+    ss._lens_key = fitted_keys
     ss._ctx = ctx
     return ctx
 

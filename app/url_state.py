@@ -1,7 +1,7 @@
 """The view kept in the URL: query parameters seed a session and are written back after every run.
 
-What a user sets up (``model``, ``lens``, ``tuned``, ``prompt``, ``mode``, ``stat``, ``pair``,
-``gen``, ``temp``, ``seed``, ``band``) is in the page's URL, so a view can be shared and reloaded.
+What a user sets up (``model``, ``lens``, ``rlens``, ``tuned``, ``prompt``, ``mode``, ``stat``, ``pair``,
+``vocab``, ``centred``, ``gen``, ``temp``, ``seed``, ``band``) is in the page's URL, so a view can be shared and reloaded.
 Each lens slot (:data:`lens_slots.SLOTS`) has its own parameter, named by the slot.
 """
 
@@ -44,6 +44,10 @@ def init_state() -> None:
         ss.mode = mode if mode in common.MODES else None  # decided once the lens is known
         stat = _query_value("stat")
         ss.stat = stat if stat in common.STATS else "top1_prob"
+        if _query_value("vocab") in common.VOCABS:
+            ss.vocab_word = _query_value("vocab") == "word"
+        if _query_value("centred") in ("0", "1"):
+            ss.iv_centred = _query_value("centred") == "1"
         _seed_generation_state(ss)
         ss._initialised = True
     for key in KEPT_KEYS:
@@ -96,6 +100,8 @@ def sync_query_params() -> None:
               **{slot.param: slot.url_value() for slot in SLOTS},
               "prompt": ss.get("prompt") or "", "mode": ss.get("mode") or "logit", "stat": ss.get("stat") or "top1_prob"}
     wanted.update(generation_query())
+    wanted["vocab"] = "word" if ss.get("vocab_word") else None  # "all", the default, left out
+    wanted["centred"] = "1" if ss.get("iv_centred") else None
     pair = (ss.get("pair_a"), ss.get("pair_b"))
     wanted["pair"] = ",".join(pair) if ss.get("mode") in ("side", "diff") and pair != ("logit", "jacobian") \
         and all(pair) else None

@@ -37,7 +37,8 @@ def warm_up(spec: str | None = None) -> list[str]:
     layers = tuple(common.view_layers(model.n_layers, (0, model.n_layers - 1), common.INSPECT_DEFAULTS["stride"]))
     readings_cached(model, f"{spec}|auto|auto", lenses, text, common.INSPECT_DEFAULTS["top_k"], (),
                     common.INSPECT_DEFAULTS["show_ws"], common.INSPECT_DEFAULTS["word_like"], layers,
-                    common.default_positions(n_tokens), common.MAX_TOKENS, None, "", None)
+                    common.default_positions(n_tokens), common.MAX_TOKENS, None, "", None,
+                    "word" if common.INSPECT_DEFAULTS["vocab_word"] else "all")
     done.append(f"{' and '.join(lenses)} readings of the default prompt")
     return done
 

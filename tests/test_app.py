@@ -218,13 +218,23 @@ def test_inspect_cell_selection_opens_the_detail_panel(tiny_dir, tiny_model, len
     # default cell: the model's output at the last position
     n = tiny_model.encode(PROMPT).shape[1]
     assert at.selectbox(key="cell_layer").value == 3 and at.selectbox(key="cell_pos").value == n - 1
-    outlines = [(sh["xref"], sh["x0"], sh["y0"]) for sh in chart(at, "heatmap")["layout"]["shapes"]]
+    shapes = chart(at, "heatmap")["layout"]["shapes"]
+    outlines = [(sh["xref"], sh["x0"], sh["y0"]) for sh in shapes if sh.get("name") != "not fitted"]
     assert outlines == [("x", n - 1.5, 2.5), ("x2", n - 1.5, 2.5)]  # the default cell, in both panels
+    # the lens was fitted with skip_first=4: its panel's positions 0-3 are shaded above the output row, the
+    # logit panel's not, and their cells say why on hover
+    shades = [(sh["xref"], sh["x0"], sh["x1"], sh["y0"], sh["y1"]) for sh in shapes if sh.get("name") == "not fitted"]
+    assert shades == [("x2", -0.5, 3.5, -0.5, 2.5)]
+    jacobian_hover = chart(at, "heatmap")["data"][3]["hovertext"]  # row-major: row 0's positions first
+    note = "not fitted: position &lt; skip_first=4 of this lens"
+    assert [note in h for h in jacobian_hover[:n]] == [p < 4 for p in range(n)]
+    assert not any(note in h for h in jacobian_hover[-n:])  # the output row is the model itself
+    assert not any(note in h for h in chart(at, "heatmap")["data"][1]["hovertext"])
     ok(select_point(at, "heatmap", x=5, y=1, curve_number=3))  # a click on row 1 of the Jacobian panel
     assert at.selectbox(key="cell_layer").value == 1 and at.selectbox(key="cell_pos").value == 5
     # the clicked cell is outlined in the figure of the same run
     outlines = [(sh["xref"], sh["yref"], sh["x0"], sh["x1"], sh["y0"], sh["y1"])
-                for sh in chart(at, "heatmap")["layout"]["shapes"]]
+                for sh in chart(at, "heatmap")["layout"]["shapes"] if sh.get("name") != "not fitted"]
     assert outlines == [("x", "y", 4.5, 5.5, 0.5, 1.5), ("x2", "y2", 4.5, 5.5, 0.5, 1.5)]
     bars = chart(at, "cell_bars")
     assert [t["name"] for t in bars["data"]] == ["Logit lens", "Jacobian lens"]
@@ -428,14 +438,18 @@ def test_a_tuned_lens_folder_from_the_url(tiny_dir, tiny_model, tmp_path):
 
 
 def test_lens_slots_share_one_rule_for_what_the_url_asks(tiny_dir):
-    """Both slots (app/lens_slots.py): a shipped lens or run that is not there falls back to the slot's default."""
-    at = ok(make_app(model=tiny_dir, lens="run:gone", tuned="shipped", prompt=PROMPT).run())  # none ships for it
-    assert (at.session_state["lens_choice"], at.session_state["tuned_choice"]) == ("none", "none")
+    """Every slot (app/lens_slots.py): a shipped lens or run that is not there falls back to the slot's default."""
+    at = ok(make_app(model=tiny_dir, lens="run:gone", rlens="shipped", tuned="shipped", prompt=PROMPT).run())
+    # (none ships for this model)
+    assert [at.session_state[f"{p}_choice"] for p in ("lens", "rlens", "tuned")] == ["none"] * 3
     assert not at.sidebar.error
     params = {k: (v[0] if isinstance(v, list) else v) for k, v in at.query_params.items()}
     # "none" stays in the URL where the default would load a lens (the Jacobian slot: the shipped one)
-    assert params["lens"] == "none" and "tuned" not in params
-    assert [s.label for s in at.sidebar.selectbox][-2:] == ["Lens", "Tuned lens"]
+    assert params["lens"] == "none" and "tuned" not in params and "rlens" not in params
+    assert [s.label for s in at.sidebar.selectbox][-3:] == ["Lens", "R-lens", "Tuned lens"]
+    # the R-lens slot says that no R-lens ships for this model, and offers a file, an upload or hf://
+    assert at.sidebar.selectbox(key="rlens_choice").options == [
+        "None (no shipped R-lens for this model)", "R-lens file (path)…", "Upload an R-lens file…"]
 
 
 def test_side_by_side_reads_an_undrawn_lens_at_the_selected_position_only(tiny_dir, tiny_model, lens_file, tmp_path,

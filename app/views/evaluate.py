@@ -1,4 +1,4 @@
-"""Evaluate: per-layer KL and cross-entropy of the logit vs the Jacobian lens, and pass@k."""
+"""Evaluate: per-layer KL and cross-entropy of every loaded lens (logit, J, R, tuned), and pass@k."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ ctx = common.require_model()
 model = ctx.model
 lenses = ctx.lenses()
 st.title("Evaluate the lenses")
-if ctx.lens is None:
+if len(lenses) == 1:
     st.info("No Jacobian lens is loaded: the curves show the logit lens alone.")
+LENSES_KEY = tuple(ctx.lens_keys().values())  # a result holds for these lenses only
 
 
 READOUTS = {"set": "the set's own", "last": "last token", "last_newline": "last newline"}
@@ -90,7 +91,7 @@ if st.button("Evaluate", type="primary", icon=":material/play_arrow:", key="eval
         frame = evaluate(model, lenses, texts, max_seq_len=int(max_seq_len),
                          progress=lambda i, n: bar.progress(i / n, text=f"{i} / {n} texts"))
         bar.empty()
-        ss.eval_result = {"key": _key(ctx.model_key, ctx.lens_key), "frame": frame, "n_texts": len(texts),
+        ss.eval_result = {"key": _key(ctx.model_key, LENSES_KEY), "frame": frame, "n_texts": len(texts),
                           "skip_first": frame.attrs.get("skip_first")}
 result = ss.get("eval_result")
 
@@ -106,7 +107,8 @@ def _stored_evaluation() -> dict | None:
         info = json.loads((folder / "eval.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    keep = {"logit", "jacobian"} | ({"tuned"} if ss.get("tuned_choice") == "shipped" else set())
+    keep = {"logit", "jacobian"} | {slot_key for slot_key, param in (("relevance", "rlens"), ("tuned", "tuned"))
+                                     if ss.get(f"{param}_choice") == "shipped"}
     frame = frame[frame["lens"].isin(keep)].reset_index(drop=True)
     passes = None
     try:
@@ -117,13 +119,13 @@ def _stored_evaluation() -> dict | None:
     return {"frame": frame, "n_texts": info.get("n_texts"), "skip_first": 16, "stored": True, "passes": passes}
 
 
-if not (result and result["key"] == _key(ctx.model_key, ctx.lens_key)):
+if not (result and result["key"] == _key(ctx.model_key, LENSES_KEY)):
     stored = _stored_evaluation()
     if stored is not None:
-        result = {**stored, "key": _key(ctx.model_key, ctx.lens_key)}
+        result = {**stored, "key": _key(ctx.model_key, LENSES_KEY)}
         st.info(f"The stored evaluation of the shipped lenses ({result['n_texts']} held-out texts, made by "
                 "`scripts/evaluate_shipped.sh`); press Evaluate to compute it on texts of your choice.")
-if result and result["key"] == _key(ctx.model_key, ctx.lens_key):
+if result and result["key"] == _key(ctx.model_key, LENSES_KEY):
     frame = result["frame"]
     st.plotly_chart(charts.eval_curves_figure(frame), key="eval_curves", config={"displaylogo": False})
     st.caption(f"{result['n_texts']} texts, {int(frame['n_tokens'].iloc[0]):,} tokens per layer, "
@@ -143,13 +145,20 @@ st.caption("Prompts whose answer needs an intermediate step (e.g. *the country o
            "columns). An item's score is the share of its scored intermediates found; a set's is the mean over "
            "scored items, with a bootstrap 95 % interval.")
 ss.setdefault("pak_sets", list(EVAL_SETS))
-p1, p2, p3 = st.columns([3, 1, 1])
+p1, p2, p3, p4 = st.columns([3, 1, 1, 1])
 p1.multiselect("Evaluation sets", list(EVAL_SETS), key="pak_sets", help="\n".join(f"- {k}: {v}"
                                                                               for k, v in EVAL_SETS.items()))
 ss.setdefault("pak_k", [1, 5, 10])
 p2.multiselect("k", [1, 2, 3, 5, 10, 20, 50, 100], key="pak_k")
 p3.selectbox("Readout", READOUTS, key="pak_readout", format_func=READOUTS.get,
              help="Where each prompt is read: the set's own rule, or one for every item.")
+ss.setdefault("pak_vocab", "word" if ss.get("vocab_word") else "all")
+p4.selectbox("Ranks over", list(common.VOCABS), key="pak_vocab", format_func=common.VOCABS.get,
+             help="The readout: every token, or word tokens only (vocab='word': tokens whose text has no letter "
+                  "or digit cannot rank; an intermediate's own spellings are never left out).")
+st.checkbox("Leave out copied intermediates", key="pak_exclude_copied",
+            help="An intermediate that appears in the prompt text can rank high by input copying, not as a latent "
+                 "step: leave it out of the score and the coverage (the copied column counts them either way).")
 uploaded_set = st.file_uploader("…or your own set (.json with items, or .jsonl)", type=["json", "jsonl"],
                                 key="pak_upload")
 if st.button("Run pass@k", icon=":material/play_arrow:", key="pak_go"):
@@ -164,30 +173,36 @@ if st.button("Run pass@k", icon=":material/play_arrow:", key="pak_go"):
         for i, (name, items) in enumerate(chosen):
             bar.progress(i / len(chosen), text=f"{name}…")
             summary, detail = pass_at_k(model, lenses, items, k=sorted(ss.pak_k), return_detail=True,
-                                        readout=None if ss.pak_readout == "set" else ss.pak_readout)
+                                        readout=None if ss.pak_readout == "set" else ss.pak_readout,
+                                        vocab=ss.pak_vocab, exclude_copied=bool(ss.pak_exclude_copied))
             parts.append(summary.assign(set=name))
             details.append(detail.assign(set=name))
         bar.empty()
         summary = pd.concat(parts, ignore_index=True)
         if len(chosen) > 1:
             summary = pd.concat([summary, macro_mean(summary)], ignore_index=True)
-        ss.pak_result = {"key": _key(ctx.model_key, ctx.lens_key), "summary": summary,
+        ss.pak_result = {"key": _key(ctx.model_key, LENSES_KEY), "summary": summary,
                          "detail": pd.concat(details, ignore_index=True)}
 pak = ss.get("pak_result")
-if not (pak and pak["key"] == _key(ctx.model_key, ctx.lens_key)) and result and result.get("stored") \
+if not (pak and pak["key"] == _key(ctx.model_key, LENSES_KEY)) and result and result.get("stored") \
         and result.get("passes") is not None:
-    pak = {"key": _key(ctx.model_key, ctx.lens_key), "summary": result["passes"], "detail": pd.DataFrame()}
+    pak = {"key": _key(ctx.model_key, LENSES_KEY), "summary": result["passes"], "detail": pd.DataFrame()}
     st.caption("The stored pass@k of the shipped lenses on the shipped sets; Run pass@k recomputes it.")
-if pak and pak["key"] == _key(ctx.model_key, ctx.lens_key):
+if pak and pak["key"] == _key(ctx.model_key, LENSES_KEY):
     st.plotly_chart(charts.pass_at_k_figure(pak["summary"]), key="pak_chart", config={"displaylogo": False})
-    st.dataframe(pak["summary"].reindex(columns=["set", "lens", "k", "pass_rate", "ci_low", "ci_high", "items_scored",
-                                                 "n_items", "words_scored", "n_words"]),
+    st.dataframe(pak["summary"].reindex(columns=["set", "lens", "vocab", "k", "pass_rate", "ci_low", "ci_high",
+                                                 "items_scored", "n_items", "words_scored", "n_words", "copied",
+                                                 "copied_excluded"]),
                  hide_index=True, width="stretch",
                  column_config={"pass_rate": st.column_config.ProgressColumn("pass@k", min_value=0, max_value=1,
                                                                             format="percent"),
                                 "ci_low": st.column_config.NumberColumn("95 % low", format="%.2f"),
                                 "ci_high": st.column_config.NumberColumn("95 % high", format="%.2f"),
                                 "items_scored": "items scored", "n_items": "items", "words_scored": "words scored",
-                                "n_words": "words"})
+                                "n_words": "words", "vocab": st.column_config.TextColumn("ranks over", help=(
+                                    "all: every token; word: word tokens only (vocab='word')")),
+                                "copied": st.column_config.NumberColumn("copied", help=(
+                                    "scored intermediates that appear in the prompt text")),
+                                "copied_excluded": st.column_config.CheckboxColumn("copied left out")})
     with st.expander("Per item"):
         st.dataframe(pak["detail"], hide_index=True, width="stretch")

@@ -8,6 +8,7 @@ import streamlit as st
 
 import charts
 import common
+import lens_slots
 import runs
 from jlens_core.corpus import BUILTIN_CORPUS
 from jlens_core.fitting.diagnostics import (
@@ -19,7 +20,9 @@ from jlens_core.fitting.diagnostics import (
 )
 
 REFRESH_SECONDS = 1.5
+RULES = {"jacobian": "Jacobian (J lens)", "relevance": "Relevance (R-lens)"}  # `jlens fit --rules`
 ss = st.session_state
+ss.setdefault("fit_rules", "jacobian")
 ctx = common.context()
 root = common.runs_dir()
 
@@ -68,6 +71,10 @@ with st.expander("New fit", expanded=not runs.list_runs(root)):
     stop_delta = c7.number_input("Stop at delta (0 = off)", 0.0, 1.0, 0.0, format="%.4f", key="fit_stop",
                                  help="stop once the max relative change stays below this for 5 prompts")
     checkpoint = c8.text_input("Checkpoint", "", key="fit_ckpt", placeholder="(in the run folder)")
+    st.radio("Rules", list(RULES), key="fit_rules", format_func=RULES.get, horizontal=True,
+             help="Jacobian: ordinary gradients (the J lens). Relevance: the same average Jacobian with LRP-style "
+                  "backward rules (norm denominators held constant, identity rule for activations, half rule for "
+                  "gated products; docs/method.md §9.1): the R-lens, which loads into the sidebar's R-lens slot.")
     split = "fit" if source == "built-in" else "all"
     if st.button("Start fit", type="primary", icon=":material/play_arrow:", disabled=ctx.model is None or full):
         corpus = BUILTIN_CORPUS if source == "built-in" else (str(corpus_path) if corpus_path else None)
@@ -84,7 +91,8 @@ with st.expander("New fit", expanded=not runs.list_runs(root)):
                                  n_prompts=int(n_prompts), max_seq_len=int(max_seq_len), dim_batch=int(dim_batch),
                                  min_chars=int(min_chars), split=split, layers=layers, target_layer=int(target),
                                  checkpoint=str(ckpt) if ckpt else None, stop_at_delta=float(stop_delta) or None,
-                                 device=ss.get("device"), dtype=ss.get("dtype"), max_active=limit)
+                                 device=ss.get("device"), dtype=ss.get("dtype"), max_active=limit,
+                                 rules=ss.fit_rules)
                 ss.fit_run = run.name
                 del ss["fit_name"]
                 st.rerun()
@@ -128,10 +136,13 @@ if b3.button("Resume", disabled=state not in ("stopped", "failed", "lost") or ru
     with common.guard("Could not resume"):
         runs.resume(run, max_active=limit)
         st.rerun()
-if run.followed:  # a fit started elsewhere: its lens file, by path
-    choice = {"lens_choice": "file", "lens_path": str(run.lens_path)}
+# the slot the finished lens loads into: the R-lens slot for a fit with relevance rules
+if run.followed:  # a fit started elsewhere: its lens file, by path (its header names its rules)
+    slot = lens_slots.slot_for_rules(lens_slots.file_rules(run.lens_path) if state == "done" else None)
+    choice = {slot.state("choice"): "file", slot.state("path"): str(run.lens_path)}
 else:
-    choice = {"lens_choice": f"run:{run.name}"}
+    slot = lens_slots.slot_for_rules(run.rules)
+    choice = {slot.state("choice"): f"run:{run.name}"}
 b4.button("Use this lens", disabled=state != "done" or ctx.model is None or not run.lens_path.is_file(),
           icon=":material/check:", help="select it in the sidebar", on_click=lambda: ss.update(choice))
 
@@ -166,8 +177,8 @@ def show_run(folder_or_run, shown_state: str) -> None:
         reason = status.get("stop_reason")
         st.success(f"Finished: {status.get('n_done')} prompts → `{current.lens_path}`"
                    + (f" (stopped early: {reason})" if reason else "")
-                   + (". Select it in the sidebar (Lens → Fitted here) or press *Use this lens*."
-                      if not current.followed else "."))
+                   + (f". Select it in the sidebar ({lens_slots.slot_for_rules(current.rules).label} → Fitted "
+                      "here) or press *Use this lens*." if not current.followed else "."))
     elif now_state == "failed":
         st.error(f"The fit failed: {current.error_sentence() or 'see the log below'}")
     elif now_state == "stopped":

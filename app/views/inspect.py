@@ -74,7 +74,7 @@ class Reader:
         self._tried.update((name, at) for name in todo)
         v = self.view
         settings = (v.source, int(ss.top_k), tuple(v.pins), bool(ss.show_ws), bool(ss.word_like), tuple(v.layers), at,
-                    MAX_TOKENS, v.n_prompt, self.edits_key, self.edits)
+                    MAX_TOKENS, v.n_prompt, self.edits_key, self.edits, vocab())
         model, model_key = self.ctx.model, self.ctx.model_key
         try:
             into.update(cache.readings_cached(model, model_key, {n: (lenses[n], keys[n]) for n in todo}, *settings))
@@ -190,26 +190,23 @@ def _valid_pins(model: Any) -> tuple[list[str], list[str]]:
 
 
 def lens_controls(ctx: common.Context, pins: list[str]) -> tuple[str, str]:
-    """The lens mode, the statistic to colour by and, with three lenses, which two to compare; returns the pair."""
+    """The lens mode, the statistic to colour by and, with three lenses or more, which two to compare; returns the pair."""
     stat_options = list(common.STATS) + [f"rank_{p}" for p in pins]
     if ss.get("stat") not in stat_options:
         ss.stat = "top1_prob"
     available = list(ctx.lenses())
-    mode_options = ["logit", "jacobian"] + (["tuned"] if "tuned" in available else []) + ["side", "diff"] + (
-        ["three"] if len(available) == 3 else [])
+    # the Jacobian lens is always offered (without one, Inspect says so); the other lenses once loaded
+    singles = [k for k in common.LENS_KINDS if k in ("logit", "jacobian") or k in available]
+    mode_options = singles + ["side", "diff"] + (["three"] if len(available) >= 3 else [])
     if ss.mode not in mode_options:
         ss.mode = "logit"
-    for key, default in (("pair_a", "logit"),
-                         ("pair_b", "tuned" if "tuned" in available and "jacobian" not in available else "jacobian")):
-        if ss.get(key) not in common.LENS_KINDS:
-            ss[key] = default
-    if ss.pair_a == ss.pair_b:
-        ss.pair_b = next(k for k in common.LENS_KINDS if k != ss.pair_a)
-    pair = (ss.pair_a, ss.pair_b)
+    pair = _pick_pair(available)
 
     def mode_label(m: str) -> str:
         if m == "diff":
-            return f"Difference ({charts.LENS_NAMES[pair[1]].replace(' lens', '')} − {pair[0]})"
+            return f"Difference ({charts.LENS_SHORT[pair[1]]} − {pair[0]})"
+        if m == "three":
+            return f"All {dict(enumerate(('', 'one', 'two', 'three', 'four'))).get(len(available), len(available))}"
         return common.MODES.get(m, m)
 
     c1, c2 = st.columns([3, 2])
@@ -217,12 +214,39 @@ def lens_controls(ctx: common.Context, pins: list[str]) -> tuple[str, str]:
     c2.selectbox("Colour by", stat_options, key="stat",
                  format_func=lambda s: common.STATS.get(s) or f"Rank of pinned {s[5:]!r}")
     if ss.mode in ("side", "diff") and len(available) > 2:
+        # the loaded lenses, and a pair member that is not loaded (from the URL: the heatmap says so)
+        offered = [k for k in common.LENS_KINDS if k in available or k in pair]
         q1, q2, _ = st.columns([1, 1, 3])
-        q1.selectbox("Lens A", common.LENS_KINDS, key="pair_a", format_func=charts.LENS_NAMES.get)
-        q2.selectbox("Lens B", common.LENS_KINDS, key="pair_b", format_func=charts.LENS_NAMES.get,
+        q1.selectbox("Lens A", offered, key="pair_a", format_func=charts.LENS_NAMES.get)
+        q2.selectbox("Lens B", offered, key="pair_b", format_func=charts.LENS_NAMES.get,
                      help="Side by side: A above B. Difference: B − A.")
         pair = (ss.pair_a, ss.pair_b)
     return pair
+
+
+def _pick_pair(available: list[str]) -> tuple[str, str]:
+    """The two lenses of side by side and difference (``pair_a``, ``pair_b``; kept in the URL's ``pair``).
+
+    By default the logit lens and the first of J, R and tuned loaded. A pair member that is not loaded
+    gives way to a loaded lens outside the pair, when there is one (else the heatmap says what is missing).
+    """
+    fitted = [k for k in common.LENS_KINDS if k != "logit" and k in available]
+    for key, default in (("pair_a", "logit"), ("pair_b", fitted[0] if fitted else "jacobian")):
+        if ss.get(key) not in common.LENS_KINDS:
+            ss[key] = default
+    if ss.pair_a == ss.pair_b:
+        ss.pair_b = next(k for k in common.LENS_KINDS if k != ss.pair_a)
+    for key in ("pair_a", "pair_b"):
+        if ss[key] not in available:
+            spare = [k for k in available if k not in (ss.pair_a, ss.pair_b)]
+            if spare:
+                ss[key] = spare[0]
+    return ss.pair_a, ss.pair_b
+
+
+def vocab() -> str:
+    """The readout the Display options ask for: ``"word"`` (word tokens only) or ``"all"``."""
+    return "word" if ss.get("vocab_word") else "all"
 
 
 def _encode(model: Any, has_template: bool) -> tuple[str, str, Any]:
@@ -318,8 +342,13 @@ def display_options(model: Any, prompt: str, text: str, full_ids: Any, generatio
                 ss._pos_for = (text, n_tokens)
             d2.slider("Positions", 0, n_tokens - 1, key="pos_range")
         d3.toggle("Whitespace as glyphs", key="show_ws", help="Show spaces as ·, newlines as ↵, tabs as →.")
+        d3.toggle("Word tokens only", key="vocab_word",
+                  help="The word-token readout (vocab='word'): top-k lists and every rank leave out tokens whose "
+                       "text has no letter or digit (punctuation, whitespace, byte pieces, special tokens); "
+                       "probabilities, entropy, KL and CE stay over the full vocabulary.")
         d3.toggle("Word-like tokens only", key="word_like",
-                  help="Top-k lists keep word-like tokens only (ranks stay over the full vocabulary).")
+                  help="A stricter display filter: top-k lists keep word-like tokens only (letters and inner "
+                       "apostrophes or hyphens, no digits); ranks are those of the readout above.")
     if bad_pins:
         st.warning("Not pinned: " + "; ".join(bad_pins))
     if int(full_ids.shape[1]) > MAX_TOKENS:
@@ -336,7 +365,8 @@ def heatmap(view: View, reader: Reader, edits: list | None) -> tuple[Any, str]:
     pair, mode = view.pair, ss.mode
     # The lenses the heatmap draws are read over every shown position (the logit lens always: the output
     # row uses it); the cell detail reads any other loaded lens at the selected position only, below.
-    shown_now = {"side": list(pair), "diff": list(pair), "three": list(common.LENS_KINDS)}.get(mode, [mode])
+    loaded = [name for name in common.LENS_KINDS if name in reader.ctx.lenses()]
+    shown_now = {"side": list(pair), "diff": list(pair), "three": loaded}.get(mode, [mode])
     # A line of text, not a spinner: the spinner's animation, and the page below it moving down and up as
     # it comes and goes, cost the browser CPU the reading needs (a new prompt's redraw took ~0.15 s longer).
     reading_note = st.empty()
@@ -397,7 +427,8 @@ def most_common_panel(model: Any, view: View, readings: dict, mode: str) -> None
                        "tokens.")
             return
         for panel, name in zip(st.columns(len(shown_lenses)), shown_lenses):
-            table = most_common_tokens(readings[name], layers=band_rows, word_like=bool(ss.mc_word_like), top_n=10)
+            table = most_common_tokens(readings[name], layers=band_rows, word_like=bool(ss.mc_word_like), top_n=10,
+                                       vocab=readings[name].vocab)
             panel.markdown(f"**{charts.LENS_NAMES[name]}**: top-1 most often across {len(view.positions)} positions "
                            f"× {len(band_rows)} layers. Click a token to pin it.")
             if table.empty:

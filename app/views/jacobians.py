@@ -17,13 +17,18 @@ from jlens_core.reading.singular_directions import top_directions
 ss = st.session_state
 ctx = common.require_model()
 st.title("The Jacobians")
-if ctx.lens is None:
+fitted = [name for name in ("jacobian", "relevance") if name in ctx.loaded]  # the J lens, the R-lens
+if not fitted:
     st.info("No Jacobian lens is loaded (the logit lens is J = I everywhere). Pick the shipped lens or a lens "
             "file in the sidebar, or fit one on the Fit page.")
     st.stop()
-lens = ctx.lens
-st.caption(f"{lens_slots.lens_summary(lens)}. Each J_l is the average Jacobian of the target layer's residual with "
-           "respect to layer l's residual (d × d).")
+if len(fitted) > 1:
+    st.radio("Lens", fitted, key="jac_lens", format_func=charts.LENS_NAMES.get, horizontal=True)
+lens_name = ss.get("jac_lens") if ss.get("jac_lens") in fitted else fitted[0]
+lens, lens_key = ctx.loaded[lens_name].lens, ctx.loaded[lens_name].key
+st.caption(f"{charts.LENS_NAMES[lens_name]}: {lens_slots.lens_summary(lens)}. Each J_l is the average Jacobian of "
+           "the target layer's residual with respect to layer l's residual (d × d)"
+           + (", its backward under relevance rules (docs/method.md §9.1)." if lens_name == "relevance" else "."))
 
 
 @st.cache_resource(show_spinner=False, max_entries=8)
@@ -62,7 +67,7 @@ def _directions(_model, model_key: str, _lens, lens_key: str, layer: int, n: int
 
 
 with st.spinner("Singular values of every layer…"):
-    stats, singular_values = _stats_and_spectra(lens, ctx.lens_key)
+    stats, singular_values = _stats_and_spectra(lens, lens_key)
 st.subheader("Per layer")
 st.plotly_chart(charts.layer_stats_figure(stats), key="jac_stats", config={"displaylogo": False})
 with st.expander("Table"):
@@ -90,7 +95,7 @@ d1.selectbox("Directions of layer", layers, key="jac_dir_layer")
 n_dirs = d2.slider("Directions", 1, 16, 5, key="jac_n")
 top_k = d3.slider("Tokens per direction", 3, 20, 8, key="jac_k")
 with common.guard("Could not decode the directions"):
-    directions = _directions(ctx.model, ctx.model_key, lens, ctx.lens_key, int(ss.jac_dir_layer), int(n_dirs),
+    directions = _directions(ctx.model, ctx.model_key, lens, lens_key, int(ss.jac_dir_layer), int(n_dirs),
                              int(top_k), bool(ss.get("show_ws", False)))
     st.caption("J = U S Vᵀ. *Output* directions u_i (target-layer space) and *input* directions v_i (layer space) "
                "decoded through the unembedding; a singular vector's sign is arbitrary, so both signs are listed: "
