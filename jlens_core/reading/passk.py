@@ -42,6 +42,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -312,6 +313,70 @@ def readout_position(model: LensModel, prompt: str, ids: torch.Tensor, rule: Any
     return n - 1
 
 
+# -- one item's protocol ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ItemReadout:
+    """What pass@k reads of one item (docs/method.md §8), before any lens: its words, their candidate
+    spellings, where the lens is read.
+
+    Attributes:
+        name: the item's ``name``, else its 0-based index in the set (as a string).
+        words: ``(role, word)`` pairs: the intermediates (``"intermediate"``), then the target (``"target"``).
+        spellings: per word, ``{spelling: token id}`` it is ranked by (empty: unscored).
+        copied: ``{word: whether the prompt already holds it}`` (:func:`appears_in_prompt`).
+        ids: ``LongTensor[1, seq]``, the encoded prompt.
+        position: the readout position, an index into ``ids[0]``.
+    """
+
+    name: str
+    words: list[tuple[str, str]]
+    spellings: list[dict[str, int]]
+    copied: dict[str, bool]
+    ids: torch.Tensor
+    position: int
+
+
+def item_readout(model: LensModel, item: Mapping, index: int, *, readout: Any = None, spelling: str = "whole",
+                 synonyms: str | None = None) -> ItemReadout:
+    """The protocol of one checked item (:func:`check_item`): words, spellings, copied flags, readout position.
+
+    ``readout`` / ``synonyms`` override the item's own (``None``: the item's, else ``"last"`` / none).
+
+    Raises:
+        ValueError: a readout rule that does not fit the prompt (the message names the item).
+    """
+    name = str(item.get("name", index))
+    words = [("intermediate", w) for w in item["intermediates"]]
+    if item.get("target"):
+        words.append(("target", item["target"]))
+    item_synonyms = synonyms if synonyms is not None else item.get("synonyms")
+    spelled = [word_spellings(model.tokenizer, w, spelling=spelling, synonyms=item_synonyms,
+                              vocab_size=model.vocab_size) for _, w in words]
+    copied = {w: appears_in_prompt(item["prompt"], w, synonyms=item_synonyms) for _, w in words}
+    ids = encode_prompt(model, item["prompt"], None)  # [1, seq]
+    rule = readout if readout is not None else item.get("readout", "last")
+    try:
+        position = readout_position(model, item["prompt"], ids, rule)
+    except ValueError as exc:
+        raise ValueError(f"item {name}: {exc}") from None
+    return ItemReadout(name=name, words=words, spellings=spelled, copied=copied, ids=ids, position=position)
+
+
+def item_kept_ids(kept_np: np.ndarray | None, spellings: Sequence[Mapping[str, int]],
+                  device: torch.device) -> torch.Tensor | None:
+    """``[vocab]`` 0/1 fp32 on ``device``: the ids an item's ranks count (``None`` under ``vocab="all"``).
+
+    ``kept_np`` is the readout's mask (:func:`~jlens_core.reading.word_readout.kept_ids_mask`); every
+    candidate spelling of the item's words is added to it (never excluded, docs/method.md §8).
+    """
+    if kept_np is None:
+        return None
+    kept = torch.tensor(kept_np, dtype=torch.float32, device=device)  # [vocab_size]
+    for spelled in spellings:
+        kept[list(spelled.values())] = 1.0
+    return kept
+
+
 # -- pass@k ------------------------------------------------------------------------------------------------
 def _best_rank(logits: torch.Tensor, candidates: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
     """``LongTensor[n]``: per row of ``logits [n, vocab]``, the best 1-based rank among ``candidates``.
@@ -363,36 +428,19 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
     items = _check_items(items)
     for lens in lenses.values():
         check_lens(model, lens)
-    tokenizer = model.tokenizer
-    vocab_size = model.vocab_size
-    kept_np = kept_ids_mask(TokenDisplay.for_model(model), vocab, vocab_size)  # bool[vocab_size] or None
+    kept_np = kept_ids_mask(TokenDisplay.for_model(model), vocab, model.vocab_size)  # bool[vocab_size] or None
     top = model.n_layers - 1
     lens_layers = {name: readable_layers(model, lens, layers) for name, lens in lenses.items()}
     all_layers = sorted({layer for ls in lens_layers.values() for layer in ls})
     display = TokenDisplay.for_model(model)
     rows = []
     for index, item in enumerate(items):
-        name = str(item.get("name", index))
-        words = [("intermediate", w) for w in item["intermediates"]]
-        if item.get("target"):
-            words.append(("target", item["target"]))
-        item_synonyms = synonyms if synonyms is not None else item.get("synonyms")
-        spellings = [word_spellings(tokenizer, w, spelling=spelling, synonyms=item_synonyms, vocab_size=vocab_size)
-                     for _, w in words]
-        copied = {w: appears_in_prompt(item["prompt"], w, synonyms=item_synonyms) for _, w in words}
-        ids = encode_prompt(model, item["prompt"], None)  # [1, seq]
-        rule = readout if readout is not None else item.get("readout", "last")
-        try:
-            position = readout_position(model, item["prompt"], ids, rule)
-        except ValueError as exc:
-            raise ValueError(f"item {name}: {exc}") from None
+        read = item_readout(model, item, index, readout=readout, spelling=spelling, synonyms=synonyms)
+        name, words, spellings, copied, ids, position = (read.name, read.words, read.spellings, read.copied,
+                                                         read.ids, read.position)
         resid = record_residuals(model, ids[:, : position + 1], all_layers)  # causal: nothing after is needed
         device = resid[top].device
-        kept = None
-        if kept_np is not None:  # the word tokens, and every spelling of the item's words (never excluded)
-            kept = torch.tensor(kept_np, dtype=torch.float32, device=device)  # [vocab_size]
-            for spelled in spellings:
-                kept[list(spelled.values())] = 1.0
+        kept = item_kept_ids(kept_np, spellings, device)
         with torch.no_grad():
             final_logits = model.unembed(resid[top][position:position + 1]).float()  # [1, vocab]
             for lens_name, lens in lenses.items():
@@ -528,6 +576,7 @@ def macro_mean(per_set: pd.DataFrame) -> pd.DataFrame:
 
 
 __all__ = ["DETAIL_COLUMNS", "EVAL_DIR", "EVAL_SETS", "PASS_COLUMNS", "READOUT_RULES", "SPELLINGS", "SYNONYM_SETS",
-           "appears_in_prompt", "bootstrap_interval", "check_item", "check_readout", "load_eval_set", "macro_mean", "number_synonyms",
+           "ItemReadout", "appears_in_prompt", "bootstrap_interval", "check_item", "check_readout", "item_kept_ids",
+           "item_readout", "load_eval_set", "macro_mean", "number_synonyms",
            "pass_at_k", "pass_at_k_detail", "readout_position", "shipped_sets", "summarize_pass_at_k",
            "word_spellings"]
