@@ -44,6 +44,15 @@ def lens_file(tiny_model, tmp_path_factory) -> str:
     return str(lens.save(tmp_path_factory.mktemp("lens") / "tiny.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def rlens_file(tiny_model, tmp_path_factory) -> str:
+    """A tiny R-lens: the same prompts and settings as :func:`lens_file`, fitted with relevance rules."""
+    texts = [LONG_TEXT, LONG_TEXT.upper(), " ".join(reversed(LONG_TEXT.split()))]
+    lens = fit(tiny_model, texts, skip_first=4, max_seq_len=40, rules="relevance")
+    assert lens.kind == "relevance"
+    return str(lens.save(tmp_path_factory.mktemp("rlens") / "tiny.relevance.safetensors"))
+
+
 @pytest.fixture(autouse=True)
 def runs_root(tmp_path, tmp_path_factory, monkeypatch) -> Path:
     root = tmp_path / "runs"
@@ -377,6 +386,31 @@ def test_inspect_intervene_panel(tiny_dir, tiny_model, lens_file):
     assert any("' capital city' is not a single vocabulary token: it is" in e.value for e in ok(at).error)
 
 
+def test_intervene_centred_directions_and_the_r_lens(tiny_dir, tiny_model, lens_file, rlens_file):
+    from jlens_core.interventions import Swap
+
+    at = ok(make_app(model=tiny_dir, lens=lens_file, rlens=rlens_file, prompt=PROMPT).run())
+    assert at.selectbox(key="iv_lens").options == ["Jacobian lens", "R-lens", "Logit lens"]
+    at.text_input(key="iv_token").set_value(" capital")
+    at.selectbox(key="iv_replacement").set_value(" time")
+    at.number_input(key="iv_new").set_value(3)
+    at.button(key="iv_run").click().run()
+    raw = Swap(tiny_model, JacobianLens.load(lens_file), " capital", " time", 1.0, layers=[1, 2])
+    assert any(c.value == f"Edit: `{raw!r}`" for c in ok(at).caption)
+    # centred directions: another edit (the same readings), a new run asked for, and the choice in the URL
+    at.checkbox(key="iv_centred").check().run()
+    assert any("Settings changed" in c.value for c in ok(at).caption)
+    assert ok(at).query_params["centred"] == "1"
+    at.button(key="iv_run").click().run()
+    centred = Swap(tiny_model, JacobianLens.load(lens_file), " capital", " time", 1.0, layers=[1, 2], centred=True)
+    assert repr(centred) != repr(raw) and any(c.value == f"Edit: `{centred!r}`" for c in ok(at).caption)
+    # the R-lens's directions
+    at.selectbox(key="iv_lens").set_value("relevance")
+    at.button(key="iv_run").click().run()
+    r_swap = Swap(tiny_model, JacobianLens.load(rlens_file), " capital", " time", 1.0, layers=[1, 2], centred=True)
+    assert "relevance lens" in repr(r_swap) and any(c.value == f"Edit: `{r_swap!r}`" for c in ok(at).caption)
+
+
 def test_intervene_panel_with_the_logit_lens_only(tiny_dir):
     at = ok(make_app(model=tiny_dir, lens="none", prompt=PROMPT).run())
     at.radio(key="iv_op").set_value("ablate")
@@ -486,6 +520,84 @@ def test_side_by_side_reads_an_undrawn_lens_at_the_selected_position_only(tiny_d
     row = next(d.value for d in ok(at).dataframe if "lens" in d.value.columns).set_index("lens").loc["Tuned lens"]
     expected = real(tiny_model, TunedLens.load(path, model=tiny_model), prompt).cell(1, 1)
     assert row["entropy (bits)"] == pytest.approx(expected["entropy_bits"], rel=1e-5)
+
+
+def test_the_r_lens_slot_side_by_side_with_any_lens(tiny_dir, tiny_model, lens_file, rlens_file):
+    from jlens_core.reading.readings import read_prompt
+
+    at = ok(make_app(model=tiny_dir, lens=lens_file, rlens=rlens_file, prompt=PROMPT).run())
+    assert at.session_state["rlens_choice"] == "file"
+    assert any(c.value.startswith("**R-lens** · 3 prompts") for c in at.sidebar.caption)
+    # one mode per loaded lens, and every loaded lens stacked
+    assert at.radio(key="mode").options == ["Logit lens", "Jacobian lens", "R-lens", "Side by side",
+                                             "Difference (Jacobian − logit)", "All three"]
+    at.radio(key="mode").set_value("relevance").run()
+    r_lens = JacobianLens.load(rlens_file)
+    expected = read_prompt(tiny_model, r_lens, PROMPT).top1_grid()
+    trace = chart(ok(at), "heatmap")["data"][0]
+    assert trace["name"] == "R-lens" and same_tokens(trace["text"][1], [html.escape(t, quote=False) for t in expected[1]])
+    # side by side: any two of the loaded lenses, picked in two selectboxes and kept in the URL
+    at.radio(key="mode").set_value("side").run()
+    assert ok(at).selectbox(key="pair_a").options == ["Logit lens", "Jacobian lens", "R-lens"]
+    at.selectbox(key="pair_a").set_value("jacobian")
+    at.selectbox(key="pair_b").set_value("relevance").run()
+    spec = chart(ok(at), "heatmap")
+    assert [t["name"] for t in spec["data"][::2]] == ["Jacobian lens", "R-lens"]
+    assert [a["text"] for a in spec["layout"]["annotations"][:2]] == ["Jacobian lens", "R-lens"]
+    params = {k: (v[0] if isinstance(v, list) else v) for k, v in at.query_params.items()}
+    assert params["rlens"] == rlens_file and params["pair"] == "jacobian,relevance"
+    at.radio(key="mode").set_value("diff").run()
+    assert chart(ok(at), "heatmap")["layout"]["title"]["text"].startswith("R-lens − jacobian")
+    at.radio(key="mode").set_value("three").run()
+    assert [t["name"] for t in chart(ok(at), "heatmap")["data"][::2]] == ["Logit lens", "Jacobian lens", "R-lens"]
+    # the cell detail reads every loaded lens
+    table = next(d.value for d in at.dataframe if "lens" in d.value.columns)
+    assert list(table["lens"]) == ["Logit lens", "Jacobian lens", "R-lens"]
+    # a shared URL with the pair restores it
+    shared = ok(make_app(model=tiny_dir, lens=lens_file, rlens=rlens_file, prompt=PROMPT, mode="side",
+                         pair="logit,relevance").run())
+    assert [t["name"] for t in chart(shared, "heatmap")["data"][::2]] == ["Logit lens", "R-lens"]
+    # with the R-lens alone, side by side pairs it with the logit lens
+    alone = ok(make_app(model=tiny_dir, lens="none", rlens=rlens_file, prompt=PROMPT).run())
+    assert alone.radio(key="mode").value == "side"
+    assert [t["name"] for t in chart(alone, "heatmap")["data"][::2]] == ["Logit lens", "R-lens"]
+    # each slot takes its own kind of lens, and says where the other goes
+    swapped = ok(make_app(model=tiny_dir, lens=rlens_file, rlens=lens_file, prompt=PROMPT).run())
+    errors = [e.value for e in swapped.sidebar.error]
+    assert any("this file is an R-lens (fitted with rules='relevance'): pick it in the R-lens slot" in e
+               for e in errors)
+    assert any("not an R-lens: pick it in the Lens slot" in e for e in errors)
+    # the Jacobians page shows either lens; Evaluate draws every loaded lens
+    at.switch_page("views/jacobians.py").run()
+    at.radio(key="jac_lens").set_value("relevance").run()
+    assert any(c.value.startswith("R-lens: 3 prompts") for c in ok(at).caption)
+    at.switch_page("views/evaluate.py").run()
+    at.radio(key="eval_source").set_value("paste").run()
+    at.text_area(key="eval_paste").set_value(LONG_TEXT)
+    button(at, "Evaluate").click().run()
+    assert {t["name"] for t in chart(ok(at), "eval_curves")["data"]} == {"Logit lens", "Jacobian lens", "R-lens"}
+
+
+def test_word_tokens_only_reads_with_the_word_readout(tiny_dir, tiny_model, lens_file):
+    from jlens_core.reading.readings import read_prompt
+    from jlens_core.reading.word_readout import word_mask
+
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="jacobian").run())
+    assert "vocab" not in at.query_params
+    at.toggle(key="vocab_word").set_value(True).run()
+    assert ok(at).query_params["vocab"] == "word"
+    lens = JacobianLens.load(lens_file)
+    word = read_prompt(tiny_model, lens, PROMPT, vocab="word")
+    every = read_prompt(tiny_model, lens, PROMPT)
+    assert word.top1_grid() != every.top1_grid()  # this prompt's cells have non-word top-1 tokens
+    kept = word_mask(TokenDisplay.for_model(tiny_model))
+    assert kept[word.top_ids].all()
+    texts = chart(at, "heatmap")["data"][0]["text"]
+    assert same_tokens(texts[1], [html.escape(t, quote=False) for t in word.top1_grid()[1]])
+    # a shared URL reads the same way
+    shared = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="jacobian", vocab="word").run())
+    assert shared.toggle(key="vocab_word").value
+    assert chart(shared, "heatmap")["data"][0]["text"] == texts
 
 
 def test_the_components_preload_is_gone_once_the_sidebar_has_run(tiny_dir):
@@ -629,6 +741,44 @@ def test_fit_page_reports_a_failed_fit(tiny_dir, tmp_path):
     at.text_input(key="fit_name").set_value("bad-corpus")
     button(at, "Start fit").click().run()
     assert any("exists already" in e.value for e in ok(at).error)
+
+
+def test_fit_page_rules_and_a_finished_r_fit_loads_into_the_r_lens_slot(tiny_dir, rlens_file, tmp_path, runs_root):
+    at = ok(make_app(model=tiny_dir, lens="none").run())
+    at.switch_page("views/fit.py").run()
+    at.text_input(key="fit_name").set_value("r-bad-corpus")
+    at.radio(key="fit_rules").set_value("relevance")
+    at.radio(key="fit_source").set_value("path").run()
+    at.text_input(key="fit_corpus_path").set_value(str(tmp_path / "no-such-corpus.txt"))
+    button(at, "Start fit").click().run()
+    args = json.loads((runs_root / "r-bad-corpus" / "run.json").read_text())["args"]
+    assert args[args.index("--rules") + 1] == "relevance"  # `jlens fit --rules relevance`
+    _wait(at, lambda a: _state(a) == "failed")
+    # a finished fit with relevance rules (its files, as `jlens fit` leaves them) is offered by the R-lens slot only
+    folder = runs_root / "r-fit"
+    folder.mkdir()
+    out = folder / "lens.safetensors"
+    out.write_bytes(Path(rlens_file).read_bytes())
+    (folder / "run.json").write_text(json.dumps({"name": "r-fit", "model": tiny_dir, "out": str(out),
+                                                  "args": ["--rules", "relevance"], "settings": {"rules": "relevance"}}))
+    (folder / "lens.status.json").write_text(json.dumps({"state": "done", "pid": None, "n_total": 3, "n_done": 3,
+                                                         "next_idx": 3, "model": tiny_dir, "out": str(out)}))
+    at = ok(make_app(model=tiny_dir, lens="none").run())
+    assert "Fitted here: r-fit (3 prompts)" in at.selectbox(key="rlens_choice").options
+    assert not any("r-fit" in o for o in at.selectbox(key="lens_choice").options)
+    at.switch_page("views/fit.py").run()
+    at.selectbox(key="fit_run").set_value("r-fit").run()
+    assert any("(R-lens → Fitted here)" in s.value for s in ok(at).success)
+    button(at, "Use this lens").click().run()
+    assert ok(at).session_state["rlens_choice"] == "run:r-fit"
+    assert any(c.value.startswith("**R-lens** · 3 prompts") for c in at.sidebar.caption)
+    # followed by its --out path, its header says where it goes
+    fresh = ok(make_app(model=tiny_dir, lens="none").run())
+    fresh.switch_page("views/fit.py").run()
+    fresh.text_input(key="fit_follow").set_value(str(out)).run()
+    button(fresh, "Use this lens").click().run()
+    assert (ok(fresh).session_state["rlens_choice"], fresh.session_state["rlens_path"]) == ("file", str(out))
+    assert fresh.session_state["lens_choice"] == "none"
 
 
 def test_fit_page_follows_a_fit_started_elsewhere(tiny_dir, lens_file, tmp_path):
