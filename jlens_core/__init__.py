@@ -37,6 +37,7 @@ _SOURCES = {
     "load_swap_set": ".interventions.swap_success",
     "swap_success": ".interventions.swap_success",
     "resolve_layers": ".layerspec",
+    "ExpertLens": ".lenses.experts",
     "JacobianLens": ".lenses.lens",
     "LensFileError": ".lenses.lens",
     "LogitLens": ".lenses.lens",
@@ -71,6 +72,7 @@ __all__ = [
     "LAYOUTS",
     "Ablate",
     "ActivationRecorder",
+    "ExpertLens",
     "FitProgress",
     "FitState",
     "Generation",
@@ -126,6 +128,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .interventions.read_directions import token_direction
     from .interventions.swap_success import SwapReport, load_swap_set, swap_success
     from .layerspec import resolve_layers
+    from .lenses.experts import ExpertLens
     from .lenses.lens import JacobianLens, LensFileError, LogitLens
     from .lenses.protocol import Lens
     from .lenses.shipped import default_lens, load_lens

@@ -35,6 +35,7 @@ PUBLIC_NAMES = [
     "Ablate", "Generation", "Steer", "Swap", "SwapReport", "TunedLens", "compare_readings", "compare_runs",
     "diff_dumps", "difference", "divergence_curve", "dump_hidden_states", "generate", "load_swap_set",
     "most_common_tokens", "swap_success", "token_direction", "train_tuned_lens",
+    "ExpertLens",  # expert lenses, J++ (issue #32 §1)
 ]
 
 

@@ -1,0 +1,618 @@
+"""Expert lenses (J++ and R++): one Jacobian per cluster of source residuals (docs/method.md §9.1, experts).
+
+Per source layer ``l`` the fit's kept positions are clustered by their layer-``l`` residual
+(:class:`Clustering`: unit length, centred, top-``k`` principal components, k-means with ``E``
+centroids); each source position's row block of the Jacobian is averaged into its own cluster's
+matrix ``J_{l,e}``. :class:`ExpertLens` holds the pooled lens, the ``E`` expert matrices, their
+position counts and the clustering, and reads with one matrix per layer,
+``J_l = sum_e w_e J_{l,e}`` (``w`` signed, unit L2 norm; uniform ``1 / sqrt(E)`` until weights are
+learned). :meth:`ExpertLens.to_jacobian_lens` turns it into a plain :class:`JacobianLens` of those
+matrices, which reads at a J lens's cost.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import operator
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._atomic import atomic_write
+from ..models.model import LensModel, same_fingerprint
+from .lens import FP16_MAX, LENS_RULES, RESULT_SETTINGS, JacobianLens, LensFileError, check_made_for
+
+if TYPE_CHECKING:
+    from .protocol import FittedLens
+
+log = logging.getLogger(__name__)
+
+EXPERTS_FORMAT_NAME = "jlens-experts"
+EXPERTS_FORMAT_VERSION = 1
+# Below this many positions an expert's own mean is too noisy: it reads with the pooled matrix instead.
+MIN_POSITIONS = 50
+_UNIT_EPS = 1e-12  # a residual of norm below this is scaled as if of this norm (avoids 0 / 0)
+
+
+@dataclass
+class Clustering:
+    """The clustering of one source layer's residuals (docs/method.md §9.1, experts).
+
+    Attributes:
+        mean: ``[d]``, the mean of the unit-scaled residuals it was fitted on (fp32).
+        components: ``[k, d]``, the top-``k`` principal directions of the centred unit residuals,
+            orthonormal rows (fp32).
+        centroids: ``[E, k]``, the k-means centroids in those coordinates (fp32).
+    """
+
+    mean: torch.Tensor
+    components: torch.Tensor
+    centroids: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.mean = torch.as_tensor(self.mean).float().cpu()
+        self.components = torch.as_tensor(self.components).float().cpu()
+        self.centroids = torch.as_tensor(self.centroids).float().cpu()
+        d, k = self.mean.shape[-1], self.components.shape[0]
+        if self.mean.dim() != 1 or tuple(self.components.shape) != (k, d) or self.centroids.dim() != 2 \
+                or self.centroids.shape[1] != k:
+            raise ValueError(f"A clustering needs mean [d], components [k, d] and centroids [E, k]; got "
+                             f"{tuple(self.mean.shape)}, {tuple(self.components.shape)} and "
+                             f"{tuple(self.centroids.shape)}.")
+
+    @property
+    def experts(self) -> int:
+        """``E``, the number of clusters."""
+        return int(self.centroids.shape[0])
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """``[..., d] -> [..., k]``: scaled to unit length, centred, projected (fp32, on ``h``'s device)."""
+        x = h.float()
+        x = x / x.norm(dim=-1, keepdim=True).clamp_min(_UNIT_EPS)
+        return (x - self.mean.to(x.device)) @ self.components.to(x.device).T
+
+    def assign(self, h: torch.Tensor) -> torch.Tensor:
+        """The nearest centroid of each residual: ``h [..., d] -> LongTensor[...]`` in ``0..E-1`` (``h``'s device).
+
+        Raises:
+            ValueError: the last axis of ``h`` is not the clustering's width.
+        """
+        if h.shape[-1] != self.mean.shape[0]:
+            raise ValueError(f"h has width {h.shape[-1]}, this clustering is for width {self.mean.shape[0]}.")
+        z = self.project(h)  # [..., k]
+        centroids = self.centroids.to(z.device)
+        dist = (z.unsqueeze(-2) - centroids).pow(2).sum(-1)  # [..., E]
+        return dist.argmin(dim=-1)
+
+    def same_as(self, other: Clustering) -> bool:
+        """Whether both hold the same tensors (exactly)."""
+        return all(a.shape == b.shape and torch.equal(a, b) for a, b in
+                   ((self.mean, other.mean), (self.components, other.components), (self.centroids, other.centroids)))
+
+
+def _kmeans_pp(z: torch.Tensor, experts: int, gen: torch.Generator) -> torch.Tensor:
+    """k-means++ seeding of ``z`` [n, k] (fp64): ``[E, k]`` centroids drawn from the points."""
+    n = z.shape[0]
+    first = int(torch.randint(n, (1,), generator=gen))
+    centroids = [z[first]]
+    closest = (z - z[first]).pow(2).sum(-1)  # [n] squared distance to the nearest chosen centroid
+    for _ in range(1, experts):
+        total = float(closest.sum())
+        if total > 0:
+            pick = int(torch.multinomial(closest / total, 1, generator=gen))
+        else:  # every point sits on a chosen centroid: any point will do
+            pick = int(torch.randint(n, (1,), generator=gen))
+        centroids.append(z[pick])
+        closest = torch.minimum(closest, (z - z[pick]).pow(2).sum(-1))
+    return torch.stack(centroids)
+
+
+def _squared_distances(z: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """``[n, E]`` squared distances of points ``z`` [n, k] to ``centroids`` [E, k]."""
+    return (z.pow(2).sum(-1, keepdim=True) - 2 * z @ centroids.T + centroids.pow(2).sum(-1)).clamp_min(0)
+
+
+def kmeans(z: torch.Tensor, experts: int, *, seed: int = 0, max_iter: int = 100, tol: float = 1e-6) -> torch.Tensor:
+    """Lloyd's k-means on ``z`` [n, k] from a seeded k-means++ start: ``[E, k]`` centroids (fp64).
+
+    Each iteration assigns every point to its nearest centroid and moves each centroid to the mean of
+    its points; a cluster left empty is re-seeded at the point farthest from its own centroid (that
+    point then leaves its cluster). Stops after ``max_iter`` iterations or once no centroid moved by
+    more than ``tol`` (Euclidean, in ``z``'s units).
+    """
+    z = z.double()
+    gen = torch.Generator().manual_seed(int(seed))
+    centroids = _kmeans_pp(z, experts, gen)
+    for _ in range(max_iter):
+        dist = _squared_distances(z, centroids)  # [n, E]
+        labels = dist.argmin(-1)
+        counts = torch.bincount(labels, minlength=experts)
+        for e in torch.nonzero(counts == 0).flatten().tolist():  # re-seed an empty cluster at the farthest point
+            own = dist.gather(1, labels[:, None])[:, 0]
+            far = int(own.argmax())
+            labels[far] = e
+            dist[far] = 0.0  # taken: the next empty cluster gets another point
+            counts = torch.bincount(labels, minlength=experts)
+        new = torch.zeros_like(centroids).index_add_(0, labels, z) / counts[:, None].clamp_min(1).to(z.dtype)
+        shift = float((new - centroids).norm(dim=-1).max())
+        centroids = new
+        if shift <= tol:
+            break
+    return centroids
+
+
+def fit_clustering(residuals: torch.Tensor, experts: int = 8, components: int = 64, *, seed: int = 0,
+                   max_iter: int = 100, tol: float = 1e-6, layer: int | None = None) -> Clustering:
+    """Cluster one source layer's residuals (docs/method.md §9.1, experts).
+
+    Each residual is scaled to unit length; the mean of those is subtracted; the result is projected
+    onto its top ``min(components, d, n)`` principal components (SVD, fp64; each component's sign
+    makes its largest-magnitude entry positive); :func:`kmeans` then finds ``experts`` centroids there.
+
+    Args:
+        residuals: ``[n, d]``, one row per kept position (any float dtype, any device).
+        experts: ``E``, the number of clusters (>= 1).
+        components: ``k``, the principal components kept (>= 1).
+        seed: seeds the k-means++ start.
+        max_iter, tol: k-means stopping rules (:func:`kmeans`).
+        layer: the source layer, named in errors.
+
+    Raises:
+        ValueError: fewer positions than ``experts``, ``experts < 1``, ``components < 1`` or a
+            residual array that is not ``[n, d]``.
+    """
+    where = "" if layer is None else f" of layer {layer}"
+    if experts < 1:
+        raise ValueError(f"experts={experts} must be >= 1.")
+    if components < 1:
+        raise ValueError(f"components={components} must be >= 1.")
+    if residuals.dim() != 2:
+        raise ValueError(f"The residuals{where} must be [n, d], got shape {tuple(residuals.shape)}.")
+    n, d = residuals.shape
+    if n < experts:
+        raise ValueError(f"The clustering{where} saw {n} positions, fewer than experts={experts}: give more "
+                         "cluster prompts (cluster_prompts, --cluster-prompts) or ask for fewer experts.")
+    x = residuals.detach().double().cpu()
+    x = x / x.norm(dim=-1, keepdim=True).clamp_min(_UNIT_EPS)
+    mean = x.mean(0)
+    centred = x - mean
+    _u, _s, vh = torch.linalg.svd(centred, full_matrices=False)  # vh: [min(n, d), d]
+    k = min(components, d, n)
+    comps = vh[:k]
+    signs = torch.sign(comps.gather(1, comps.abs().argmax(1, keepdim=True)))  # [k, 1]
+    comps = comps * torch.where(signs == 0, torch.ones_like(signs), signs)
+    centroids = kmeans(centred @ comps.T, experts, seed=seed, max_iter=max_iter, tol=tol)
+    return Clustering(mean=mean.float(), components=comps.float(), centroids=centroids.float())
+
+
+def _unit(weights: torch.Tensor, what: str) -> torch.Tensor:
+    w = torch.as_tensor(weights, dtype=torch.float32).flatten().cpu()
+    norm = float(w.norm())
+    if not math.isfinite(norm) or norm == 0.0:
+        raise ValueError(f"The weights {what} have L2 norm {norm}: give finite weights, not all zero.")
+    return w / norm
+
+
+class ExpertLens:
+    """An expert lens: per source layer ``E`` Jacobians, one per residual cluster (docs/method.md §9.1).
+
+    Reads like a :class:`JacobianLens` with ``J_l = sum_e w_e J_{l,e}``; experts with fewer than
+    ``min_positions`` positions read with the pooled matrix instead (the fallback).
+
+    Args:
+        pooled: ``{source_layer: Tensor[d, d]}``, the plain (per-prompt mean) lens of the same fit.
+        experts: ``{source_layer: Tensor[E, d, d]}``, ``J_{l,e}`` = the position-weighted mean of the
+            row blocks routed to expert ``e`` (zeros where no position was).
+        counts: ``{source_layer: Tensor[E]}``, the positions averaged into each expert.
+        clustering: ``{source_layer: Clustering}`` with ``E`` centroids.
+        n_prompts: prompts averaged into the lens.
+        d_model: residual width.
+        target_layer: the layer it carries residuals to.
+        rules: ``"jacobian"`` or ``"relevance"``: the backward rules of the fit.
+        weights: learned ``{source_layer: Tensor[E]}`` (renormalised to unit L2 norm), or ``None``.
+        weight_items: the labelled items the weights were learned on.
+        min_positions: experts with fewer positions fall back to the pooled matrix.
+        n_layers, settings, model_name, model_fingerprint, diagnostics, stop_reason: as in :class:`JacobianLens`.
+
+    Raises:
+        ValueError: a layer missing from one of the dicts, a shape that is not as above, different
+            ``E`` across layers, unknown ``rules``, or weights without their items.
+    """
+
+    def __init__(self, pooled: dict[int, torch.Tensor], experts: dict[int, torch.Tensor],
+                 counts: dict[int, torch.Tensor], clustering: dict[int, Clustering], n_prompts: int,
+                 d_model: int, *, target_layer: int, rules: str = "jacobian",
+                 weights: dict[int, torch.Tensor] | None = None, weight_items: list[str] | None = None,
+                 min_positions: int = MIN_POSITIONS, n_layers: int | None = None, settings: dict | None = None,
+                 model_name: str | None = None, model_fingerprint: dict | None = None,
+                 diagnostics: list[dict] | None = None, stop_reason: str | None = None) -> None:
+        if not pooled:
+            raise ValueError("An ExpertLens needs at least one layer's matrices.")
+        if rules not in LENS_RULES:
+            raise ValueError(f"rules={rules!r} is not one of {LENS_RULES}.")
+        self.rules = rules
+        self.d_model = d = int(d_model)
+        layers = sorted(int(layer) for layer in pooled)
+        for name, table in (("experts", experts), ("counts", counts), ("clustering", clustering)):
+            missing = sorted(set(layers) - {int(k) for k in table})
+            if missing:
+                raise ValueError(f"The expert lens has no {name} for layers {missing}: every source layer needs "
+                                 "its pooled matrix, experts, counts and clustering.")
+        self.pooled = {layer: torch.as_tensor(pooled[layer]).float().cpu() for layer in layers}
+        self.experts = {layer: torch.as_tensor(experts[layer]).float().cpu() for layer in layers}
+        self.counts = {layer: torch.as_tensor(counts[layer]).to(torch.int64).cpu() for layer in layers}
+        self.clustering = {layer: clustering[layer] for layer in layers}
+        n_experts = self.experts[layers[0]].shape[0] if self.experts[layers[0]].dim() == 3 else -1
+        for layer in layers:
+            shapes = {"pooled": (tuple(self.pooled[layer].shape), (d, d)),
+                      "experts": (tuple(self.experts[layer].shape), (n_experts, d, d)),
+                      "counts": (tuple(self.counts[layer].shape), (n_experts,)),
+                      "clustering centroids": ((self.clustering[layer].experts, self.clustering[layer].mean.shape[0]),
+                                               (n_experts, d))}
+            for name, (got, want) in shapes.items():
+                if got != want:
+                    raise ValueError(f"The {name} of layer {layer} have shape {got}, expected {want} "
+                                     f"(E={n_experts}, d_model={d}).")
+        self.n_experts = int(n_experts)
+        self.weights: dict[int, torch.Tensor] | None = None
+        if weights is not None:
+            missing = sorted(set(layers) - {int(k) for k in weights})
+            if missing:
+                raise ValueError(f"The weights lack layers {missing}: give one [E] vector per source layer.")
+            self.weights = {layer: self._checked_weights(weights[layer], layer) for layer in layers}
+        self.weight_items = list(weight_items or [])
+        self.min_positions = int(min_positions)
+        self.n_prompts = int(n_prompts)
+        self.target_layer = int(target_layer)
+        self.n_layers = int(n_layers) if n_layers is not None else self.target_layer + 1
+        self.settings = dict(settings or {})
+        self.settings.setdefault("target_layer", self.target_layer)
+        self.model_name = model_name
+        self.model_fingerprint = model_fingerprint
+        self.diagnostics = list(diagnostics or [])
+        self.stop_reason = stop_reason
+        self._matrix_cache: dict[int, torch.Tensor] = {}
+        self._device_cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+
+    def _checked_weights(self, w: torch.Tensor, layer: int) -> torch.Tensor:
+        w = torch.as_tensor(w, dtype=torch.float32).cpu()
+        if tuple(w.shape) != (self.n_experts,):
+            raise ValueError(f"The weights of layer {layer} have shape {tuple(w.shape)}, expected "
+                             f"({self.n_experts},): one weight per expert.")
+        return _unit(w, f"of layer {layer}")
+
+    # -- what it is ----------------------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        """``"jacobian-experts"`` / ``"relevance-experts"`` (uniform weights), ``"jacobian++"`` / ``"relevance++"``
+        (learned weights: the J++ and R++ lenses)."""
+        return f"{self.rules}++" if self.weights is not None else f"{self.rules}-experts"
+
+    @property
+    def source_layers(self) -> list[int]:
+        return sorted(self.pooled)
+
+    @property
+    def layers(self) -> list[int]:
+        """Readable layers: the source layers plus the target (where the lens is the identity)."""
+        return self.source_layers + [self.target_layer]
+
+    def __repr__(self) -> str:
+        return (f"ExpertLens(kind={self.kind!r}, model={self.model_name!r}, layers={self.source_layers[0]}.."
+                f"{self.source_layers[-1]} ({len(self.source_layers)}), target={self.target_layer}, "
+                f"d_model={self.d_model}, E={self.n_experts}, n_prompts={self.n_prompts})")
+
+    # -- matrices ------------------------------------------------------------------------------
+    def _check_layer(self, layer: int) -> None:
+        if layer not in self.pooled:
+            raise KeyError(f"This lens was fitted at layers {self.source_layers}, not at layer {layer}.")
+
+    def expert_matrices(self, layer: int) -> torch.Tensor:
+        """``[E, d, d]`` fp32: ``J_{l,e}``, with the pooled matrix for each expert of < ``min_positions`` positions.
+
+        Raises:
+            KeyError: the lens was not fitted at ``layer``.
+        """
+        self._check_layer(layer)
+        few = self.counts[layer] < self.min_positions  # [E]
+        mats = self.experts[layer]
+        if bool(few.any()):
+            mats = torch.where(few[:, None, None], self.pooled[layer][None], mats)
+        return mats
+
+    def uniform_weights(self) -> torch.Tensor:
+        """``[E]``: all ones, scaled to unit L2 norm (``1 / sqrt(E)`` each)."""
+        return torch.full((self.n_experts,), 1.0 / math.sqrt(self.n_experts))
+
+    def combined(self, layer: int, weights: torch.Tensor) -> torch.Tensor:
+        """``sum_e w_e J_{l,e}``: fp32 ``[d, d]`` from ``weights`` ``[E]`` (used as given, not renormalised).
+
+        Raises:
+            KeyError: the lens was not fitted at ``layer``.
+            ValueError: ``weights`` is not ``[E]``.
+        """
+        w = torch.as_tensor(weights, dtype=torch.float32).cpu()
+        if tuple(w.shape) != (self.n_experts,):
+            raise ValueError(f"weights has shape {tuple(w.shape)}, expected ({self.n_experts},).")
+        return torch.einsum("e,eij->ij", w, self.expert_matrices(layer))
+
+    def layer_weights(self, layer: int) -> torch.Tensor:
+        """``[E]``: the learned weights of ``layer``, or the uniform ones when none are learned."""
+        self._check_layer(layer)
+        return self.weights[layer] if self.weights is not None else self.uniform_weights()
+
+    def matrix(self, layer: int) -> torch.Tensor:
+        """``sum_e w_e J_{l,e}`` with the learned (or uniform) weights, fp32 ``[d, d]``; ``I`` at the target.
+
+        Raises:
+            KeyError: the lens was not fitted at ``layer``.
+        """
+        if layer == self.target_layer:
+            return torch.eye(self.d_model)
+        mat = self._matrix_cache.get(layer)
+        if mat is None:
+            mat = self._matrix_cache[layer] = self.combined(layer, self.layer_weights(layer))
+        return mat
+
+    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """``J_l @ h`` over the last axis (``J_l`` = :meth:`matrix`): ``[..., d] -> [..., d]``, in ``h``'s dtype/device.
+
+        Raises:
+            KeyError: the lens was not fitted at ``layer``.
+            ValueError: the last axis of ``h`` is not ``d_model``.
+        """
+        if h.shape[-1] != self.d_model:
+            raise ValueError(f"h has width {h.shape[-1]}, this lens is for d_model={self.d_model}.")
+        if layer == self.target_layer:
+            return h
+        key = (layer, h.device, h.dtype)
+        mat = self._device_cache.get(key)
+        if mat is None:
+            mat = self.matrix(layer).to(device=h.device, dtype=h.dtype)
+            self._device_cache = {k: v for k, v in self._device_cache.items() if k[1:] == key[1:]}
+            self._device_cache[key] = mat
+        return h @ mat.T
+
+    def check_model(self, model: LensModel) -> None:
+        """Raise :class:`LensFileError` if this lens was fitted for another model than ``model``."""
+        check_made_for(self, model, what="expert lens", made="fitted on",
+                       remedy="fit an expert lens for this model, or load its own lens")
+
+    # -- variants ------------------------------------------------------------------------------
+    def _copy(self, **changes: Any) -> ExpertLens:
+        args: dict[str, Any] = {
+            "pooled": self.pooled, "experts": self.experts, "counts": self.counts, "clustering": self.clustering,
+            "n_prompts": self.n_prompts, "d_model": self.d_model, "target_layer": self.target_layer,
+            "rules": self.rules, "weights": self.weights, "weight_items": self.weight_items,
+            "min_positions": self.min_positions, "n_layers": self.n_layers, "settings": self.settings,
+            "model_name": self.model_name, "model_fingerprint": self.model_fingerprint,
+            "diagnostics": self.diagnostics, "stop_reason": self.stop_reason}
+        args.update(changes)
+        return ExpertLens(**args)
+
+    def with_weights(self, weights: dict[int, torch.Tensor] | None, items: Sequence[str] = ()) -> ExpertLens:
+        """A copy that reads with ``weights`` (``{layer: Tensor[E]}``, renormalised to unit L2 norm), learned
+        on the labelled ``items`` (their names, recorded in the file); ``None`` goes back to uniform weights.
+
+        Raises:
+            ValueError: a layer without weights, a vector that is not ``[E]``, or one of norm 0 or not finite.
+        """
+        return self._copy(weights=weights, weight_items=list(items) if weights is not None else [])
+
+    def to_jacobian_lens(self) -> JacobianLens:
+        """A plain :class:`JacobianLens` whose matrix per layer is :meth:`matrix` (reads at a J lens's cost).
+
+        Its ``settings`` record where it came from: ``experts`` (E), ``expert_kind`` (:attr:`kind`),
+        ``expert_weights`` (``{layer: [E floats]}``), ``weight_items``, ``min_positions`` and the positions
+        per expert (``expert_counts``). Save it with ``dtype="float16"`` to ship it.
+        """
+        settings = dict(self.settings, experts=self.n_experts, expert_kind=self.kind,
+                        expert_weights={str(layer): [round(float(x), 7) for x in self.layer_weights(layer)]
+                                        for layer in self.source_layers},
+                        weight_items=list(self.weight_items), min_positions=self.min_positions,
+                        expert_counts={str(layer): self.counts[layer].tolist() for layer in self.source_layers})
+        return JacobianLens({layer: self.matrix(layer) for layer in self.source_layers}, self.n_prompts,
+                            self.d_model, target_layer=self.target_layer, n_layers=self.n_layers,
+                            settings=settings, model_name=self.model_name, model_fingerprint=self.model_fingerprint,
+                            diagnostics=self.diagnostics, stop_reason=self.stop_reason, rules=self.rules)
+
+    def pooled_lens(self) -> JacobianLens:
+        """The plain lens of the same fit (the per-prompt mean of docs/method.md §3), as a :class:`JacobianLens`."""
+        return JacobianLens(self.pooled, self.n_prompts, self.d_model, target_layer=self.target_layer,
+                            n_layers=self.n_layers, settings=self.settings, model_name=self.model_name,
+                            model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
+                            stop_reason=self.stop_reason, rules=self.rules)
+
+    # -- files ---------------------------------------------------------------------------------
+    def metadata(self) -> dict[str, Any]:
+        return {"format": EXPERTS_FORMAT_NAME, "format_version": EXPERTS_FORMAT_VERSION, "kind": self.kind,
+                "model_name": self.model_name, "model_fingerprint": self.model_fingerprint,
+                "d_model": self.d_model, "n_layers": self.n_layers, "source_layers": self.source_layers,
+                "target_layer": self.target_layer, "n_prompts": self.n_prompts, "settings": self.settings,
+                "rules": self.rules, "experts": self.n_experts, "min_positions": self.min_positions,
+                "weighted": self.weights is not None, "weight_items": self.weight_items,
+                "stop_reason": self.stop_reason, "diagnostics": self.diagnostics}
+
+    def save(self, path: str | os.PathLike, *, dtype: str | torch.dtype = "float32") -> Path:
+        """Write the lens as safetensors, atomically; returns the path written (docs/method.md §4.1).
+
+        Tensors per source layer ``l``: ``J.l`` (pooled, ``[d, d]``), ``experts.l`` (``[E, d, d]``) in
+        ``dtype`` (``float32`` or ``float16``; fp16 refuses values beyond its range: warns, stores fp32);
+        ``counts.l`` (int64 ``[E]``); ``clustering.mean.l`` (``[d]``), ``clustering.components.l``
+        (``[k, d]``), ``clustering.centroids.l`` (``[E, k]``) and ``weights.l`` (``[E]``, when learned), fp32.
+        """
+        from safetensors.torch import save_file
+
+        dtype = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+                 "fp16": torch.float16}.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        if dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"dtype={dtype} is not supported: use float32 or float16.")
+        if dtype == torch.float16:
+            worst = max(max(float(m.abs().max()) for m in self.pooled.values()),
+                        max(float(m.abs().max()) for m in self.experts.values()))
+            if not worst < FP16_MAX:
+                warnings.warn(f"The lens has a value of magnitude {worst:.3g}, beyond float16's range "
+                              f"({FP16_MAX}); storing float32 instead.", stacklevel=2)
+                dtype = torch.float32
+        tensors: dict[str, torch.Tensor] = {}
+        for layer in self.source_layers:
+            clus = self.clustering[layer]
+            tensors[f"J.{layer}"] = self.pooled[layer].to(dtype).contiguous().clone()
+            tensors[f"experts.{layer}"] = self.experts[layer].to(dtype).contiguous().clone()
+            tensors[f"counts.{layer}"] = self.counts[layer].contiguous().clone()
+            tensors[f"clustering.mean.{layer}"] = clus.mean.contiguous().clone()
+            tensors[f"clustering.components.{layer}"] = clus.components.contiguous().clone()
+            tensors[f"clustering.centroids.{layer}"] = clus.centroids.contiguous().clone()
+            if self.weights is not None:
+                tensors[f"weights.{layer}"] = self.weights[layer].contiguous().clone()
+        # clone: layers may share one clustering or counts tensor, which safetensors refuses to store
+        meta = {"format": EXPERTS_FORMAT_NAME, "jlens": json.dumps(self.metadata())}
+        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), shared=True)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, model: LensModel | None = None) -> ExpertLens:
+        """Read a lens written by :meth:`save`.
+
+        Raises:
+            FileNotFoundError: no such file.
+            LensFileError: not an expert lens file, truncated, a newer format, experts without their
+                clustering, or (with ``model=``) a lens for another model.
+        """
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"No lens file at {str(path)!r}.")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != EXPERTS_FORMAT_NAME or "jlens" not in meta:
+                    raise LensFileError(f"{str(path)!r} is not an expert lens file (its header has no "
+                                        f"{EXPERTS_FORMAT_NAME!r} metadata): load it with JacobianLens.load or load_lens.")
+                info = json.loads(meta["jlens"])
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        except LensFileError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for bad headers
+            raise LensFileError(f"{str(path)!r} is not a readable lens file (truncated or not safetensors): "
+                                f"{exc}") from exc
+        if info.get("format_version", 0) > EXPERTS_FORMAT_VERSION:
+            raise LensFileError(f"{str(path)!r} has expert lens format version {info['format_version']}; this "
+                                f"jlens reads up to {EXPERTS_FORMAT_VERSION}. Upgrade jlens.")
+        rules = info.get("rules", "jacobian")
+        if rules not in LENS_RULES:
+            raise LensFileError(f"{str(path)!r} records rules={rules!r}, which this jlens does not know "
+                                f"(it reads {' and '.join(LENS_RULES)}): upgrade jlens or refit the lens.")
+        layers = [int(layer) for layer in info.get("source_layers", [])]
+        if not layers:
+            raise LensFileError(f"{str(path)!r} names no source layer.")
+        for layer in layers:
+            for name in ("J", "experts", "counts"):
+                if f"{name}.{layer}" not in tensors:
+                    raise LensFileError(f"{str(path)!r} lacks the tensor {name}.{layer}: the file is incomplete.")
+            if any(f"clustering.{part}.{layer}" not in tensors for part in ("mean", "components", "centroids")):
+                raise LensFileError(f"{str(path)!r} holds expert Jacobians but no clustering for layer {layer}, "
+                                    "so no position can be routed: refit the expert lens.")
+        weighted = bool(info.get("weighted"))
+        if weighted and any(f"weights.{layer}" not in tensors for layer in layers):
+            raise LensFileError(f"{str(path)!r} says it has learned weights but lacks some: learn them again "
+                                "(jlens weigh).")
+        try:
+            return cls({layer: tensors[f"J.{layer}"] for layer in layers},
+                       {layer: tensors[f"experts.{layer}"] for layer in layers},
+                       {layer: tensors[f"counts.{layer}"] for layer in layers},
+                       {layer: Clustering(tensors[f"clustering.mean.{layer}"],
+                                          tensors[f"clustering.components.{layer}"],
+                                          tensors[f"clustering.centroids.{layer}"]) for layer in layers},
+                       info["n_prompts"], info["d_model"], target_layer=info["target_layer"], rules=rules,
+                       weights={layer: tensors[f"weights.{layer}"] for layer in layers} if weighted else None,
+                       weight_items=info.get("weight_items"), min_positions=info.get("min_positions", MIN_POSITIONS),
+                       n_layers=info.get("n_layers"), settings=info.get("settings"),
+                       model_name=info.get("model_name"), model_fingerprint=info.get("model_fingerprint"),
+                       diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"))
+        except (ValueError, KeyError) as exc:
+            raise LensFileError(f"{str(path)!r} is not a consistent expert lens: {exc}") from exc
+
+    # -- combining -----------------------------------------------------------------------------
+    @classmethod
+    def merge(cls, lenses: Sequence[ExpertLens]) -> ExpertLens:
+        """Lenses fitted on disjoint prompt sets with one clustering, as one: the pooled matrices'
+        ``n_prompts``-weighted mean, each expert's position sums and counts added (in float64).
+
+        Raises:
+            ValueError: no lenses; lenses with learned weights; or lenses of different rules, E, layers,
+                widths, result settings, models or clusterings.
+        """
+        lenses = list(lenses)
+        if not lenses:
+            raise ValueError("merge needs at least one lens.")
+        if any(lens.weights is not None for lens in lenses):
+            raise ValueError("Cannot merge expert lenses with learned weights: merge the fits, then learn the "
+                             "weights on the merged lens.")
+        first = lenses[0]
+        for other in lenses[1:]:
+            if other.rules != first.rules:
+                raise ValueError(f"Cannot merge a {first.rules} lens with a {other.rules} lens (docs/method.md §9.1).")
+            if (other.d_model, other.source_layers, other.n_experts) != (first.d_model, first.source_layers,
+                                                                          first.n_experts):
+                raise ValueError(f"Cannot merge expert lenses of widths/layers/E {first.d_model}/"
+                                 f"{first.source_layers}/{first.n_experts} and {other.d_model}/"
+                                 f"{other.source_layers}/{other.n_experts}.")
+            for key in RESULT_SETTINGS:
+                if first.settings.get(key) != other.settings.get(key):
+                    raise ValueError(f"Cannot merge lenses fitted with different {key}: "
+                                     f"{first.settings.get(key)} vs {other.settings.get(key)}.")
+            if not same_fingerprint(first.model_fingerprint, other.model_fingerprint):
+                raise ValueError(f"Cannot merge lenses of different models ({first.model_name!r} and "
+                                 f"{other.model_name!r}).")
+            bad = [layer for layer in first.source_layers
+                   if not first.clustering[layer].same_as(other.clustering[layer])]
+            if bad:
+                raise ValueError(f"Cannot merge expert lenses with different clusterings (layers {bad}): fit the "
+                                 "shards with the same cluster_prompts, so they compute the same clustering.")
+        total = sum(lens.n_prompts for lens in lenses)
+        if total <= 0:
+            raise ValueError("Cannot merge lenses that hold zero prompts.")
+        pooled, experts, counts = {}, {}, {}
+        for layer in first.source_layers:
+            pooled[layer] = functools.reduce(operator.add, [lens.pooled[layer].double() * lens.n_prompts
+                                                            for lens in lenses]).div(total).float()
+            count = functools.reduce(operator.add, [lens.counts[layer] for lens in lenses])  # [E]
+            sums = functools.reduce(operator.add, [lens.experts[layer].double()
+                                                   * lens.counts[layer].double()[:, None, None] for lens in lenses])
+            experts[layer] = (sums / count.clamp_min(1).double()[:, None, None]).float()
+            counts[layer] = count
+        settings = dict(first.settings, merged_from=len(lenses))
+        if all("n_skipped" in lens.settings for lens in lenses):
+            settings["n_skipped"] = sum(int(lens.settings["n_skipped"]) for lens in lenses)
+        return first._copy(pooled=pooled, experts=experts, counts=counts, n_prompts=total, settings=settings,
+                           diagnostics=[rec for lens in lenses for rec in lens.diagnostics], stop_reason=None)
+
+
+def is_expert_lens_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a safetensors file whose header says it is an expert lens (reads the header only)."""
+    path = Path(path)
+    if not path.is_file() or path.suffix != ".safetensors":
+        return False
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("format") == EXPERTS_FORMAT_NAME
+    except Exception:  # noqa: BLE001 - not readable as safetensors: not an expert lens file
+        return False
+
+
+if TYPE_CHECKING:  # mypy checks here that the expert lens implements the protocol
+    _expert_is_a_fitted_lens: type[FittedLens] = ExpertLens
+
+
+__all__ = ["MIN_POSITIONS", "Clustering", "ExpertLens", "fit_clustering", "is_expert_lens_file", "kmeans"]
