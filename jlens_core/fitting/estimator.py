@@ -37,17 +37,28 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..layerspec import resolve_layers  # re-exported: its old home, imported by others
 from ..models.model import LensModel
 from ..models.recorder import ActivationRecorder
-from .fused import FusedMismatchError, fused_jacobians, fused_unsupported_reason, sliding_window_shorter_than
+from .fused import (
+    FusedMismatchError,
+    fused_backward,
+    fused_unsupported_reason,
+    prepare_layers,
+    sliding_window_shorter_than,
+)
 from .methods import METHODS, check_rules
 from .relevance import relevance_rules, relevance_unsupported_reason, unsupported_message
+from .routing import expert_counts, one_hot_routes, routed_sums, routes_for
+
+if TYPE_CHECKING:
+    from ..lenses.experts import Clustering
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +72,17 @@ class PromptJacobian:
             output dimension ``i`` of the target layer.
         seq_len: tokens in the (truncated) prompt.
         n_valid: ``|V| = seq_len - 1 - skip_first``.
+        expert_sums: with a clustering, ``{source_layer: Tensor[E, d_model, d_model]}`` (fp32, CPU):
+            ``sum_{p in e} G_p``, the row blocks of the source positions routed to expert ``e``,
+            summed (not averaged; docs/method.md §9.1, experts); else ``None``.
+        expert_counts: with a clustering, ``{source_layer: LongTensor[E]}``: positions per expert.
     """
 
     jacobians: dict[int, torch.Tensor]
     seq_len: int
     n_valid: int
+    expert_sums: dict[int, torch.Tensor] | None = None
+    expert_counts: dict[int, torch.Tensor] | None = None
 
 
 def valid_position_mask(seq_len: int, skip_first: int = 16) -> torch.Tensor:
@@ -250,7 +267,8 @@ def _remember(model: LensModel, attr: str, value: bool) -> None:
 
 def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Tensor, *, source_layers: Iterable[int] | None = None,
                         target_layer: int | None = None, dim_batch: int | str = 8, max_seq_len: int = 128,
-                        skip_first: int = 16, method: str = "auto", rules: str = "jacobian") -> PromptJacobian:
+                        skip_first: int = 16, method: str = "auto", rules: str = "jacobian",
+                        clustering: Mapping[int, Clustering] | None = None) -> PromptJacobian:
     """The per-prompt Jacobians ``{l: J_l}`` of docs/method.md §2.
 
     Args:
@@ -269,6 +287,9 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
         rules: ``"jacobian"`` (ordinary gradients) or ``"relevance"`` (the R-lens's backward rules,
             docs/method.md §9.1: residual-path norms' denominators constant, identity rule for
             activations, half rule for gated products, MoE routers constant; forward unchanged).
+        clustering: ``{source_layer: Clustering}`` (docs/method.md §9.1, experts): each valid source
+            position is routed by its own layer residual, and its row block also summed into its
+            expert (:attr:`PromptJacobian.expert_sums`), in the same backward passes.
 
     Returns:
         :class:`PromptJacobian` with fp32 CPU matrices ``[d_model, d_model]``.
@@ -305,10 +326,16 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
                          else fallback_rows)
     else:
         fallback_rows = rows_per_pass = dim_batch
+    experts = max((c.experts for c in clustering.values()), default=0) if clustering is not None else 0
+    sums = ({layer: torch.zeros(experts, d, d, dtype=torch.float32) for layer in sources}
+            if clustering is not None else None)
     if method == "fused":
         try:
-            jacobians = fused_jacobians(model, ids, sources, target, skip_first, rows_per_pass, rules=rules)
-            return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid)
+            prep = prepare_layers(model, ids, sources[0], target, skip_first, rules=rules)
+            onehots, counts = _routing(clustering, prep.residuals, sources, experts, like=prep.layers[target].a2)
+            jacobians = fused_backward(model, prep, sources, target, rows_per_pass, routes=onehots, expert_sums=sums)
+            return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid, expert_sums=sums,
+                                  expert_counts=counts)
         except FusedMismatchError as exc:
             if not auto:
                 raise
@@ -319,21 +346,42 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
 
     acts, off = (_forward_suffix(model, ids, sources, target, skip_first, 1, rules) if method == "batched"
                  else ({}, 0))
+    onehots = counts = None
     for start in range(0, d, rows_per_pass):
         rows = range(start, min(start + rows_per_pass, d))
         if method == "batched":
+            if start == 0:
+                onehots, counts = _routing(clustering, {layer: acts[layer][0, off: off + n_valid] for layer in sources},
+                                           sources, experts, like=acts[sources[0]])
             h_target = acts[target][:, off: off + n_valid]  # [1, n_valid, d]
             cot = _one_hot_cotangents(rows, 1, n_valid, d, h_target)  # [k, 1, n_valid, d]
             grads = torch.autograd.grad(h_target, [acts[layer] for layer in sources], grad_outputs=cot,
                                         is_grads_batched=True, retain_graph=True)
-            for layer, g in zip(sources, grads):  # g: [k, 1, positions, d]
-                jacobians[layer][start: rows.stop] = g[:, :, off: off + n_valid].float().sum(dim=(1, 2)).cpu() / n_valid
+            per_position = [g[:, 0, off: off + n_valid] for g in grads]  # each [k, n_valid, d]
         else:
             k = len(rows)
             rep, off = _forward_suffix(model, ids, sources, target, skip_first, k, rules)
+            if start == 0:
+                onehots, counts = _routing(clustering, {layer: rep[layer][0, off: off + n_valid] for layer in sources},
+                                           sources, experts, like=rep[sources[0]])
             h_target = rep[target][:, off: off + n_valid]  # [k, n_valid, d]
             cot = _one_hot_cotangents(rows, 1, n_valid, d, h_target)[:, 0]  # [k, n_valid, d]
             grads = torch.autograd.grad(h_target, [rep[layer] for layer in sources], grad_outputs=cot)
-            for layer, g in zip(sources, grads):  # g: [k, positions, d]
-                jacobians[layer][start: rows.stop] = g[:, off: off + n_valid].float().sum(dim=1).cpu() / n_valid
-    return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid)
+            per_position = [g[:, off: off + n_valid] for g in grads]  # each [k, n_valid, d]
+        for layer, g in zip(sources, per_position):  # g: [k, n_valid, d], row block G_p per position p
+            jacobians[layer][start: rows.stop] = g.float().sum(dim=1).cpu() / n_valid
+            if onehots is not None and sums is not None:
+                sums[layer][:, start: rows.stop] = routed_sums(onehots[layer], g).cpu()
+    return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid, expert_sums=sums,
+                          expert_counts=counts)
+
+
+def _routing(clustering: Mapping[int, Clustering] | None, residuals: Mapping[int, torch.Tensor], sources: list[int],
+             experts: int, like: torch.Tensor) -> tuple[dict[int, torch.Tensor] | None, dict[int, torch.Tensor] | None]:
+    """One-hot routes ``{l: [E, n_valid]}`` (``like``'s dtype and device) and counts ``{l: LongTensor[E]}``
+    of the valid positions, from their residuals ``{l: [n_valid, d]}``; ``(None, None)`` without clustering."""
+    if clustering is None:
+        return None, None
+    routes = routes_for(clustering, residuals, sources)
+    return ({layer: one_hot_routes(route, experts, like) for layer, route in routes.items()},
+            {layer: expert_counts(route, experts) for layer, route in routes.items()})

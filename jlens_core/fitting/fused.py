@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from torch import nn
 from ..models.layouts import get_path
 from ..models.model import LensModel, weight_of
 from ..models.recorder import ActivationRecorder
+from .routing import routed_sums
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +224,8 @@ class PreparedPrompt:
     kv_heads: int
     rep: int
     head_dim: int
+    # {layer: [n, d]}: the model's residuals at the valid positions, lowest source .. target - 1 (routing)
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def prepare_layers(model: LensModel, ids: torch.Tensor, lowest_source: int, target: int, skip_first: int,
@@ -276,7 +279,8 @@ def prepare_layers(model: LensModel, ids: torch.Tensor, lowest_source: int, targ
     hd = cos.shape[-1]
     return PreparedPrompt(layers=layers, cos=cos[skip_first:], sin=sin[skip_first:],
                           cos_rep=cos[skip_first:].repeat(rep, 1), sin_rep=sin[skip_first:].repeat(rep, 1),
-                          n_valid=n, kv_heads=kv_heads, rep=rep, head_dim=hd)
+                          n_valid=n, kv_heads=kv_heads, rep=rep, head_dim=hd,
+                          residuals={j: resid[j][skip_first:] for j in range(lowest_source, target)})
 
 
 def _rms_backward(g: torch.Tensor, residual: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -404,9 +408,10 @@ def use_layer_major(model: LensModel, n_valid: int, fraction: float = 0.25) -> b
 
 
 def _layer_major_jacobians(prep: PreparedPrompt, sources: list[int], target: int, d: int,
-                           dim_batch: int) -> dict[int, torch.Tensor]:
+                           dim_batch: int, routes: dict[int, torch.Tensor] | None = None,
+                           expert_sums: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
     """All ``d`` rows at once, one layer at a time: the MLP half by :func:`mlp_jacobians`, the
-    attention half in chunks of ``dim_batch`` rows."""
+    attention half in chunks of ``dim_batch`` rows. ``routes`` / ``expert_sums``: as in :func:`fused_backward`."""
     n = prep.n_valid
     wanted = set(sources)
     jacobians = {}
@@ -429,6 +434,8 @@ def _layer_major_jacobians(prep: PreparedPrompt, sources: list[int], target: int
             grad[rows] = _attention_backward(prep, c, mid[:, rows].transpose(0, 1))
         if j - 1 in wanted:
             jacobians[j - 1] = grad.float().sum(dim=1).cpu() / n
+            if routes is not None and expert_sums is not None:  # grad: [d rows, n, d], every row at once
+                expert_sums[j - 1].copy_(routed_sums(routes[j - 1], grad).cpu())
     return jacobians
 
 
@@ -437,7 +444,19 @@ def fused_jacobians(model: LensModel, ids: torch.Tensor, sources: list[int], tar
                     layer_major: bool | None = None, rules: str = "jacobian") -> dict[int, torch.Tensor]:
     """``{l: J_l}`` (fp32, CPU, ``[d, d]``) for one prompt ``ids`` [1, seq], by the analytic backward.
 
-    Same definition and result as the autograd estimator (docs/method.md §2), in one of two orders:
+    Same definition and result as the autograd estimator (docs/method.md §2): :func:`prepare_layers`,
+    then :func:`fused_backward` (which says how the rows run, and what ``layer_major`` chooses).
+    ``rules``: ``"jacobian"`` or ``"relevance"`` (docs/method.md §9.1; only the coefficients differ).
+    Raises as :func:`prepare_layers`.
+    """
+    prep = prepare_layers(model, ids, sources[0], target, skip_first, rtol, rules)
+    return fused_backward(model, prep, sources, target, dim_batch, layer_major)
+
+
+def fused_backward(model: LensModel, prep: PreparedPrompt, sources: list[int], target: int, dim_batch: int,
+                   layer_major: bool | None = None, routes: dict[int, torch.Tensor] | None = None,
+                   expert_sums: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+    """``{l: J_l}`` (fp32, CPU, ``[d, d]``) from a prepared prompt, in one of two orders:
 
     * layer-major (``layer_major=True``): all ``d`` rows go through one layer at a time; the MLP
       half is a ``d x d`` matrix per position (:func:`mlp_jacobians`), which saves about a fifth of
@@ -448,17 +467,20 @@ def fused_jacobians(model: LensModel, ids: torch.Tensor, sources: list[int], tar
       target down to the lowest source; memory grows with ``dim_batch``, not ``d``.
 
     ``None`` (default) takes layer-major when its memory fits (:func:`use_layer_major`).
-    ``rules``: ``"jacobian"`` or ``"relevance"`` (docs/method.md §9.1; only the coefficients differ).
-    Raises as :func:`prepare_layers`.
+
+    Expert routing (docs/method.md §9.1, experts): with ``routes`` (``{l: one-hot Tensor[E, n_valid]}``
+    on the model's device, :func:`~jlens_core.fitting.routing.one_hot_routes`) and ``expert_sums``
+    (``{l: Tensor[E, d, d]}``, fp32 CPU, filled here), each source position's row block is also added
+    to its expert's sum, ``S_{l,e} = sum_{p in e} G_p``, from the same backward passes (``E d^2``
+    fp32 more on the device per layer at a time).
     """
-    prep = prepare_layers(model, ids, sources[0], target, skip_first, rtol, rules)
     d = model.d_model
     n = prep.n_valid
     if layer_major is None:
         layer_major = use_layer_major(model, n)
     if layer_major:
         with torch.no_grad():
-            return _layer_major_jacobians(prep, sources, target, d, dim_batch)
+            return _layer_major_jacobians(prep, sources, target, d, dim_batch, routes, expert_sums)
     wanted = set(sources)
     jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
     with torch.no_grad():
@@ -469,4 +491,6 @@ def fused_jacobians(model: LensModel, ids: torch.Tensor, sources: list[int], tar
                 grad = backward_layer(prep, j, grad, rows)  # [k, n, d] at h_{j-1}
                 if j - 1 in wanted:
                     jacobians[j - 1][start: rows.stop] = grad.float().sum(dim=1).cpu() / n
+                    if routes is not None and expert_sums is not None:
+                        expert_sums[j - 1][:, start: rows.stop] = routed_sums(routes[j - 1], grad).cpu()
     return jacobians
