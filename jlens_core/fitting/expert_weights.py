@@ -1,0 +1,404 @@
+"""Combination weights of an expert lens, learned from labelled items (docs/method.md §9.1, expert weights).
+
+Per source layer ``l`` an :class:`~jlens_core.lenses.experts.ExpertLens` reads with one matrix
+``J_l = sum_e w_e J_{l,e}`` (``w`` signed, unit L2 norm). This module learns ``w`` from labelled
+pass@k items read once (:func:`~jlens_core.reading.labelled_items.read_labelled_items`): each item
+holds its source residuals ``h_l`` at its readout position, so ``J_{l,e} h_l`` is computed once per
+expert and every step only combines them and unembeds, ``unembed(sum_e w_e J_{l,e} h_l)``.
+
+* **Exact score** (:func:`macro_pass_at_k`): docs/method.md §8's pass@k with every readable layer (the
+  source layers and the output): an intermediate passes when its best rank over the layers is
+  ``<= k``; an item scores the fraction of its scored intermediates that pass; a set the mean over
+  its scored items; the macro score the mean over the sets (``macro_mean``).
+* **Surrogate** (:func:`surrogate_terms`): per scored intermediate and source layer,
+  ``sigmoid((c - t_k) / (T * s))`` with ``c`` the best candidate spelling's logit, ``t_k`` the k-th
+  largest logit (among the readout's kept ids), ``s`` the population standard deviation of the
+  logits over the whole output row and ``T = 0.1``; it is above 1/2 exactly when the layer alone
+  ranks the word ``<= k``. The objective is the per-layer macro surrogate (items and sets weighted as
+  in the exact score) averaged over the source layers: the weights are per layer, so each layer's
+  ``w_l`` is pushed to find the words there, and the output layer (which no weight changes) is left out.
+* **Optimiser** (:func:`learn_expert_weights`): Adam (lr 0.05) for 200 steps on all layers' ``w`` at
+  once, each row renormalised to unit norm after every step, from three starts: all ones, the best
+  single expert and the top three experts (per layer, by the layer's own exact macro pass@k, ties
+  by its surrogate). Every iterate (the start included) is scored exactly; the one with the best
+  exact macro pass@k over all starts is kept (the earliest on ties).
+* **Split** (:func:`split_items`): items go to the held-out side by a seeded hash of their prompt,
+  so the weights are never scored on the items they were learned on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+import torch
+
+from ..lenses.experts import ExpertLens
+from ..models.model import LensModel
+
+log = logging.getLogger(__name__)
+
+STEPS = 200
+LEARNING_RATE = 0.05
+PASS_K = 10
+TEMPERATURE = 0.1  # the margin is divided by TEMPERATURE x the logits' standard deviation
+STARTS = ("uniform", "best_expert", "top3")
+REPORT_KS = (1, 5, 10)
+
+
+class LabelledItem(Protocol):
+    """What learning needs of one labelled item (:class:`~jlens_core.reading.labelled_items.LabelledReadout`)."""
+
+    @property
+    def set_name(self) -> str: ...
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def prompt(self) -> str: ...
+
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+
+    @property
+    def residuals(self) -> torch.Tensor: ...  # [len(layers), d] fp32
+
+    @property
+    def candidates(self) -> tuple[torch.Tensor, ...]: ...  # LongTensor[n_spellings] per scored intermediate
+
+    @property
+    def final_ranks(self) -> torch.Tensor: ...  # LongTensor[n_scored]
+
+    @property
+    def kept(self) -> torch.Tensor | None: ...  # [vocab] 0/1, or None (every id counts)
+
+
+ItemT = TypeVar("ItemT", bound=LabelledItem)
+
+
+@dataclass(frozen=True)
+class WeighProgress:
+    """Progress of :func:`learn_expert_weights`, reported after each iterate is scored.
+
+    Attributes:
+        start: the start's name (:data:`STARTS`); ``start_index`` its 0-based position.
+        step: iterates scored so far in this start (``0`` = the start itself, up to ``n_steps``).
+        surrogate: the objective at this iterate (mean over layers of the macro surrogate, in [0, 1]).
+        macro: the exact macro pass@k at this iterate (k = :data:`PASS_K` by default).
+        best_macro: the best exact macro pass@k so far, over every start.
+    """
+
+    start: str
+    start_index: int
+    n_starts: int
+    step: int
+    n_steps: int
+    surrogate: float
+    macro: float
+    best_macro: float
+
+
+@dataclass
+class WeightFit:
+    """The learned weights and how they were found.
+
+    Attributes:
+        weights: ``{source_layer: Tensor[E]}``, unit L2 norm, fp32 (the kept iterate).
+        start: the start it came from (:data:`STARTS`); ``step``: its step in that start (0 = the start).
+        macro: exact macro pass@k on the training items at the kept iterate, ``{k: score}`` for
+            :data:`REPORT_KS` and the learning ``k``.
+        history: one dict per scored iterate: ``start``, ``step``, ``surrogate``, ``macro``.
+        items: the training items' keys (``"set:index"``), in order.
+        seconds: wall time of the learning (the readings of the items excluded).
+    """
+
+    weights: dict[int, torch.Tensor]
+    start: str
+    step: int
+    macro: dict[int, float]
+    history: list[dict] = field(default_factory=list)
+    items: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+# -- the split ------------------------------------------------------------------------------------------------
+def heldout_score(prompt: str, seed: int) -> float:
+    """A number in [0, 1) fixed by ``prompt`` and ``seed`` (SHA-256 of ``"<seed>\\0<prompt>"``, first 8 bytes)."""
+    digest = hashlib.sha256(f"{int(seed)}\0{prompt}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def split_items(items: Sequence[ItemT], heldout_fraction: float = 0.5, *,
+                seed: int = 0) -> tuple[list[ItemT], list[ItemT]]:
+    """``(train, heldout)``: an item is held out when :func:`heldout_score` of its prompt is below
+    ``heldout_fraction`` (so about that fraction is, the same prompt always on the same side, whatever
+    the set or the order; a different ``seed`` draws another split).
+
+    Raises:
+        ValueError: ``heldout_fraction`` outside (0, 1), or a split that leaves either side without an item.
+    """
+    fraction = float(heldout_fraction)
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"The held-out fraction {heldout_fraction} must lie strictly between 0 and 1.")
+    train: list[ItemT] = []
+    heldout: list[ItemT] = []
+    for item in items:
+        (heldout if heldout_score(item.prompt, seed) < fraction else train).append(item)
+    if not train or not heldout:
+        side = "training" if not train else "held-out"
+        raise ValueError(f"The split of {len(items)} items with held-out fraction {fraction} leaves no {side} "
+                         "item: give more items or another fraction.")
+    return train, heldout
+
+
+# -- the tensors ---------------------------------------------------------------------------------------------
+@dataclass
+class ItemBatch:
+    """Labelled items as tensors on one device (see :meth:`build`).
+
+    Attributes:
+        transported: ``{layer: [n_items, E, d]}`` fp32: ``J_{l,e} h_l`` per item and expert.
+        cand: ``LongTensor[n_inter, S]``: each scored intermediate's candidate ids (padded by repeating
+            its first).
+        inter_item: ``LongTensor[n_inter]``: the item each scored intermediate belongs to.
+        inter_weight: ``[n_inter]`` float64: its weight in the macro score (sums to 1).
+        final_ranks: ``LongTensor[n_inter]``: its rank in the model's own output.
+        kept: ``[n_items, vocab]`` 0/1 fp32, or ``None`` (every id counts).
+        keys: the items' keys, in order.
+    """
+
+    transported: dict[int, torch.Tensor]
+    cand: torch.Tensor
+    inter_item: torch.Tensor
+    inter_weight: torch.Tensor
+    final_ranks: torch.Tensor
+    kept: torch.Tensor | None
+    keys: list[str]
+
+    @classmethod
+    def build(cls, matrices: Mapping[int, torch.Tensor], items: Sequence[LabelledItem],
+              device: torch.device | str = "cpu") -> ItemBatch:
+        """Tensors of the scored ``items`` (the unscored are left out), transported by ``matrices``
+        (``{layer: [E, d, d]}``, e.g. ``ExpertLens.expert_matrices``).
+
+        Weights: an intermediate counts ``1 / (n_sets * n_items_of_its_set * n_intermediates_of_its_item)``,
+        counting only sets, items and intermediates that are scored: the macro mean over sets of the
+        mean over items of the fraction passed (docs/method.md §8).
+
+        Raises:
+            ValueError: no scored item, or an item that lacks one of the layers.
+        """
+        scored = [item for item in items if item.candidates]
+        if not scored:
+            raise ValueError(f"None of the {len(items)} items has a scorable intermediate (a word with a "
+                             "single-token spelling): nothing to learn or score on.")
+        layers = sorted(int(layer) for layer in matrices)
+        for item in scored:
+            missing = sorted(set(layers) - set(item.layers))
+            if missing:
+                raise ValueError(f"Item {item.key} holds no residuals of layers {missing}: read the items at "
+                                 "the lens's source layers.")
+        items_per_set: dict[str, int] = {}
+        for item in scored:
+            items_per_set[item.set_name] = items_per_set.get(item.set_name, 0) + 1
+        n_sets = len(items_per_set)
+        width = max(len(c) for item in scored for c in item.candidates)
+        cand, inter_item, inter_weight, final_ranks = [], [], [], []
+        for i, item in enumerate(scored):
+            share = 1.0 / (n_sets * items_per_set[item.set_name] * len(item.candidates))
+            for c, rank in zip(item.candidates, item.final_ranks.tolist()):
+                cand.append(torch.cat([c, c[:1].expand(width - len(c))]))
+                inter_item.append(i)
+                inter_weight.append(share)
+                final_ranks.append(rank)
+        transported = {}
+        for layer in layers:
+            mats = matrices[layer].to(device=device, dtype=torch.float32)  # [E, d, d]
+            h = torch.stack([item.residuals[item.layers.index(layer)] for item in scored]).to(device)  # [n, d]
+            transported[layer] = torch.einsum("nj,eij->nei", h.float(), mats)  # [n, E, d]
+        kept = None
+        if any(item.kept is not None for item in scored):
+            if not all(item.kept is not None for item in scored):
+                raise ValueError("The items mix readouts (some word, some all): read them with one vocab.")
+            kept = torch.stack([item.kept for item in scored if item.kept is not None]).to(device)
+        return cls(transported=transported, cand=torch.stack(cand).to(device),
+                   inter_item=torch.tensor(inter_item, dtype=torch.long, device=device),
+                   inter_weight=torch.tensor(inter_weight, dtype=torch.float64, device=device),
+                   final_ranks=torch.tensor(final_ranks, dtype=torch.long, device=device), kept=kept,
+                   keys=[item.key for item in scored])
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.transported)
+
+    @property
+    def n_experts(self) -> int:
+        return int(next(iter(self.transported.values())).shape[1])
+
+
+def layer_logits(model: LensModel, batch: ItemBatch, layer: int, weights: torch.Tensor) -> torch.Tensor:
+    """``[n_items, vocab]`` fp32: ``unembed(sum_e w_e J_{l,e} h_l)`` (differentiable in ``weights [E]``)."""
+    h = torch.einsum("nei,e->ni", batch.transported[layer], weights.to(batch.transported[layer]))  # [n, d]
+    return model.unembed(h.to(model.dtype)).float()
+
+
+def surrogate_terms(logits: torch.Tensor, batch: ItemBatch, *, k: int = PASS_K,
+                    temperature: float = TEMPERATURE) -> torch.Tensor:
+    """``[n_inter]``: ``sigmoid((c - t_k) / (temperature * s))`` per scored intermediate (module docstring).
+
+    ``logits`` is ``[n_items, vocab]``; ``t_k`` is the k-th largest kept logit of the item's row, ``s`` the
+    population standard deviation of the whole row.
+    """
+    ranked = logits if batch.kept is None else logits.masked_fill(batch.kept == 0, -math.inf)
+    kth = ranked.topk(min(k, ranked.shape[-1]), dim=-1).values[:, -1]  # [n_items]
+    scale = temperature * logits.std(dim=-1, correction=0).clamp_min(1e-12)  # [n_items]
+    best = logits[batch.inter_item].gather(1, batch.cand).max(dim=1).values  # [n_inter]
+    return torch.sigmoid((best - kth[batch.inter_item]) / scale[batch.inter_item])
+
+
+def intermediate_ranks(logits: torch.Tensor, batch: ItemBatch) -> torch.Tensor:
+    """``LongTensor[n_inter]``: each scored intermediate's best 1-based rank in its item's row of ``logits``:
+    ``1 + #{kept v : logit_v > logit of its best candidate}`` (docs/method.md §6, §8)."""
+    rows = logits[batch.inter_item]  # [n_inter, vocab]
+    best = rows.gather(1, batch.cand).max(dim=1, keepdim=True).values  # [n_inter, 1]
+    above = rows > best
+    if batch.kept is not None:
+        above = above & (batch.kept[batch.inter_item] > 0)
+    return above.sum(dim=1) + 1
+
+
+def macro_from_ranks(best_ranks: torch.Tensor, batch: ItemBatch, k: int) -> float:
+    """The exact macro pass@k from each scored intermediate's best rank over the layers ``[n_inter]``."""
+    return float((batch.inter_weight * (best_ranks <= k).double()).sum())
+
+
+def _best_ranks(model: LensModel, batch: ItemBatch, weights: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """``[n_inter]``: best rank over the source layers (read with ``weights``) and the output layer."""
+    best = batch.final_ranks.clone()
+    with torch.no_grad():
+        for layer in batch.layers:
+            best = torch.minimum(best, intermediate_ranks(layer_logits(model, batch, layer, weights[layer]), batch))
+    return best
+
+
+def macro_pass_at_k(model: LensModel, matrices: Mapping[int, torch.Tensor], items: Sequence[LabelledItem],
+                    weights: Mapping[int, torch.Tensor], k: Sequence[int] = REPORT_KS) -> dict[int, float]:
+    """Exact macro pass@k of the items read with ``sum_e w_e J_{l,e}`` per layer, the output layer included.
+
+    Args:
+        matrices: ``{layer: [E, d, d]}``; ``weights``: ``{layer: [E]}`` (used as given).
+        k: the cut-offs.
+
+    Returns:
+        ``{k: score}``: the mean over sets of the mean over scored items of the fraction of scored
+        intermediates whose best rank over the layers is ``<= k`` (the same number as
+        :func:`~jlens_core.reading.passk.pass_at_k` and ``macro_mean`` give for the combined lens).
+    """
+    device = model.device
+    batch = ItemBatch.build(matrices, items, device)
+    best = _best_ranks(model, batch, {layer: torch.as_tensor(w, dtype=torch.float32, device=device)
+                                      for layer, w in weights.items()})
+    return {int(kk): macro_from_ranks(best, batch, int(kk)) for kk in k}
+
+
+# -- learning -----------------------------------------------------------------------------------------------
+def _starts(model: LensModel, batch: ItemBatch, k: int, temperature: float) -> dict[str, torch.Tensor]:
+    """``{start: [n_layers, E]}`` unit rows: all ones, the best single expert, the top three (per layer,
+    ranked by the layer's own exact macro pass@k, ties by its macro surrogate)."""
+    n_experts = batch.n_experts
+    best_rows, top_rows = [], []
+    eye = torch.eye(n_experts, device=model.device)
+    with torch.no_grad():
+        for layer in batch.layers:
+            scores = []
+            for e in range(n_experts):
+                logits = layer_logits(model, batch, layer, eye[e])
+                exact = macro_from_ranks(intermediate_ranks(logits, batch), batch, k)
+                smooth = float((batch.inter_weight * surrogate_terms(logits, batch, k=k,
+                                                                     temperature=temperature).double()).sum())
+                scores.append((exact, smooth))
+            order = sorted(range(n_experts), key=lambda e: (-scores[e][0], -scores[e][1], e))
+            best_rows.append(eye[order[0]])
+            top_rows.append(eye[order[:3]].sum(0))
+    ones = torch.ones(len(batch.layers), n_experts, device=model.device)
+    starts = {"uniform": ones, "best_expert": torch.stack(best_rows), "top3": torch.stack(top_rows)}
+    return {name: rows / rows.norm(dim=1, keepdim=True) for name, rows in starts.items()}
+
+
+def learn_expert_weights(model: LensModel, lens: ExpertLens, items: Sequence[LabelledItem], *, steps: int = STEPS,
+                         lr: float = LEARNING_RATE, k: int = PASS_K, temperature: float = TEMPERATURE,
+                         progress: Callable[[WeighProgress], None] | None = None) -> WeightFit:
+    """Learn ``{layer: w [E]}`` for ``lens`` on the training ``items`` (module docstring; docs/method.md §9.1).
+
+    Args:
+        model: the model the items were read with (its ``unembed``).
+        lens: the expert lens; its source layers are the layers learned (the items must hold them).
+        items: the training items (never the items the weights are then scored on: :func:`split_items`).
+        steps: Adam steps per start; ``lr`` its learning rate.
+        k: the pass@k the surrogate and the choice of iterate aim at.
+        temperature: the surrogate's ``T`` (the margin is divided by ``T`` times the logits' std).
+        progress: called after every scored iterate with a :class:`WeighProgress`.
+
+    Returns:
+        A :class:`WeightFit`; ``lens.with_weights(fit.weights, fit.items)`` reads with them.
+
+    Raises:
+        ValueError: ``steps < 0``, ``lr <= 0``, ``k < 1``, ``temperature <= 0``, or no scored item.
+    """
+    if steps < 0 or not lr > 0 or k < 1 or not temperature > 0:
+        raise ValueError(f"steps={steps}, lr={lr}, k={k}, temperature={temperature}: steps must be >= 0, k >= 1, "
+                         "lr and temperature > 0.")
+    began = time.perf_counter()
+    matrices = {layer: lens.expert_matrices(layer) for layer in lens.source_layers}
+    batch = ItemBatch.build(matrices, items, model.device)
+    layers = batch.layers
+    starts = _starts(model, batch, k, temperature)
+    best: tuple[float, str, int, torch.Tensor] | None = None
+    history: list[dict] = []
+    for start_index, (start, rows) in enumerate(starts.items()):
+        w = rows.clone().requires_grad_(True)  # [n_layers, E]
+        optimiser = torch.optim.Adam([w], lr=lr)
+        for step in range(steps + 1):
+            optimiser.zero_grad()
+            ranks = batch.final_ranks.clone()
+            surrogate = 0.0
+            for i, layer in enumerate(layers):
+                logits = layer_logits(model, batch, layer, w[i])
+                terms = surrogate_terms(logits, batch, k=k, temperature=temperature)
+                objective = (batch.inter_weight.to(terms.dtype) * terms).sum() / len(layers)
+                surrogate += float(objective.detach())
+                if step < steps:
+                    (-objective).backward()
+                ranks = torch.minimum(ranks, intermediate_ranks(logits.detach(), batch))
+            macro = macro_from_ranks(ranks, batch, k)
+            history.append({"start": start, "step": step, "surrogate": surrogate, "macro": macro})
+            if best is None or macro > best[0]:
+                best = (macro, start, step, w.detach().clone())
+            if progress is not None:
+                progress(WeighProgress(start=start, start_index=start_index, n_starts=len(starts), step=step,
+                                       n_steps=steps, surrogate=surrogate, macro=macro, best_macro=best[0]))
+            if step < steps:
+                optimiser.step()
+                with torch.no_grad():
+                    w /= w.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    assert best is not None  # at least one start and one iterate
+    _, start, step, rows = best
+    weights = {layer: rows[i].float().cpu() for i, layer in enumerate(layers)}
+    final = _best_ranks(model, batch, {layer: rows[i] for i, layer in enumerate(layers)})
+    scores = {kk: macro_from_ranks(final, batch, kk) for kk in sorted({*REPORT_KS, k})}
+    seconds = time.perf_counter() - began
+    log.info("expert weights: start %s step %d, macro pass@%d %.3f on %d items (%.1f s)", start, step, k, scores[k],
+             len(batch.keys), seconds)
+    return WeightFit(weights=weights, start=start, step=step, macro=scores, history=history, items=list(batch.keys),
+                     seconds=seconds)
+
+
+__all__ = ["LEARNING_RATE", "PASS_K", "REPORT_KS", "STARTS", "STEPS", "TEMPERATURE", "ItemBatch", "LabelledItem",
+           "WeighProgress", "WeightFit", "heldout_score", "intermediate_ranks", "layer_logits",
+           "learn_expert_weights", "macro_from_ranks", "macro_pass_at_k", "split_items", "surrogate_terms"]
