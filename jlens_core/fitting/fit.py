@@ -9,13 +9,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, overload
 
 import torch
 
 from .._atomic import atomic_write
+from ..lenses.experts import Clustering, ExpertLens
 from ..lenses.lens import JacobianLens
 from ..models.model import LensModel
 from .estimator import METHODS, jacobian_for_prompt, resolve_layers
+from .expert_clusters import cluster_source_layers, clustering_from_payload, clustering_payload
 from .methods import check_rules
 from .relevance import relevance_unsupported_reason, unsupported_message
 from .resume import check_same_settings, prompts_digest
@@ -25,7 +28,10 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = "jlens-checkpoint"
 CHECKPOINT_VERSION = 1
 # Settings recorded in a checkpoint that shape the result; resuming with another value is an error.
-CHECKPOINT_SETTINGS = ("source_layers", "target_layer", "skip_first", "max_seq_len", "model_fingerprint", "rules")
+CHECKPOINT_SETTINGS = ("source_layers", "target_layer", "skip_first", "max_seq_len", "model_fingerprint", "rules",
+                       "experts", "cluster_prompts")
+# Expert fits (docs/method.md §9.1): the prompts the clustering is made from, by default.
+DEFAULT_CLUSTER_PROMPTS = 64
 
 
 @dataclass
@@ -57,7 +63,12 @@ class FitProgress:
 
 @dataclass
 class FitState:
-    """Running state of a fit. ``jacobian_sum`` holds fp64 sums of per-prompt ``J_l`` (exact merges)."""
+    """Running state of a fit. ``jacobian_sum`` holds fp64 sums of per-prompt ``J_l`` (exact merges).
+
+    An expert fit (docs/method.md §9.1) also holds ``expert_sum`` (``{l: Tensor[E, d, d]}`` fp64, the
+    row blocks ``G_p`` summed per expert over every counted position), ``expert_count`` (``{l:
+    Tensor[E]}`` fp64, positions per expert) and the fixed ``clustering``; all three empty otherwise.
+    """
 
     jacobian_sum: dict[int, torch.Tensor]
     n_done: int = 0
@@ -65,6 +76,9 @@ class FitState:
     n_skipped: int = 0
     diagnostics: list[dict] = field(default_factory=list)
     stop_reason: str | None = None
+    expert_sum: dict[int, torch.Tensor] = field(default_factory=dict)
+    expert_count: dict[int, torch.Tensor] = field(default_factory=dict)
+    clustering: dict[int, Clustering] = field(default_factory=dict)
 
     def mean(self, layer: int) -> torch.Tensor:
         return self.jacobian_sum[layer] / self.n_done
@@ -124,6 +138,10 @@ def write_checkpoint(path: str | os.PathLike, state: FitState, settings: dict, d
                "jacobian_sum": {str(k): v for k, v in state.jacobian_sum.items()}, "n_done": state.n_done,
                "next_idx": state.next_idx, "n_skipped": state.n_skipped, "diagnostics": state.diagnostics,
                "stop_reason": state.stop_reason, "prompts_digest": digest}
+    if state.clustering:  # an expert fit: its sums, counts and clustering (docs/method.md §9.1)
+        payload.update(expert_sum={str(k): v for k, v in state.expert_sum.items()},
+                       expert_count={str(k): v for k, v in state.expert_count.items()},
+                       clustering=clustering_payload(state.clustering))
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
 
@@ -172,7 +190,8 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
 
 
 def _check_resume(path, payload: dict, settings: dict, prompts: Sequence) -> None:
-    saved = {"rules": "jacobian", **payload["settings"]}  # checkpoints from before rules= are J fits
+    # checkpoints from before rules= are J fits, from before experts= fits without experts
+    saved = {"rules": "jacobian", "experts": 0, "cluster_prompts": 0, **payload["settings"]}
     check_same_settings(path, saved, settings, CHECKPOINT_SETTINGS, run="fit")
     if payload["next_idx"] > len(prompts) or prompts_digest(prompts, payload["next_idx"]) != payload["prompts_digest"]:
         raise ValueError(
@@ -208,9 +227,11 @@ class _Pending:
     skipped: int = 0
     records: list[dict] = field(default_factory=list)
     events: list[FitProgress] = field(default_factory=list)
+    expert_delta: dict[int, torch.Tensor] = field(default_factory=dict)  # {l: [E, d, d]} fp64
+    count_delta: dict[int, torch.Tensor] = field(default_factory=dict)  # {l: [E]} fp64
 
     def clear(self) -> None:
-        for matrix in self.delta.values():
+        for matrix in [*self.delta.values(), *self.expert_delta.values(), *self.count_delta.values()]:
             matrix.zero_()
         self.n, self.skipped, self.records, self.events = 0, 0, [], []
 
@@ -235,6 +256,42 @@ class _FitRun:
         self.state = FitState({layer: torch.zeros(d, d, dtype=torch.float64) for layer in self.sources})
         self.pending = _Pending({layer: torch.zeros(d, d, dtype=torch.float64) for layer in self.sources})
         self.steps = 0
+        self.experts: int = settings.get("experts", 0)
+
+    def _expert_buffers(self) -> dict[int, torch.Tensor]:
+        d = self.model.d_model
+        return {layer: torch.zeros(self.experts, d, d, dtype=torch.float64) for layer in self.sources}
+
+    def cluster(self) -> None:
+        """An expert fit's clustering (docs/method.md §9.1), unless the checkpoint brought one: made on rank 0
+        from the first ``cluster_prompts`` prompts and sent to every rank, so all route alike."""
+        if not self.experts or self.state.clustering:
+            self._allocate_experts()
+            return
+        error, clustering = None, None
+        if self.world.rank == 0:
+            try:
+                clustering = cluster_source_layers(
+                    self.model, self.prompts, self.sources, experts=self.experts,
+                    cluster_prompts=self.settings["cluster_prompts"], skip_first=self.settings["skip_first"],
+                    max_seq_len=self.settings["max_seq_len"])
+            except Exception as exc:  # sharded: the others must not wait for a clustering that never comes
+                if self.world.size == 1:
+                    raise
+                error = exc
+        self.world.check_failures(error)
+        payload = self.world.broadcast_object(None if clustering is None else clustering_payload(clustering))
+        self.state.clustering = clustering_from_payload(payload)
+        self._allocate_experts()
+
+    def _allocate_experts(self) -> None:
+        if not self.experts:
+            return
+        if not self.state.expert_sum:
+            self.state.expert_sum = self._expert_buffers()
+            self.state.expert_count = {layer: torch.zeros(self.experts, dtype=torch.float64) for layer in self.sources}
+        self.pending.expert_delta = self._expert_buffers()
+        self.pending.count_delta = {layer: torch.zeros(self.experts, dtype=torch.float64) for layer in self.sources}
 
     def resume(self) -> None:
         """Go on from the checkpoint (its settings and prompts checked), if there is one."""
@@ -246,6 +303,10 @@ class _FitRun:
         self.state = FitState({int(k): v.double() for k, v in payload["jacobian_sum"].items()},
                               n_done=payload["n_done"], next_idx=payload["next_idx"], n_skipped=payload["n_skipped"],
                               diagnostics=list(payload["diagnostics"]), stop_reason=payload.get("stop_reason"))
+        if "clustering" in payload:  # an expert fit: the same clustering, sums and counts
+            self.state.clustering = clustering_from_payload(payload["clustering"])
+            self.state.expert_sum = {int(k): v.double() for k, v in payload["expert_sum"].items()}
+            self.state.expert_count = {int(k): v.double() for k, v in payload["expert_count"].items()}
         log.info("Resuming from %s: %d prompts counted, going on at prompt %d.", path, self.state.n_done,
                  self.state.next_idx)
 
@@ -286,7 +347,8 @@ class _FitRun:
         t0 = time.perf_counter()
         try:
             result = jacobian_for_prompt(self.model, self.prompts[idx], source_layers=self.sources,
-                                         target_layer=self.settings["target_layer"], **self.estimator)
+                                         target_layer=self.settings["target_layer"], **self.estimator,
+                                         clustering=self.state.clustering or None)
         except ValueError as exc:  # too short, or empty: skipped, and said so
             log.warning("Skipping prompt %d: %s", idx, exc)
             pending.skipped += 1
@@ -303,6 +365,9 @@ class _FitRun:
                 mean_before = (self.state.jacobian_sum[layer] + pending.delta[layer]) / n_before
                 rel = float((jac - mean_before).norm() / ((n_before + 1) * mean_before.norm()))
             pending.delta[layer] += jac
+            if result.expert_sums is not None and result.expert_counts is not None:
+                pending.expert_delta[layer] += result.expert_sums[layer].double()
+                pending.count_delta[layer] += result.expert_counts[layer].double()
             records.append({"prompt_index": idx, "layer": layer, "seq_len": result.seq_len,
                             "n_valid": result.n_valid, "seconds": round(seconds, 4),
                             "jacobian_norm": float(jac.norm() / math.sqrt(d)), "rel_change": rel})
@@ -317,6 +382,9 @@ class _FitRun:
         state, world, pending = self.state, self.world, self.pending
         for layer in self.sources:
             state.jacobian_sum[layer] += world.all_reduce_sum(pending.delta[layer])
+            if self.experts:  # sums and counts add over ranks like the pooled sums
+                state.expert_sum[layer] += world.all_reduce_sum(pending.expert_delta[layer])
+                state.expert_count[layer] += world.all_reduce_sum(pending.count_delta[layer])
         counts = world.all_reduce_sum(torch.tensor([pending.n, pending.skipped], dtype=torch.float64))
         records = sorted((r for part in world.gather_objects(pending.records) for r in part),
                          key=lambda r: (r["prompt_index"], r["layer"]))
@@ -336,8 +404,9 @@ class _FitRun:
                 state.stop_reason = reason
         return events
 
-    def lens(self) -> JacobianLens:
-        """The fitted lens: the mean of the counted prompts' ``J_l``.
+    def lens(self) -> JacobianLens | ExpertLens:
+        """The fitted lens: the mean of the counted prompts' ``J_l`` (with ``experts``, an :class:`ExpertLens`
+        whose pooled matrices are that mean and whose experts are ``expert_sum / expert_count``).
 
         Raises:
             ValueError: no prompt counted.
@@ -349,6 +418,16 @@ class _FitRun:
         lens_settings = {key: settings[key] for key in ("skip_first", "max_seq_len", "target_layer")}
         lens_settings.update(dim_batch=self.estimator["dim_batch"], n_skipped=state.n_skipped,
                              method=self.estimator["method"])
+        if self.experts:
+            lens_settings.update(experts=self.experts, cluster_prompts=settings["cluster_prompts"])
+            return ExpertLens({layer: state.mean(layer).float() for layer in self.sources},
+                              {layer: (state.expert_sum[layer] / state.expert_count[layer].clamp_min(1)[:, None, None])
+                               .float() for layer in self.sources},
+                              {layer: state.expert_count[layer].round().long() for layer in self.sources},
+                              state.clustering, state.n_done, self.model.d_model, target_layer=settings["target_layer"],
+                              rules=settings["rules"], n_layers=self.model.n_layers, settings=lens_settings,
+                              model_name=self.model.name, model_fingerprint=settings["model_fingerprint"],
+                              diagnostics=state.diagnostics, stop_reason=state.stop_reason)
         return JacobianLens({layer: state.mean(layer).float() for layer in self.sources}, state.n_done,
                             self.model.d_model, target_layer=settings["target_layer"], n_layers=self.model.n_layers,
                             settings=lens_settings, model_name=self.model.name,
@@ -373,12 +452,33 @@ def _check_fit_settings(*, checkpoint_every: int, method: str, dim_batch: int | 
         raise ValueError(f"max_seq_len={max_seq_len} must be at least 2.")
 
 
+@overload
 def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | None = None, target_layer: int | None = None,
         dim_batch: int | str = 8, max_seq_len: int = 128, skip_first: int = 16,
         checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 1, resume: bool = True,
         progress: Callable[[FitProgress], None] | None = None,
         should_stop: Callable[[FitState], str | None] | None = None, method: str = "auto",
-        world: World | None = None, rules: str = "jacobian") -> JacobianLens:
+        world: World | None = None, rules: str = "jacobian", experts: Literal[0] = 0,
+        cluster_prompts: int = DEFAULT_CLUSTER_PROMPTS) -> JacobianLens: ...
+
+
+@overload
+def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | None = None, target_layer: int | None = None,
+        dim_batch: int | str = 8, max_seq_len: int = 128, skip_first: int = 16,
+        checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 1, resume: bool = True,
+        progress: Callable[[FitProgress], None] | None = None,
+        should_stop: Callable[[FitState], str | None] | None = None, method: str = "auto",
+        world: World | None = None, rules: str = "jacobian", experts: int,
+        cluster_prompts: int = DEFAULT_CLUSTER_PROMPTS) -> JacobianLens | ExpertLens: ...
+
+
+def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | None = None, target_layer: int | None = None,
+        dim_batch: int | str = 8, max_seq_len: int = 128, skip_first: int = 16,
+        checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 1, resume: bool = True,
+        progress: Callable[[FitProgress], None] | None = None,
+        should_stop: Callable[[FitState], str | None] | None = None, method: str = "auto",
+        world: World | None = None, rules: str = "jacobian", experts: int = 0,
+        cluster_prompts: int = DEFAULT_CLUSTER_PROMPTS) -> JacobianLens | ExpertLens:
     """Fit a Jacobian lens: the plain mean of per-prompt ``J_l`` over the prompts with valid positions.
 
     Args:
@@ -395,14 +495,22 @@ def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | N
             prompts ``r, r + K, ...``; sums are all-reduced at each checkpoint and at the end).
         rules: ``"jacobian"`` (the J-lens) or ``"relevance"`` (the R-lens: the same average with the
             relevance rules in the backward, docs/method.md §9.1); recorded in the lens and checkpoint.
+        experts: ``E > 0`` also fits ``E`` expert Jacobians per source layer in the same backward passes
+            (docs/method.md §9.1, experts): the first ``cluster_prompts`` prompts' kept positions are
+            clustered per layer first, then every source position's row block is added to its cluster's
+            sum. Holds ``E d^2`` fp64 sums per source layer twice (state and pending) and fp32 once per
+            prompt: ``20 E d^2`` bytes per layer (SmolLM2-135M, E = 8, 29 layers: 1.5 GB).
+        cluster_prompts: how many of the first prompts the clustering is made from (>= 1).
 
     Returns:
-        The fitted :class:`~jlens_core.lenses.lens.JacobianLens`, with the diagnostics of every prompt x layer.
+        The fitted :class:`~jlens_core.lenses.lens.JacobianLens`, with the diagnostics of every prompt x layer;
+        with ``experts``, an :class:`~jlens_core.lenses.experts.ExpertLens` (its pooled lens is the same mean).
 
     Raises:
         ValueError: bad layers or settings (unknown ``rules`` included), ``rules="relevance"`` on a model
-            the rules do not cover, a checkpoint made with other settings (rules included) or prompts, or
-            no prompt with a valid position.
+            the rules do not cover, a checkpoint made with other settings (rules, experts included) or
+            prompts, no prompt with a valid position, ``experts < 0``, ``cluster_prompts < 1``, or fewer
+            kept positions in the cluster prompts than ``experts``.
         RankFailedError: sharded, on every rank, once a rank failed on a prompt (with its error).
     """
     sources, target = resolve_layers(model.n_layers, source_layers, target_layer)
@@ -412,9 +520,14 @@ def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | N
         reason = relevance_unsupported_reason(model)
         if reason is not None:
             raise ValueError(unsupported_message(model, reason))
+    if not isinstance(experts, int) or experts < 0:
+        raise ValueError(f"experts={experts!r} must be an integer >= 0 (0: no expert lens).")
+    if experts and (not isinstance(cluster_prompts, int) or cluster_prompts < 1):
+        raise ValueError(f"cluster_prompts={cluster_prompts!r} must be an integer >= 1: the clustering needs prompts.")
     settings = {"source_layers": sources, "target_layer": target, "skip_first": skip_first,
                 "max_seq_len": max_seq_len, "model_name": model.name,
-                "model_fingerprint": model.fingerprint(), "rules": rules}
+                "model_fingerprint": model.fingerprint(), "rules": rules, "experts": experts,
+                "cluster_prompts": cluster_prompts if experts else 0}
     estimator = {"dim_batch": dim_batch, "max_seq_len": max_seq_len, "skip_first": skip_first, "method": method,
                  "rules": rules}
     run = _FitRun(model, prompts, settings, estimator, world=world if world is not None else _OneProcess(),
@@ -422,6 +535,7 @@ def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | N
                   should_stop=should_stop)
     if resume:
         run.resume()
+    run.cluster()
     t_start = time.perf_counter()
     run.run()
     lens = run.lens()
