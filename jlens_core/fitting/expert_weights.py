@@ -113,7 +113,8 @@ class WeightFit:
         start: the start it came from (:data:`STARTS`); ``step``: its step in that start (0 = the start).
         macro: exact macro pass@k on the training items at the kept iterate, ``{k: score}`` for
             :data:`REPORT_KS` and the learning ``k``.
-        history: one dict per scored iterate: ``start``, ``step``, ``surrogate``, ``macro``.
+        history: one dict per scored iterate, in order: ``start``, ``step``, ``surrogate``, ``macro`` and
+            ``weights`` (``[n_layers, E]`` fp32, rows in the order of the lens's source layers).
         items: the training items' keys (``"set:index"``), in order.
         seconds: wall time of the learning (the readings of the items excluded).
     """
@@ -377,7 +378,8 @@ def learn_expert_weights(model: LensModel, lens: ExpertLens, items: Sequence[Lab
                     (-objective).backward()
                 ranks = torch.minimum(ranks, intermediate_ranks(logits.detach(), batch))
             macro = macro_from_ranks(ranks, batch, k)
-            history.append({"start": start, "step": step, "surrogate": surrogate, "macro": macro})
+            history.append({"start": start, "step": step, "surrogate": surrogate, "macro": macro,
+                            "weights": w.detach().cpu().clone()})
             if best is None or macro > best[0]:
                 best = (macro, start, step, w.detach().clone())
             if progress is not None:
