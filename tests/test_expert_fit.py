@@ -171,3 +171,75 @@ def test_more_experts_than_positions_is_one_sentence():
 def test_bad_expert_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fit(tiny(), PROMPTS, **kwargs, **SETTINGS)
+
+
+# -- the command line: jlens fit --experts, jlens merge, torchrun ------------------------------------
+@pytest.fixture(scope="module")
+def cli_work(tmp_path_factory):
+    from conftest import CORPUS, save_tiny
+
+    root = tmp_path_factory.mktemp("expert-cli")
+    model_dir = root / "tiny-llama"
+    save_tiny(model_dir)
+    words = CORPUS.split()
+    texts = [" ".join(words[(7 * i + j) % len(words)] for j in range(30)) for i in range(12)]
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n\n".join(texts) + "\n", encoding="utf-8")
+    return {"root": root, "model": str(model_dir), "corpus": str(corpus)}
+
+
+def _cli_fit_args(work, out, *extra) -> list[str]:
+    return ["fit", "--model", work["model"], "--corpus", work["corpus"], "--out", str(out), "--min-chars", "0",
+            "--split", "all", "--max-seq-len", "24", "--skip-first", "4", "--no-progress", "--n-prompts", "7", *extra]
+
+
+def _cli_expert_fit(work) -> ExpertLens:
+    from jlens_core.cli.main import main
+
+    out = work["root"] / "experts.safetensors"
+    if not out.exists():
+        assert main(_cli_fit_args(work, out, "--experts", "2", "--cluster-prompts", "3")) == 0
+    return ExpertLens.load(out)
+
+
+def test_cli_fit_experts_writes_an_expert_lens_whose_pooled_lens_is_the_plain_fit(cli_work):
+    from jlens_core.cli.main import main
+
+    lens = _cli_expert_fit(cli_work)
+    assert lens.n_experts == 2 and lens.settings["cluster_prompts"] == 3 and lens.n_prompts == 7
+    plain_out = cli_work["root"] / "plain.safetensors"
+    assert main(_cli_fit_args(cli_work, plain_out)) == 0
+    plain = JacobianLens.load(plain_out)
+    for layer in plain.source_layers:
+        torch.testing.assert_close(lens.pooled[layer], plain.jacobians[layer], rtol=1e-6, atol=1e-7)
+    # jlens merge of an expert lens with itself: the sums and counts double, the means stay
+    merged_out = cli_work["root"] / "merged.safetensors"
+    assert main(["merge", str(cli_work["root"] / "experts.safetensors"), str(cli_work["root"] / "experts.safetensors"),
+                 "--out", str(merged_out)]) == 0
+    merged = ExpertLens.load(merged_out)
+    assert merged.n_prompts == 14 and torch.equal(merged.counts[0], 2 * lens.counts[0])
+    torch.testing.assert_close(merged.experts[1], lens.experts[1])
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_expert_fit_equals_one_process(cli_work, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    exe = Path(sys.executable).with_name("torchrun")
+    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    out = tmp_path / "sharded.safetensors"
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
+    proc = subprocess.run([*launcher, "--standalone", "--nproc-per-node", "2", "-m", "jlens_core",
+                           *_cli_fit_args(cli_work, out, "--experts", "2", "--cluster-prompts", "3",
+                                          "--checkpoint-every", "2")],
+                          check=False, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sharded, one = ExpertLens.load(out), _cli_expert_fit(cli_work)
+    assert sharded.n_prompts == one.n_prompts
+    for layer in one.source_layers:
+        assert sharded.clustering[layer].same_as(one.clustering[layer])
+        assert torch.equal(sharded.counts[layer], one.counts[layer])
+        torch.testing.assert_close(sharded.experts[layer], one.experts[layer], rtol=1e-6, atol=1e-7)

@@ -193,7 +193,8 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
         lens = fit(model, prompts, source_layers=sources, target_layer=args.target_layer, dim_batch=args.dim_batch,
                    max_seq_len=args.max_seq_len, skip_first=args.skip_first, checkpoint_path=checkpoint,
                    checkpoint_every=args.checkpoint_every, resume=not args.no_resume, method=args.method,
-                   progress=on_progress if rank == 0 else None, should_stop=stop, world=world, rules=args.rules)
+                   progress=on_progress if rank == 0 else None, should_stop=stop, world=world, rules=args.rules,
+                   experts=args.experts, cluster_prompts=args.cluster_prompts)
     except BaseException as exc:
         from ..fitting.fit import RankFailedError
 
@@ -228,12 +229,16 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
+    from ..lenses.experts import ExpertLens, is_expert_lens_file
     from ..lenses.lens import JacobianLens
 
-    lenses = [JacobianLens.load(path) for path in args.lenses]
-    merged = JacobianLens.merge(lenses)
+    merged: JacobianLens | ExpertLens
+    if any(is_expert_lens_file(path) for path in args.lenses):  # expert lenses: sums and counts add
+        merged = ExpertLens.merge([ExpertLens.load(path) for path in args.lenses])
+    else:
+        merged = JacobianLens.merge([JacobianLens.load(path) for path in args.lenses])
     merged.save(args.out, dtype=args.save_dtype)
-    print(f"Wrote {args.out}: {merged.n_prompts} prompts from {len(lenses)} lenses.", file=sys.stderr)
+    print(f"Wrote {args.out}: {merged.n_prompts} prompts from {len(args.lenses)} lenses.", file=sys.stderr)
     return 0
 
 
@@ -274,6 +279,11 @@ def register(subparsers) -> None:
                    help="backward rules: 'jacobian' (default: the J-lens, ordinary gradients) or 'relevance' (the "
                         "R-lens: norms' denominators constant, identity rule for activations, half rule for gated "
                         "products; docs/method.md §9.1)")
+    p.add_argument("--experts", type=int, default=0,
+                   help="also fit E expert Jacobians per layer in the same backward passes, one per cluster of "
+                        "the source residuals (the J++ / R++ lens; default 0: none; docs/method.md §9.1)")
+    p.add_argument("--cluster-prompts", type=int, default=64,
+                   help="with --experts: cluster the kept positions of the first N prompts (default 64)")
     p.add_argument("--layers", default=None, help="source layers: '0,4,8', '0:12', '0:12:2', 'all' (default: all "
                                                   "below the target)")
     p.add_argument("--target-layer", type=int, default=-1, help="target layer, negative from the end (default -1)")
