@@ -42,6 +42,7 @@ from torch import nn
 
 from ..models.layouts import get_path
 from ..models.model import LensModel, weight_of
+from ..models.placement import is_dispatched
 from ..models.recorder import ActivationRecorder
 from .routing import routed_sums
 
@@ -88,8 +89,8 @@ def fused_unsupported_reason(model: LensModel) -> str | None:
     """Why the fused backward cannot run on ``model`` (``None`` when it can).
 
     Checks the family (``config.model_type`` in :data:`FUSED_MODEL_TYPES`), the activation
-    (SiLU), the rotary-embedding module, that the weights sit on one device (not
-    ``device_map="auto"``), and the module names of every decoder layer.
+    (SiLU), the rotary-embedding module, that the weights sit on one device and none is offloaded
+    (no ``device_map`` spreading or offloading them), and the module names of every decoder layer.
     """
     config = model.config
     model_type = getattr(config, "model_type", None)
@@ -102,8 +103,8 @@ def fused_unsupported_reason(model: LensModel) -> str | None:
         return "pretraining_tp > 1"
     if getattr(model.base, "rotary_emb", None) is None:  # a module of the family's own code
         return "no rotary_emb module on the decoder stack"
-    if len({p.device for p in model.hf_model.parameters()}) > 1:
-        return "the model is spread over several devices"
+    if is_dispatched(model.hf_model):  # weights read directly, where they live: one device, none offloaded
+        return "the model is spread over several devices or has offloaded weights (a device_map)"
     for i, layer in enumerate(model.layers):
         for path in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
                      "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):

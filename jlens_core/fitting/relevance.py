@@ -40,6 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..models.model import LensModel
+from ..models.placement import execution_device, materialised, own_forward_attribute
 from ..models.recorder import ActivationRecorder
 
 log = logging.getLogger(__name__)
@@ -125,9 +126,8 @@ def recognise_norm(module: nn.Module, d: int) -> NormRule | None:
     input (relative 1e-4 in fp32, 2e-2 in lower precision), or ``None``."""
     weight = getattr(module, "weight", None)
     dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
-    device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(2, 3, d, generator=gen) * 3 + 0.5).to(device=device, dtype=dtype)
+    x = (torch.randn(2, 3, d, generator=gen) * 3 + 0.5).to(device=execution_device(module), dtype=dtype)
     with torch.no_grad():
         try:
             want = module(x).float()
@@ -135,12 +135,13 @@ def recognise_norm(module: nn.Module, d: int) -> NormRule | None:
             return None
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         eps = _norm_eps(module)
-        for centred in (False, True):
-            for one_plus in (False, True):
-                rule = NormRule(centred, one_plus, eps)
-                got = rule.surrogate(module, x)
-                if got.shape == want.shape and float((got - want).norm() / want.norm().clamp_min(1e-30)) <= tol:
-                    return rule
+        with materialised(module):  # the surrogate reads the gain directly (offloaded: a meta tensor)
+            for centred in (False, True):
+                for one_plus in (False, True):
+                    rule = NormRule(centred, one_plus, eps)
+                    got = rule.surrogate(module, x)
+                    if got.shape == want.shape and float((got - want).norm() / want.norm().clamp_min(1e-30)) <= tol:
+                        return rule
     return None
 
 
@@ -248,12 +249,29 @@ def plan_rules(model: LensModel) -> tuple[RulePlan, str | None]:
     return plan, None
 
 
-def _patch(module: nn.Module, forward: Callable[..., Any]) -> None:
-    module.forward = forward  # type: ignore[method-assign]  # an instance attribute, removed on exit
+def _patch(module: nn.Module, forward: Callable[..., Any]) -> tuple[nn.Module, str, Any]:
+    """Replace the module's own forward (under an accelerate hook, the one the hook calls with the weights
+    loaded); returns what :func:`_unpatch` restores."""
+    attr = own_forward_attribute(module)
+    before = module.__dict__.get(attr)
+    setattr(module, attr, forward)  # an instance attribute, restored on exit
+    return module, attr, before
+
+
+def _unpatch(patched: tuple[nn.Module, str, Any]) -> None:
+    module, attr, before = patched
+    if before is None:
+        module.__dict__.pop(attr, None)
+    else:
+        module.__dict__[attr] = before
+
+
+def _own_forward(module: nn.Module) -> Callable[..., Any]:
+    return getattr(module, own_forward_attribute(module))
 
 
 def _norm_forward(module: nn.Module, rule: NormRule) -> Callable[..., Any]:
-    original = module.forward
+    original = _own_forward(module)
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not (torch.is_grad_enabled() and x.requires_grad):
@@ -265,7 +283,7 @@ def _norm_forward(module: nn.Module, rule: NormRule) -> Callable[..., Any]:
 
 
 def _activation_forward(module: nn.Module, slope: float) -> Callable[..., Any]:
-    original = module.forward
+    original = _own_forward(module)
 
     def forward(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not (torch.is_grad_enabled() and z.requires_grad):
@@ -287,7 +305,7 @@ def _detach_outputs(out: Any) -> Any:
 
 
 def _router_forward(module: nn.Module) -> Callable[..., Any]:
-    original = module.forward
+    original = _own_forward(module)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         return _detach_outputs(original(*args, **kwargs))
@@ -306,21 +324,18 @@ def relevance_rules(model: LensModel, plan: RulePlan | None = None) -> Iterator[
         if reason is not None:
             raise ValueError(unsupported_message(model, reason))
         plan, _ = plan_rules(model)
-    patched: list[nn.Module] = []
+    patched: list[tuple[nn.Module, str, Any]] = []
     try:
         for module, rule in plan.norms:
-            _patch(module, _norm_forward(module, rule))
-            patched.append(module)
+            patched.append(_patch(module, _norm_forward(module, rule)))
         for module, slope in plan.activations:
-            _patch(module, _activation_forward(module, slope))
-            patched.append(module)
+            patched.append(_patch(module, _activation_forward(module, slope)))
         for module in plan.routers:
-            _patch(module, _router_forward(module))
-            patched.append(module)
+            patched.append(_patch(module, _router_forward(module)))
         yield plan
     finally:
-        for module in patched:
-            module.__dict__.pop("forward", None)
+        for entry in reversed(patched):
+            _unpatch(entry)
 
 
 class _NonlinearCalls(TorchFunctionMode):

@@ -32,6 +32,7 @@ from torch import nn
 from ..layerspec import normalise_layers
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
+from ..models.placement import execution_device, materialised
 from ..reading.tokens import token_id
 
 
@@ -55,12 +56,13 @@ def norm_gain(model: LensModel) -> tuple[torch.Tensor, bool]:
     if norm is None:
         return torch.ones(d), False
     if _is_layer_norm(norm):
-        weight = getattr(norm, "weight", None)
-        return (weight.detach().float().cpu().clone() if weight is not None else torch.ones(d)), True
+        with materialised(norm):  # an offloaded gain is a meta tensor until loaded
+            weight = getattr(norm, "weight", None)
+            return (weight.detach().float().cpu().clone() if weight is not None else torch.ones(d)), True
     eps = next((float(getattr(norm, a)) for a in ("variance_epsilon", "eps", "epsilon") if
                 isinstance(getattr(norm, a, None), (int, float))), 0.0)
     param = next(norm.parameters(), None)
-    device = param.device if param is not None else model.device
+    device = execution_device(norm, default=model.device)
     dtype = param.dtype if param is not None else torch.float32
     with torch.no_grad():
         out = norm(torch.ones(1, d, device=device, dtype=dtype)).float().cpu()[0]
@@ -71,7 +73,7 @@ def _head_gradient(model: LensModel, token_id: int | None) -> torch.Tensor:
     """The gradient ``[d_model]`` fp32 (CPU), with respect to the final norm's output, of token ``token_id``'s
     logit, or of the mean logit over the vocabulary (``None``), through the pre-head modules and the head."""
     head_param = next(model.head.parameters())
-    z = torch.zeros(1, model.d_model, device=head_param.device, dtype=torch.float32, requires_grad=True)
+    z = torch.zeros(1, model.d_model, device=execution_device(model.head), dtype=torch.float32, requires_grad=True)
     with torch.enable_grad():
         x = z.to(head_param.dtype)
         for module in model.pre_head:
@@ -184,7 +186,8 @@ def read_vector_norms(model: LensModel, lens: Lens, layer: int, *, centred: bool
     head_param = next(model.head.parameters())
     gamma, centres = norm_gain(model)
     with torch.no_grad():
-        basis = torch.cat([torch.zeros(1, d), torch.eye(d)]).to(device=head_param.device, dtype=head_param.dtype)
+        basis = torch.cat([torch.zeros(1, d), torch.eye(d)]).to(device=execution_device(model.head),
+                                                                dtype=head_param.dtype)
         x = basis
         for module in model.pre_head:
             x = module(x)

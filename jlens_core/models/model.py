@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .layouts import ModelLayout, find_layout, get_path
+from .placement import execution_device, materialised
 from .recorder import StreamReadout, set_stream_readout
 
 log = logging.getLogger(__name__)
@@ -291,7 +292,9 @@ class HFLensModel:
 
     @property
     def device(self) -> torch.device:
-        return weight_of(self.embed).device
+        """Where the input ids go: the embedding's execution device (its accelerate hook's, under a
+        ``device_map``; outputs come back on the last layer's or the head's device)."""
+        return execution_device(self.embed)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -394,8 +397,10 @@ class HFLensModel:
         else:
             for module in self.pre_head:
                 x = module(x)
-            if out is not None and not padded and isinstance(self.head, nn.Linear) and self.head.bias is None:
-                logits = torch.matmul(x, weight_of(self.head).t(), out=out)  # straight into the caller's array
+            weight = weight_of(self.head)
+            if (out is not None and not padded and isinstance(self.head, nn.Linear) and self.head.bias is None
+                    and x.device == weight.device == out.device):  # not offloaded, not on another device
+                logits = torch.matmul(x, weight.t(), out=out)  # straight into the caller's array
             else:
                 logits = self.head(x)
         if padded:
@@ -411,10 +416,12 @@ class HFLensModel:
     def fingerprint(self) -> dict:
         """A dtype- and device-stable identity of the unembedding, to tell lens files apart.
 
-        Holds the head's shape and the L2 norms of its first 8 rows (compared with a tolerance).
+        Holds the head's shape and the L2 norms of its first 8 rows (compared with a tolerance); an
+        offloaded head is materialised for the read (:func:`~jlens_core.models.placement.materialised`).
         """
-        w = weight_of(self.head)
-        rows = w[: min(8, w.shape[0])].detach().float()
+        with materialised(self.head):
+            w = weight_of(self.head)
+            rows = w[: min(8, w.shape[0])].detach().float().cpu()
         return {"vocab_size": int(w.shape[0]), "d_model": self.d_model,
                 "row_norms": [round(float(x), 5) for x in rows.norm(dim=-1)]}
 
