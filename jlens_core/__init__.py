@@ -61,6 +61,10 @@ _SOURCES = {
     "PromptReading": ".reading.prompt_reading",
     "read_prompt": ".reading.reader",
     "read_prompts": ".reading.reader",
+    "ReadingFile": ".reading.reading_file",
+    "ReadingFileError": ".reading.reading_file",
+    "load_readings": ".reading.reading_file",
+    "save_readings": ".reading.reading_file",
     "compare_readings": ".reading.summaries",
     "difference": ".reading.summaries",
     "most_common_tokens": ".reading.summaries",
@@ -85,6 +89,8 @@ __all__ = [
     "ModelLayout",
     "PromptJacobian",
     "PromptReading",
+    "ReadingFile",
+    "ReadingFileError",
     "Steer",
     "Swap",
     "SwapReport",
@@ -104,12 +110,14 @@ __all__ = [
     "load_eval_set",
     "load_lens",
     "load_model",
+    "load_readings",
     "load_swap_set",
     "most_common_tokens",
     "pass_at_k",
     "read_prompt",
     "read_prompts",
     "resolve_layers",
+    "save_readings",
     "swap_success",
     "token_direction",
     "train_tuned_lens",
@@ -142,6 +150,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .reading.passk import EVAL_SETS, load_eval_set, pass_at_k
     from .reading.prompt_reading import PromptReading
     from .reading.reader import read_prompt, read_prompts
+    from .reading.reading_file import ReadingFile, ReadingFileError, load_readings, save_readings
     from .reading.summaries import compare_readings, difference, most_common_tokens
 
 

@@ -36,6 +36,7 @@ PUBLIC_NAMES = [
     "diff_dumps", "difference", "divergence_curve", "dump_hidden_states", "generate", "load_swap_set",
     "most_common_tokens", "swap_success", "token_direction", "train_tuned_lens",
     "ExpertLens",  # expert lenses, J++ (issue #32 §1)
+    "ReadingFile", "ReadingFileError", "load_readings", "save_readings",  # the reading file (issue #33 §3)
 ]
 
 

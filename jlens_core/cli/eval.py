@@ -1,4 +1,4 @@
-"""``jlens eval`` (per-layer KL / cross-entropy curves, pass@k) and ``jlens inspect`` (a terminal grid)."""
+"""``jlens eval``: per-layer KL / cross-entropy curves, pass@k and swap success (``jlens inspect``: cli/inspect.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     from ..lenses.protocol import Lens
     from ..lenses.tuned import TunedLens
     from ..models.model import LensModel
-    from ..reading.generation import Generation
 
 
 def _write_csv(frame, path: Path, **options) -> None:
@@ -184,68 +183,6 @@ def _advance(bar, done: int, total: int) -> None:
     bar.refresh()
 
 
-LAST_DEFAULT = 12
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    from ..layerspec import check_layer_spec, parse_layer_spec
-    from ..models.loading import load_model
-    from ..reading.generation import check_generate_args, generate
-    from ..reading.reader import read_prompt
-
-    if not args.prompt:
-        raise CLIError("--prompt is empty: give some text to read.")
-    if args.layers:
-        check_layer_spec(args.layers)
-    if args.generate:
-        check_generate_args(args.prompt, args.generate, args.temperature, 1)
-    model = load_model(args.model, device=args.device, dtype=args.dtype, progress=say)
-    lens = next(iter(resolve_lenses([args.lens], model).values()))
-    layers = parse_layer_spec(args.layers, model.n_layers) if args.layers else None
-    if layers is not None and lens.target_layer not in layers:
-        layers.append(lens.target_layer)  # the model's own output is always the last row
-    source: Generation | str
-    if args.generate:
-        bar = _bar(args.generate, "generating", args.no_progress, unit="token")
-        try:
-            source = generate(model, args.prompt, max_new_tokens=args.generate, temperature=args.temperature,
-                              seed=args.seed, chat=args.chat,
-                              progress=(lambda p: _advance(bar, p.step, p.total)) if bar is not None else None)
-        finally:
-            if bar is not None:
-                bar.close()
-        print(f"continuation ({source.n_generated} tokens, {source.stop_reason}): {source.continuation!r}")
-    else:
-        source = model.chat(args.prompt) if args.chat else str(args.prompt)
-    reading = read_prompt(model, lens, source, top_k=1, layers=layers, max_seq_len=args.max_seq_len,
-                          show_whitespace=True, vocab=args.vocab)
-    if args.generate and args.last == LAST_DEFAULT:
-        args.last = reading.n_generated + 1  # the continuation and the prompt's last token
-    positions = reading.positions[-args.last:] if args.last else reading.positions
-    width = args.width
-
-    def cell(s: str) -> str:
-        s = s.replace("\n", "↵")
-        return (s[: width - 1] + "…") if len(s) > width else s.ljust(width)
-
-    grid = reading.top1_grid()
-    cols = [reading.position_index(p) for p in positions]
-    fitted = reading.fitted
-    print(f"{model.name} · {lens.kind} lens · vocab={reading.vocab} · top-1 token per layer (rows) and position "
-          "(columns)")
-    if not fitted[cols].all():
-        print(f"(unfit): positions before the lens's skip_first={reading.skip_first}, where it was never fitted")
-    print("layer ".rjust(7) + " ".join(cell(reading.tokens[c]) for c in cols))
-    if reading.n_generated or not fitted[cols].all():
-        marks = ["(gen)" if reading.segments[c] == "generated" else "" if fitted[c] else "(unfit)" for c in cols]
-        print("".rjust(7) + " ".join(cell(m) for m in marks))
-    print("-" * (7 + (width + 1) * len(cols)))
-    for i, layer in enumerate(reading.layers):
-        label = "out" if layer == reading.output_layer else str(layer)
-        print(f"{label:>6} " + " ".join(cell(grid[i][c]) for c in cols))
-    return 0
-
-
 def register(subparsers) -> None:
     common = argparse.ArgumentParser(add_help=False)
     add_model_arguments(common)
@@ -292,26 +229,6 @@ def register(subparsers) -> None:
     e.add_argument("--out", required=True, help="folder for eval.csv, eval.json, eval.png")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=_eval_defaults)
-
-    i = subparsers.add_parser("inspect", parents=[common], help="print a layer x position grid of top-1 tokens",
-                              description="Read one prompt through a lens and print the top-1 token of every "
-                                          "layer (rows; 'out' is the model's output) at every position (columns).")
-    i.add_argument("--lens", default="logit", help="a lens file, 'default' (the shipped lens) or 'logit' (default)")
-    i.add_argument("--prompt", required=True, help="the text to read")
-    i.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    i.add_argument("--layers", default=None, help="layers to show: '0,4,8', '0:12', '::2' (default all)")
-    i.add_argument("--last", type=int, default=LAST_DEFAULT,
-                   help="show the last N positions (default 12, or the continuation with --generate; 0 = all)")
-    i.add_argument("--generate", type=int, default=0, metavar="N",
-                   help="let the model write N tokens first (1-4096), print them, and read prompt + continuation")
-    i.add_argument("--temperature", type=float, default=0.0, help="with --generate: 0 = greedy (default)")
-    i.add_argument("--seed", type=int, default=None, help="with --generate and a temperature: the sampling seed")
-    i.add_argument("--no-progress", action="store_true", help="no progress bar while generating")
-    i.add_argument("--width", type=int, default=9, help="characters per cell (default 9)")
-    i.add_argument("--max-seq-len", type=int, default=None, help="truncate the prompt to this many tokens")
-    i.add_argument("--vocab", choices=["all", "word"], default="all",
-                   help="top-1 among every token (default) or among word tokens (a letter or digit in the text)")
-    i.set_defaults(func=cmd_inspect)
 
 
 def _eval_defaults(args: argparse.Namespace) -> int:

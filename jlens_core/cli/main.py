@@ -14,7 +14,7 @@ import sys
 
 log = logging.getLogger("jlens")
 
-SUBCOMMAND_MODULES = ("fit", "tune", "weigh", "eval", "intervene", "dump", "app")
+SUBCOMMAND_MODULES = ("fit", "tune", "weigh", "eval", "inspect", "intervene", "dump", "app")
 
 
 class CLIError(Exception):

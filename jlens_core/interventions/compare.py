@@ -1,32 +1,19 @@
-"""A clean and an edited run of the same prompt, side by side: next-token top-k and continuations."""
+"""A clean and an edited run of the same prompt, side by side: next-token top-k and continuations.
+
+The result, :class:`~jlens_core.reading.run_comparison.RunComparison`, is defined with the readings
+(a reading file holds one) and re-exported here.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 
 from ..models.model import LensModel
-from ..reading.generation import Generation, generate
-
-
-@dataclass
-class RunComparison:
-    """What :func:`compare_runs` returns.
-
-    Attributes:
-        clean, edited: the two :class:`~jlens_core.reading.generation.Generation` runs (greedy).
-        next_tokens: the first step's top-k, ``rank`` rows with ``clean_token, clean_prob,
-            edited_token, edited_prob`` (probabilities of the next token after the prompt).
-        first_difference: the index of the first generated token where they differ (``None``: same).
-    """
-
-    clean: Generation
-    edited: Generation
-    next_tokens: pd.DataFrame
-    first_difference: int | None
+from ..reading.generation import generate
+from ..reading.run_comparison import RunComparison
 
 
 def compare_runs(model: LensModel, prompt: str, edits: Sequence[Any], *, max_new_tokens: int = 20, chat: bool = False,

@@ -6,10 +6,12 @@ Built by :func:`~jlens_core.reading.reader.read_prompts`; its arrays are indexed
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -17,6 +19,9 @@ import pandas as pd
 from ..lenses.protocol import Lens
 from .tokens import TokenDisplay, display_ids
 from .word_readout import word_mask
+
+if TYPE_CHECKING:
+    from ..models.model import LensModel
 
 FRAME_COLUMNS = ("layer", "position", "token", "segment", "fitted", "top_ids", "top_tokens", "top_probs",
                  "entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank")
@@ -62,6 +67,13 @@ class PromptReading:
             tokens; gives :attr:`word_ids`); None in a reading built by hand.
         skip_first: the lens's ``settings["skip_first"]`` (0 when it has none: the logit lens): the
             positions before it were never fitted (:attr:`fitted`).
+        saved_word_ids: ``bool[vocab]``, the word mask a reading loaded from a file carries (True on the
+            recorded word tokens, the ids it shows; docs/method.md §6.1); None in a reading with a
+            :attr:`display`, which gives the whole mask.
+
+    A reading saves to a reading file (:meth:`save`, docs/method.md §6.1) and :meth:`load` opens one
+    without the model: the same attributes and numbers, with ``display=None`` and ``vocab_strings``
+    naming only the ids the reading shows.
     """
 
     text: str
@@ -92,6 +104,7 @@ class PromptReading:
     vocab: str = "all"
     display: TokenDisplay | None = field(repr=False, default=None)
     skip_first: int = 0
+    saved_word_ids: np.ndarray | None = field(repr=False, default=None)
 
     def __post_init__(self) -> None:
         if self.n_prompt is None:
@@ -131,8 +144,9 @@ class PromptReading:
     @property
     def word_ids(self) -> np.ndarray | None:
         """``bool[vocab]`` (read-only, cached per tokenizer): the word tokens, the ids ``vocab="word"`` keeps
-        (:func:`~jlens_core.reading.word_readout.word_mask`); None without a :attr:`display`."""
-        return None if self.display is None else word_mask(self.display)
+        (:func:`~jlens_core.reading.word_readout.word_mask`); a loaded reading's :attr:`saved_word_ids`;
+        None without either."""
+        return self.saved_word_ids if self.display is None else word_mask(self.display)
 
     @property
     def fitted(self) -> np.ndarray:
@@ -273,6 +287,40 @@ class PromptReading:
         for name, ranks in self.pinned_ranks.items():
             data[f"rank_{name}"] = ranks.reshape(-1).astype(np.int64)
         return pd.DataFrame(data)
+
+    # -- files -----------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, *, model: LensModel | None = None, lens: Lens | None = None,
+             origin: str | None = None, name: str | None = None) -> Path:
+        """Write this reading to a reading file (JSON, docs/method.md §6.1), atomically; returns the path.
+
+        Args:
+            path: the file (``reading.jlens.json`` by convention).
+            model: the model read (its fingerprint goes in the file).
+            lens: the lens read (its kind, settings and model identity go in the file).
+            origin: where the lens came from (a file, ``"default"``).
+            name: the reading's name in the file (default :attr:`lens_kind`).
+
+        Several readings (two lenses, an edited run, a generation, a comparison) go in one file with
+        :func:`~jlens_core.reading.reading_file.save_readings`.
+        """
+        from .reading_file import save_readings
+
+        key = name or self.lens_kind
+        return save_readings(path, {key: self}, model=model, lenses={key: lens} if lens is not None else None,
+                             origins={key: origin} if origin is not None else None)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, name: str | None = None) -> PromptReading:
+        """The reading ``name`` of a reading file (default: its only one), without the model (docs/method.md §6.1).
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ReadingFileError: not a reading file, another format version, a missing field, no reading
+                ``name``, or several readings and no ``name`` (one sentence).
+        """
+        from .reading_file import load_reading
+
+        return load_reading(path, name)
 
     def __repr__(self) -> str:
         return (f"PromptReading(model={self.model_name!r}, lens={self.lens_kind!r}, layers={self.layers}, "

@@ -1,0 +1,151 @@
+"""``jlens inspect``: read a prompt through lenses and print the layer x position grid, as a table or as data.
+
+``--format table`` (default) prints the top-1 token of every layer (rows) at the last positions
+(columns); ``--format json|csv`` prints every lens x layer x position record instead
+(:mod:`jlens_core.reading.grid_export`), nothing else on stdout; ``--save FILE`` writes the reading
+file (docs/method.md §6.1), which reopens without the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from .main import CLIError, say
+from .model_args import add_model_arguments
+
+if TYPE_CHECKING:  # the CLI imports torch only when a command runs
+    from ..reading.generation import Generation
+    from ..reading.prompt_reading import PromptReading
+
+LAST_DEFAULT = 12  # positions the table shows when --last is not given (with --generate: the continuation)
+FORMATS = ("table", "json", "csv")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ..layerspec import check_layer_spec, parse_layer_spec
+    from ..models.loading import load_model
+    from ..reading.generation import check_generate_args, generate
+    from ..reading.reader import read_prompts
+    from .eval import _advance, _bar, resolve_lenses
+
+    if not args.prompt:
+        raise CLIError("--prompt is empty: give some text to read.")
+    if args.layers:
+        check_layer_spec(args.layers)
+    if args.generate:
+        check_generate_args(args.prompt, args.generate, args.temperature, 1)
+    if args.top_k < 1:
+        raise CLIError(f"--top-k {args.top_k} must be at least 1.")
+    if args.last is not None and args.last < 0:
+        raise CLIError(f"--last {args.last} must be >= 0 (0 shows every position).")
+    specs = args.lens or ["logit"]
+    model = load_model(args.model, device=args.device, dtype=args.dtype, progress=say)
+    lenses = resolve_lenses(specs, model)
+    origins = dict(zip(lenses, specs)) if len(lenses) == len(specs) else {}  # one name per --lens given
+    layers = parse_layer_spec(args.layers, model.n_layers) if args.layers else None
+    if layers is not None:  # the model's own output is always the last row
+        layers += sorted({lens.target_layer for lens in lenses.values()} - set(layers))
+    table = args.format == "table"
+    source: Generation | str
+    if args.generate:
+        bar = _bar(args.generate, "generating", args.no_progress, unit="token")
+        try:
+            source = generate(model, args.prompt, max_new_tokens=args.generate, temperature=args.temperature,
+                              seed=args.seed, chat=args.chat,
+                              progress=(lambda p: _advance(bar, p.step, p.total)) if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        print(f"continuation ({source.n_generated} tokens, {source.stop_reason}): {source.continuation!r}",
+              file=sys.stdout if table else sys.stderr)
+    else:
+        source = model.chat(args.prompt) if args.chat else str(args.prompt)
+    readings = read_prompts(model, lenses, source, top_k=args.top_k, layers=layers, max_seq_len=args.max_seq_len,
+                            show_whitespace=True, vocab=args.vocab)
+    if args.save:
+        from ..reading.reading_file import save_readings
+
+        written = save_readings(args.save, readings, model=model, lenses=lenses, origins=origins,
+                                generation=None if isinstance(source, str) else source)
+        print(f"Wrote {written}", file=sys.stderr)
+    if args.format == "json":
+        from ..reading.grid_export import grid_json
+
+        sys.stdout.write(grid_json(readings))
+    elif args.format == "csv":
+        from ..reading.grid_export import grid_csv
+
+        sys.stdout.write(grid_csv(readings))
+    else:
+        for i, (name, reading) in enumerate(readings.items()):
+            if i:
+                print()
+            print_grid(reading, name, args.last, args.width)
+    return 0
+
+
+def print_grid(reading: PromptReading, name: str, last: int | None, width: int) -> None:
+    """The top-1 token of every layer (rows; ``out`` the model's output) at the last ``last`` positions."""
+    if last is None:
+        last = reading.n_generated + 1 if reading.n_generated else LAST_DEFAULT  # the continuation and the prompt's end
+    positions = reading.positions[-last:] if last else reading.positions
+
+    def cell(s: str) -> str:
+        s = s.replace("\n", "↵")
+        return (s[: width - 1] + "…") if len(s) > width else s.ljust(width)
+
+    grid = reading.top1_grid()
+    cols = [reading.position_index(p) for p in positions]
+    fitted = reading.fitted
+    lens = f"{reading.lens_kind} lens" if name == reading.lens_kind else f"{name} ({reading.lens_kind} lens)"
+    print(f"{reading.model_name} · {lens} · vocab={reading.vocab} · top-1 token per layer (rows) and position "
+          "(columns)")
+    if not fitted[cols].all():
+        print(f"(unfit): positions before the lens's skip_first={reading.skip_first}, where it was never fitted")
+    print("layer ".rjust(7) + " ".join(cell(reading.tokens[c]) for c in cols))
+    if reading.n_generated or not fitted[cols].all():
+        marks = ["(gen)" if reading.segments[c] == "generated" else "" if fitted[c] else "(unfit)" for c in cols]
+        print("".rjust(7) + " ".join(cell(m) for m in marks))
+    print("-" * (7 + (width + 1) * len(cols)))
+    for i, layer in enumerate(reading.layers):
+        label = "out" if layer == reading.output_layer else str(layer)
+        print(f"{label:>6} " + " ".join(cell(grid[i][c]) for c in cols))
+
+
+def register(subparsers) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    add_model_arguments(common)
+    i = subparsers.add_parser("inspect", parents=[common], help="print a layer x position grid of top-1 tokens",
+                              description="Read one prompt through lenses and print the top-1 token of every "
+                                          "layer (rows; 'out' is the model's output) at every position (columns), "
+                                          "or the whole grid as JSON or CSV records; --save writes a reading file "
+                                          "that reopens without the model.")
+    i.add_argument("--lens", action="append", default=None,
+                   help="a lens file, 'default' (the shipped lens), 'tuned' or 'logit' (default); repeat to read "
+                        "several (one table each; a 'lens' column in json/csv)")
+    i.add_argument("--prompt", required=True, help="the text to read")
+    i.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    i.add_argument("--layers", default=None, help="layers to show: '0,4,8', '0:12', '::2' (default all)")
+    i.add_argument("--last", type=int, default=None,
+                   help=f"the table shows the last N positions (default {LAST_DEFAULT}, or the continuation with "
+                        "--generate; 0 = all); json and csv hold every position")
+    i.add_argument("--generate", type=int, default=0, metavar="N",
+                   help="let the model write N tokens first (1-4096), print them, and read prompt + continuation")
+    i.add_argument("--temperature", type=float, default=0.0, help="with --generate: 0 = greedy (default)")
+    i.add_argument("--seed", type=int, default=None, help="with --generate and a temperature: the sampling seed")
+    i.add_argument("--no-progress", action="store_true", help="no progress bar while generating")
+    i.add_argument("--width", type=int, default=9, help="characters per cell (default 9)")
+    i.add_argument("--max-seq-len", type=int, default=None, help="truncate the prompt to this many tokens")
+    i.add_argument("--vocab", choices=["all", "word"], default="all",
+                   help="top-1 among every token (default) or among word tokens (a letter or digit in the text)")
+    i.add_argument("--top-k", type=int, default=10,
+                   help="tokens kept per cell in json, csv and --save (default 10; the table shows the top-1)")
+    i.add_argument("--format", choices=FORMATS, default="table",
+                   help="table (default): the top-1 grid; json: a JSON array of records, one per lens x layer x "
+                        "position; csv: the same as CSV (list cells as JSON). Nothing else goes to stdout")
+    i.add_argument("--save", default=None, metavar="FILE",
+                   help="also write the readings (every lens, every position, the continuation) to a reading file, "
+                        "e.g. reading.jlens.json, that reopens without the model")
+    i.set_defaults(func=cmd_inspect)
