@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .._atomic import atomic_write_text
 from .main import CLIError, say
+from .model_args import add_placement_arguments, model_loading_options
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", default="all", help="layers: '0,4,8', '0:12', '0:12:2', '-1' or 'all' (default)")
     p.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1, mps")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (default: the loader's)")
+    add_placement_arguments(p)
     p.add_argument("--max-seq-len", type=int, default=None, help="truncate the prompt to N tokens")
     p.add_argument("--no-ends", action="store_true", help="do not dump the embedding and final-norm outputs")
     p.add_argument("--force", action="store_true", help="replace an earlier dump in --out")
@@ -79,13 +81,15 @@ def run_dump(args: argparse.Namespace) -> int:
         raise CLIError("model loading (jlens_core.models.loading) is not available in this install.") from exc
 
     dtype = _torch_dtype(args.dtype)
-    model = load_model(args.model, device=args.device, dtype=dtype, progress=say)
+    options = model_loading_options(args)
+    model = load_model(args.model, **{**options, "dtype": dtype}, progress=say)
     if dtype is not None and model.dtype != dtype:
         log.info("Converting %s from %s to %s.", model.name, model.dtype, dtype)
         model.hf_model.to(dtype)
     layers = parse_layer_spec(args.layers, model.n_layers)
     settings = {"cli": {"model": args.model, "ops": args.ops, "layers": args.layers, "device": args.device,
-                        "dtype": args.dtype, "max_seq_len": args.max_seq_len}}
+                        "dtype": args.dtype, "max_seq_len": args.max_seq_len,
+                        **{k: options[k] for k in ("device_map", "max_memory", "offload_folder") if options[k]}}}
     path = dump_hidden_states(model, args.prompt, out, ops=ops, layers=layers, ends=not args.no_ends,
                               max_length=args.max_seq_len, extra_settings=settings, overwrite=args.force)
     from ..debugging.dump import load_dump

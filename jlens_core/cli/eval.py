@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .._atomic import atomic_write, atomic_write_text
 from .main import CLIError, say
-from .model_args import add_model_arguments
+from .model_args import add_model_arguments, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     from ..lenses.protocol import Lens
@@ -83,7 +83,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise CLIError(f"--n-texts {args.n_texts} must be >= 0 (0 skips the per-layer evaluation).")
     texts = load_corpus(args.corpus, n=args.n_texts, min_chars=args.min_chars, split=args.split) \
         if args.n_texts else []
-    model = load_model(args.model, device=args.device, dtype=args.dtype, progress=say)
+    model = load_model(args.model, **model_loading_options(args), progress=say)
     lenses = resolve_lenses(args.lens, model, args.shrinkage)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from .._atomic import atomic_write_text
 from ..fitting.methods import METHODS, RULES
 from ..fitting.runfiles import sidecar  # the run-file format, shared with the app
 from .main import CLIError, say
-from .model_args import add_model_arguments
+from .model_args import add_model_arguments, model_loading_options, placement_requested
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
             raise CLIError(f"--first-prompt {args.first_prompt} is past the end of the corpus ({len(prompts)} texts).")
         end = len(prompts) if args.n_prompts is None else args.first_prompt + args.n_prompts
         prompts = prompts[args.first_prompt: end]
-        model = load_model(args.model, device=device, dtype=args.dtype, progress=say)
+        # a device map places the model itself; otherwise the rank's device (torchrun) or --device
+        options = model_loading_options(args) | ({} if placement_requested(args) else {"device": device})
+        model = load_model(args.model, **options, progress=say)
         sources = parse_layer_spec(args.layers, model.n_layers) if args.layers else None
         if sources is not None:
             target = args.target_layer % model.n_layers

@@ -7,7 +7,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from .main import CLIError, say
-from .model_args import add_model_arguments
+from .model_args import add_model_arguments, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     from ..interventions import Ablate, Steer, Swap
@@ -66,7 +66,7 @@ def cmd_intervene(args: argparse.Namespace) -> int:
         from ..layerspec import check_layer_spec
 
         check_layer_spec(args.layers)
-    model = load_model(args.model, device=args.device, dtype=args.dtype, progress=say)
+    model = load_model(args.model, **model_loading_options(args), progress=say)
     lens = next(iter(resolve_lenses([args.lens], model).values()))
     edits = build_edits(args, model, lens)
     result = compare_runs(model, args.prompt, edits, max_new_tokens=args.max_new_tokens, chat=args.chat,

