@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from .main import CLIError, say
-from .model_args import add_model_arguments
+from .model_args import add_model_arguments, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     from ..reading.generation import Generation
@@ -41,7 +41,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.last is not None and args.last < 0:
         raise CLIError(f"--last {args.last} must be >= 0 (0 shows every position).")
     specs = args.lens or ["logit"]
-    model = load_model(args.model, device=args.device, dtype=args.dtype, progress=say)
+    model = load_model(args.model, **model_loading_options(args), progress=say)
     lenses = resolve_lenses(specs, model)
     origins = dict(zip(lenses, specs)) if len(lenses) == len(specs) else {}  # one name per --lens given
     layers = parse_layer_spec(args.layers, model.n_layers) if args.layers else None
