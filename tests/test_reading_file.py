@@ -220,7 +220,7 @@ def cli_files(tmp_path_factory):
 
 def _inspect(cli_files, *extra: str) -> list[str]:
     return ["inspect", "--model", cli_files["model_dir"], "--lens", "logit", "--lens", cli_files["lens_path"],
-            "--prompt", PROMPT, "--top-k", "3", *extra]
+            "--prompt", PROMPT, "--top-k", "3", "--pin", "a", *extra]
 
 
 def test_cli_save_and_formats_parse_back(cli_files, capsys):
@@ -229,7 +229,7 @@ def test_cli_save_and_formats_parse_back(cli_files, capsys):
     model = cli_files["model"]
     expected = read_prompts(model, {"logit": LogitLens.for_model(model),
                                     "jacobian": load_lens(cli_files["lens_path"], model=model)},
-                            PROMPT, top_k=3, show_whitespace=True)
+                            PROMPT, top_k=3, show_whitespace=True, pinned=["a"])
     saved = cli_files["root"] / "cli.jlens.json"
     assert main(_inspect(cli_files, "--format", "json", "--save", str(saved))) == 0
     out = capsys.readouterr()
@@ -258,6 +258,7 @@ def test_cli_save_and_formats_parse_back(cli_files, capsys):
     assert np.array_equal(rows["kl_bits"].to_numpy(), frame["kl_bits"].to_numpy())
     assert rows["next_token_rank"].isna().sum() == expected["jacobian"].n_layers  # the last position
     assert rows["fitted"].tolist() == frame["fitted"].tolist()
+    assert rows["rank_a"].tolist() == frame["rank_a"].tolist()
     assert len(list(csv.reader(io.StringIO(text)))) == n_cells + 1
 
 

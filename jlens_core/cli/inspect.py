@@ -63,7 +63,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         source = model.chat(args.prompt) if args.chat else str(args.prompt)
     readings = read_prompts(model, lenses, source, top_k=args.top_k, layers=layers, max_seq_len=args.max_seq_len,
-                            show_whitespace=True, vocab=args.vocab)
+                            show_whitespace=True, vocab=args.vocab, pinned=args.pin or ())
     if args.save:
         from ..reading.reading_file import save_readings
 
@@ -142,6 +142,8 @@ def register(subparsers) -> None:
                    help="top-1 among every token (default) or among word tokens (a letter or digit in the text)")
     i.add_argument("--top-k", type=int, default=10,
                    help="tokens kept per cell in json, csv and --save (default 10; the table shows the top-1)")
+    i.add_argument("--pin", action="append", default=None, metavar="TOKEN",
+                   help="track this token's rank (a rank_TOKEN column in json/csv and --save); repeatable")
     i.add_argument("--format", choices=FORMATS, default="table",
                    help="table (default): the top-1 grid; json: a JSON array of records, one per lens x layer x "
                         "position; csv: the same as CSV (list cells as JSON). Nothing else goes to stdout")
