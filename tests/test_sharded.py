@@ -77,6 +77,18 @@ def test_jacobian_equals_in_memory(pair, rules):
     assert norm.__dict__["forward"].func.__name__ == "new_forward"
 
 
+def test_fit_equals_in_memory(pair, tmp_path):
+    from jlens_core import fit
+
+    _, memory, dispatched, _ = pair
+    prompts = [LONG_TEXT, PROMPT * 2]
+    got = fit(dispatched, prompts, max_seq_len=32, skip_first=4, checkpoint_path=tmp_path / "lens.ckpt")
+    want = fit(memory, prompts, max_seq_len=32, skip_first=4)
+    assert got.n_prompts == want.n_prompts == 2
+    assert max(rel(got.matrix(layer), want.matrix(layer)) for layer in want.source_layers) <= RTOL
+    assert got.metadata()["model_fingerprint"] == want.metadata()["model_fingerprint"]
+
+
 def test_reading_equals_in_memory(pair):
     _, memory, dispatched, _ = pair
     lens = random_lens(memory)
