@@ -213,8 +213,7 @@ def panel(ctx: Any, readings: dict, chat_text: str, n_prompt: int) -> None:
     for edit in stored["edits"]:
         skipped = getattr(edit, "skipped_layers", [])
         st.caption(f"Edit: `{edit!r}`" + (f"; layers {skipped} skipped (|cos(v_A, v_B)| > 0.999)" if skipped else ""))
-    bars = {"clean": _cell(result.next_tokens, "clean"), "edited": _cell(result.next_tokens, "edited")}
-    st.plotly_chart(charts.topk_bars(bars, k=10), key="iv_bars", config={"displaylogo": False})
+    st.plotly_chart(charts.comparison_figure(result, k=10), key="iv_bars", config={"displaylogo": False})
     left, right = st.columns(2)
     first = result.first_difference
     left.markdown("**Clean continuation**")
@@ -227,10 +226,6 @@ def panel(ctx: Any, readings: dict, chat_text: str, n_prompt: int) -> None:
               help="Draw the heatmap above from the edited forward pass over the same tokens.")
     if ss.iv_edited_heatmap:
         st.caption("The heatmap above reads the edited run.")
-
-
-def _cell(frame, which: str) -> dict:
-    return {"top_tokens": [str(t) for t in frame[f"{which}_token"]], "top_probs": list(frame[f"{which}_prob"])}
 
 
 def heatmap_edits(ctx: Any, chat_text: str) -> tuple[list, str] | None:

@@ -21,6 +21,14 @@ _SOURCES = {
     "diff_dumps": ".debugging.diff",
     "divergence_curve": ".debugging.diff",
     "dump_hidden_states": ".debugging.dump",
+    "eval_curves_figure": ".figures.evaluation",
+    "pass_at_k_figure": ".figures.evaluation",
+    "fit_figures": ".figures.fitting",
+    "heatmap_figure": ".figures.heatmaps",
+    "write_reading_page": ".figures.html_page",
+    "comparison_figure": ".figures.interventions",
+    "swap_success_figure": ".figures.interventions",
+    "pinned_ranks_figure": ".figures.ranks",
     "PromptJacobian": ".fitting.estimator",
     "jacobian_for_prompt": ".fitting.estimator",
     "valid_position_mask": ".fitting.estimator",
@@ -97,14 +105,18 @@ __all__ = [
     "TunedLens",
     "compare_readings",
     "compare_runs",
+    "comparison_figure",
     "default_lens",
     "diff_dumps",
     "difference",
     "divergence_curve",
     "dump_hidden_states",
+    "eval_curves_figure",
     "evaluate",
     "fit",
+    "fit_figures",
     "generate",
+    "heatmap_figure",
     "jacobian_for_prompt",
     "load_corpus",
     "load_eval_set",
@@ -114,20 +126,30 @@ __all__ = [
     "load_swap_set",
     "most_common_tokens",
     "pass_at_k",
+    "pass_at_k_figure",
+    "pinned_ranks_figure",
     "read_prompt",
     "read_prompts",
     "resolve_layers",
     "save_readings",
     "swap_success",
+    "swap_success_figure",
     "token_direction",
     "train_tuned_lens",
     "valid_position_mask",
+    "write_reading_page",
 ]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from .corpus import load_corpus
     from .debugging.diff import diff_dumps, divergence_curve
     from .debugging.dump import dump_hidden_states
+    from .figures.evaluation import eval_curves_figure, pass_at_k_figure
+    from .figures.fitting import fit_figures
+    from .figures.heatmaps import heatmap_figure
+    from .figures.html_page import write_reading_page
+    from .figures.interventions import comparison_figure, swap_success_figure
+    from .figures.ranks import pinned_ranks_figure
     from .fitting.estimator import PromptJacobian, jacobian_for_prompt, valid_position_mask
     from .fitting.fit import FitProgress, FitState, fit
     from .fitting.tuning import train_tuned_lens

@@ -21,7 +21,11 @@ APP = PACKAGE.parent / "app"
 
 # Leaves: top-level modules that import nothing from jlens_core.
 LEAVES = {"_atomic", "_version", "_paths", "corpus", "layerspec", "workspace"}
-RANKS = {"files": 1, "models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4, "plots": 4, "cli": 5}
+RANKS = {"files": 1, "models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4, "plots": 4,
+         "figures": 4, "cli": 5}
+# A result object draws itself (``reading.figure()``, ``evaluation.figure()``, ``reading._repr_html_``): these
+# methods import ``jlens_core.figures`` inside their body, lazily, the one upward import the layout allows.
+FIGURE_HOOKS = {"figure", "to_html", "_repr_html_", "_repr_mimebundle_"}
 # The package's front door re-exports from everywhere; `python -m jlens_core` starts the CLI.
 EXEMPT = {"__init__", "__main__"}
 
@@ -36,6 +40,9 @@ PUBLIC_NAMES = [
     "diff_dumps", "difference", "divergence_curve", "dump_hidden_states", "generate", "load_swap_set",
     "most_common_tokens", "swap_success", "token_direction", "train_tuned_lens",
     "ExpertLens",  # expert lenses, J++ (issue #32 §1)
+    # the figures, in the library (issue #33 §1, §2)
+    "comparison_figure", "eval_curves_figure", "fit_figures", "heatmap_figure", "pass_at_k_figure",
+    "pinned_ranks_figure", "swap_success_figure", "write_reading_page",
     "ReadingFile", "ReadingFileError", "load_readings", "save_readings",  # the reading file (issue #33 §3)
 ]
 
@@ -137,6 +144,15 @@ def test_the_app_imports_only_public_jlens_core_modules():
     assert not private_or_cli("jlens_core.fitting.runfiles.sidecar") and not private_or_cli("jlens_core.files")
 
 
+def figure_hook_lines(path: Path) -> set[int]:
+    """Lines of the imports inside a :data:`FIGURE_HOOKS` method (a result drawing itself with ``figures``)."""
+    lines = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.FunctionDef) and node.name in FIGURE_HOOKS:
+            lines.update(sub.lineno for sub in ast.walk(node) if isinstance(sub, ast.ImportFrom | ast.Import))
+    return lines
+
+
 def test_dependencies_point_one_way():
     problems = []
     for path in all_modules():
@@ -144,8 +160,11 @@ def test_dependencies_point_one_way():
         group, rank = place(name)
         if group in EXEMPT:
             continue
+        hooks = figure_hook_lines(path)
         for line, target in imported_modules(path):
             t_group, t_rank = place(target)
+            if t_group == "figures" and line in hooks:
+                continue
             where = f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
             if t_group in EXEMPT or t_rank is None:
                 problems.append(f"{where}: import from the named subpackage, not the package's front door")
@@ -166,11 +185,21 @@ def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
     (fake / "lenses" / "__init__.py").write_text("")
     (fake / "lenses" / "bad.py").write_text("def f():\n    from ..reading.tokens import TokenDisplay\n")
     (fake / "corpus.py").write_text("from .models.model import HFLensModel\n")
+    # a figure hook may import figures lazily; the same import at module level may not
+    (fake / "reading").mkdir()
+    (fake / "reading" / "__init__.py").write_text("")
+    (fake / "reading" / "drawn.py").write_text("class R:\n    def figure(self):\n        from ..figures.heatmaps import f\n")
+    (fake / "reading" / "eager.py").write_text("from ..figures.heatmaps import f\n")
     monkeypatch.setattr(f"{__name__}.PACKAGE", fake)
     with pytest.raises(AssertionError, match=r"lenses/bad.py:2 imports jlens_core.reading.tokens: lenses \(rank 2\)"):
         test_dependencies_point_one_way()
     with pytest.raises(AssertionError, match="corpus.py:1 imports jlens_core.models.model: a leaf"):
         test_dependencies_point_one_way()
+    with pytest.raises(AssertionError, match=r"reading/eager.py:1 imports jlens_core.figures.heatmaps: reading \(rank 3\)"):
+        test_dependencies_point_one_way()
+    with pytest.raises(AssertionError) as caught:
+        test_dependencies_point_one_way()
+    assert "drawn.py" not in str(caught.value)
 
 
 def test_public_names_are_unchanged():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import pandas as pd
 import torch
@@ -73,9 +74,24 @@ class _Moments:
         return math.sqrt(var / self.n)
 
 
+class Evaluation(pd.DataFrame):
+    """What :func:`evaluate` returns: its table, a DataFrame (slices and copies stay one), that draws itself."""
+
+    @property
+    def _constructor(self):  # type: ignore[override]
+        return Evaluation
+
+    def figure(self) -> Any:
+        """Per-layer KL and cross-entropy curves per lens, with standard-error bars, as a Plotly figure (the
+        app's Evaluate page; :func:`~jlens_core.figures.evaluation.eval_curves_figure`)."""
+        from ..figures.evaluation import eval_curves_figure
+
+        return eval_curves_figure(self)
+
+
 def evaluate(model: LensModel, lenses: Mapping[str, Lens], texts: Iterable[str] | str, *, max_seq_len: int | None = 128,
              skip_first: int | None = None, layers: Iterable[int] | None = None,
-             progress: Progress | None = None) -> pd.DataFrame:
+             progress: Progress | None = None) -> Evaluation:
     """Per-layer mean KL and cross-entropy of each lens over a corpus.
 
     For every text (truncated to ``max_seq_len`` tokens) the positions counted are
@@ -96,7 +112,7 @@ def evaluate(model: LensModel, lenses: Mapping[str, Lens], texts: Iterable[str] 
         progress: called as ``progress(texts_done, n_texts)`` after each text.
 
     Returns:
-        DataFrame, one row per lens x layer (lenses in the given order, layers ascending), columns
+        An :class:`Evaluation` (a DataFrame whose ``figure()`` draws it), one row per lens x layer (lenses in the given order, layers ascending), columns
         ``lens, layer, kl_bits, ce_bits, n_tokens, kl_se, ce_se, n_texts``: means over all counted
         tokens, their standard errors ``sd / sqrt(n_tokens)`` (tokens taken as independent; tokens
         of one text are correlated, so read them as a lower bound), tokens and texts counted. The
@@ -180,10 +196,10 @@ def evaluate(model: LensModel, lenses: Mapping[str, Lens], texts: Iterable[str] 
             kl_m, ce_m = kl_acc[name, layer], ce_acc[name, layer]
             rows.append({"lens": name, "layer": layer, "kl_bits": kl_m.mean(), "ce_bits": ce_m.mean(),
                          "n_tokens": kl_m.n, "kl_se": kl_m.se(), "ce_se": ce_m.se(), "n_texts": n_used})
-    frame = pd.DataFrame(rows, columns=list(EVALUATE_COLUMNS))
+    frame = Evaluation(rows, columns=list(EVALUATE_COLUMNS))
     frame.attrs.update({"skip_first": skip, "max_seq_len": max_seq_len, "n_skipped": n_skipped})
     return frame
 
 
 # -- pass@k --------------------------------------------------------------------------------------
-__all__ = ["DEFAULT_SKIP_FIRST", "EVALUATE_COLUMNS", "default_skip_first", "evaluate"]
+__all__ = ["DEFAULT_SKIP_FIRST", "EVALUATE_COLUMNS", "Evaluation", "default_skip_first", "evaluate"]

@@ -74,6 +74,18 @@ class Generation:
         """``int64[n_prompt + n_generated]``: prompt then continuation."""
         return np.concatenate([self.prompt_ids, self.generated_ids]).astype(np.int64)
 
+    def figure(self, model: Any, *, k: int = 5) -> Any:
+        """At each generated step, the probability the model gave the token it wrote and its top-1, the
+        step's top-k in the hover, as a Plotly figure (:func:`~jlens_core.figures.generation.generation_figure`).
+
+        Args:
+            model: the model that wrote it (names the tokens: anything with ``decode(ids)``).
+            k: tokens in each step's hover.
+        """
+        from ..figures.generation import generation_figure
+
+        return generation_figure(self, model.decode, k=k)
+
     def __repr__(self) -> str:
         return (f"Generation({self.n_prompt} prompt + {self.n_generated} generated tokens, "
                 f"stop={self.stop_reason!r}, continuation={self.continuation[:60]!r})")

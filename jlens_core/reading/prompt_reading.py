@@ -327,6 +327,44 @@ class PromptReading:
                 f"positions={self.n_positions} of {len(self.input_ids)}, top_k={self.top_k}, "
                 f"pinned={list(self.pinned)})")
 
+    # -- figures (jlens_core.figures; plotly: pip install jlens[app]) --------------------------------------
+    def figure(self, stat: str = "top1_prob", *, others: dict[str, PromptReading] | None = None,
+               mode: str | None = None, **options: Any) -> Any:
+        """The layer x position heatmap the app's Inspect page draws, as a Plotly figure.
+
+        Args:
+            stat: the colour, one of :attr:`stats`.
+            others: ``{lens name: PromptReading}`` of the same prompt through other lenses: drawn side by side
+                (one other), stacked (more) or as a difference (``mode="diff"``, the other minus this one
+                is ``pair[1] - pair[0]``).
+            mode: :func:`~jlens_core.figures.heatmaps.heatmap_figure`'s mode (default: from ``others``).
+            options: the rest of its options (``layers``, ``hover_k``, ``selected``, ``pair``).
+        """
+        from ..figures.heatmaps import reading_figure
+
+        return reading_figure(self, stat, others=others, mode=mode, **options)
+
+    def to_html(self, path: str | os.PathLike, *, others: dict[str, PromptReading] | None = None,
+                **options: Any) -> Path:
+        """Write this reading (and ``others`` of the same prompt) as one HTML page that works offline: the
+        heatmap with hover, a click's cell detail and pinned ranks, the settings in a header
+        (:mod:`jlens_core.figures.html_page`; ``options``: ``mode``, ``stat``, ``pair``, ``title``, ...).
+
+        Returns:
+            The path written.
+        """
+        from ..figures.html_page import write_reading_page
+
+        readings = {str(self.lens_kind): self}
+        readings.update(others or {})
+        return write_reading_page(readings, path, **options)
+
+    def _repr_html_(self) -> str | None:
+        """A compact heatmap in Jupyter, offline (:mod:`jlens_core.figures.notebook` says how)."""
+        from ..figures.notebook import reading_html
+
+        return reading_html(self)
+
 
 def lens_skip_first(lens: Lens) -> int:
     """The first position a reading through ``lens`` counts as fitted: ``lens.settings["skip_first"]``, else 0.

@@ -8,7 +8,7 @@ It lives with the readings, not with the edits, so that a reading file
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -33,6 +33,13 @@ class RunComparison:
     edited: Generation
     next_tokens: pd.DataFrame
     first_difference: int | None
+
+    def figure(self, *, k: int = 10) -> Any:
+        """The next token after the prompt, clean vs edited: top-k bars side by side, as a Plotly figure
+        (the app's Intervene panel; :func:`~jlens_core.figures.interventions.comparison_figure`)."""
+        from ..figures.interventions import comparison_figure
+
+        return comparison_figure(self, k=k)
 
 
 __all__ = ["NEXT_TOKEN_COLUMNS", "RunComparison"]
