@@ -180,6 +180,183 @@ def _arm_rates(values: pd.Series) -> tuple[int, int]:
     return int(scored.astype(bool).sum()), len(scored)
 
 
+@dataclass
+class _SwapPlan:
+    """The settings every item is scored under: lenses and their layers, and the controls' lens."""
+
+    lenses: dict[str, Lens]
+    layers: dict[str, list[int]]
+    alphas: list[float]
+    control_name: str
+    random_control: bool
+    norm_matched_control: bool
+    centred: bool
+    seed: int
+
+    @property
+    def control_lens(self) -> Lens:
+        return self.lenses[self.control_name]
+
+    @property
+    def control_layers(self) -> list[int]:
+        return self.layers[self.control_name]
+
+    @property
+    def arm_names(self) -> list[str]:
+        """The lenses, then the controls that are on: the rows of the summary, in order."""
+        return (list(self.lenses) + ([RANDOM] if self.random_control else [])
+                + ([NORM_MATCHED] if self.norm_matched_control else []))
+
+
+@dataclass
+class _Arm:
+    """One swap an eligible item is scored under: a lens (or control) with its layers and target."""
+
+    lens: Lens
+    layers: list[int]
+    directions: Any  # random unit directions in place of the read ones (the random control), else None
+    target: str | int  # the replacement's spelling, or the norm-matched token id
+
+
+def _plan_swaps(model: LensModel, lenses: Mapping[str, Lens], layers: Sequence[int] | None, alphas: Sequence[float],
+                *, random_control: bool, norm_matched_control: bool, centred: bool, seed: int) -> _SwapPlan:
+    """Check the settings (before any work) and choose each lens's layers; the logit lens is added when missing.
+
+    Raises:
+        ValueError: no alphas, an alpha out of range, a layer outside a lens.
+    """
+    alpha_list = [float(a) for a in alphas]
+    if not alpha_list:
+        raise ValueError("alphas is empty: give at least one swap scale.")
+    all_lenses = dict(lenses)
+    if not any(lens.kind == "logit" for lens in all_lenses.values()):
+        all_lenses["logit"] = LogitLens.for_model(model)
+    for alpha in alpha_list:
+        if not 0 <= alpha <= MAX_ALPHA:
+            raise ValueError(f"Swap scale alpha={alpha:g} is out of range: give numbers in [0, {MAX_ALPHA:g}].")
+    chosen = {name: check_layers(model, lens, layers) if layers is not None else default_layers(model, lens)
+              for name, lens in all_lenses.items()}
+    return _SwapPlan(lenses=all_lenses, layers=chosen, alphas=alpha_list, control_name=next(iter(chosen)),
+                     random_control=random_control, norm_matched_control=norm_matched_control, centred=centred,
+                     seed=seed)
+
+
+def _spelling_ids(model: LensModel, word: str) -> set[int]:
+    """The token ids of every complete single-token spelling of ``word``."""
+    return set(spellings(model.tokenizer, word, vocab_size=model.vocab_size).values())
+
+
+def _draw_norm_matched(model: LensModel, norms: torch.Tensor, source: str, replacement: str,
+                       answer_ids: set[int], item_seed: int) -> int | None:
+    """The norm-matched control's token for one item (``None`` when no token is within tolerance)."""
+    vocab = model.vocab_size
+    source_id, replacement_id = (token_id(model.tokenizer, w, rule="exact", vocab_size=vocab)
+                                 for w in (source, replacement))
+    return norm_matched_token(norms, replacement_id, {source_id} | answer_ids,
+                              torch.Generator().manual_seed(item_seed))
+
+
+def _score_arm(model: LensModel, name: str, arm: _Arm, source: str, ids: torch.Tensor, swap_ids: set[int],
+               plan: _SwapPlan) -> dict[str, Any]:
+    """Per alpha, whether the edited greedy next token spells the swap answer, and that token:
+    the columns ``{name}@{alpha}`` and ``{name}@{alpha} next`` of the item's row."""
+    swap = Swap(model, arm.lens, source, arm.target, 1.0, layers=arm.layers, directions=arm.directions,
+                centred=plan.centred)
+    runner = EditRunner(model, [swap], int(ids.shape[1]))
+    clean = runner.clean_residuals(lambda: model.hf_model(input_ids=ids))
+    cells: dict[str, Any] = {}
+    for alpha in plan.alphas:
+        swap.alpha = alpha
+        edited = _greedy_next(model, ids, [swap], clean=clean)
+        cells[f"{name}@{alpha:g}"] = edited in swap_ids
+        cells[f"{name}@{alpha:g} next"] = model.decode([edited])
+    return cells
+
+
+def _score_eligible(model: LensModel, plan: _SwapPlan, norms: torch.Tensor | None, words: Mapping[str, str],
+                    ids: torch.Tensor, answer_ids: set[int], swap_ids: set[int], item_seed: int) -> dict[str, Any]:
+    """An eligible item's row cells: the norm-matched draw, then every arm's success and edited token."""
+    source, replacement = words["source"], words["replacement"]
+    arms = {name: _Arm(plan.lenses[name], plan.layers[name], None, replacement) for name in plan.lenses}
+    if plan.random_control:
+        arms[RANDOM] = _Arm(plan.control_lens, plan.control_layers,
+                            random_directions(plan.control_layers, model.d_model, item_seed), replacement)
+    cells: dict[str, Any] = {}
+    if norms is not None:
+        drawn = _draw_norm_matched(model, norms, source, replacement, answer_ids | swap_ids, item_seed)
+        cells["control_id"] = drawn
+        cells["control_token"] = None if drawn is None else model.decode([drawn])
+        if drawn is not None:
+            arms[NORM_MATCHED] = _Arm(plan.control_lens, plan.control_layers, None, drawn)
+    for name, arm in arms.items():
+        cells.update(_score_arm(model, name, arm, source, ids, swap_ids, plan))
+    return cells
+
+
+def _score_item(model: LensModel, plan: _SwapPlan, norms: torch.Tensor | None, item: dict, i: int) -> dict[str, Any]:
+    """One item's row: ``name, eligible, reason``, the clean next token and, when eligible, every arm's result."""
+    row: dict[str, Any] = {"name": item.get("name", f"#{i}"), "eligible": False, "reason": ""}
+    words = {k: direction_spelling(model.tokenizer, str(item[k]), model.vocab_size) for k in ITEM_FIELDS[1:]}
+    missing = [f"{k} {item[k]!r}" for k, v in words.items() if v is None]
+    ids = model.encode(str(item["prompt"]))
+    if missing:
+        row["reason"] = "skipped: no single-token spelling of " + ", ".join(missing)
+        return row
+    answer_ids = _spelling_ids(model, str(item["answer"]))
+    swap_ids = _spelling_ids(model, str(item["swap_answer"]))
+    clean_next = _greedy_next(model, ids)
+    row["clean_next"] = model.decode([clean_next])
+    if clean_next not in answer_ids:
+        row["reason"] = f"not eligible: the model says {row['clean_next']!r}"
+        return row
+    row["eligible"] = True
+    item_seed = plan.seed * 100003 + i
+    row["seed"] = item_seed
+    spelt = {k: str(v) for k, v in words.items()}
+    row.update(_score_eligible(model, plan, norms, spelt, ids, answer_ids, swap_ids, item_seed))
+    return row
+
+
+def _arm_summary(eligible: pd.DataFrame, name: str, alpha: float) -> dict[str, Any]:
+    """One summary row: an arm's successes over the eligible items it scored at ``alpha``, with both intervals."""
+    col = f"{name}@{alpha:g}"
+    wins, n = _arm_rates(eligible[col]) if col in eligible else (0, 0)
+    low, high = clopper_pearson_interval(wins, n)
+    w_low, w_high = wilson_interval(wins, n)
+    return {"lens": name, "alpha": alpha, "eligible": n, "successes": wins, "rate": wins / n if n else math.nan,
+            "ci_low": low, "ci_high": high, "wilson_low": w_low, "wilson_high": w_high}
+
+
+def _summarise(eligible: pd.DataFrame, plan: _SwapPlan) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(summary, best)``: a row per arm and alpha, and per arm the alpha with the highest rate."""
+    summary_rows, best_rows = [], []
+    for name in plan.arm_names:
+        best = None
+        for alpha in plan.alphas:
+            rec = _arm_summary(eligible, name, alpha)
+            summary_rows.append(rec)
+            if best is None or (rec["eligible"] and rec["rate"] > best["rate"]):
+                best = rec
+        best_rows.append(best)
+    columns = list(SUMMARY_COLUMNS)
+    return pd.DataFrame(summary_rows, columns=columns), pd.DataFrame(best_rows, columns=columns)
+
+
+def _report(plan: _SwapPlan, rows: list[dict[str, Any]], seconds: float) -> SwapReport:
+    """The :class:`SwapReport` of the scored item rows."""
+    table = pd.DataFrame(rows)
+    eligible = table[table["eligible"]] if not table.empty else table
+    summary, best = _summarise(eligible, plan)
+    n_skipped = int(table["reason"].str.startswith("skipped").sum()) if not table.empty else 0
+    n_unmatched = int(eligible["control_token"].isna().sum()) if plan.norm_matched_control and len(eligible) else 0
+    controls = {**({RANDOM: plan.control_layers} if plan.random_control else {}),
+                **({NORM_MATCHED: plan.control_layers} if plan.norm_matched_control else {})}
+    return SwapReport(summary=summary, best=best, items=table, n_items=len(rows), n_eligible=len(eligible),
+                      n_skipped=n_skipped, layers={**plan.layers, **controls}, seconds=seconds,
+                      n_unmatched=n_unmatched, seed=int(plan.seed), centred=bool(plan.centred),
+                      control_lens=plan.control_name)
+
+
 def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[dict], *,
                  layers: Sequence[int] | None = None, alphas: Sequence[float] = DEFAULT_ALPHAS,
                  random_control: bool = True, norm_matched_control: bool = True, centred: bool = False,
@@ -203,97 +380,19 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
         ValueError: no alphas, an alpha out of range, a layer outside a lens.
     """
     items = list(items)
-    alphas = [float(a) for a in alphas]
-    if not alphas:
-        raise ValueError("alphas is empty: give at least one swap scale.")
-    lenses = dict(lenses)
-    if not any(lens.kind == "logit" for lens in lenses.values()):
-        lenses["logit"] = LogitLens.for_model(model)
-    for alpha in alphas:  # bad settings fail before any work
-        if not 0 <= alpha <= MAX_ALPHA:
-            raise ValueError(f"Swap scale alpha={alpha:g} is out of range: give numbers in [0, {MAX_ALPHA:g}].")
-    chosen = {name: check_layers(model, lens, layers) if layers is not None else default_layers(model, lens)
-              for name, lens in lenses.items()}
-    control_name = next(iter(chosen))
-    control_lens, first = lenses[control_name], chosen[control_name]
-    vocab = model.vocab_size
+    plan = _plan_swaps(model, lenses, layers, alphas, random_control=random_control,
+                       norm_matched_control=norm_matched_control, centred=centred, seed=seed)
     start = time.perf_counter()
-    norms = _mean_norms(model, control_lens, first, centred) if norm_matched_control else None
+    norms = (_mean_norms(model, plan.control_lens, plan.control_layers, centred)
+             if norm_matched_control else None)
     rows = []
     for i, item in enumerate(items):
-        row: dict[str, Any] = {"name": item.get("name", f"#{i}"), "eligible": False, "reason": ""}
-        words = {k: direction_spelling(model.tokenizer, str(item[k]), vocab) for k in ITEM_FIELDS[1:]}
-        missing = [f"{k} {item[k]!r}" for k, v in words.items() if v is None]
-        ids = model.encode(str(item["prompt"]))
-        if missing:
-            row["reason"] = "skipped: no single-token spelling of " + ", ".join(missing)
-        else:
-            answer_ids = set(spellings(model.tokenizer, str(item["answer"]), vocab_size=vocab).values())
-            swap_ids = set(spellings(model.tokenizer, str(item["swap_answer"]), vocab_size=vocab).values())
-            clean_next = _greedy_next(model, ids)
-            row["clean_next"] = model.decode([clean_next])
-            if clean_next not in answer_ids:
-                row["reason"] = f"not eligible: the model says {row['clean_next']!r}"
-            else:
-                row["eligible"] = True
-                item_seed = seed * 100003 + i
-                row["seed"] = item_seed
-                source, replacement = (str(words[k]) for k in ("source", "replacement"))
-                runs: dict[str, tuple[Lens, list[int], Any, str | int]] = {
-                    name: (lenses[name], chosen[name], None, replacement) for name in lenses}
-                if random_control:
-                    runs[RANDOM] = (control_lens, first, random_directions(first, model.d_model, item_seed),
-                                    replacement)
-                if norms is not None:
-                    ids_of = [token_id(model.tokenizer, w, rule="exact", vocab_size=vocab) for w in (source, replacement)]
-                    drawn = norm_matched_token(norms, ids_of[1], {ids_of[0]} | answer_ids | swap_ids,
-                                               torch.Generator().manual_seed(item_seed))
-                    row["control_id"] = drawn
-                    row["control_token"] = None if drawn is None else model.decode([drawn])
-                    if drawn is not None:
-                        runs[NORM_MATCHED] = (control_lens, first, None, drawn)
-                for name, (lens, run_layers, directions, target) in runs.items():
-                    swap = Swap(model, lens, source, target, 1.0, layers=run_layers, directions=directions,
-                                centred=centred)
-                    runner = EditRunner(model, [swap], int(ids.shape[1]))
-                    clean = runner.clean_residuals(lambda: model.hf_model(input_ids=ids))  # noqa: B023
-                    for alpha in alphas:
-                        swap.alpha = alpha
-                        edited = _greedy_next(model, ids, [swap], clean=clean)
-                        row[f"{name}@{alpha:g}"] = edited in swap_ids
-                        row[f"{name}@{alpha:g} next"] = model.decode([edited])
-        rows.append(row)
+        rows.append(_score_item(model, plan, norms, item, i))
         if progress is not None:
             progress(i + 1, len(items))
-    seconds = time.perf_counter() - start
-    table = pd.DataFrame(rows)
-    eligible = table[table["eligible"]] if not table.empty else table
-    summary_rows, best_rows = [], []
-    names = list(lenses) + ([RANDOM] if random_control else []) + ([NORM_MATCHED] if norm_matched_control else [])
-    for name in names:
-        best = None
-        for alpha in alphas:
-            col = f"{name}@{alpha:g}"
-            wins, n = _arm_rates(eligible[col]) if col in eligible else (0, 0)
-            low, high = clopper_pearson_interval(wins, n)
-            w_low, w_high = wilson_interval(wins, n)
-            rec: dict[str, Any] = {"lens": name, "alpha": alpha, "eligible": n, "successes": wins,
-                                   "rate": wins / n if n else math.nan, "ci_low": low, "ci_high": high,
-                                   "wilson_low": w_low, "wilson_high": w_high}
-            summary_rows.append(rec)
-            if best is None or (n and rec["rate"] > best["rate"]):
-                best = rec
-        best_rows.append(best)
-    n_skipped = int(table["reason"].str.startswith("skipped").sum()) if not table.empty else 0
-    n_unmatched = int(eligible["control_token"].isna().sum()) if norm_matched_control and len(eligible) else 0
-    controls = {**({RANDOM: first} if random_control else {}), **({NORM_MATCHED: first} if norm_matched_control else {})}
-    report = SwapReport(summary=pd.DataFrame(summary_rows, columns=list(SUMMARY_COLUMNS)),
-                        best=pd.DataFrame(best_rows, columns=list(SUMMARY_COLUMNS)), items=table,
-                        n_items=len(items), n_eligible=len(eligible), n_skipped=n_skipped,
-                        layers={**chosen, **controls}, seconds=seconds, n_unmatched=n_unmatched, seed=int(seed),
-                        centred=bool(centred), control_lens=control_name)
+    report = _report(plan, rows, time.perf_counter() - start)
     log.info("swap success: %d items, %d eligible, %d skipped, %d without a norm-matched control, %.1f s",
-             report.n_items, report.n_eligible, report.n_skipped, report.n_unmatched, seconds)
+             report.n_items, report.n_eligible, report.n_skipped, report.n_unmatched, report.seconds)
     return report
 
 
