@@ -526,7 +526,7 @@ class ExpertLens:
             raise LensFileError(f"{str(path)!r} says it has learned weights but lacks some: learn them again "
                                 "(jlens weigh).")
         try:
-            return cls({layer: tensors[f"J.{layer}"] for layer in layers},
+            lens = cls({layer: tensors[f"J.{layer}"] for layer in layers},
                        {layer: tensors[f"experts.{layer}"] for layer in layers},
                        {layer: tensors[f"counts.{layer}"] for layer in layers},
                        {layer: Clustering(tensors[f"clustering.mean.{layer}"],
@@ -540,6 +540,9 @@ class ExpertLens:
                        diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"))
         except (ValueError, KeyError) as exc:
             raise LensFileError(f"{str(path)!r} is not a consistent expert lens: {exc}") from exc
+        if model is not None:
+            lens.check_model(model)
+        return lens
 
     # -- combining -----------------------------------------------------------------------------
     @classmethod

@@ -1,4 +1,11 @@
-"""Lenses that ship with jlens (``assets/lenses/``): the fitted lens of the embedded default model."""
+"""Lenses that ship with jlens (``assets/lenses/``), and :func:`load_lens`, which reads any lens file.
+
+The embedded default model ships its Jacobian lens (``<model>.safetensors``) and its tuned lens
+(``<model>.tuned.safetensors``); its other lenses, when fitted, lie beside them as
+``<model>.<variant>.safetensors`` with ``variant`` one of :data:`VARIANTS`: ``relevance`` (the R-lens),
+``jpp`` and ``rpp`` (the J++ and R++ lenses, each combined into one matrix per layer:
+:meth:`~jlens_core.lenses.experts.ExpertLens.to_jacobian_lens`, or a full expert lens file).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +15,9 @@ from pathlib import Path
 from .._paths import ASSETS_DIR
 from ..models.loading import DEFAULT_ALIASES, DEFAULT_MODEL
 from ..models.model import LensModel
+from .experts import ExpertLens, is_expert_lens_file
 from .hub import resolve_lens_path
-from .lens import JacobianLens
+from .lens import JacobianLens, LensFileError
 from .tuned import FORMAT_NAME as TUNED_FORMAT
 from .tuned import TunedLens
 
@@ -18,6 +26,12 @@ log = logging.getLogger(__name__)
 LENS_DIR = ASSETS_DIR / "lenses"
 SHIPPED_LENSES = {DEFAULT_MODEL: LENS_DIR / f"{DEFAULT_MODEL}.safetensors"}
 SHIPPED_TUNED_LENSES = {DEFAULT_MODEL: LENS_DIR / f"{DEFAULT_MODEL}.tuned.safetensors"}
+# The shipped lenses beside a model's Jacobian lens: ``<model>.<variant>.safetensors``.
+VARIANTS = {"relevance": "R-lens", "jpp": "J++ lens", "rpp": "R++ lens"}
+# How each kind of lens (``lens_kind``) is named to a reader.
+KIND_NAMES = {"logit": "logit lens", "jacobian": "Jacobian lens", "relevance": "R-lens", "tuned": "tuned lens",
+              "jacobian++": "J++ lens", "relevance++": "R++ lens", "jacobian-experts": "J-experts lens (uniform weights)",
+              "relevance-experts": "R-experts lens (uniform weights)"}
 
 
 def shipped_tuned_lens_path(name: str = DEFAULT_MODEL) -> Path | None:
@@ -47,35 +61,100 @@ def is_tuned_lens_file(path: str | Path) -> bool:
     return info.get("format") == TUNED_FORMAT
 
 
-def shipped_lens_path(name: str = DEFAULT_MODEL) -> Path | None:
-    """The shipped lens file for model ``name``, or ``None`` if none ships (or it is not on disk)."""
-    key = DEFAULT_MODEL if str(name).lower() in DEFAULT_ALIASES else str(name)
-    path = SHIPPED_LENSES.get(key)
-    return path if path is not None and path.is_file() else None
+def _model_key(name: str) -> str:
+    return DEFAULT_MODEL if str(name).lower() in DEFAULT_ALIASES else str(name)
 
 
-def load_lens(spec: str = DEFAULT_MODEL, *, model: LensModel | None = None) -> JacobianLens | TunedLens:
-    """A lens by model name (the shipped lens, e.g. :data:`DEFAULT_MODEL`), by path (a Jacobian lens
-    file, a tuned lens file, or a tuned-lens folder: ``config.json`` + ``params.pt``) or from the Hub
-    (``hf://owner/repo[@revision]/path/in/repo.pt``, through ``huggingface_hub``'s cache).
+def shipped_lens_path(name: str = DEFAULT_MODEL, variant: str | None = None) -> Path | None:
+    """The shipped lens file for model ``name``, or ``None`` if none ships (or it is not on disk).
+
+    ``variant`` (one of :data:`VARIANTS`) asks for ``assets/lenses/<model>.<variant>.safetensors``
+    instead of the Jacobian lens: the R-lens, or the J++ / R++ lens.
+
+    Raises:
+        ValueError: ``variant`` is not one of :data:`VARIANTS`.
+    """
+    key = _model_key(name)
+    if variant is None:
+        path = SHIPPED_LENSES.get(key)
+        return path if path is not None and path.is_file() else None
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} is not a shipped lens variant: use one of {', '.join(VARIANTS)} "
+                         "(or None for the Jacobian lens).")
+    base = SHIPPED_LENSES.get(key)
+    stems = [base.name.removesuffix(".safetensors")] if base is not None else []
+    stems += [key.replace("/", "--"), Path(key).name]  # a Hub id's file name, or a folder's
+    for stem in dict.fromkeys(s for s in stems if s and s not in (".", "..")):
+        path = LENS_DIR / f"{stem}.{variant}.safetensors"
+        if path.is_file():
+            return path
+    return None
+
+
+def lens_kind(lens: object) -> str:
+    """The kind a lens reads as: ``lens.kind``, except that a plain Jacobian lens combined from an expert lens
+    (:meth:`~jlens_core.lenses.experts.ExpertLens.to_jacobian_lens`, its settings record ``expert_kind``)
+    is that expert lens's kind (``"jacobian++"``, ``"relevance-experts"``, ...)."""
+    settings = getattr(lens, "settings", None)
+    if isinstance(lens, JacobianLens) and isinstance(settings, dict) and settings.get("expert_kind"):
+        return str(settings["expert_kind"])
+    return str(getattr(lens, "kind", "lens"))
+
+
+def load_lens_file(path: str | Path, *, model: LensModel | None = None) -> JacobianLens | ExpertLens | TunedLens:
+    """The lens in a local file or folder, whatever its kind: a tuned lens (a jlens tuned file, or a
+    tuned-lens folder), an expert lens (:meth:`ExpertLens.load`), else a Jacobian lens (a jlens file,
+    the combined one-matrix J++ / R++ file among them, or the reference's ``.pt``).
+
+    Raises:
+        FileNotFoundError: no such file or folder.
+        LensFileError: not a lens, truncated, or (with ``model=``) for another model.
+    """
+    path = Path(path)
+    if path.is_dir() or (path.is_file() and is_tuned_lens_file(path)):
+        return TunedLens.load(path, model=model)
+    if is_expert_lens_file(path):
+        return ExpertLens.load(path, model=model)
+    return JacobianLens.load(path, model=model)
+
+
+def _split_variant(spec: str) -> tuple[str, str | None]:
+    """``"<model>:<variant>"`` (e.g. ``"smollm2-135m:jpp"``) as ``(model, variant)``; anything else as ``(spec, None)``."""
+    if not spec.startswith("hf://") and ":" in spec:
+        name, _, variant = spec.rpartition(":")
+        if variant in VARIANTS and name:
+            return name, variant
+    return spec, None
+
+
+def load_lens(spec: str = DEFAULT_MODEL, *, model: LensModel | None = None,
+              variant: str | None = None) -> JacobianLens | ExpertLens | TunedLens:
+    """A lens by model name (the shipped lens, e.g. :data:`DEFAULT_MODEL`; ``variant=`` or ``"<model>:<variant>"``
+    for its shipped R-lens, J++ or R++ lens, :data:`VARIANTS`), by path (a Jacobian lens file, an expert lens
+    file, a combined J++ / R++ file, a tuned lens file, or a tuned-lens folder: ``config.json`` + ``params.pt``)
+    or from the Hub (``hf://owner/repo[@revision]/path/in/repo.pt``, through ``huggingface_hub``'s cache).
 
     Args:
         model: if given, the lens must belong to it.
 
     Raises:
-        FileNotFoundError: no shipped lens for that name, and no such file.
+        FileNotFoundError: no shipped lens for that name (and variant), and no such file.
         LensFileError: not a lens, truncated, or for another model.
+        ValueError: an unknown ``variant``.
     """
-    path = shipped_lens_path(spec)
+    if variant is None:
+        spec, variant = _split_variant(spec)
+    path = shipped_lens_path(spec, variant)
+    if path is None and variant is not None:
+        raise FileNotFoundError(f"No shipped {VARIANTS[variant]} for {spec!r} (assets/lenses/<model>.{variant}."
+                                "safetensors): fit one (docs/fitting.md), or load a lens file by path.")
     if path is None:
         path = resolve_lens_path(spec)  # hf://owner/repo[@revision]/path through the Hub cache
-        if path.is_dir() or (path.is_file() and is_tuned_lens_file(path)):
-            return TunedLens.load(path, model=model)
-        if not path.is_file():
+        if not path.exists():
             shipped = ", ".join(sorted(k for k, v in SHIPPED_LENSES.items() if v.is_file())) or "none"
             raise FileNotFoundError(f"No lens file at {spec!r}, and no shipped lens by that name (shipped: "
                                     f"{shipped}). Fit one with `jlens fit --out LENS`.")
-    return JacobianLens.load(path, model=model)
+    return load_lens_file(path, model=model)
 
 
 def default_tuned_lens(model: LensModel) -> TunedLens | None:
@@ -84,9 +163,16 @@ def default_tuned_lens(model: LensModel) -> TunedLens | None:
     return None if path is None else TunedLens.load(path, model=model)
 
 
-def default_lens(model: LensModel) -> JacobianLens | None:
-    """The shipped lens for ``model`` (an :class:`~jlens_core.models.model.HFLensModel`), or ``None``."""
-    path = shipped_lens_path(model.name)
+def default_lens(model: LensModel, variant: str | None = None) -> JacobianLens | ExpertLens | None:
+    """The shipped lens for ``model`` (an :class:`~jlens_core.models.model.HFLensModel`), or ``None``.
+
+    ``variant`` (:data:`VARIANTS`) asks for the shipped R-lens, J++ or R++ lens instead of the Jacobian lens
+    (a combined file reads as a :class:`JacobianLens`, a full expert lens file as an :class:`ExpertLens`).
+    """
+    path = shipped_lens_path(model.name, variant)
     if path is None:
         return None
-    return JacobianLens.load(path, model=model)
+    lens = load_lens_file(path, model=model)
+    if isinstance(lens, TunedLens):  # a tuned file under a Jacobian lens's name
+        raise LensFileError(f"{str(path)!r} is a tuned lens, not a {VARIANTS.get(variant or '', 'Jacobian lens')}.")
+    return lens
