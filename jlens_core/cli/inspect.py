@@ -3,7 +3,8 @@
 ``--format table`` (default) prints the top-1 token of every layer (rows) at the last positions
 (columns); ``--format json|csv`` prints every lens x layer x position record instead
 (:mod:`jlens_core.reading.grid_export`), nothing else on stdout; ``--save FILE`` writes the reading
-file (docs/method.md §6.1), which reopens without the model.
+file (docs/method.md §6.1), which reopens without the model; ``--html FILE`` writes one offline HTML page
+(:mod:`jlens_core.figures.html_page`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise CLIError(f"--top-k {args.top_k} must be at least 1.")
     if args.last is not None and args.last < 0:
         raise CLIError(f"--last {args.last} must be >= 0 (0 shows every position).")
-    specs = args.lens or ["logit"]
+    specs = [spec.strip() for value in (args.lens or ["logit"]) for spec in value.split(",") if spec.strip()]
+    if not specs:
+        raise CLIError("--lens is empty: give a lens ('logit', 'default', 'tuned' or a lens file).")
     model = load_model(args.model, **model_loading_options(args), progress=say)
     lenses = resolve_lenses(specs, model)
     origins = dict(zip(lenses, specs)) if len(lenses) == len(specs) else {}  # one name per --lens given
@@ -69,6 +72,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
         written = save_readings(args.save, readings, model=model, lenses=lenses, origins=origins,
                                 generation=None if isinstance(source, str) else source)
+        print(f"Wrote {written}", file=sys.stderr)
+    if args.html:
+        from ..figures.html_page import write_reading_page
+
+        settings = {"lens specs": ", ".join(specs), "max_seq_len": args.max_seq_len or "none",
+                    "chat template": "yes" if args.chat else "no"}
+        try:
+            written = write_reading_page(readings, args.html, settings=settings)
+        except ImportError as exc:
+            raise CLIError(f"--html needs plotly: {exc}") from None
         print(f"Wrote {written}", file=sys.stderr)
     if args.format == "json":
         from ..reading.grid_export import grid_json
@@ -123,8 +136,8 @@ def register(subparsers) -> None:
                                           "or the whole grid as JSON or CSV records; --save writes a reading file "
                                           "that reopens without the model.")
     i.add_argument("--lens", action="append", default=None,
-                   help="a lens file, 'default' (the shipped lens), 'tuned' or 'logit' (default); repeat to read "
-                        "several (one table each; a 'lens' column in json/csv)")
+                   help="a lens file, 'default' (the shipped lens), 'tuned' or 'logit' (default); repeat, or give "
+                        "'a,b', to read several (one table each; a 'lens' column in json/csv; side by side in --html)")
     i.add_argument("--prompt", required=True, help="the text to read")
     i.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     i.add_argument("--layers", default=None, help="layers to show: '0,4,8', '0:12', '::2' (default all)")
@@ -150,4 +163,7 @@ def register(subparsers) -> None:
     i.add_argument("--save", default=None, metavar="FILE",
                    help="also write the readings (every lens, every position, the continuation) to a reading file, "
                         "e.g. reading.jlens.json, that reopens without the model")
+    i.add_argument("--html", default=None, metavar="FILE",
+                   help="also write one self-contained HTML page that works offline: the heatmap (two lenses side "
+                        "by side, more stacked) with hover, click for a cell's detail, the settings in a header")
     i.set_defaults(func=cmd_inspect)
