@@ -198,6 +198,111 @@ class _DumpWriter:
         self.handles.clear()
 
 
+@dataclass
+class _Selection:
+    """What a dump records: per-layer ops, decoder layers, the two ends, and the ops the model cannot give."""
+
+    ops: tuple[str, ...]
+    layers: list[int]
+    ends: bool
+    not_dumped: list[str]
+
+
+def _check_extra_settings(extra_settings: dict[str, Any] | None) -> None:
+    """Raise ValueError when ``extra_settings`` cannot be written as JSON."""
+    if extra_settings is None:
+        return
+    try:
+        json.dumps(extra_settings)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"extra_settings cannot be written as JSON ({exc}); keep to str, numbers, "
+                         "lists and dicts.") from exc
+
+
+def _not_dumped(model: LensModel, ops: tuple[str, ...], layers: list[int], ends: bool) -> list[str]:
+    """The selected ops the model does not expose (a sublayer the layout does not name, a missing final norm)."""
+    from ..models.layouts import get_path
+
+    layout = model.layout
+    missing: list[str] = []
+    for op, path in (("attn", layout.attn), ("mlp", layout.mlp)):
+        if op in ops and (path is None or get_path(model.layers[layers[0]], path) is None):
+            missing.append(op)
+            log.info("Layout %r does not expose the %s sublayer: op %r is not dumped.", layout.name, op, op)
+    if ends and model.final_norm is None:
+        missing.append("final_norm")
+        log.info("Model %s has no final norm: op 'final_norm' is not dumped.", model.name)
+    return missing
+
+
+def _attach_hooks(writer: _DumpWriter, model: LensModel, selection: _Selection) -> None:
+    """Hook every selected module, in forward order.
+
+    Raises:
+        ValueError: a layer has no sublayer where the layout names one.
+    """
+    from ..models.layouts import get_path
+
+    layout = model.layout
+    if selection.ends:
+        writer.attach(model.embed, -1, "embed")
+    for i in selection.layers:
+        block = model.layers[i]
+        for op, path in (("attn", layout.attn), ("mlp", layout.mlp)):
+            if op in selection.ops and op not in selection.not_dumped:
+                sub = get_path(block, path)
+                if sub is None:
+                    raise ValueError(f"Layer {i} has no {op} sublayer at {path!r} (layout {layout.name!r}).")
+                writer.attach(sub, i, op)
+        if "residual" in selection.ops:
+            writer.attach(block, i, "residual")
+    if selection.ends and model.final_norm is not None:
+        writer.attach(model.final_norm, int(model.n_layers), "final_norm")
+
+
+def _record(model: LensModel, ids: torch.Tensor, out_dir: Path, selection: _Selection) -> list[dict]:
+    """Run the forward pass with the hooks on; the manifest entries of the files written.
+
+    On error the hooks are removed and the files written so far deleted.
+    """
+    writer = _DumpWriter(out_dir)
+    try:
+        _attach_hooks(writer, model, selection)
+        with torch.no_grad():
+            model.forward(ids)
+    except BaseException:
+        writer.remove()
+        for entry in writer.entries:
+            (out_dir / entry["file"]).unlink(missing_ok=True)
+        raise
+    finally:
+        writer.remove()
+    # A parallel-residual block may run its MLP before its attention: steps are in the order run.
+    return writer.entries
+
+
+def _run_settings(model: LensModel, ids: torch.Tensor, text: str | None, selection: _Selection, n_files: int,
+                  extra_settings: dict[str, Any] | None) -> dict[str, Any]:
+    """The contents of ``run.json``."""
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": {"name": model.name, "layout": model.layout.name, "class": type(model.hf_model).__name__,
+                  "n_layers": int(model.n_layers), "d_model": int(model.d_model), "fingerprint": model.fingerprint()},
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "device": str(model.device),
+        "versions": _versions(),
+        "platform": {"system": platform.system(), "machine": platform.machine(), "byteorder": sys.byteorder},
+        "token_ids": [int(x) for x in ids[0].tolist()],
+        "n_tokens": int(ids.shape[1]),
+        "text": text,
+        "ops": list(selection.ops), "ends": bool(selection.ends), "layers": selection.layers,
+        "not_dumped": selection.not_dumped,
+        "n_files": n_files,
+        "extra": extra_settings or {},
+    }
+
+
 def dump_hidden_states(model: LensModel, text_or_ids: str | Sequence[int] | torch.Tensor, out_dir: str | Path, *,
                        ops: str | Iterable[str] = ("residual",), layers: Iterable[int] | None = None,
                        ends: bool = True, max_length: int | None = None,
@@ -229,75 +334,15 @@ def dump_hidden_states(model: LensModel, text_or_ids: str | Sequence[int] | torc
     """
     out_dir = Path(out_dir)
     op_list = parse_ops(ops)
-    n_layers = int(model.n_layers)
-    layer_list = normalise_layers(layers, n_layers)
-    if extra_settings is not None:
-        try:
-            json.dumps(extra_settings)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"extra_settings cannot be written as JSON ({exc}); keep to str, numbers, "
-                             "lists and dicts.") from exc
+    layer_list = normalise_layers(layers, int(model.n_layers))
+    _check_extra_settings(extra_settings)
     ids, text = _token_ids(model, text_or_ids, max_length)
-
-    from ..models.layouts import get_path
-
-    layout = model.layout
-    missing: list[str] = []
-    for op, path in (("attn", layout.attn), ("mlp", layout.mlp)):
-        if op in op_list and (path is None or get_path(model.layers[layer_list[0]], path) is None):
-            missing.append(op)
-            log.info("Layout %r does not expose the %s sublayer: op %r is not dumped.", layout.name, op, op)
-    final_norm = model.final_norm
-    if ends and final_norm is None:
-        missing.append("final_norm")
-        log.info("Model %s has no final norm: op 'final_norm' is not dumped.", model.name)
-
+    selection = _Selection(ops=op_list, layers=layer_list, ends=ends,
+                           not_dumped=_not_dumped(model, op_list, layer_list, ends))
     _prepare_out_dir(out_dir, overwrite)
-    writer = _DumpWriter(out_dir)
-    try:
-        if ends:
-            writer.attach(model.embed, -1, "embed")
-        for i in layer_list:
-            block = model.layers[i]
-            for op, path in (("attn", layout.attn), ("mlp", layout.mlp)):
-                if op in op_list and op not in missing:
-                    sub = get_path(block, path)
-                    if sub is None:
-                        raise ValueError(f"Layer {i} has no {op} sublayer at {path!r} (layout {layout.name!r}).")
-                    writer.attach(sub, i, op)
-            if "residual" in op_list:
-                writer.attach(block, i, "residual")
-        if ends and final_norm is not None:
-            writer.attach(final_norm, n_layers, "final_norm")
-        with torch.no_grad():
-            model.forward(ids)
-    except BaseException:
-        writer.remove()
-        for entry in writer.entries:
-            (out_dir / entry["file"]).unlink(missing_ok=True)
-        raise
-    finally:
-        writer.remove()
-
-    # A parallel-residual block may run its MLP before its attention: steps are in the order run.
-    entries = writer.entries
+    entries = _record(model, ids, out_dir, selection)
     atomic_write_text(out_dir / MANIFEST, "".join(json.dumps(entry) + "\n" for entry in entries), shared=True)
-    run = {
-        "format": FORMAT, "format_version": FORMAT_VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": {"name": model.name, "layout": layout.name, "class": type(model.hf_model).__name__,
-                  "n_layers": n_layers, "d_model": int(model.d_model), "fingerprint": model.fingerprint()},
-        "dtype": str(model.dtype).replace("torch.", ""),
-        "device": str(model.device),
-        "versions": _versions(),
-        "platform": {"system": platform.system(), "machine": platform.machine(), "byteorder": sys.byteorder},
-        "token_ids": [int(x) for x in ids[0].tolist()],
-        "n_tokens": int(ids.shape[1]),
-        "text": text,
-        "ops": list(op_list), "ends": bool(ends), "layers": layer_list, "not_dumped": missing,
-        "n_files": len(entries),
-        "extra": extra_settings or {},
-    }
+    run = _run_settings(model, ids, text, selection, len(entries), extra_settings)
     atomic_write_text(out_dir / RUN_FILE, json.dumps(run, indent=1), shared=True)
     log.info("Dumped %d tensors of %d tokens to %s.", len(entries), run["n_tokens"], out_dir)
     return out_dir
@@ -380,22 +425,13 @@ class Dump:
                 f"{self.run.get('n_tokens', '?')} tokens, {len(self.entries)} tensors")
 
 
-def load_dump(path: str | Path, *, check_hashes: bool = True) -> Dump:
-    """Read a dump's ``run.json`` and ``manifest.jsonl`` and check every file against the manifest.
-
-    Args:
-        path: the dump folder written by :func:`dump_hidden_states`.
-        check_hashes: also recompute each file's sha256 (reads every byte once).
-
-    Returns:
-        A :class:`Dump`; arrays are read on demand with :meth:`Dump.array`.
+def _read_run(path: Path) -> dict:
+    """The dump folder's ``run.json``, checked to be a jlens dump this version reads.
 
     Raises:
         FileNotFoundError: the folder does not exist.
-        ValueError: not a dump, an unreadable or truncated manifest, a missing data file, a file
-            whose size or sha256 differs from the manifest; the message names the file.
+        ValueError: ``run.json`` or the manifest missing, ``run.json`` unreadable, not a dump, too new.
     """
-    path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"Dump folder {str(path)!r} does not exist (make one with `jlens dump`).")
     run_path, manifest_path = path / RUN_FILE, path / MANIFEST
@@ -412,28 +448,44 @@ def load_dump(path: str | Path, *, check_hashes: bool = True) -> Dump:
     if int(run.get("format_version", 0)) > FORMAT_VERSION:
         raise ValueError(f"Dump {str(path)!r} has format version {run.get('format_version')}, newer than this "
                          f"jlens reads ({FORMAT_VERSION}): upgrade jlens.")
-    entries: list[DumpEntry] = []
+    return run
+
+
+def _parse_manifest_line(line: str, lineno: int, manifest_path: Path) -> DumpEntry:
+    """One manifest line as a :class:`DumpEntry`.
+
+    Raises:
+        ValueError: not JSON, a key missing, a bad value, a dtype other than float32, a file name with a folder.
+    """
+    try:
+        raw = json.loads(line)
+        missing_keys = [k for k in _MANIFEST_KEYS if k not in raw]
+        if missing_keys:
+            raise ValueError(f"missing {missing_keys}")
+        entry = DumpEntry(step=int(raw["step"]), layer=int(raw["layer"]), op=str(raw["op"]),
+                          shape=tuple(int(s) for s in raw["shape"]), bytes=int(raw["bytes"]),
+                          file=str(raw["file"]), sha256=str(raw["sha256"]),
+                          source_dtype=str(raw.get("source_dtype", "float32")))
+    except (json.JSONDecodeError, ValueError, TypeError) as exc:
+        raise ValueError(f"{str(manifest_path)!r} line {lineno} is not a valid manifest entry ({exc}): "
+                         "the manifest is truncated or damaged; make the dump again.") from exc
+    if raw["dtype"] != "float32":
+        raise ValueError(f"{str(manifest_path)!r} line {lineno}: dtype {raw['dtype']!r} is not float32.")
+    if Path(entry.file).name != entry.file:
+        raise ValueError(f"{str(manifest_path)!r} line {lineno}: file {entry.file!r} is not a plain file name.")
+    return entry
+
+
+def _read_manifest(manifest_path: Path) -> list[DumpEntry]:
+    """The entries of ``manifest.jsonl``, blank lines skipped."""
     with open(manifest_path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-                missing_keys = [k for k in _MANIFEST_KEYS if k not in raw]
-                if missing_keys:
-                    raise ValueError(f"missing {missing_keys}")
-                entry = DumpEntry(step=int(raw["step"]), layer=int(raw["layer"]), op=str(raw["op"]),
-                                  shape=tuple(int(s) for s in raw["shape"]), bytes=int(raw["bytes"]),
-                                  file=str(raw["file"]), sha256=str(raw["sha256"]),
-                                  source_dtype=str(raw.get("source_dtype", "float32")))
-            except (json.JSONDecodeError, ValueError, TypeError) as exc:
-                raise ValueError(f"{str(manifest_path)!r} line {lineno} is not a valid manifest entry ({exc}): "
-                                 "the manifest is truncated or damaged; make the dump again.") from exc
-            if raw["dtype"] != "float32":
-                raise ValueError(f"{str(manifest_path)!r} line {lineno}: dtype {raw['dtype']!r} is not float32.")
-            if Path(entry.file).name != entry.file:
-                raise ValueError(f"{str(manifest_path)!r} line {lineno}: file {entry.file!r} is not a plain file name.")
-            entries.append(entry)
+        return [_parse_manifest_line(line, lineno, manifest_path)
+                for lineno, line in enumerate(fh, start=1) if line.strip()]
+
+
+def _check_manifest(entries: list[DumpEntry], run: dict, path: Path, manifest_path: Path) -> None:
+    """Raise ValueError when the manifest disagrees with ``run.json``'s file count, is empty, has steps out
+    of order or lists a ``(layer, op)`` twice."""
     expected = run.get("n_files")
     if expected is not None and int(expected) != len(entries):
         raise ValueError(f"{str(manifest_path)!r} lists {len(entries)} files but run.json says {expected}: "
@@ -445,25 +497,56 @@ def load_dump(path: str | Path, *, check_hashes: bool = True) -> Dump:
         raise ValueError(f"{str(manifest_path)!r}: steps are not strictly increasing; the manifest is damaged.")
     if len({e.key for e in entries}) != len(entries):
         raise ValueError(f"{str(manifest_path)!r} lists a (layer, op) twice; the manifest is damaged.")
+
+
+def _file_sha256(fpath: Path) -> str:
+    """The hex sha256 of a file, read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(fpath, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_data_file(path: Path, e: DumpEntry, check_hashes: bool) -> None:
+    """Raise ValueError when an entry's file is missing, or its size (or sha256) differs from the manifest."""
+    fpath = path / e.file
+    if not fpath.is_file():
+        raise ValueError(f"Dump file {str(fpath)!r} (layer {e.layer} op {e.op!r}) is missing.")
+    size = fpath.stat().st_size
+    want = 4 * int(np.prod(e.shape, dtype=np.int64))
+    if e.bytes != want:
+        raise ValueError(f"Manifest entry for {e.file!r} says {e.bytes} bytes, but shape {list(e.shape)} "
+                         f"of float32 is {want}: the manifest is damaged.")
+    if size != e.bytes:
+        what = "truncated" if size < e.bytes else "longer than recorded"
+        raise ValueError(f"Dump file {str(fpath)!r} is {size} bytes, the manifest says {e.bytes}: "
+                         f"the file is {what}; make the dump again.")
+    if check_hashes and _file_sha256(fpath) != e.sha256:
+        raise ValueError(f"Dump file {str(fpath)!r} does not match its sha256 in the manifest: "
+                         "it was altered or damaged after the dump; make the dump again.")
+
+
+def load_dump(path: str | Path, *, check_hashes: bool = True) -> Dump:
+    """Read a dump's ``run.json`` and ``manifest.jsonl`` and check every file against the manifest.
+
+    Args:
+        path: the dump folder written by :func:`dump_hidden_states`.
+        check_hashes: also recompute each file's sha256 (reads every byte once).
+
+    Returns:
+        A :class:`Dump`; arrays are read on demand with :meth:`Dump.array`.
+
+    Raises:
+        FileNotFoundError: the folder does not exist.
+        ValueError: not a dump, an unreadable or truncated manifest, a missing data file, a file
+            whose size or sha256 differs from the manifest; the message names the file.
+    """
+    path = Path(path)
+    run = _read_run(path)
+    manifest_path = path / MANIFEST
+    entries = _read_manifest(manifest_path)
+    _check_manifest(entries, run, path, manifest_path)
     for e in entries:
-        fpath = path / e.file
-        if not fpath.is_file():
-            raise ValueError(f"Dump file {str(fpath)!r} (layer {e.layer} op {e.op!r}) is missing.")
-        size = fpath.stat().st_size
-        want = 4 * int(np.prod(e.shape, dtype=np.int64))
-        if e.bytes != want:
-            raise ValueError(f"Manifest entry for {e.file!r} says {e.bytes} bytes, but shape {list(e.shape)} "
-                             f"of float32 is {want}: the manifest is damaged.")
-        if size != e.bytes:
-            what = "truncated" if size < e.bytes else "longer than recorded"
-            raise ValueError(f"Dump file {str(fpath)!r} is {size} bytes, the manifest says {e.bytes}: "
-                             f"the file is {what}; make the dump again.")
-        if check_hashes:
-            digest = hashlib.sha256()
-            with open(fpath, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 22), b""):
-                    digest.update(chunk)
-            if digest.hexdigest() != e.sha256:
-                raise ValueError(f"Dump file {str(fpath)!r} does not match its sha256 in the manifest: "
-                                 "it was altered or damaged after the dump; make the dump again.")
+        _check_data_file(path, e, check_hashes)
     return Dump(path=path, run=run, entries=entries)
