@@ -15,6 +15,9 @@ from .main import CLIError, say
 from .model_args import add_model_arguments, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
+    import pandas as pd
+
+    from ..lenses.experts import ExpertLens
     from ..lenses.protocol import Lens
     from ..lenses.tuned import TunedLens
     from ..models.model import LensModel
@@ -40,7 +43,7 @@ def resolve_lenses(specs: list[str], model: LensModel, shrinkage: list[float] | 
         if spec == "logit":
             loaded.append(("logit", spec, LogitLens.for_model(model)))
             continue
-        found: JacobianLens | TunedLens | None
+        found: JacobianLens | ExpertLens | TunedLens | None
         if spec in ("default", "tuned"):
             found = default_lens(model) if spec == "default" else default_tuned_lens(model)
             if found is None:
@@ -69,12 +72,94 @@ def _plot(frame, out: Path, title: str) -> Path | None:
         return None
 
 
+def _run_per_layer(model: LensModel, lenses: dict[str, Lens], texts: list[str], args: argparse.Namespace,
+                   out: Path) -> pd.DataFrame:
+    """Per-layer KL / cross-entropy of every lens on ``texts``, written to ``eval.csv``."""
+    from ..reading.evaluation import evaluate
+
+    bar = _bar(len(texts) * len(lenses), "eval", args.no_progress)
+    frame = evaluate(model, lenses, texts, max_seq_len=args.max_seq_len,
+                     progress=(lambda done, total: _advance(bar, done, total)) if bar else None)
+    if bar:
+        bar.close()
+    _write_csv(frame, out / "eval.csv")
+    return frame
+
+
+def _run_pass_at_k(model: LensModel, lenses: dict[str, Lens], eval_sets: list[tuple[str, list]], readout,
+                   args: argparse.Namespace, out: Path) -> pd.DataFrame:
+    """pass@k per evaluation set (with their macro mean when several), written to ``pass_at_k.csv``;
+    the per-item detail to ``pass_at_k_detail.csv``."""
+    import pandas as pd
+
+    from ..reading.passk import macro_mean, pass_at_k
+
+    tables, details = [], []
+    for name, items in eval_sets:
+        bar = _bar(len(items), f"pass@k {Path(name).stem}", args.no_progress, unit="item")
+        table, detail = pass_at_k(model, lenses, items, k=tuple(args.k), readout=readout, spelling=args.spelling,
+                                  progress=functools.partial(_advance, bar) if bar else None, return_detail=True,
+                                  vocab=args.vocab, exclude_copied=args.exclude_copied)
+        if bar:
+            bar.close()
+        table.insert(0, "set", Path(name).stem)
+        tables.append(table)
+        details.append(detail.assign(set=Path(name).stem))
+    passes = pd.concat(tables, ignore_index=True)
+    if len(eval_sets) > 1:
+        passes = pd.concat([passes, macro_mean(passes)], ignore_index=True)
+    _write_csv(passes, out / "pass_at_k.csv")
+    _write_csv(pd.concat(details, ignore_index=True), out / "pass_at_k_detail.csv", quoting=csv.QUOTE_NONNUMERIC)
+    return passes
+
+
+def _run_swaps(model: LensModel, lenses: dict[str, Lens], swap_sets: list[tuple[str, list[dict]]],
+               args: argparse.Namespace, out: Path) -> pd.DataFrame:
+    """Swap success per swap set, written to ``swap_success.csv``; the per-item rows to ``swap_items.csv``."""
+    import pandas as pd
+
+    from ..interventions.swap_success import swap_success
+
+    summaries, item_tables = [], []
+    for name, items in swap_sets:
+        bar = _bar(len(items), f"swap {Path(name).stem}", args.no_progress, unit="item")
+        report = swap_success(model, lenses, items, alphas=tuple(args.alpha), centred=args.centred,
+                              seed=args.swap_seed, progress=functools.partial(_advance, bar) if bar else None)
+        if bar:
+            bar.close()
+        summaries.append(report.summary.assign(set=Path(name).stem, items=report.n_items,
+                                               skipped=report.n_skipped, unmatched=report.n_unmatched,
+                                               centred=report.centred, seed=report.seed,
+                                               seconds_per_item=round(report.seconds_per_item, 3)))
+        item_tables.append(report.items.assign(set=Path(name).stem))
+    swaps = pd.concat(summaries, ignore_index=True)
+    _write_csv(swaps, out / "swap_success.csv")
+    # tokens may hold a bare carriage return, which pandas leaves unquoted unless asked
+    _write_csv(pd.concat(item_tables, ignore_index=True), out / "swap_items.csv", quoting=csv.QUOTE_NONNUMERIC)
+    return swaps
+
+
+def _print_tables(frame: pd.DataFrame | None, passes: pd.DataFrame | None, swaps: pd.DataFrame | None,
+                  args: argparse.Namespace) -> None:
+    """The per-layer, pass@k and swap-success tables on stdout (those that ran)."""
+    if frame is not None:
+        print(frame.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    if passes is not None:
+        excluded = "copied intermediates excluded" if args.exclude_copied else "copied intermediates counted"
+        print(f"\npass@k · readout vocab={args.vocab} · {excluded}")
+        print(passes.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    if swaps is not None:
+        print(f"\nswap success · {'centred' if args.centred else 'raw'} read directions · 95 % intervals: "
+              f"ci = Clopper-Pearson, wilson = Wilson · controls seeded with {args.swap_seed} · unmatched: "
+              "eligible items with no norm-matched token within 10 %")
+        print(swaps.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from ..corpus import load_corpus
-    from ..interventions.swap_success import load_swap_set, swap_success
+    from ..interventions.swap_success import load_swap_set
     from ..models.loading import load_model
-    from ..reading.evaluation import evaluate
-    from ..reading.passk import load_eval_set, macro_mean, pass_at_k
+    from ..reading.passk import load_eval_set
 
     readout = parse_readout(args.readout)
     eval_sets = [(name, load_eval_set(name)) for name in args.pass_at_k or []]  # bad files fail before loading
@@ -89,71 +174,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = {"model": model.name, "corpus": args.corpus, "split": args.split, "n_texts": len(texts),
               "max_seq_len": args.max_seq_len}
-    frame = None
-    if texts:
-        bar = _bar(len(texts) * len(lenses), "eval", args.no_progress)
-        frame = evaluate(model, lenses, texts, max_seq_len=args.max_seq_len,
-                         progress=(lambda done, total: _advance(bar, done, total)) if bar else None)
-        if bar:
-            bar.close()
-        _write_csv(frame, out / "eval.csv")
+    frame = _run_per_layer(model, lenses, texts, args, out) if texts else None
+    if frame is not None:
         result["per_layer"] = frame.to_dict(orient="records")
-    if eval_sets:
-        import pandas as pd
-
-        tables, details = [], []
-        for name, items in eval_sets:
-            bar = _bar(len(items), f"pass@k {Path(name).stem}", args.no_progress, unit="item")
-            table, detail = pass_at_k(model, lenses, items, k=tuple(args.k), readout=readout, spelling=args.spelling,
-                                      progress=functools.partial(_advance, bar) if bar else None, return_detail=True,
-                                      vocab=args.vocab, exclude_copied=args.exclude_copied)
-            if bar:
-                bar.close()
-            table.insert(0, "set", Path(name).stem)
-            tables.append(table)
-            details.append(detail.assign(set=Path(name).stem))
-        passes = pd.concat(tables, ignore_index=True)
-        if len(eval_sets) > 1:
-            passes = pd.concat([passes, macro_mean(passes)], ignore_index=True)
-        _write_csv(passes, out / "pass_at_k.csv")
-        _write_csv(pd.concat(details, ignore_index=True), out / "pass_at_k_detail.csv", quoting=csv.QUOTE_NONNUMERIC)
+    passes = _run_pass_at_k(model, lenses, eval_sets, readout, args, out) if eval_sets else None
+    if passes is not None:
         result["pass_at_k"] = passes.to_dict(orient="records")
+    swaps = _run_swaps(model, lenses, swap_sets, args, out) if swap_sets else None
     written = [out / "eval.json"]
-    if swap_sets:
-        import pandas as pd
-
-        summaries, item_tables = [], []
-        for name, items in swap_sets:
-            bar = _bar(len(items), f"swap {Path(name).stem}", args.no_progress, unit="item")
-            report = swap_success(model, lenses, items, alphas=tuple(args.alpha), centred=args.centred,
-                                  seed=args.swap_seed, progress=functools.partial(_advance, bar) if bar else None)
-            if bar:
-                bar.close()
-            summaries.append(report.summary.assign(set=Path(name).stem, items=report.n_items,
-                                                   skipped=report.n_skipped, unmatched=report.n_unmatched,
-                                                   centred=report.centred, seed=report.seed,
-                                                   seconds_per_item=round(report.seconds_per_item, 3)))
-            item_tables.append(report.items.assign(set=Path(name).stem))
-        swaps = pd.concat(summaries, ignore_index=True)
-        _write_csv(swaps, out / "swap_success.csv")
-        # tokens may hold a bare carriage return, which pandas leaves unquoted unless asked
-        _write_csv(pd.concat(item_tables, ignore_index=True), out / "swap_items.csv", quoting=csv.QUOTE_NONNUMERIC)
+    if swaps is not None:
         result["swap_success"] = swaps.to_dict(orient="records")
         written += [out / "swap_success.csv", out / "swap_items.csv"]
     atomic_write_text(out / "eval.json", json.dumps(result, indent=1, default=float), shared=True)
     if frame is not None:
         plot = _plot(frame, out / "eval.png", f"{model.name}: {len(texts)} texts of {args.corpus} ({args.split})")
         written = [out / "eval.csv"] + written + ([plot] if plot else [])
-        print(frame.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    if args.pass_at_k:
-        excluded = "copied intermediates excluded" if args.exclude_copied else "copied intermediates counted"
-        print(f"\npass@k · readout vocab={args.vocab} · {excluded}")
-        print(passes.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    if swap_sets:
-        print(f"\nswap success · {'centred' if args.centred else 'raw'} read directions · 95 % intervals: "
-              f"ci = Clopper-Pearson, wilson = Wilson · controls seeded with {args.swap_seed} · unmatched: "
-              "eligible items with no norm-matched token within 10 %")
-        print(swaps.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    _print_tables(frame, passes, swaps, args)
     print("\nWrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
 
