@@ -108,7 +108,7 @@ def reference(family: str, source: int, target: int, skip_first: int = SKIP) -> 
 
 
 # -- against the definition -----------------------------------------------------------------------
-FUSED_FAMILIES = ("llama", "qwen2", "mistral")
+FUSED_FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gemma2", "gpt2", "gpt_neox", "phi")
 
 
 @pytest.mark.parametrize("method", ["batched", "replicated", "auto"])
@@ -198,8 +198,8 @@ def test_low_precision_model_accumulates_in_fp32(method):
 # -- the fused path: which models, and what happens when a model is not what it looks like -----------
 @pytest.mark.parametrize(("family", "reason"), [
     ("qwen3", r"model_type 'qwen3' is not one of"),
-    ("gemma", r"model_type 'gemma' is not one of"),
-    ("gpt2", r"model_type 'gpt2' is not one of"),
+    ("olmo", r"model_type 'olmo' is not one of"),
+    ("opt", r"model_type 'opt' is not one of"),
 ])
 def test_fused_refuses_other_families(family, reason):
     assert fused_unsupported_reason(tiny(family)) is not None
@@ -208,17 +208,36 @@ def test_fused_refuses_other_families(family, reason):
     assert fused_unsupported_reason(tiny("llama")) is None
 
 
-def test_fused_refuses_a_model_spread_over_devices():
-    model = make_tiny("llama")
-    model.layers[1].to("meta")  # as device_map="auto" would place a layer elsewhere
-    assert fused_unsupported_reason(model) == "the model is spread over several devices"
+@pytest.mark.parametrize(("family", "change", "reason"), [
+    ("gpt2", {"activation_function": "relu"}, r"the MLP activation 'relu' is not one of"),
+    ("phi", {"qk_layernorm": True}, r"q/k layer norms \(qk_layernorm\)"),
+    ("llama", {"pretraining_tp": 2}, r"pretraining_tp > 1"),
+])
+def test_fused_refuses_what_a_covered_family_switches_on(family, change, reason):
+    model = make_tiny(family)
+    for key, value in change.items():
+        setattr(model.config, key, value)
+    with pytest.raises(ValueError, match="The fused backward does not support 'tiny-" + family + "': " + reason):
+        jacobian_for_prompt(model, prompt_ids(family), skip_first=SKIP, method="fused")
 
 
-def test_fused_refuses_a_sliding_window_shorter_than_the_prompt():
-    model = make_tiny("mistral")
-    model.config.sliding_window = 6
-    with pytest.raises(ValueError, match=r"sliding window \(6\) shorter than the prompt \(13 tokens\)"):
-        jacobian_for_prompt(model, prompt_ids("mistral"), skip_first=SKIP, method="fused")
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_fused_attends_within_a_sliding_window_shorter_than_the_prompt(family):
+    # mistral: one window for every layer (config); gemma2: its sliding layers (window 8) and full ones
+    model = make_tiny(family)
+    if family == "mistral":
+        model.config.sliding_window = 6
+    ids = prompt_ids(family)
+    got = jacobian_for_prompt(model, ids, skip_first=SKIP, dim_batch=DIM_BATCH, method="fused").jacobians
+    want = jacobian_for_prompt(model, ids, skip_first=SKIP, dim_batch=DIM_BATCH, method="batched").jacobians
+    for layer in want:
+        assert rel_frob(got[layer], want[layer]) <= REL_TOL, layer
+    model.config.sliding_window = 64  # a window wider than the prompt: another Jacobian, so the window mattered
+    for layer in model.layers:
+        if getattr(layer.self_attn, "sliding_window", None) is not None:
+            layer.self_attn.sliding_window = 64
+    without = jacobian_for_prompt(model, ids, skip_first=SKIP, dim_batch=DIM_BATCH, method="batched").jacobians
+    assert max(rel_frob(without[layer], want[layer]) for layer in want) > 1e-3
 
 
 def test_fused_checks_its_forward_against_the_model_and_auto_falls_back(caplog):
@@ -290,25 +309,38 @@ def test_both_fused_orders_match_definition(family, layer_major):
         assert rel_frob(got[layer], reference(family, layer, target)) <= REL_TOL, (family, layer_major, layer)
 
 
-def test_mlp_jacobians_are_the_mlp_halfs_backward():
-    # g + g @ M[p] against torch.func.vjp through the model's own post-attention norm and MLP.
-    model = tiny("llama")
-    ids = prompt_ids("llama")
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
+def test_mlp_jacobians_are_the_mlp_halfs_backward(family):
+    # g + g @ M[p] against torch.func.vjp through the model's own MLP norm(s) and MLP.
+    from jlens_core.fitting.fused_layouts import layer_weights, layout_for
+    from jlens_core.models.layouts import get_path
+
+    model = tiny(family)
+    ids = prompt_ids(family)
     prep = prepare_layers(model, ids, 2, 3, SKIP)
-    layer = model.layers[3]
-    c = prep.layers[3]
-    # the MLP half's input y at the valid positions, rebuilt from the norm coefficients: b2 = w * y
-    y = c.b2 / layer.post_attention_layernorm.weight  # [n, d]
+    layer, layout, c = model.layers[3], layout_for(model), prep.layers[3]
+    pre, post = get_path(layer, layout.mlp_norm), get_path(layer, layout.mlp_post_norm)
+    mlp = get_path(layer, layout.mlp_out.rsplit(".", 1)[0])
+    seen = {}
+    hook = pre.register_forward_hook(lambda m, a, o: seen.__setitem__("y", a[0][0, SKIP:].detach()))
+    try:
+        with torch.no_grad():
+            model.hf_model(input_ids=ids[:, : SEQ - 1], use_cache=False)
+    finally:
+        hook.remove()
+    y = seen["y"]  # the MLP half's input at the valid positions: [n, d]
 
     def mlp_half(x):  # [n, d] -> [n, d]
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        out = mlp(pre(x))
+        return x + (post(out) if post is not None else out)
 
     torch.manual_seed(1)
     cot = torch.randn(4, y.shape[0], model.d_model)
     with torch.enable_grad():
         _, vjp = torch.func.vjp(mlp_half, y.clone())
         expected = torch.stack([vjp(g)[0] for g in cot])  # [4, n, d]
-    m = mlp_jacobians(c, block=3)  # a block that does not divide n
+    with layer_weights(layout, layer, offloaded=False) as w:
+        m = mlp_jacobians(c, w, block=3)  # a block that does not divide n
     got = cot + torch.einsum("knd,nde->kne", cot, m)
     assert rel_frob(got, expected) <= 1e-5
 

@@ -93,11 +93,30 @@ def test_both_fused_orders_route_alike(layer_major):
     model = tiny()
     sources, target = list(range(model.n_layers - 1)), model.n_layers - 1
     prep = prepare_layers(model, _ids(), sources[0], target, SKIP)
-    like = prep.layers[target].a2
+    like = prep.like
     routes = {layer: one_hot_routes(_clustering()[layer].assign(prep.residuals[layer]), E, like) for layer in sources}
     sums = {layer: torch.zeros(E, model.d_model, model.d_model) for layer in sources}
     fused_backward(model, prep, sources, target, 5, layer_major=layer_major, routes=routes, expert_sums=sums)
     _check_against_reference(sums, None)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt2", "gpt_neox", "phi"])
+@pytest.mark.parametrize("layer_major", [True, False])
+def test_fused_routing_equals_autograd_routing_in_other_families(family, layer_major):
+    # norms, GELU MLPs, parallel residuals: the fused backward's routed sums are autograd's ("batched")
+    model = tiny(family)
+    ids = model.encode(LONG_TEXT, max_length=SEQ)
+    sources, target = list(range(model.n_layers - 1)), model.n_layers - 1
+    prep = prepare_layers(model, ids, sources[0], target, SKIP)
+    clustering = {layer: fit_clustering(prep.residuals[layer], experts=E, components=8, layer=layer) for layer in sources}
+    routes = {layer: one_hot_routes(clustering[layer].assign(prep.residuals[layer]), E, prep.like) for layer in sources}
+    sums = {layer: torch.zeros(E, model.d_model, model.d_model) for layer in sources}
+    fused_backward(model, prep, sources, target, 5, layer_major=layer_major, routes=routes, expert_sums=sums)
+    want = jacobian_for_prompt(model, ids, skip_first=SKIP, max_seq_len=SEQ, dim_batch=5, method="batched",
+                               clustering=clustering).expert_sums
+    assert want is not None
+    for layer in sources:
+        assert float((sums[layer] - want[layer]).norm() / want[layer].norm()) < 1e-5, layer
 
 
 @functools.cache

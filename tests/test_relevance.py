@@ -176,7 +176,7 @@ def test_forward_values_are_unchanged(family):
     assert after_grad.n_valid == SEQ - 1 - SKIP
 
 
-@pytest.mark.parametrize("fam", ["llama", "qwen2"])
+@pytest.mark.parametrize("fam", ["llama", "qwen2", "gemma", "gemma2", "gpt2", "gpt_neox", "phi"])
 @pytest.mark.parametrize("layer_major", [True, False])
 def test_fused_relevance_equals_autograd_relevance(fam, layer_major):
     from jlens_core.fitting.estimator import prompt_ids

@@ -50,18 +50,14 @@ def pair(request, tmp_path_factory):
 
 
 def test_the_split_is_real(pair):
-    family, memory, dispatched, _ = pair
+    _, memory, dispatched, _ = pair
     assert set(dispatched.hf_model.hf_device_map.values()) == {"cpu", "disk"}
     offloaded = [n for n, p in dispatched.hf_model.named_parameters() if p.device.type == "meta"]
     assert offloaded and any(".1." in n for n in offloaded)  # layer 1's weights wait on disk
     assert is_dispatched(dispatched.hf_model) and not is_dispatched(memory.hf_model)
     assert dispatched.device == torch.device("cpu")  # the embedding's execution device
     assert dispatched.fingerprint() == memory.fingerprint()
-    if family == "llama":  # the fused backward reads weights directly: it steps aside, with the reason
-        assert fused_unsupported_reason(memory) is None
-        assert "offloaded weights" in fused_unsupported_reason(dispatched)
-        with pytest.raises(ValueError, match="offloaded weights"):
-            jacobian_for_prompt(dispatched, LONG_TEXT, skip_first=4, method="fused")
+    assert fused_unsupported_reason(memory) is None and fused_unsupported_reason(dispatched) is None
 
 
 @pytest.mark.parametrize("rules", ["jacobian", "relevance"])
@@ -75,6 +71,37 @@ def test_jacobian_equals_in_memory(pair, rules):
     norm = dispatched.final_norm
     assert HOOKED_FORWARD in norm.__dict__ and "forward" in norm.__dict__
     assert norm.__dict__["forward"].func.__name__ == "new_forward"
+
+
+@pytest.mark.parametrize("rules", ["jacobian", "relevance"])
+@pytest.mark.parametrize("layer_major", [True, False])
+def test_fused_backward_equals_in_memory(pair, rules, layer_major, monkeypatch):
+    # The fused backward runs each layer where it lives and loads an offloaded layer's weights once per
+    # backward group: once per layer in the layer-major order, once per chunk of rows in the row-major one.
+    from jlens_core.fitting import fused_layouts
+    from jlens_core.fitting.estimator import prompt_ids
+    from jlens_core.fitting.fused import fused_backward, prepare_layers
+
+    _, memory, dispatched, _ = pair
+    ids = prompt_ids(memory, LONG_TEXT, 24)
+    sources, target, dim_batch = [0, 1, 2], 3, 12  # 3 chunks of the 32 rows
+    want = fused_backward(memory, prepare_layers(memory, ids, 0, target, 4, rules=rules), sources, target,
+                          dim_batch, layer_major=layer_major)
+    prep = prepare_layers(dispatched, ids, 0, target, 4, rules=rules)
+    assert sorted(j for j, c in prep.layers.items() if c.offloaded) == [1, 3]
+    loads = []
+    plain = fused_layouts.materialised
+
+    def counted(module):
+        loads.append(module)
+        return plain(module)
+
+    monkeypatch.setattr(fused_layouts, "materialised", counted)
+    got = fused_backward(dispatched, prep, sources, target, dim_batch, layer_major=layer_major)
+    chunks = 1 if layer_major else 3
+    assert len(loads) == 2 * chunks  # layers 1 and 3, the offloaded ones in 1..3
+    assert max(rel(got[layer], want[layer]) for layer in sources) <= RTOL
+    assert all(p.device.type == "meta" for p in dispatched.layers[1].parameters())  # offloaded again
 
 
 def test_fit_equals_in_memory(pair, tmp_path):

@@ -21,8 +21,8 @@ Exact savings used here (all follow from causality, docs/method.md §2):
   (``is_grads_batched``), instead of replicating the prompt ``dim_batch`` times.
 
 Methods: ``"batched"`` (autograd, as above), ``"replicated"`` (autograd, the prompt replicated
-``dim_batch`` times), ``"fused"`` (the analytic backward of :mod:`jlens_core.fitting.fused`: Llama, Mistral
-and Qwen2 layouts; the backward coefficients are computed once per prompt instead of once per
+``dim_batch`` times), ``"fused"`` (the analytic backward of :mod:`jlens_core.fitting.fused`: Llama,
+Mistral, Qwen2, Gemma, Gemma 2, GPT-2, GPT-NeoX and Phi layouts, on one device or spread over several; the backward coefficients are computed once per prompt instead of once per
 backward call, and, where memory allows, all rows go through one layer at a time with the MLP half
 as one matrix per position; ``dim_batch`` then sizes the attention half's chunks) and ``"auto"``
 (the default: ``"fused"`` where the model supports it, else ``"batched"``). All give the same
@@ -51,7 +51,6 @@ from .fused import (
     fused_backward,
     fused_unsupported_reason,
     prepare_layers,
-    sliding_window_shorter_than,
 )
 from .methods import METHODS, check_rules
 from .relevance import relevance_rules, relevance_unsupported_reason, unsupported_message
@@ -316,9 +315,8 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
     d = model.d_model
     jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
     auto = method == "auto"
-    if auto:  # the fused path does not take a sliding window shorter than the prompt
-        short_window = sliding_window_shorter_than(model.config, seq_len)
-        method = "fused" if _fused_usable(model) and not short_window else "batched"
+    if auto:
+        method = "fused" if _fused_usable(model) else "batched"
     if isinstance(dim_batch, str):  # "auto" (checked above)
         # autograd (a fallback below) holds more per row than the fused path
         fallback_rows = auto_dim_batch(model, n_valid, target - sources[0])
@@ -332,7 +330,7 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
     if method == "fused":
         try:
             prep = prepare_layers(model, ids, sources[0], target, skip_first, rules=rules)
-            onehots, counts = _routing(clustering, prep.residuals, sources, experts, like=prep.layers[target].a2)
+            onehots, counts = _routing(clustering, prep.residuals, sources, experts, like=prep.like)
             jacobians = fused_backward(model, prep, sources, target, rows_per_pass, routes=onehots, expert_sums=sums)
             return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid, expert_sums=sums,
                                   expert_counts=counts)
