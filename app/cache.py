@@ -32,6 +32,15 @@ def load_lens_cached(path: str, mtime: float, size: int) -> JacobianLens:
     return JacobianLens.load(path)
 
 
+@st.cache_resource(show_spinner=False, max_entries=12)
+def load_any_lens_cached(path: str, mtime: float, size: int):
+    """:func:`jlens_core.lenses.shipped.load_lens_file`: a Jacobian lens (a combined J++ / R++ file among them)
+    or an expert lens, whatever the file holds, once per file version (path, mtime, size)."""
+    from jlens_core.lenses.shipped import load_lens_file
+
+    return load_lens_file(path)
+
+
 @st.cache_resource(show_spinner=False, max_entries=6)
 def load_tuned_cached(path: str, mtime: float, size: int):
     """:meth:`TunedLens.load` (a file or a tuned-lens folder), once per version."""

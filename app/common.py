@@ -37,9 +37,11 @@ ENV_RUNS = "JLENS_RUNS_DIR"  # where the Fit page keeps its runs
 
 # Inspect's lens modes: one lens, two of them (side by side, difference: the pair picked) or every loaded lens
 # ("three": the name a shared URL keeps; its label counts the lenses)
+# (a lens loaded by name, e.g. "J++" or an added file's lens, is a mode of its own too)
 MODES = {"logit": "Logit lens", "jacobian": "Jacobian lens", "relevance": "R-lens", "tuned": "Tuned lens",
          "side": "Side by side", "diff": "Difference", "three": "All lenses"}
-LENS_KINDS = ("logit", "jacobian", "relevance", "tuned")  # the lenses' names in Context.lenses(), in panel order
+# the built-in slots' lens names in Context.lenses(), in panel order (expert and added lenses follow, by name)
+LENS_KINDS = ("logit", "jacobian", "relevance", "tuned")
 VOCABS = {"all": "every token", "word": "word tokens only"}  # the readout (jlens_core.reading.word_readout)
 STATS = {"top1_prob": "Top-1 probability", "entropy_bits": "Entropy (bits)", "kl_bits": "KL to final (bits)",
          "ce_bits": "Cross-entropy of the next token (bits)", "next_token_rank": "Rank of the next token",
@@ -180,6 +182,7 @@ class LoadedLens:
     lens: Any
     key: str  # names this version of the lens in the reading caches (a rewritten file is another lens)
     label: str  # what the picker showed
+    name: str = ""  # the lens's name in Context.lenses(), readings and figures (unique); "" = its slot's key
 
 
 @dataclass
@@ -191,7 +194,9 @@ class Context:
     model_key: str = ""
     model_error: str | None = None
     logit: LogitLens | None = None
-    loaded: dict[str, LoadedLens] = field(default_factory=dict)  # by slot key (LENS_KINDS but "logit"), in slot order
+    # by slot key ("jacobian", "relevance", "jpp", "rpp", "tuned"; "extra<i>" for a lens added from a file), in
+    # the sidebar's order
+    loaded: dict[str, LoadedLens] = field(default_factory=dict)
 
     @property
     def lens(self) -> JacobianLens | None:
@@ -220,12 +225,21 @@ class Context:
         return self.loaded[key].lens if key in self.loaded else None
 
     def lenses(self) -> dict[str, Any]:
-        """``{"logit": ..., "jacobian": ..., "relevance": ..., "tuned": ...}``: the logit lens and every lens loaded."""
-        return {"logit": self.logit, **{key: item.lens for key, item in self.loaded.items()}}
+        """``{"logit": ..., "jacobian": ..., "relevance": ..., "J++": ..., "tuned": ..., "<extra>": ...}``: the logit
+        lens and every lens loaded, by name (a slot's key, or the name of an expert lens or an added one)."""
+        return {"logit": self.logit, **{item.name or key: item.lens for key, item in self.loaded.items()}}
 
     def lens_keys(self) -> dict[str, str]:
         """The cache key of every lens in :meth:`lenses`."""
-        return {"logit": "logit", **{key: item.key for key, item in self.loaded.items()}}
+        return {"logit": "logit", **{item.name or key: item.key for key, item in self.loaded.items()}}
+
+
+def lens_label(name: str) -> str:
+    """A lens's name as pages and figures show it: ``"Jacobian lens"`` for ``"jacobian"``; an expert or added
+    lens's name is its label (``"J++"``, ``"my-lens (R)"``)."""
+    import charts
+
+    return charts.LENS_NAMES.get(name, name)
 
 
 def context() -> Context:

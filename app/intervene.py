@@ -40,15 +40,22 @@ def init(model: Any, lens: Any) -> None:
 DIRECTION_LENSES = ("jacobian", "relevance", "logit")  # lenses with read directions, in order of preference
 
 
+def has_directions(lens: Any) -> bool:
+    """Whether an edit can use ``lens``'s read directions: a linear lens (logit, J, R, an expert lens: one matrix
+    per layer); a tuned lens has none (it is affine)."""
+    return getattr(lens, "kind", None) != "tuned" and callable(getattr(lens, "matrix", None))
+
+
 def direction_choices(ctx: Any) -> list[str]:
-    """The loaded lenses whose read directions an edit can use (the tuned lens has none: it is affine)."""
+    """The loaded lenses whose read directions an edit can use: J, R, then the expert and added lenses, then logit."""
     lenses = ctx.lenses()
-    return [name for name in DIRECTION_LENSES if name in lenses]
+    others = [name for name, lens in lenses.items() if name not in DIRECTION_LENSES and has_directions(lens)]
+    return [name for name in DIRECTION_LENSES[:2] if name in lenses] + others + ["logit"]
 
 
 def directions_lens(ctx: Any) -> tuple[str, Any]:
     """The lens whose read directions the edits use: the panel's pick (``iv_lens``), else the Jacobian lens,
-    else the R-lens, else the logit lens."""
+    else the R-lens, else the first expert or added lens, else the logit lens."""
     lenses, choices = ctx.lenses(), direction_choices(ctx)
     name = ss.get("iv_lens") if ss.get("iv_lens") in choices else choices[0]
     return name, lenses[name]
@@ -59,7 +66,7 @@ def prefill_token(model: Any, readings: dict, layer: int, position: int) -> None
     if ss.get("_iv_prefill_for") == (layer, position):
         return
     ss._iv_prefill_for = (layer, position)
-    reading = next((readings[name] for name in DIRECTION_LENSES if readings.get(name) is not None), readings["logit"])
+    reading = next((readings[name] for name in DIRECTION_LENSES[:2] if readings.get(name) is not None), readings["logit"])
     if layer in reading.layers:
         ss.iv_token = model.decode([reading.cell(layer, position)["top_ids"][0]])
 
@@ -159,19 +166,24 @@ def marked_continuation(model: Any, ids, first_difference: int | None) -> str:
     return "".join(parts) or "∅"
 
 
+def _lower(label: str) -> str:
+    """``"Jacobian lens"`` -> ``"jacobian lens"``; a name with capitals inside (``"J++"``, ``"R-lens"``) stays."""
+    return label[0].lower() + label[1:] if label[1:2].islower() else label
+
+
 def panel(ctx: Any, readings: dict, chat_text: str, n_prompt: int) -> None:
     """The Intervene panel: settings, Run, and the clean-vs-edited comparison."""
     model = ctx.model
     name, lens = directions_lens(ctx)
     st.subheader("Intervene")
-    st.caption(f"Edit the residual stream along the directions the {charts.LENS_NAMES[name].lower()} reads as "
+    st.caption(f"Edit the residual stream along the directions the {_lower(common.lens_label(name))} reads as "
                "tokens, and see whether the model follows. Swap exchanges the read coordinates of A and B "
                "(targets from the clean run); steer adds s·‖h‖ along a token's direction; ablate removes it.")
     c1, c2, c3 = st.columns([2, 2, 2])
     choices = direction_choices(ctx)
     if len(choices) > 2:  # a Jacobian lens and an R-lens: which one's directions
         ss.iv_lens = name
-        c1.selectbox("Directions of", choices, key="iv_lens", format_func=charts.LENS_NAMES.get,
+        c1.selectbox("Directions of", choices, key="iv_lens", format_func=common.lens_label,
                      help="The lens whose read directions the edit uses.")
     c1.radio("Operation", list(OPS), key="iv_op", format_func=OPS.get, horizontal=False)
     c2.text_input("Token" if ss.iv_op != "swap" else "A (the concept to replace)", key="iv_token",

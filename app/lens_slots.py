@@ -3,8 +3,10 @@
 A :class:`LensSlot` says where its kind of lens comes from (shipped with the package, made on this
 server's Fit or Tune page, a typed path or ``hf://`` spec, an upload) and how a file of it loads;
 :func:`draw_slot` draws one slot's picker and loads the pick. :data:`SLOTS` is the list the sidebar
-draws, in order: the Jacobian lens, the R-lens (a Jacobian lens fitted with relevance rules) and the
-tuned lens. Another kind of lens is one more entry.
+draws, in order: the Jacobian lens, the R-lens (a Jacobian lens fitted with relevance rules), the J++
+and R++ lenses (expert lenses, docs/method.md §9.1: a full expert lens file or its combined one-matrix
+file) and the tuned lens. Another kind of lens is one more entry. Below them, :func:`draw_extras` adds
+any number of lenses from files (the URL's ``extra``), each of the kind its file holds.
 
 A slot's ``param`` names both its URL query parameter and its widgets' session keys
 (``<param>_choice``, ``<param>_path``, ``<param>_upload``, and ``<param>_request``: the URL's pick,
@@ -23,10 +25,17 @@ import streamlit as st
 import cache
 import common
 from common import ASSETS, ENV_LENS, LoadedLens
+from jlens_core.lenses.experts import is_expert_lens_file
 from jlens_core.lenses.lens import JacobianLens
+from jlens_core.lenses.shipped import KIND_NAMES, is_tuned_lens_file, lens_kind
 
 LENS_DIR = ASSETS / "lenses"
 SHIPPED, NONE, FILE, UPLOAD, RUN = "shipped", "none", "file", "upload", "run:"
+EXTRA_PARAM = "extra"  # the URL parameter of the lenses added from files: their paths, comma-separated
+EXTRAS = "extra_lenses"  # their session key: [path or hf:// spec]
+# A lens's kind (jlens_core.lenses.shipped.lens_kind) in a few letters: an expert lens's name, an added lens's tag
+KIND_LABELS = {"jacobian": "J", "relevance": "R", "jacobian++": "J++", "relevance++": "R++",
+               "jacobian-experts": "J-experts (uniform)", "relevance-experts": "R-experts (uniform)", "tuned": "tuned"}
 
 
 @dataclass(frozen=True)
@@ -64,8 +73,9 @@ class LensSlot:
     env: str | None = None  # the environment variable preselecting a lens when the URL names none
     empty_note: str | None = None  # said when a model is loaded and the slot holds no lens
     unshipped_label: str | None = None  # the "none" choice's label when nothing ships for the model (says so)
-    kinds: tuple[str, ...] = ()  # the lens kinds (``lens.kind``) the slot takes; empty: any its loader reads
-    wrong_kind: str = ""  # why another kind is refused, and where it goes: "{kind}" is the file's
+    kinds: tuple[str, ...] = ()  # the lens kinds (``lens_kind(lens)``) the slot takes; empty: any its loader reads
+    wrong_kind: str = ""  # why a J lens or an R-lens is refused, and where it goes: "{kind}" is the file's
+    named: bool = False  # the lens is named by its kind ("J++", "J-experts (uniform)"), not by the slot's key
 
     def state(self, part: str) -> str:
         """The session key of one of the slot's values (``choice``, ``path``, ``upload``, ``request``)."""
@@ -147,9 +157,19 @@ def typed_path(text: str, what: str) -> Path:
 def load_slot_file(slot: LensSlot, path: Path, label: str, model: Any) -> LoadedLens:
     """The lens at ``path`` through ``slot``'s cached loader, checked against ``model``."""
     lens, key = cache.load_versioned(slot.loader, path, slot.version_file(path), model, slot.key)
-    if slot.kinds and lens.kind not in slot.kinds:
-        raise ValueError(slot.wrong_kind.format(kind=lens.kind))
-    return LoadedLens(lens=lens, key=key, label=label)
+    kind = lens_kind(lens)
+    if slot.kinds and kind not in slot.kinds:
+        raise ValueError(refusal(slot, kind))
+    return LoadedLens(lens=lens, key=key, label=label, name=KIND_LABELS.get(kind, kind) if slot.named else "")
+
+
+def refusal(slot: LensSlot, kind: str) -> str:
+    """Why ``slot`` refuses a lens of ``kind``, and the slot that takes it."""
+    if slot.wrong_kind and kind in ("jacobian", "relevance"):
+        return slot.wrong_kind.format(kind=kind)
+    home = next((other for other in SLOTS if kind in other.kinds), None)
+    where = f": pick it in the {home.label} slot" if home is not None else ""
+    return f"this file holds a {KIND_NAMES.get(kind, kind)} (kind {kind!r}), which the {slot.label} slot does not take{where}."
 
 
 # -- the Jacobian lens -----------------------------------------------------------------------------------
@@ -173,8 +193,9 @@ def shipped_lens_path(model: Any) -> Path | None:
     return None
 
 
-def finished_runs(model: Any, spec: str, rules: str = "jacobian") -> list[dict]:
-    """Lenses fitted by the Fit page (in the runs folder) for this model with ``rules``: ``[{"name", "path", "n"}]``."""
+def finished_runs(model: Any, spec: str, rules: str = "jacobian", experts: bool = False) -> list[dict]:
+    """Lenses fitted by the Fit page (in the runs folder) for this model with ``rules``: ``[{"name", "path", "n"}]``;
+    ``experts``: the expert lenses (``jlens fit --experts``) among them, else the plain ones."""
     import runs
 
     out = []
@@ -182,15 +203,17 @@ def finished_runs(model: Any, spec: str, rules: str = "jacobian") -> list[dict]:
     for run in runs.list_runs(common.runs_dir()):
         if run.state != "done" or not run.lens_path.is_file() or run.rules != rules:
             continue
+        if is_expert_lens_file(run.lens_path) != experts:
+            continue
         if run.model_spec not in names and run.status.get("model") not in names:
             continue
         out.append({"name": run.name, "path": run.lens_path, "n": run.status.get("n_done")})
     return out
 
 
-def _fitted_here(model: Any, spec: str, rules: str) -> list[Source]:
+def _fitted_here(model: Any, spec: str, rules: str, experts: bool = False) -> list[Source]:
     return [Source(f"{RUN}{run['name']}", f"Fitted here: {run['name']}" + (f" ({run['n']} prompts)" if run["n"] else ""),
-                   run["path"]) for run in finished_runs(model, spec, rules)]
+                   run["path"]) for run in finished_runs(model, spec, rules, experts)]
 
 
 def _jacobian_sources(model: Any, spec: str) -> list[Source]:
@@ -214,23 +237,58 @@ def file_rules(path: str | Path) -> str | None:
     return str(info.get("rules", "jacobian")) if isinstance(info, dict) else None
 
 
-def slot_for_rules(rules: str | None) -> LensSlot:
-    """The slot a Jacobian lens fitted with ``rules`` loads into (the R-lens slot for ``"relevance"``)."""
+def slot_for_rules(rules: str | None, experts: bool = False) -> LensSlot:
+    """The slot a Jacobian lens fitted with ``rules`` loads into (the R-lens slot for ``"relevance"``); with
+    ``experts``, the slot of an expert lens fitted so (J++ or R++)."""
+    if experts:
+        return RPP if rules == "relevance" else JPP
     return RELEVANCE if rules == "relevance" else JACOBIAN
 
 
+def slot_for_file(path: str | Path, rules: str | None = None) -> LensSlot:
+    """The slot the lens file at ``path`` loads into: by the rules its header records (else ``rules``), and
+    whether it holds experts (a full expert lens file, or a combined one-matrix file)."""
+    expert = is_expert_lens_file(path) or bool(file_info(path).get("settings", {}).get("expert_kind"))
+    return slot_for_rules(file_rules(path) or rules, experts=expert)
+
+
+def file_info(path: str | Path) -> dict:
+    """The ``jlens`` JSON of a lens file's header (``{}`` for a file without one)."""
+    import json
+
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            info = json.loads((f.metadata() or {}).get("jlens") or "null")
+    except Exception:  # noqa: BLE001 - not a safetensors lens
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 # -- the R-lens ------------------------------------------------------------------------------------------
-def shipped_relevance_path(model: Any) -> Path | None:
-    """The R-lens shipped for ``model``: ``assets/lenses/<model>.relevance.safetensors``, next to its J lens."""
+def shipped_variant_path(model: Any, variant: str) -> Path | None:
+    """A lens shipped for ``model`` beside its J lens: ``assets/lenses/<model>.<variant>.safetensors`` (``variant``:
+    ``relevance``, ``jpp`` or ``rpp``, :data:`jlens_core.lenses.shipped.VARIANTS`)."""
+    from jlens_core.lenses.shipped import shipped_lens_path as core_shipped
+
+    name = str(getattr(model, "name", "") or "")
+    found = core_shipped(name, variant)
+    if found is not None:
+        return Path(found)
     jacobian = shipped_lens_path(model)
     names = [jacobian.name.removesuffix(".safetensors")] if jacobian is not None else []
-    name = str(getattr(model, "name", "") or "")
     names += [name, Path(name).name, name.replace("/", "--")]
-    for candidate in dict.fromkeys(n for n in names if n):
-        path = LENS_DIR / f"{candidate}.relevance.safetensors"
+    for candidate in dict.fromkeys(n for n in names if n and n not in (".", "..")):
+        path = LENS_DIR / f"{candidate}.{variant}.safetensors"
         if path.is_file():
             return path
     return None
+
+
+def shipped_relevance_path(model: Any) -> Path | None:
+    """The R-lens shipped for ``model``: ``assets/lenses/<model>.relevance.safetensors``, next to its J lens."""
+    return shipped_variant_path(model, "relevance")
 
 
 def _relevance_sources(model: Any, spec: str) -> list[Source]:
@@ -245,16 +303,30 @@ def _lens_file(path: Path) -> Path:
     return path
 
 
-def lens_summary(lens: JacobianLens) -> str:
-    """One line about a fitted lens: prompts, layers, target and the settings that shape it."""
+def _expert_sources(rules: str, variant: str, what: str) -> Callable[[Any, str], list[Source]]:
+    def sources(model: Any, spec: str) -> list[Source]:
+        shipped = shipped_variant_path(model, variant)
+        found = [Source(SHIPPED, f"Shipped {what} ({shipped.name})", shipped)] if shipped is not None else []
+        return found + _fitted_here(model, spec, rules, experts=True)
+    return sources
+
+
+def lens_summary(lens: Any) -> str:
+    """One line about a fitted lens (a J lens, an R-lens, an expert lens): prompts, layers, target, experts and
+    the settings that shape it."""
     s = lens.settings
     layers = lens.source_layers
     span = f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else str(layers[0])
     parts = [f"{lens.n_prompts} prompts", f"layers {span} → {lens.target_layer}"]
+    experts = getattr(lens, "n_experts", None) or s.get("experts")
+    if experts:
+        weighted = lens_kind(lens).endswith("++")
+        parts.append(f"{experts} experts, {'learned' if weighted else 'uniform'} weights"
+                     + (", combined into one matrix" if isinstance(lens, JacobianLens) else ""))
     for key in ("max_seq_len", "skip_first", "corpus"):
         if s.get(key) is not None:
             parts.append(f"{key} {s[key]}")
-    if lens.shrinkage:
+    if getattr(lens, "shrinkage", 0):
         parts.append(f"shrinkage {lens.shrinkage:g}")
     if lens.stop_reason:
         parts.append("stopped early")
@@ -297,7 +369,7 @@ def tuned_summary(lens: Any) -> str:
 
 
 JACOBIAN = LensSlot(
-    key="jacobian", param="lens", default=SHIPPED, sources=_jacobian_sources, loader=cache.load_lens_cached,
+    key="jacobian", param="lens", default=SHIPPED, sources=_jacobian_sources, loader=cache.load_any_lens_cached,
     version_file=_lens_file, summary=lambda lens: f"**Jacobian lens** · {lens_summary(lens)}", noun="lens",
     label="Lens", none_label="None: logit lens only", file_label="Lens file (path)…",
     upload_label="Upload a lens file…", upload_box_label="Lens file", path_label="Lens file", path_what="lens file",
@@ -309,7 +381,7 @@ JACOBIAN = LensSlot(
     kinds=("jacobian",), wrong_kind="this file is an R-lens (fitted with rules={kind!r}): pick it in the R-lens "
                                     "slot below.")
 RELEVANCE = LensSlot(
-    key="relevance", param="rlens", default=NONE, sources=_relevance_sources, loader=cache.load_lens_cached,
+    key="relevance", param="rlens", default=NONE, sources=_relevance_sources, loader=cache.load_any_lens_cached,
     version_file=_lens_file, summary=lambda lens: f"**R-lens** · {lens_summary(lens)}", noun="R-lens",
     label="R-lens", none_label="None", unshipped_label="None (no shipped R-lens for this model)",
     file_label="R-lens file (path)…", upload_label="Upload an R-lens file…", upload_box_label="R-lens file",
@@ -328,4 +400,120 @@ TUNED = LensSlot(
     path_placeholder="/path/to/tuned.safetensors or folder",
     picker_help="A third lens to compare: affine translators trained on the model's own output (Tune page), "
                 "a jlens tuned-lens file, or a folder in tuned-lens's format (config.json + params.pt).")
-SLOTS: tuple[LensSlot, ...] = (JACOBIAN, RELEVANCE, TUNED)
+
+
+
+def _expert_slot(key: str, rules: str, short: str) -> LensSlot:
+    """The J++ or R++ slot: an expert lens fitted with ``rules`` (learned weights, or uniform), in full or combined."""
+    what = f"{short} lens"
+    return LensSlot(
+        key=key, param=key, default=NONE, sources=_expert_sources(rules, key, what), loader=cache.load_any_lens_cached,
+        version_file=_lens_file, summary=lambda lens: f"**{KIND_LABELS[lens_kind(lens)]}** · {lens_summary(lens)}",
+        noun=what, label=what, none_label="None", unshipped_label=f"None (no shipped {what} for this model)",
+        file_label=f"{what} file (path)…", upload_label=f"Upload a {what} file…", upload_box_label=f"{what} file",
+        path_label=f"{what} file", path_what=f"{what} file", path_placeholder="/path/to/experts.safetensors or hf://owner/repo/lens",
+        path_help=f"An expert lens fitted with {rules} rules (`jlens fit --experts E"
+                  + (" --rules relevance" if rules == "relevance" else "") + "`, weights from `jlens weigh`), or its "
+                  "combined one-matrix file, or hf://owner/repo[@revision]/path on the Hugging Face Hub.",
+        picker_help=f"The {short} lens: one Jacobian per cluster of residuals, combined with learned weights "
+                    f"(docs/method.md §9.1, experts); without learned weights it shows as "
+                    f"{KIND_LABELS[rules + '-experts']}. Fit one on the Fit page (experts).",
+        kinds=(f"{rules}++", f"{rules}-experts"), named=True)
+
+
+JPP = _expert_slot("jpp", "jacobian", "J++")
+RPP = _expert_slot("rpp", "relevance", "R++")
+SLOTS: tuple[LensSlot, ...] = (JACOBIAN, RELEVANCE, JPP, RPP, TUNED)
+
+
+
+# -- lenses added from files -----------------------------------------------------------------------------
+def extra_specs() -> list[str]:
+    """The lenses added from files (paths in the workspace, ``hf://`` specs), in the order added."""
+    return [str(x) for x in st.session_state.get(EXTRAS) or []]
+
+
+def _set_extras(specs: list[str]) -> None:
+    st.session_state[EXTRAS] = list(dict.fromkeys(x for x in specs if x))
+
+
+def _add_typed() -> None:
+    ss = st.session_state
+    text = (ss.get("extra_path") or "").strip()
+    if text:
+        _set_extras([*extra_specs(), text])
+    ss.extra_path = ""
+
+
+def _remove(spec: str) -> None:
+    _set_extras([x for x in extra_specs() if x != spec])
+
+
+def _extra_name(spec: str, kind: str) -> str:
+    """``"<file stem> (<kind>)"``: ``"my-lens (J++)"``; an upload's name without its digest prefix."""
+    import re
+
+    stem = Path(spec.rstrip("/")).name
+    for suffix in (".safetensors", ".pt"):
+        stem = stem.removesuffix(suffix)
+    stem = re.sub(r"^[0-9a-f]{16}-", "", stem) if Path(spec).parent == common.uploads_dir() else stem
+    return f"{stem} ({KIND_LABELS.get(kind, kind)})"
+
+
+def load_extra(spec: str, model: Any) -> LoadedLens:
+    """The lens a file added from the sidebar holds (a J lens, an R-lens, an expert lens, a combined J++ / R++
+    file or a tuned lens: the file says which), checked against ``model``."""
+    path = typed_path(spec, "lens file")
+    if path.is_dir() or is_tuned_lens_file(path):
+        lens, key = cache.load_versioned(cache.load_tuned_cached, path, _tuned_file(path), model, "extra")
+    else:
+        lens, key = cache.load_versioned(cache.load_any_lens_cached, path, _lens_file(path), model, "extra")
+    return LoadedLens(lens=lens, key=key, label=spec, name=_extra_name(spec, lens_kind(lens)))
+
+
+def draw_extras(model: Any, taken: set[str]) -> dict[str, LoadedLens]:
+    """The sidebar's added lenses (each with a Remove button) and the "Add a lens from a file" controls.
+
+    Returns ``{"extra<i>": LoadedLens}`` for those that loaded, named apart from ``taken`` (the names in use).
+    A lens that cannot load is said, with its Remove button; the others load.
+    """
+    ss, sb = st.session_state, st.sidebar
+    loaded: dict[str, LoadedLens] = {}
+    disabled = model is None
+    for i, spec in enumerate(extra_specs()):
+        row, remove = sb.columns([5, 1], vertical_alignment="center")
+        remove.button("✕", key=f"extra_remove_{i}", on_click=_remove, args=(spec,), help=f"Remove {spec}")
+        if model is None:
+            row.caption(f"`{spec}`")
+            continue
+        try:
+            item = load_extra(spec, model)
+        except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app stays usable
+            row.error(f"Could not load the lens {spec!r}: {common.error_text(exc)}")
+            continue
+        name, n = item.name, 2
+        while name in taken:
+            name, n = f"{item.name} #{n}", n + 1
+        item.name = name
+        taken.add(name)
+        loaded[f"extra{i}"] = item
+        summary = tuned_summary(item.lens) if item.lens.kind == "tuned" else lens_summary(item.lens)
+        row.caption(f"**{name}** · {summary}")
+    sb.text_input("Add a lens from a file", key="extra_path", disabled=disabled,
+                  placeholder="/path/to/lens.safetensors or hf://owner/repo/lens",
+                  help="Any lens file: a J lens, an R-lens, an expert lens (J++, R++, uniform experts), a combined "
+                       "J++ / R++ file or a tuned lens (file or folder); its kind is read from the file. Or "
+                       "hf://owner/repo[@revision]/path on the Hugging Face Hub. Add as many as you like.")
+    sb.button("Add the lens", key="extra_add", on_click=_add_typed, disabled=disabled, icon=":material/add:")
+    upload = sb.file_uploader("…or upload one", type=["safetensors", "pt"], key="extra_upload", disabled=disabled)
+    if upload is not None and not disabled:
+        done = ss.setdefault("_extra_uploads", set())
+        if upload.file_id not in done:  # the uploader keeps its file across reruns: add it once
+            done.add(upload.file_id)
+            try:
+                _set_extras([*extra_specs(), str(common.save_upload(upload))])
+            except OSError as exc:
+                sb.error(f"Could not keep the upload: {exc}")
+            else:
+                st.rerun()
+    return loaded

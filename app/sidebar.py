@@ -15,7 +15,7 @@ from cache import load_model_cached
 from common import DTYPES, Context, confine_spec, error_text
 from jlens_core.lenses.lens import LogitLens
 from jlens_core.models.loading import DEFAULT_ALIASES, DEFAULT_MODEL
-from lens_slots import SLOTS, draw_slot
+from lens_slots import SLOTS, draw_extras, draw_slot
 
 
 def sidebar() -> Context:
@@ -34,8 +34,10 @@ def sidebar() -> Context:
             sb.caption(slot.summary(ctx.loaded[slot.key].lens))
         elif ctx.model is not None and slot.empty_note:
             sb.info(slot.empty_note)
-    # the Jacobian-type lenses loaded (J, R): with one, Inspect starts side by side with the logit lens
-    fitted_keys = "|".join(ctx.loaded[key].key for key in ("jacobian", "relevance") if key in ctx.loaded)
+    sb.markdown("### More lenses")
+    ctx.loaded.update(draw_extras(ctx.model, {"logit", *ctx.lenses()}))
+    # the Jacobian-type lenses loaded (J, R, J++, R++, added): with one, Inspect starts side by side with the logit lens
+    fitted_keys = "|".join(item.key for key, item in ctx.loaded.items() if key != "tuned" and item.lens.kind != "tuned")
     if ss.get("mode") is None:
         ss.mode = "side" if fitted_keys else "logit"
     elif fitted_keys and ss.get("_lens_key") == "" and ss.mode == "logit":

@@ -1,8 +1,10 @@
 """The view kept in the URL: query parameters seed a session and are written back after every run.
 
-What a user sets up (``model``, ``lens``, ``rlens``, ``tuned``, ``prompt``, ``mode``, ``stat``, ``pair``,
-``vocab``, ``centred``, ``gen``, ``temp``, ``seed``, ``band``) is in the page's URL, so a view can be shared and reloaded.
-Each lens slot (:data:`lens_slots.SLOTS`) has its own parameter, named by the slot.
+What a user sets up (``model``, ``lens``, ``rlens``, ``jpp``, ``rpp``, ``tuned``, ``extra``, ``prompt``, ``mode``,
+``stat``, ``pair``, ``vocab``, ``centred``, ``iv_lens``, ``gen``, ``temp``, ``seed``, ``band``) is in the page's URL, so a
+view can be shared and reloaded. Each lens slot (:data:`lens_slots.SLOTS`) has its own parameter, named by the slot;
+``extra`` lists the lenses added from files (comma-separated paths or ``hf://`` specs). ``pair``, ``mode`` and
+``iv_lens`` name lenses by their names (``jacobian``, ``J++``, ``my-lens (R)``): a name not loaded gives way.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import streamlit as st
 
 import common
 from jlens_core.models.loading import DEFAULT_MODEL
-from lens_slots import SLOTS
+from lens_slots import EXTRA_PARAM, EXTRAS, SLOTS
 
 log = logging.getLogger("jlens.app")
 # Widget values kept across pages: the shared ones, and each lens slot's path box.
@@ -36,12 +38,17 @@ def init_state() -> None:
         for slot in SLOTS:  # applied by the slot's picker once the model is loaded
             ss[slot.state("request")] = _query_value(slot.param) or (os.environ.get(slot.env) if slot.env else None) \
                 or "auto"
+        ss[EXTRAS] = [x.strip() for x in (_query_value(EXTRA_PARAM) or "").split(",") if x.strip()]
         pair = (_query_value("pair") or "").split(",")
-        if len(pair) == 2 and all(x in common.LENS_KINDS for x in pair) and pair[0] != pair[1]:
+        if len(pair) == 2 and all(pair) and pair[0] != pair[1]:  # lens names: Inspect checks they are loaded
             ss.pair_a, ss.pair_b = pair
         ss.prompt = _query_value("prompt") or common.default_prompt()
         mode = _query_value("mode")
         ss.mode = mode if mode in common.MODES else None  # decided once the lens is known
+        if mode and mode not in common.MODES:
+            ss.mode_request = mode  # a lens's name (J++, an added lens): Inspect takes it once that lens is loaded
+        if _query_value("iv_lens"):
+            ss.iv_lens = _query_value("iv_lens")
         stat = _query_value("stat")
         ss.stat = stat if stat in common.STATS else "top1_prob"
         if _query_value("vocab") in common.VOCABS:
@@ -98,10 +105,12 @@ def sync_query_params() -> None:
     ctx = common.context()
     wanted = {"model": ctx.model_spec or ss.get("model_spec") or DEFAULT_MODEL,
               **{slot.param: slot.url_value() for slot in SLOTS},
+              EXTRA_PARAM: ",".join(ss.get(EXTRAS) or []) or None,
               "prompt": ss.get("prompt") or "", "mode": ss.get("mode") or "logit", "stat": ss.get("stat") or "top1_prob"}
     wanted.update(generation_query())
     wanted["vocab"] = "word" if ss.get("vocab_word") else None  # "all", the default, left out
     wanted["centred"] = "1" if ss.get("iv_centred") else None
+    wanted["iv_lens"] = ss.get("iv_lens") if ss.get("iv_lens") not in (None, "jacobian") else None
     pair = (ss.get("pair_a"), ss.get("pair_b"))
     wanted["pair"] = ",".join(pair) if ss.get("mode") in ("side", "diff") and pair != ("logit", "jacobian") \
         and all(pair) else None

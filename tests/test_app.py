@@ -53,6 +53,22 @@ def rlens_file(tiny_model, tmp_path_factory) -> str:
     return str(lens.save(tmp_path_factory.mktemp("rlens") / "tiny.relevance.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def expert_files(tiny_model, tmp_path_factory) -> dict[str, str]:
+    """Tiny expert lenses (2 experts) of the lens_file prompts: uniform weights, learned (J++), and J++ combined
+    into one matrix per layer (a plain Jacobian lens file)."""
+    from jlens_core import ExpertLens
+
+    texts = [LONG_TEXT, LONG_TEXT.upper(), " ".join(reversed(LONG_TEXT.split()))]
+    lens = fit(tiny_model, texts, skip_first=4, max_seq_len=40, experts=2, cluster_prompts=3)
+    assert isinstance(lens, ExpertLens)
+    folder = tmp_path_factory.mktemp("experts")
+    jpp = lens.with_weights({layer: torch.tensor([1.0, -0.5]) for layer in lens.source_layers}, items=["x"])
+    return {"uniform": str(lens.save(folder / "uniform.safetensors")),
+            "jpp": str(jpp.save(folder / "jpp.safetensors")),
+            "combined": str(jpp.to_jacobian_lens().save(folder / "combined.safetensors"))}
+
+
 @pytest.fixture(autouse=True)
 def runs_root(tmp_path, tmp_path_factory, monkeypatch) -> Path:
     root = tmp_path / "runs"
@@ -473,14 +489,17 @@ def test_a_tuned_lens_folder_from_the_url(tiny_dir, tiny_model, tmp_path):
 
 def test_lens_slots_share_one_rule_for_what_the_url_asks(tiny_dir):
     """Every slot (app/lens_slots.py): a shipped lens or run that is not there falls back to the slot's default."""
-    at = ok(make_app(model=tiny_dir, lens="run:gone", rlens="shipped", tuned="shipped", prompt=PROMPT).run())
+    at = ok(make_app(model=tiny_dir, lens="run:gone", rlens="shipped", jpp="shipped", rpp="run:gone", tuned="shipped",
+                     prompt=PROMPT).run())
     # (none ships for this model)
-    assert [at.session_state[f"{p}_choice"] for p in ("lens", "rlens", "tuned")] == ["none"] * 3
+    assert [at.session_state[f"{p}_choice"] for p in ("lens", "rlens", "jpp", "rpp", "tuned")] == ["none"] * 5
     assert not at.sidebar.error
     params = {k: (v[0] if isinstance(v, list) else v) for k, v in at.query_params.items()}
     # "none" stays in the URL where the default would load a lens (the Jacobian slot: the shipped one)
-    assert params["lens"] == "none" and "tuned" not in params and "rlens" not in params
-    assert [s.label for s in at.sidebar.selectbox][-3:] == ["Lens", "R-lens", "Tuned lens"]
+    assert params["lens"] == "none" and not {"tuned", "rlens", "jpp", "rpp", "extra"} & set(params)
+    assert [s.label for s in at.sidebar.selectbox][-5:] == ["Lens", "R-lens", "J++ lens", "R++ lens", "Tuned lens"]
+    assert at.sidebar.selectbox(key="jpp_choice").options == [
+        "None (no shipped J++ lens for this model)", "J++ lens file (path)…", "Upload a J++ lens file…"]
     # the R-lens slot says that no R-lens ships for this model, and offers a file, an upload or hf://
     assert at.sidebar.selectbox(key="rlens_choice").options == [
         "None (no shipped R-lens for this model)", "R-lens file (path)…", "Upload an R-lens file…"]
@@ -576,6 +595,105 @@ def test_the_r_lens_slot_side_by_side_with_any_lens(tiny_dir, tiny_model, lens_f
     at.text_area(key="eval_paste").set_value(LONG_TEXT)
     button(at, "Evaluate").click().run()
     assert {t["name"] for t in chart(ok(at), "eval_curves")["data"]} == {"Logit lens", "Jacobian lens", "R-lens"}
+
+
+def test_any_number_of_lenses_expert_slots_and_lenses_added_from_files(tiny_dir, tiny_model, lens_file, rlens_file,
+                                                                         expert_files):
+    """The J++ slot and "Add a lens from a file" (issue #32 §4): every loaded lens is offered by Inspect's modes and
+    pair pickers, stacked, compared by Evaluate and usable by Intervene, each under a unique name; the URL keeps it."""
+    from jlens_core import ExpertLens
+    from jlens_core.interventions import Swap
+    from jlens_core.reading.readings import read_prompt
+
+    extra = f"{rlens_file},{expert_files['uniform']}"
+    at = ok(make_app(model=tiny_dir, lens=lens_file, jpp=expert_files["jpp"], extra=extra, prompt=PROMPT).run())
+    assert not at.sidebar.error
+    assert any(c.value.startswith("**J++** · 3 prompts") and "2 experts, learned weights" in c.value
+               for c in at.sidebar.caption)
+    assert any(c.value.startswith("**uniform (J-experts (uniform))** · 3 prompts") for c in at.sidebar.caption)
+    names = ["Logit lens", "Jacobian lens", "J++", "tiny.relevance (R)", "uniform (J-experts (uniform))"]
+    assert at.radio(key="mode").options == names + ["Side by side", "Difference (Jacobian − logit)", "All 5"]
+    # a lens read through its mode: the J++ lens's own reading
+    at.radio(key="mode").set_value("J++").run()
+    expected = read_prompt(tiny_model, ExpertLens.load(expert_files["jpp"]), PROMPT).top1_grid()
+    trace = chart(ok(at), "heatmap")["data"][0]
+    assert trace["name"] == "J++" and same_tokens(trace["text"][1], [html.escape(t, quote=False) for t in expected[1]])
+    # any two as a difference, in the URL by name
+    at.radio(key="mode").set_value("diff").run()
+    assert ok(at).selectbox(key="pair_a").options == names
+    at.selectbox(key="pair_a").set_value("uniform (J-experts (uniform))")
+    at.selectbox(key="pair_b").set_value("J++").run()
+    assert chart(ok(at), "heatmap")["layout"]["title"]["text"].startswith("J++ − uniform (j-experts")
+    params = {k: (v[0] if isinstance(v, list) else v) for k, v in at.query_params.items()}
+    assert params["jpp"] == expert_files["jpp"] and params["extra"] == extra
+    assert params["pair"] == "uniform (J-experts (uniform)),J++" and params["mode"] == "diff"
+    # all of them stacked; the cell detail reads every one
+    at.radio(key="mode").set_value("three").run()
+    assert [t["name"] for t in chart(ok(at), "heatmap")["data"][::2]] == names
+    assert list(next(d.value for d in at.dataframe if "lens" in d.value.columns)["lens"]) == names
+    # Intervene: the directions of any linear lens (the J++ lens's matrices are its combined ones)
+    assert at.selectbox(key="iv_lens").options == ["Jacobian lens", "J++", "tiny.relevance (R)",
+                                                   "uniform (J-experts (uniform))", "Logit lens"]
+    at.selectbox(key="iv_lens").set_value("J++")
+    at.text_input(key="iv_token").set_value(" capital")
+    at.selectbox(key="iv_replacement").set_value(" time")
+    at.number_input(key="iv_new").set_value(2)
+    at.button(key="iv_run").click().run()
+    swap = Swap(tiny_model, ExpertLens.load(expert_files["jpp"]), " capital", " time", 1.0, layers=[1, 2])
+    assert "jacobian++" in repr(swap) and any(c.value == f"Edit: `{swap!r}`" for c in ok(at).caption)
+    assert at.query_params["iv_lens"] == "J++"
+    # a shared URL restores the pair and a lens mode by name
+    shared = ok(make_app(model=tiny_dir, lens=lens_file, jpp=expert_files["jpp"], extra=extra, prompt=PROMPT,
+                         mode="side", pair="J++,tiny.relevance (R)").run())
+    assert [t["name"] for t in chart(shared, "heatmap")["data"][::2]] == ["J++", "tiny.relevance (R)"]
+    by_name = ok(make_app(model=tiny_dir, lens="none", extra=rlens_file, prompt=PROMPT, mode="tiny.relevance (R)").run())
+    assert by_name.radio(key="mode").value == "tiny.relevance (R)"
+    # Evaluate: one curve per loaded lens
+    at.switch_page("views/evaluate.py").run()
+    at.radio(key="eval_source").set_value("paste").run()
+    at.text_area(key="eval_paste").set_value(LONG_TEXT)
+    button(at, "Evaluate").click().run()
+    assert {t["name"] for t in chart(ok(at), "eval_curves")["data"]} == set(names)
+    at.multiselect(key="pak_sets").set_value(["two_hop"])
+    at.multiselect(key="pak_k").set_value([10])
+    button(at, "Run pass@k").click().run()
+    assert sorted(ok(at).dataframe[-2].value["lens"]) == sorted(["logit", "jacobian", *names[2:]])
+
+
+def test_expert_slots_take_their_kind_and_lenses_are_added_and_removed(tiny_dir, lens_file, rlens_file, expert_files):
+    # the combined one-matrix J++ file loads into the J++ slot; uniform experts show as such; each slot refuses
+    # another kind with a sentence naming the right slot
+    at = ok(make_app(model=tiny_dir, lens=expert_files["combined"], jpp=expert_files["combined"],
+                     rpp=expert_files["uniform"], prompt=PROMPT).run())
+    errors = [e.value for e in at.sidebar.error]
+    assert any("jacobian++" in e and "the Lens slot does not take: pick it in the J++ lens slot" in e for e in errors)
+    assert any("jacobian-experts" in e and "the R++ lens slot does not take: pick it in the J++ lens slot" in e
+               for e in errors)
+    assert any(c.value.startswith("**J++** · 3 prompts") and "combined into one matrix" in c.value
+               for c in at.sidebar.caption)
+    assert "J++" in at.radio(key="mode").options
+    uniform = ok(make_app(model=tiny_dir, lens="none", jpp=expert_files["uniform"], prompt=PROMPT).run())
+    assert "J-experts (uniform)" in uniform.radio(key="mode").options
+    # "Add a lens from a file": a typed path (confined to the workspace), twice the same kind, then removed
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT).run())
+    for path in (lens_file, lens_file, rlens_file):
+        at.sidebar.text_input(key="extra_path").set_value(path)
+        button(at.sidebar, "Add the lens").click().run()
+    assert ok(at).session_state["extra_lenses"] == [lens_file, rlens_file]  # a file is added once
+    assert at.radio(key="mode").options[:4] == ["Logit lens", "Jacobian lens", "tiny (J)", "tiny.relevance (R)"]
+    at.sidebar.text_input(key="extra_path").set_value("/etc/passwd")
+    button(at.sidebar, "Add the lens").click().run()
+    assert any("outside the workspace" in e.value for e in ok(at).sidebar.error)
+    at.sidebar.button(key="extra_remove_2").click().run()
+    at.sidebar.button(key="extra_remove_0").click().run()
+    assert ok(at).session_state["extra_lenses"] == [rlens_file] and not at.sidebar.error
+    params = {k: (v[0] if isinstance(v, list) else v) for k, v in at.query_params.items()}
+    assert params["extra"] == rlens_file
+    # an added lens's name never clashes with another: the same file twice by two spellings
+    again = f"{Path(rlens_file).parent}/./{Path(rlens_file).name}"
+    twice = ok(make_app(model=tiny_dir, lens="none", extra=f"{rlens_file},{again}", prompt=PROMPT).run())
+    assert [n for n in twice.radio(key="mode").options if n.startswith("tiny")] == [
+        "tiny.relevance (R)", "tiny.relevance (R) #2"]
 
 
 def test_word_tokens_only_reads_with_the_word_readout(tiny_dir, tiny_model, lens_file):

@@ -1,4 +1,5 @@
-"""Evaluate: per-layer KL and cross-entropy of every loaded lens (logit, J, R, tuned), and pass@k."""
+"""Evaluate: per-layer KL and cross-entropy of every loaded lens (logit, J, R, J++, R++, tuned, and every lens
+added from a file), and pass@k: one curve and one table row per lens, by its name."""
 
 from __future__ import annotations
 
@@ -123,8 +124,10 @@ if not (result and result["key"] == _key(ctx.model_key, LENSES_KEY)):
     stored = _stored_evaluation()
     if stored is not None:
         result = {**stored, "key": _key(ctx.model_key, LENSES_KEY)}
+        absent = [common.lens_label(name) for name in lenses if name not in set(stored["frame"]["lens"])]
         st.info(f"The stored evaluation of the shipped lenses ({result['n_texts']} held-out texts, made by "
-                "`scripts/evaluate_shipped.sh`); press Evaluate to compute it on texts of your choice.")
+                "`scripts/evaluate_shipped.sh`); press Evaluate to compute it on texts of your choice"
+                + (f" and with {', '.join(absent)}, which it does not hold." if absent else "."))
 if result and result["key"] == _key(ctx.model_key, LENSES_KEY):
     frame = result["frame"]
     st.plotly_chart(charts.eval_curves_figure(frame), key="eval_curves", config={"displaylogo": False})

@@ -136,12 +136,14 @@ if b3.button("Resume", disabled=state not in ("stopped", "failed", "lost") or ru
     with common.guard("Could not resume"):
         runs.resume(run, max_active=limit)
         st.rerun()
-# the slot the finished lens loads into: the R-lens slot for a fit with relevance rules
+# the slot the finished lens loads into: the R-lens slot for a fit with relevance rules, the J++ / R++ slot for
+# an expert fit (its lens file's header says)
+done_file = state == "done" and run.lens_path.is_file()
 if run.followed:  # a fit started elsewhere: its lens file, by path (its header names its rules)
-    slot = lens_slots.slot_for_rules(lens_slots.file_rules(run.lens_path) if state == "done" else None)
+    slot = lens_slots.slot_for_file(run.lens_path) if done_file else lens_slots.JACOBIAN
     choice = {slot.state("choice"): "file", slot.state("path"): str(run.lens_path)}
 else:
-    slot = lens_slots.slot_for_rules(run.rules)
+    slot = lens_slots.slot_for_file(run.lens_path, run.rules) if done_file else lens_slots.slot_for_rules(run.rules)
     choice = {slot.state("choice"): f"run:{run.name}"}
 b4.button("Use this lens", disabled=state != "done" or ctx.model is None or not run.lens_path.is_file(),
           icon=":material/check:", help="select it in the sidebar", on_click=lambda: ss.update(choice))
@@ -177,7 +179,7 @@ def show_run(folder_or_run, shown_state: str) -> None:
         reason = status.get("stop_reason")
         st.success(f"Finished: {status.get('n_done')} prompts → `{current.lens_path}`"
                    + (f" (stopped early: {reason})" if reason else "")
-                   + (f". Select it in the sidebar ({lens_slots.slot_for_rules(current.rules).label} → Fitted "
+                   + (f". Select it in the sidebar ({lens_slots.slot_for_file(current.lens_path, current.rules).label} → Fitted "
                       "here) or press *Use this lens*." if not current.followed else "."))
     elif now_state == "failed":
         st.error(f"The fit failed: {current.error_sentence() or 'see the log below'}")

@@ -85,11 +85,11 @@ class Reader:
             try:
                 into.update(cache.readings_cached(model, model_key, {name: (lenses[name], keys[name])}, *settings))
             except common.EXPECTED_ERRORS as exc:
-                st.error(f"The {charts.LENS_NAMES[name].lower()} cannot read this prompt: {exc}")
+                st.error(f"The {common.lens_label(name)} cannot read this prompt: {exc}")
 
     def everything(self) -> dict:
         """Every loaded lens at every shown position (the download table); cached readings are reused."""
-        self.read(list(common.LENS_KINDS))
+        self.read(list(self.ctx.lenses()))
         return self.readings
 
 
@@ -125,7 +125,7 @@ def _init_state(n_layers: int) -> None:
     """Inspect's widgets' defaults, and the layer band (the URL's, clamped to the model's layers)."""
     for key, value in common.INSPECT_DEFAULTS.items():
         ss.setdefault(key, value)
-    if ss.mode not in common.MODES:
+    if not isinstance(ss.get("mode"), str):  # a lens's name is a mode too: lens_controls checks it is loaded
         ss.mode = "logit"
     if "band_request" in ss:  # from the URL, once the model's depth is known
         lo, hi = sorted(max(0, min(int(x), n_layers - 1)) for x in ss.pop("band_request"))
@@ -190,21 +190,27 @@ def _valid_pins(model: Any) -> tuple[list[str], list[str]]:
 
 
 def lens_controls(ctx: common.Context, pins: list[str]) -> tuple[str, str]:
-    """The lens mode, the statistic to colour by and, with three lenses or more, which two to compare; returns the pair."""
+    """The lens mode, the statistic to colour by and, with three lenses or more, which two to compare; returns the pair.
+
+    Every loaded lens is a mode of its own and a choice of the pair (expert lenses and lenses added from files
+    by their names); "all" stacks every loaded lens.
+    """
     stat_options = list(common.STATS) + [f"rank_{p}" for p in pins]
     if ss.get("stat") not in stat_options:
         ss.stat = "top1_prob"
     available = list(ctx.lenses())
     # the Jacobian lens is always offered (without one, Inspect says so); the other lenses once loaded
-    singles = [k for k in common.LENS_KINDS if k in ("logit", "jacobian") or k in available]
+    singles = ["logit", "jacobian"] + [k for k in available if k not in ("logit", "jacobian")]
     mode_options = singles + ["side", "diff"] + (["three"] if len(available) >= 3 else [])
+    if ss.get("mode_request") in mode_options:  # a lens's name from the URL, now loaded
+        ss.mode = ss.pop("mode_request")
     if ss.mode not in mode_options:
         ss.mode = "logit"
     pair = _pick_pair(available)
 
     def mode_label(m: str) -> str:
         if m == "diff":
-            return f"Difference ({charts.LENS_SHORT[pair[1]]} − {pair[0]})"
+            return f"Difference ({charts.LENS_SHORT.get(pair[1], pair[1])} − {pair[0]})"
         if m == "three":
             return f"All {dict(enumerate(('', 'one', 'two', 'three', 'four'))).get(len(available), len(available))}"
         return common.MODES.get(m, m)
@@ -215,10 +221,10 @@ def lens_controls(ctx: common.Context, pins: list[str]) -> tuple[str, str]:
                  format_func=lambda s: common.STATS.get(s) or f"Rank of pinned {s[5:]!r}")
     if ss.mode in ("side", "diff") and len(available) > 2:
         # the loaded lenses, and a pair member that is not loaded (from the URL: the heatmap says so)
-        offered = [k for k in common.LENS_KINDS if k in available or k in pair]
+        offered = available + [k for k in pair if k not in available]
         q1, q2, _ = st.columns([1, 1, 3])
-        q1.selectbox("Lens A", offered, key="pair_a", format_func=charts.LENS_NAMES.get)
-        q2.selectbox("Lens B", offered, key="pair_b", format_func=charts.LENS_NAMES.get,
+        q1.selectbox("Lens A", offered, key="pair_a", format_func=common.lens_label)
+        q2.selectbox("Lens B", offered, key="pair_b", format_func=common.lens_label,
                      help="Side by side: A above B. Difference: B − A.")
         pair = (ss.pair_a, ss.pair_b)
     return pair
@@ -227,15 +233,16 @@ def lens_controls(ctx: common.Context, pins: list[str]) -> tuple[str, str]:
 def _pick_pair(available: list[str]) -> tuple[str, str]:
     """The two lenses of side by side and difference (``pair_a``, ``pair_b``; kept in the URL's ``pair``).
 
-    By default the logit lens and the first of J, R and tuned loaded. A pair member that is not loaded
-    gives way to a loaded lens outside the pair, when there is one (else the heatmap says what is missing).
+    By default the logit lens and the first other lens loaded (J, R, J++, R++, tuned, added). A pair member
+    that is not loaded gives way to a loaded lens outside the pair, when there is one (else the heatmap says
+    what is missing).
     """
-    fitted = [k for k in common.LENS_KINDS if k != "logit" and k in available]
+    fitted = [k for k in available if k != "logit"]
     for key, default in (("pair_a", "logit"), ("pair_b", fitted[0] if fitted else "jacobian")):
-        if ss.get(key) not in common.LENS_KINDS:
+        if not isinstance(ss.get(key), str) or not ss.get(key):
             ss[key] = default
     if ss.pair_a == ss.pair_b:
-        ss.pair_b = next(k for k in common.LENS_KINDS if k != ss.pair_a)
+        ss.pair_b = next(k for k in [*available, *common.LENS_KINDS] if k != ss.pair_a)
     for key in ("pair_a", "pair_b"):
         if ss[key] not in available:
             spare = [k for k in available if k not in (ss.pair_a, ss.pair_b)]
@@ -365,7 +372,7 @@ def heatmap(view: View, reader: Reader, edits: list | None) -> tuple[Any, str]:
     pair, mode = view.pair, ss.mode
     # The lenses the heatmap draws are read over every shown position (the logit lens always: the output
     # row uses it); the cell detail reads any other loaded lens at the selected position only, below.
-    loaded = [name for name in common.LENS_KINDS if name in reader.ctx.lenses()]
+    loaded = list(reader.ctx.lenses())
     shown_now = {"side": list(pair), "diff": list(pair), "three": loaded}.get(mode, [mode])
     # A line of text, not a spinner: the spinner's animation, and the page below it moving down and up as
     # it comes and goes, cost the browser CPU the reading needs (a new prompt's redraw took ~0.15 s longer).
@@ -381,7 +388,7 @@ def heatmap(view: View, reader: Reader, edits: list | None) -> tuple[Any, str]:
         st.stop()
     missing = [name for name in shown_now if name not in readings]
     if missing or (mode in ("side", "diff") and pair[0] == pair[1]):
-        what = " and ".join(charts.LENS_NAMES[m] for m in missing) or "second lens"
+        what = " and ".join(common.lens_label(m) for m in missing) or "second lens"
         st.info(f"No {what} {'are' if len(missing) > 1 else 'is'} loaded, so this shows the logit lens. Pick, fit "
                 "or train a lens (sidebar, Fit and Tune pages) to compare.")
         mode = "logit"
@@ -429,7 +436,7 @@ def most_common_panel(model: Any, view: View, readings: dict, mode: str) -> None
         for panel, name in zip(st.columns(len(shown_lenses)), shown_lenses):
             table = most_common_tokens(readings[name], layers=band_rows, word_like=bool(ss.mc_word_like), top_n=10,
                                        vocab=readings[name].vocab)
-            panel.markdown(f"**{charts.LENS_NAMES[name]}**: top-1 most often across {len(view.positions)} positions "
+            panel.markdown(f"**{common.lens_label(name)}**: top-1 most often across {len(view.positions)} positions "
                            f"× {len(band_rows)} layers. Click a token to pin it.")
             if table.empty:
                 panel.caption("No word-like token in these cells' top-k.")
@@ -460,7 +467,7 @@ def cell_detail(view: View, reader: Reader) -> tuple[dict, int, int]:
     readings = reader.readings
     detail = dict(readings)
     with st.spinner("Reading the selected position through the other lenses…"):
-        reader.read(list(common.LENS_KINDS), into=detail, at=(int(ss.cell_pos),))
+        reader.read(list(reader.ctx.lenses()), into=detail, at=(int(ss.cell_pos),))
     st.subheader("Cell detail")
     n_layers = reader.ctx.model.n_layers
     labels = dict(zip(view.layers, charts.row_labels(view.layers, n_layers - 1)))
@@ -490,7 +497,7 @@ def cell_detail(view: View, reader: Reader) -> tuple[dict, int, int]:
 
 def _cell_row(name: str, cell: dict) -> dict:
     """One lens's row of the cell detail's table."""
-    row = {"lens": charts.LENS_NAMES[name], "top-1": cell["top_tokens"][0], "p(top-1)": cell["top_probs"][0],
+    row = {"lens": common.lens_label(name), "top-1": cell["top_tokens"][0], "p(top-1)": cell["top_probs"][0],
            "entropy (bits)": cell["entropy_bits"], "KL to final (bits)": cell["kl_bits"],
            "next-token CE (bits)": cell["ce_bits"], "next-token rank": cell["next_token_rank"],
            "final top-1 rank": cell["final_top1_rank"]}
