@@ -899,6 +899,28 @@ def test_fit_page_rules_and_a_finished_r_fit_loads_into_the_r_lens_slot(tiny_dir
     assert fresh.session_state["lens_choice"] == "none"
 
 
+def test_a_finished_expert_fit_loads_into_the_j_plus_plus_slot(tiny_dir, expert_files, runs_root):
+    # a finished `jlens fit --experts` run (its files, as `jlens fit` leaves them): the J++ slot offers it, the J slot not
+    folder = runs_root / "x-fit"
+    folder.mkdir(parents=True)
+    out = folder / "lens.safetensors"
+    out.write_bytes(Path(expert_files["uniform"]).read_bytes())
+    (folder / "run.json").write_text(json.dumps({"name": "x-fit", "model": tiny_dir, "out": str(out),
+                                                  "args": ["--experts", "2"], "settings": {"rules": "jacobian"}}))
+    (folder / "lens.status.json").write_text(json.dumps({"state": "done", "pid": None, "n_total": 3, "n_done": 3,
+                                                         "next_idx": 3, "model": tiny_dir, "out": str(out)}))
+    at = ok(make_app(model=tiny_dir, lens="none").run())
+    assert "Fitted here: x-fit (3 prompts)" in at.selectbox(key="jpp_choice").options
+    assert not any("x-fit" in o for k in ("lens_choice", "rlens_choice", "rpp_choice")
+                   for o in at.selectbox(key=k).options)
+    at.switch_page("views/fit.py").run()
+    at.selectbox(key="fit_run").set_value("x-fit").run()
+    assert any("(J++ lens → Fitted here)" in s.value for s in ok(at).success)
+    button(at, "Use this lens").click().run()
+    assert ok(at).session_state["jpp_choice"] == "run:x-fit"
+    assert any(c.value.startswith("**J-experts (uniform)** · 3 prompts") for c in at.sidebar.caption)
+
+
 def test_fit_page_follows_a_fit_started_elsewhere(tiny_dir, lens_file, tmp_path):
     lens = JacobianLens.load(lens_file)
     out = tmp_path / "shell-fit.safetensors"
