@@ -57,7 +57,6 @@ from .fused_layouts import (
     FUSED_MODEL_TYPES,
     FusedLayout,
     LayerWeights,
-    activation_name,
     apply_linear,
     fused_unsupported_reason,
     layer_weights,
@@ -231,7 +230,7 @@ def _attention_forward(layout: FusedLayout, attn: nn.Module, xn: torch.Tensor,
     return apply_linear(get_path(attn, layout.o), merged), coefficients
 
 
-def _mlp_forward(layout: FusedLayout, layer: nn.Module, act_name: str, xn: torch.Tensor, relevance: bool
+def _mlp_forward(layout: FusedLayout, layer: nn.Module, xn: torch.Tensor, relevance: bool
                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The MLP of ``xn`` [n, d] and its backward coefficients ``[n, ff]`` (gated: d/d gate, d/d up)."""
     dtype = xn.dtype
@@ -239,20 +238,20 @@ def _mlp_forward(layout: FusedLayout, layer: nn.Module, act_name: str, xn: torch
     if layout.gated:
         gate = apply_linear(get_path(layer, layout.mlp_in[0]), xn)  # [n, ff]
         up = apply_linear(get_path(layer, layout.mlp_in[1]), xn).float()
-        value, slope = activation_coefficients(act_name, act, gate, relevance)
+        value, slope = activation_coefficients(act, gate, relevance)
         hidden = (value * up).to(dtype)
         half = 0.5 if relevance else 1.0  # the half rule on act(gate) * up
         coefficients: tuple[torch.Tensor, ...] = ((half * up * slope).to(dtype), (half * value).to(dtype))
     else:
         z = apply_linear(get_path(layer, layout.mlp_in[0]), xn)  # [n, ff]
-        value, slope = activation_coefficients(act_name, act, z, relevance)
+        value, slope = activation_coefficients(act, z, relevance)
         hidden = value.to(dtype)
         coefficients = (slope.to(dtype),)
     return apply_linear(get_path(layer, layout.mlp_out), hidden), coefficients
 
 
 def _layer_forward(layout: FusedLayout, layer: nn.Module, x: torch.Tensor,
-                   rotary: tuple[torch.Tensor, torch.Tensor] | None, skip: int, config: Any, act_name: str,
+                   rotary: tuple[torch.Tensor, torch.Tensor] | None, skip: int, config: Any,
                    rules: str = "jacobian") -> tuple[torch.Tensor, LayerCoefficients]:
     """Re-run one decoder layer on ``x`` [S, d] (its weights real tensors); return its output at the
     valid positions [n, d] and its coefficients. ``rules="relevance"``: the coefficients of
@@ -274,16 +273,16 @@ def _layer_forward(layout: FusedLayout, layer: nn.Module, x: torch.Tensor,
     residual = x[skip:]
     if layout.parallel:
         if layout.mlp_norm is None:  # one norm for both branches
-            mlp_out, mlp_c = _mlp_forward(layout, layer, act_name, xn[skip:], relevance)
+            mlp_out, mlp_c = _mlp_forward(layout, layer, xn[skip:], relevance)
         else:
             yn, mlp_norm = norm(layout.mlp_norm, residual)
-            mlp_out, mlp_c = _mlp_forward(layout, layer, act_name, yn, relevance)
+            mlp_out, mlp_c = _mlp_forward(layout, layer, yn, relevance)
         h = residual + attn_out + mlp_out
     else:
         assert layout.mlp_norm is not None  # a sequential layout normalises the MLP's input
         y = residual + attn_out  # [n, d]
         yn, mlp_norm = norm(layout.mlp_norm, y)
-        mlp_out, mlp_c = _mlp_forward(layout, layer, act_name, yn, relevance)
+        mlp_out, mlp_c = _mlp_forward(layout, layer, yn, relevance)
         if layout.mlp_post_norm is not None:
             mlp_out, mlp_post = norm(layout.mlp_post_norm, mlp_out)
         h = y + mlp_out
@@ -328,8 +327,6 @@ def prepare_layers(model: LensModel, ids: torch.Tensor, lowest_source: int, targ
         raise ValueError(f"The fused backward does not support {model.name!r}: {reason}.")
     config = model.config
     layout = layout_for(model)
-    act_name = activation_name(config)
-    assert act_name is not None  # checked by fused_unsupported_reason
     S = ids.shape[1] - 1
     if rtol is None:
         rtol = 1e-4 if model.dtype == torch.float32 else 2e-2
@@ -359,7 +356,7 @@ def prepare_layers(model: LensModel, ids: torch.Tensor, lowest_source: int, targ
             offloaded = is_offloaded(layer)
             with materialised(layer):
                 out, coeffs = _layer_forward(layout, layer, resid[j - 1].to(device), rotary, skip_first, config,
-                                             act_name, rules)
+                                             rules)
             coeffs.offloaded = offloaded
             expected = resid[j][skip_first:].to(device).float()
             err = float((out.float() - expected).norm() / expected.norm().clamp_min(1e-30))

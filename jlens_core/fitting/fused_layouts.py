@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +26,7 @@ from torch import nn
 from ..models.layouts import get_path
 from ..models.model import LensModel
 from ..models.placement import materialised
-from .fused_activations import ACTIVATIONS
+from .fused_activations import ACTIVATION_CLASSES, activation_kind
 
 
 @dataclass(frozen=True)
@@ -88,15 +87,6 @@ FUSED_LAYOUTS: dict[str, FusedLayout] = {
 FUSED_MODEL_TYPES = tuple(FUSED_LAYOUTS)
 
 
-def activation_name(config: Any) -> str | None:
-    """The MLP activation's name in ``config`` (families name the field differently)."""
-    for field in ("hidden_activation", "hidden_act", "activation_function"):
-        value = getattr(config, field, None)
-        if isinstance(value, str):
-            return value
-    return None
-
-
 def layout_for(model: LensModel) -> FusedLayout:
     """``model``'s layout (GPT-NeoX without a parallel residual is sequential)."""
     config = model.config
@@ -109,8 +99,8 @@ def layout_for(model: LensModel) -> FusedLayout:
 def fused_unsupported_reason(model: LensModel) -> str | None:
     """Why the fused backward cannot run on ``model`` (``None`` when it can).
 
-    Checks the family (``config.model_type`` in :data:`FUSED_MODEL_TYPES`), the activation
-    (:data:`~jlens_core.fitting.fused_activations.ACTIVATIONS`), the parts a family may switch on that
+    Checks the family (``config.model_type`` in :data:`FUSED_MODEL_TYPES`), the activation module
+    (SiLU or a GELU: :data:`~jlens_core.fitting.fused_activations.ACTIVATION_CLASSES`), the parts a family may switch on that
     the backward does not model (tensor-parallel slices, q/k norms, cross-attention), the
     rotary-embedding module, and the module names of every decoder layer. A model spread over
     devices or with offloaded weights is supported: each layer runs where it lives.
@@ -119,9 +109,6 @@ def fused_unsupported_reason(model: LensModel) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in FUSED_LAYOUTS:
         return f"model_type {model_type!r} is not one of {FUSED_MODEL_TYPES}"
-    act = activation_name(config)
-    if act not in ACTIVATIONS:
-        return f"the MLP activation {act!r} is not one of {ACTIVATIONS}"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
     if getattr(config, "qk_layernorm", False):
@@ -135,6 +122,10 @@ def fused_unsupported_reason(model: LensModel) -> str | None:
         for path in layout.paths():
             if get_path(layer, path) is None:
                 return f"layer {i} has no {path}"
+        act = get_path(layer, layout.act)
+        if activation_kind(act) is None:
+            return (f"the MLP activation {type(act).__name__} of layer {i} is not one of "
+                    f"{tuple(sorted(ACTIVATION_CLASSES))}")
     return None
 
 
