@@ -9,6 +9,9 @@ Each run lives in its own folder under the runs folder (``$JLENS_RUNS_DIR`` or
     <runs>/<name>/lens.diagnostics.jsonl      one record per prompt x layer, streamed
     <runs>/<name>/lens.ckpt                   the checkpoint (Resume continues from it)
     <runs>/<name>/fit.log                     the fit's stdout and stderr
+    <runs>/<name>/weigh.json                  a "Learn weights" run of a finished expert fit (``jlens weigh``)
+    <runs>/<name>/weighted.safetensors        its weighted expert lens (and ``weighted.weigh.json``, its scores)
+    <runs>/<name>/weigh.log                   its stdout and stderr (progress bars included)
 
 The fit runs in its own process and session (``start_new_session``): it keeps going when the
 browser closes or reloads, and a crash of the fit cannot take the server down. A page finds a run
@@ -17,7 +20,7 @@ again from these files alone.
 Fits are kept, on purpose, when the app stops or dies (``docs/security.md``): a fit is an hour's
 work that writes its own status file and checkpoint, and the next ``jlens app`` on the same
 workspace lists it (running, or ``lost`` and resumable). Stop it from the Fit page, or with SIGINT.
-At most ``max_active`` fits run at once (:func:`start`, :func:`resume`).
+At most ``max_active`` fits and weight runs run at once (:func:`start`, :func:`resume`, :func:`start_weigh`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ from jlens_core.fitting.runfiles import diagnostics_path, status_path
 RUN_FILE = "run.json"
 LENS_FILE = "lens.safetensors"
 LOG_FILE = "fit.log"
+WEIGH_FILE = "weigh.json"
+WEIGHED_FILE = "weighted.safetensors"
+WEIGH_LOG = "weigh.log"
+_PROGRESS = re.compile(r"(read items|learn weights):\s*(\d+)%")
 ACTIVE = ("starting", "running")
 FINAL = ("done", "failed", "stopped", "lost")
 _PROCESSES: dict[int, subprocess.Popen] = {}  # children of this server, polled so they never linger as zombies
@@ -76,7 +83,7 @@ def _is_fit_process(pid: int) -> bool:
         cmdline = Path(f"/proc/{int(pid)}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return True  # no /proc (macOS): trust the status file
-    return "jlens" in cmdline and "fit" in cmdline
+    return "jlens" in cmdline and ("fit" in cmdline or "weigh" in cmdline)
 
 
 @dataclass
@@ -205,7 +212,7 @@ def fit_arguments(*, model: str, corpus: str, out: Path, n_prompts: int | None =
                   dim_batch: int = 8, min_chars: int = 400, split: str = "fit", layers: str | None = None,
                   target_layer: int = -1, checkpoint: str | None = None, stop_at_delta: float | None = None,
                   device: str | None = None, dtype: str | None = None, skip_first: int | None = None,
-                  rules: str = "jacobian") -> list[str]:
+                  rules: str = "jacobian", experts: int = 0, cluster_prompts: int | None = None) -> list[str]:
     """The ``jlens fit`` command-line arguments for these settings (see ``jlens fit --help``)."""
     args = ["--model", model, "--corpus", corpus, "--out", str(out), "--max-seq-len", str(int(max_seq_len)),
             "--dim-batch", str(int(dim_batch)), "--min-chars", str(int(min_chars)), "--split", split,
@@ -226,16 +233,34 @@ def fit_arguments(*, model: str, corpus: str, out: Path, n_prompts: int | None =
         args += ["--skip-first", str(int(skip_first))]
     if rules != "jacobian":  # the R-lens: the same average under relevance rules (docs/method.md §9.1)
         args += ["--rules", rules]
+    if experts:  # expert Jacobians in the same backward passes (J++ / R++; docs/fitting.md)
+        args += ["--experts", str(int(experts))]
+        if cluster_prompts:
+            args += ["--cluster-prompts", str(int(cluster_prompts))]
     return args
 
 
-def _launch(run_folder: Path, args: list[str]) -> int:
+def weigh_arguments(*, lens: Path, model: str, out: Path, sets: list[str] | None = None, device: str | None = None,
+                    dtype: str | None = None) -> list[str]:
+    """The ``jlens weigh`` command-line arguments: learn the expert weights of ``lens`` on ``sets`` (default: every
+    shipped set) and write the weighted lens to ``out`` (see ``jlens weigh --help``)."""
+    args = [str(lens), "--model", model, "--out", str(out)]
+    if sets:
+        args += ["--sets", ",".join(sets)]
+    if device and device != "auto":
+        args += ["--device", device]
+    if dtype and dtype != "auto":
+        args += ["--dtype", dtype]
+    return args
+
+
+def _launch(run_folder: Path, args: list[str], command: str = "fit", log: str = LOG_FILE) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     repo = Path(__file__).resolve().parent.parent
     if (repo / "jlens_core").is_dir():  # a source checkout: the fit runs this jlens_core, installed or not
         env["PYTHONPATH"] = str(repo) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    with open(run_folder / LOG_FILE, "ab") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "jlens_core", "fit", *args], cwd=str(run_folder), env=env,
+    with open(run_folder / log, "ab") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "jlens_core", command, *args], cwd=str(run_folder), env=env,
                                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     _PROCESSES[proc.pid] = proc
@@ -262,10 +287,22 @@ def check_capacity(root: str | os.PathLike, max_active: int | None) -> None:
     """
     if max_active is None:
         return
-    active = [r.name for r in list_runs(root) if r.state in ACTIVE]
+    active = active_names(root)
     if len(active) >= max_active:
         raise ValueError(f"{len(active)} fit(s) are running ({', '.join(active)}) and this app runs at most "
                          f"{max_active} at once: wait for one to end or stop it.")
+
+
+def active_names(root: str | os.PathLike) -> list[str]:
+    """The fits and weight runs under ``root`` that are starting or running (a weight run as ``<run> (weights)``)."""
+    found = []
+    for run in list_runs(root):
+        if run.state in ACTIVE:
+            found.append(run.name)
+        weigh = load_weigh(run)
+        if weigh is not None and weigh.state in ACTIVE:
+            found.append(f"{run.name} (weights)")
+    return found
 
 
 def start(root: str | os.PathLike, name: str, *, model: str, max_active: int | None = None, **settings) -> Run:
@@ -311,6 +348,91 @@ def resume(run: Run, max_active: int | None = None) -> Run:
     return load_run(run.folder)
 
 
+@dataclass
+class Weigh:
+    """A "Learn weights" run (``jlens weigh``) of a finished expert fit, as its files describe it."""
+
+    folder: Path
+    info: dict = field(default_factory=dict)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.info.get("out") or self.folder / WEIGHED_FILE)
+
+    @property
+    def record_path(self) -> Path:
+        """The scores ``jlens weigh`` writes beside the lens (``OUT.weigh.json``), last."""
+        return self.out.with_suffix(".weigh.json")
+
+    @property
+    def log_path(self) -> Path:
+        return self.folder / WEIGH_LOG
+
+    @property
+    def state(self) -> str:
+        """``running`` (its process is alive), ``done`` (the weighted lens and its record are written) or ``failed``."""
+        if pid_alive(self.info.get("pid")):
+            return "running"
+        if self.out.is_file() and self.record_path.is_file() and \
+                self.record_path.stat().st_mtime >= float(self.info.get("launched") or 0) - 1:
+            return "done"
+        return "failed"
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def progress(self) -> tuple[str, float] | None:
+        """The last progress bar's ``(stage, fraction)`` in the log (``read items``, ``learn weights``), if any."""
+        found = _PROGRESS.findall(self.log_text())
+        return (found[-1][0], int(found[-1][1]) / 100) if found else None
+
+    def error_sentence(self) -> str | None:
+        for line in reversed(self.log_text().replace("\r", "\n").splitlines()):
+            if "error:" in line:
+                return line.split("error:", 1)[1].strip()
+        return None
+
+    def record(self) -> dict:
+        return _read_json(self.record_path)
+
+
+def load_weigh(run: Run) -> Weigh | None:
+    """The run's "Learn weights" run, or ``None`` when none was started."""
+    path = run.folder / WEIGH_FILE
+    return Weigh(run.folder, _read_json(path)) if path.is_file() else None
+
+
+def start_weigh(run: Run, *, sets: list[str] | None = None, max_active: int | None = None) -> Weigh:
+    """Launch ``jlens weigh`` on a finished expert fit: the weighted lens is written to ``<run>/weighted.safetensors``.
+
+    Raises:
+        ValueError: the fit is not a finished expert fit of the app, its weights are being learned already, or
+            ``max_active`` fits and weight runs are running.
+    """
+    from jlens_core.lenses.experts import is_expert_lens_file
+
+    if run.followed or run.state != "done" or not run.lens_path.is_file():
+        raise ValueError(f"The run {run.name!r} is not a finished fit of this app: learn weights once it is done.")
+    if not is_expert_lens_file(run.lens_path):
+        raise ValueError(f"The run {run.name!r} fitted no experts (Experts = 0), so it has no weights to learn: "
+                         "fit with Experts = 8.")
+    current = load_weigh(run)
+    if current is not None and current.state in ACTIVE:
+        raise ValueError(f"The weights of {run.name!r} are being learned already.")
+    check_capacity(run.folder.parent, max_active)
+    settings = run.info.get("settings", {})
+    out = run.folder / WEIGHED_FILE
+    args = weigh_arguments(lens=run.lens_path, model=run.model_spec, out=out, sets=sets,
+                           device=settings.get("device"), dtype=settings.get("dtype"))
+    info = {"args": args, "out": str(out), "sets": sets or [], "launched": time.time()}
+    info["pid"] = _launch(run.folder, args, command="weigh", log=WEIGH_LOG)
+    (run.folder / WEIGH_FILE).write_text(json.dumps(info, indent=1))
+    return Weigh(run.folder, info)
+
+
 def stop(run: Run, *, force: bool = False) -> bool:
     """Interrupt the run's process (SIGINT: the fit records ``stopped`` and keeps its checkpoint).
 
@@ -329,5 +451,6 @@ def stop(run: Run, *, force: bool = False) -> bool:
     return True
 
 
-__all__ = ["ACTIVE", "FINAL", "Run", "check_capacity", "clean_name", "fit_arguments", "follow", "list_runs", "load_run", "new_name", "pid_alive",
-           "resume", "start", "stop"]
+__all__ = ["ACTIVE", "FINAL", "Run", "Weigh", "active_names", "check_capacity", "clean_name", "fit_arguments", "follow",
+           "list_runs", "load_run", "load_weigh", "new_name", "pid_alive", "resume", "start", "start_weigh", "stop",
+           "weigh_arguments"]

@@ -1172,3 +1172,68 @@ def test_reading_store_keeps_readings_per_lens_and_waits_for_one_being_read():
     store.get({"y": ("r", "l")}, compute)
     store.get({"logit": ("p", "l"), "jac": ("p", "j")}, compute)
     assert calls[-1] == ["logit"]
+
+
+def test_fit_page_experts_and_learn_weights_build_their_commands_under_the_fits_limit(tiny_dir, expert_files,
+                                                                                     runs_root, monkeypatch):
+    import subprocess
+    import sys
+
+    sleeper = subprocess.Popen(["sleep", "120"])  # stands for the launched processes: alive, not a jlens process
+    launched: list[tuple[str, list[str]]] = []
+    try:
+        monkeypatch.setenv("JLENS_APP_MAX_FITS", "1")
+        at = ok(make_app(model=tiny_dir, lens="none").run())
+        monkeypatch.setattr(sys.modules["runs"], "_launch",
+                            lambda folder, args, command="fit", log="fit.log": launched.append((command, args))
+                            or sleeper.pid)
+        at.switch_page("views/fit.py").run()
+        assert not ok(at).error, [e.value for e in at.error]
+        assert at.number_input(key="fit_cluster_prompts").disabled  # no experts: no clustering to set
+        at.number_input(key="fit_experts").set_value(2).run()
+        at.number_input(key="fit_cluster_prompts").set_value(3).run()
+        at.text_input(key="fit_name").set_value("ex").run()
+        button(at, "Start fit").click().run()
+        command, args = launched[-1]
+        assert command == "fit" and args[args.index("--experts"):][:4] == ["--experts", "2", "--cluster-prompts", "3"]
+        assert json.loads((runs_root / "ex" / "run.json").read_text())["args"] == args
+        # the started fit fills the one place: Start fit and Learn weights wait
+        folder = runs_root / "x-fit"  # a finished `jlens fit --experts` run, as `jlens fit` leaves it
+        folder.mkdir(parents=True)
+        out = folder / "lens.safetensors"
+        out.write_bytes(Path(expert_files["uniform"]).read_bytes())
+        (folder / "run.json").write_text(json.dumps({
+            "name": "x-fit", "model": tiny_dir, "out": str(out), "args": ["--experts", "2"], "created": 1,
+            "settings": {"rules": "jacobian", "device": "cpu"}}))
+        (folder / "lens.status.json").write_text(json.dumps({"state": "done", "pid": None, "n_total": 3, "n_done": 3,
+                                                             "next_idx": 3, "model": tiny_dir, "out": str(out)}))
+        at.run()
+        at.selectbox(key="fit_run").set_value("x-fit").run()
+        assert any("1 of at most 1 fits at once are running (ex)" in i.value for i in ok(at).info)
+        assert button(at, "Start fit").disabled and button(at, "Learn weights").disabled
+        monkeypatch.setenv("JLENS_APP_MAX_FITS", "2")
+        at.run()
+        at.multiselect(key="fit_weigh_sets").set_value(["two_hop"]).run()
+        button(at, "Learn weights").click().run()
+        command, args = launched[-1]
+        weighted = folder / "weighted.safetensors"
+        assert command == "weigh" and args == [str(out), "--model", tiny_dir, "--out", str(weighted),
+                                               "--sets", "two_hop", "--device", "cpu"]
+        # the weight run counts against the limit like a fit: two running of at most two
+        assert any("2 of at most 2 fits at once are running (ex, x-fit (weights))" in i.value for i in ok(at).info)
+        assert button(at, "Learn weights").disabled and button(at, "Start fit").disabled
+        assert any(p.text.startswith("Learning weights") for p in at.get("progress"))
+        # done: the weighted lens and its scores are written; it loads into the J++ slot in one click
+        weighted.write_bytes(Path(expert_files["jpp"]).read_bytes())
+        weighted.with_suffix(".weigh.json").write_text(json.dumps(
+            {"macro": {"learned/held-out": {"1": 0.5, "5": 0.75, "10": 1.0}}}))
+        info = json.loads((folder / "weigh.json").read_text())
+        (folder / "weigh.json").write_text(json.dumps({**info, "pid": None}))
+        at.run()
+        assert any("Weights learned" in s.value for s in ok(at).success)
+        button(at, "Use the weighted lens (J++ lens)").click().run()
+        assert ok(at).session_state["jpp_choice"] == "file" and at.session_state["jpp_path"] == str(weighted)
+        assert any(c.value.startswith("**J++**") for c in at.sidebar.caption)
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -32,7 +32,7 @@ st.caption("The fit runs as a separate `jlens fit` process: the app stays respon
            f"continues it from its checkpoint). Runs are kept in `{root}` (`jlens app --workspace` moves them); "
            "every path typed here must lie in the workspace.")
 limit = common.max_fits()
-running = [r.name for r in runs.list_runs(root) if r.state in runs.ACTIVE]
+running = runs.active_names(root)  # fits and "Learn weights" runs
 full = len(running) >= limit
 if full:
     st.info(f"{len(running)} of at most {limit} fits at once are running ({', '.join(running)}): a new fit can "
@@ -75,6 +75,15 @@ with st.expander("New fit", expanded=not runs.list_runs(root)):
              help="Jacobian: ordinary gradients (the J lens). Relevance: the same average Jacobian with LRP-style "
                   "backward rules (norm denominators held constant, identity rule for activations, half rule for "
                   "gated products; docs/method.md §9.1): the R-lens, which loads into the sidebar's R-lens slot.")
+    e1, e2, _ = st.columns([1, 1, 2])
+    n_experts = e1.number_input("Experts", 0, 256, 0, key="fit_experts",
+                                help="0: none. E (e.g. 8): also fit E expert Jacobians per layer in the same backward "
+                                     "passes, one per cluster of the source residuals (`--experts E`; the J++ / R++ "
+                                     "lens, docs/fitting.md). Learn their weights below once the fit is done.")
+    cluster_prompts = e2.number_input("Cluster prompts", 1, 100_000, 64, key="fit_cluster_prompts",
+                                      disabled=not n_experts,
+                                      help="With experts: cluster the kept positions of the first N prompts "
+                                           "(`--cluster-prompts N`)")
     split = "fit" if source == "built-in" else "all"
     if st.button("Start fit", type="primary", icon=":material/play_arrow:", disabled=ctx.model is None or full):
         corpus = BUILTIN_CORPUS if source == "built-in" else (str(corpus_path) if corpus_path else None)
@@ -92,7 +101,8 @@ with st.expander("New fit", expanded=not runs.list_runs(root)):
                                  min_chars=int(min_chars), split=split, layers=layers, target_layer=int(target),
                                  checkpoint=str(ckpt) if ckpt else None, stop_at_delta=float(stop_delta) or None,
                                  device=ss.get("device"), dtype=ss.get("dtype"), max_active=limit,
-                                 rules=ss.fit_rules)
+                                 rules=ss.fit_rules, experts=int(n_experts),
+                                 cluster_prompts=int(cluster_prompts) if n_experts else None)
                 ss.fit_run = run.name
                 del ss["fit_name"]
                 st.rerun()
@@ -204,5 +214,57 @@ def show_run(folder_or_run, shown_state: str) -> None:
         st.rerun()  # the whole page: buttons, the run list and the sidebar's lenses follow; the refresh stops at the end
 
 
+def weights_section(run: runs.Run) -> None:
+    """"Learn weights" for a finished expert fit: ``jlens weigh`` as its own process, followed until it is done."""
+    from jlens_core.lenses.experts import is_expert_lens_file
+    from jlens_core.reading.passk import shipped_sets
+
+    if run.followed or run.state != "done" or not run.lens_path.is_file() or not is_expert_lens_file(run.lens_path):
+        return
+    weigh = runs.load_weigh(run)
+    active = weigh is not None and weigh.state in runs.ACTIVE
+    st.subheader("Learn weights")
+    st.caption("Signed per-layer weights of the experts, learned on a seeded split of labelled pass@k sets and "
+               "scored on the held-out items (`jlens weigh`, its own process; docs/fitting.md, expert weights). "
+               f"The weighted lens is written to `{run.folder / runs.WEIGHED_FILE}`.")
+    sets = st.multiselect("Labelled sets", sorted(shipped_sets()), key="fit_weigh_sets",
+                          placeholder="every shipped set")
+    if st.button("Learn weights", icon=":material/balance:", disabled=active or full, key="fit_weigh"):
+        with common.guard("Could not learn the weights"):
+            runs.start_weigh(run, sets=list(sets) or None, max_active=limit)
+            st.rerun()
+    if weigh is not None:
+        st.fragment(run_every=REFRESH_SECONDS if active else None)(show_weigh)(run, weigh.state)
+
+
+def show_weigh(run: runs.Run, shown_state: str) -> None:
+    """A weight run's state, progress and, once done, its scores and the weighted lens for the J++ / R++ slot."""
+    weigh = runs.load_weigh(run)
+    if weigh is None:
+        return
+    state_now = weigh.state
+    if state_now == "running":
+        stage, fraction = weigh.progress() or ("loading the model", 0.0)
+        st.progress(fraction, text=f"Learning weights: {stage} {fraction:.0%}")
+    elif state_now == "failed":
+        st.error(f"Learning the weights failed: {weigh.error_sentence() or 'see the log below'}")
+    else:
+        macro = weigh.record().get("macro", {})
+        rows = [{"weights": key.split("/")[0], "split": key.split("/")[1],
+                 **{f"pass@{k}": v for k, v in ks.items()}} for key, ks in macro.items()]
+        st.success(f"Weights learned → `{weigh.out}`.")
+        if rows:
+            st.dataframe(rows, hide_index=True)
+        slot = lens_slots.slot_for_file(weigh.out, run.rules)
+        choice = {slot.state("choice"): lens_slots.FILE, slot.state("path"): str(weigh.out)}
+        st.button(f"Use the weighted lens ({slot.label})", key="fit_weigh_use", icon=":material/check:",
+                  disabled=ctx.model is None, on_click=lambda: ss.update(choice), help="select it in the sidebar")
+    with st.expander("Weights log"):
+        st.code(weigh.log_text().replace("\r", "\n")[-4000:] or "(empty)", language="text")
+    if state_now != shown_state:
+        st.rerun()
+
+
 live = st.fragment(run_every=REFRESH_SECONDS if state in runs.ACTIVE else None)(show_run)
 live(run, state)
+weights_section(run)
