@@ -16,6 +16,9 @@ they differ; its ratio to the ``jlens`` row is the relevance fit's cost. Each me
     python bench/fit_speed.py --json out.json
     python bench/fit_speed.py --device cuda --dim-batch auto --json bench/fit_speed_gpu.json
                                               # on a GPU: bf16 model, fp32 J, bf16 matmul peak
+    python bench/fit_speed.py --families llama,gemma,gpt2 --d-model 256 --layers 8 --seqs 64
+                                              # per family: fused against autograd ("batched") on a
+                                              # random model of that family (bench/fit_speed_families.json)
 
 Prints a table and writes the figures as JSON (default ``bench/fit_speed.json``).
 """
@@ -178,6 +181,40 @@ def bench_dtype(device: str, dtype: str | None) -> torch.dtype:
     return torch.float32 if device == "cpu" else torch.bfloat16
 
 
+# -- random models of each family the fused backward covers (--families) ---------------------------
+FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gemma2", "gpt2", "gpt_neox", "phi")
+
+
+def random_family_model(family: str, d_model: int, n_layers: int, dtype: torch.dtype, device: str, seed: int = 0):
+    """A randomly initialised model of ``family`` (4 heads of ``d_model / 4``; gated MLPs ``3 d`` wide, plain
+    ones ``4 d``; Llama-like families 2 key/value heads; vocabulary 1024), as an ``HFLensModel`` without a
+    tokenizer."""
+    import transformers as tf
+
+    from jlens_core import HFLensModel
+
+    heads, vocab = 4, 1024
+    hd = d_model // heads
+    common = {"vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 1}
+    gated = {"hidden_size": d_model, "intermediate_size": 3 * d_model, "num_hidden_layers": n_layers,
+             "num_attention_heads": heads, "num_key_value_heads": 2, **common}
+    plain = {"hidden_size": d_model, "intermediate_size": 4 * d_model, "num_hidden_layers": n_layers,
+             "num_attention_heads": heads, **common}
+    configs = {
+        "llama": lambda: tf.LlamaConfig(**gated),
+        "qwen2": lambda: tf.Qwen2Config(**gated),
+        "mistral": lambda: tf.MistralConfig(**gated),
+        "gemma": lambda: tf.GemmaConfig(**gated, head_dim=hd),
+        "gemma2": lambda: tf.Gemma2Config(**gated, head_dim=hd, query_pre_attn_scalar=hd),
+        "gpt2": lambda: tf.GPT2Config(n_embd=d_model, n_layer=n_layers, n_head=heads, n_positions=1024, **common),
+        "gpt_neox": lambda: tf.GPTNeoXConfig(**plain, max_position_embeddings=1024),
+        "phi": lambda: tf.PhiConfig(**plain),
+    }
+    torch.manual_seed(seed)
+    hf = tf.AutoModelForCausalLM.from_config(configs[family](), torch_dtype=dtype).to(device).eval()
+    return HFLensModel(hf, None, name=f"random-{family}-d{d_model}-l{n_layers}")
+
+
 # -- worker: one measurement in its own process -------------------------------------------------
 def worker(args) -> None:
     from jlens_core import jacobian_for_prompt
@@ -185,8 +222,14 @@ def worker(args) -> None:
     from jlens_core.models.loading import load_model
 
     dtype = bench_dtype(args.device, args.dtype)
-    model = load_model(args.model, device=args.device, dtype=dtype)
-    ids = model.encode(PROMPT, max_length=args.seq)
+    if args.model.startswith("random:"):  # random:<family>:<d_model>:<layers>
+        _, family, width, depth = args.model.split(":")
+        model = random_family_model(family, int(width), int(depth), dtype, args.device)
+        ids = torch.randint(2, model.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(model.device)
+    else:
+        model = load_model(args.model, device=args.device, dtype=dtype)
+        ids = model.encode(PROMPT, max_length=args.seq)
     if ids.shape[1] < args.seq:
         raise SystemExit(f"the benchmark prompt has only {ids.shape[1]} tokens, fewer than {args.seq}")
     first = args.first_layer if args.first_layer >= 0 else model.n_layers - 1 + args.first_layer
@@ -221,10 +264,14 @@ def worker(args) -> None:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     fused = args.method in ("jlens", "jlens-fused", "jlens-relevance") and not fused_unsupported_reason(model)
     layer_major = fused and use_layer_major(model, args.seq - 1 - args.skip_first)
-    flops = reference_flops(model, args.seq, sources, target) if args.method == "reference" else \
-        backward_flops(model, args.seq, args.skip_first, sources, target, fused=fused, layer_major=layer_major)
-    print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb, "flops": flops,
-                      "adjacent_peak_gflops": (peak_before + peak_after) / 2}))
+    if args.model.startswith("random:"):  # the FLOP count is written for Llama layouts only
+        flops = None
+    elif args.method == "reference":
+        flops = reference_flops(model, args.seq, sources, target)
+    else:
+        flops = backward_flops(model, args.seq, args.skip_first, sources, target, fused=fused, layer_major=layer_major)
+    print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb, "flops": flops, "fused": fused,
+                      "layer_major": layer_major, "adjacent_peak_gflops": (peak_before + peak_after) / 2}))
 
 
 def run_one(method: str, seq: int, args, out: str) -> dict:
@@ -245,6 +292,54 @@ def rel_fro(a: dict, b: dict) -> float:
     return (num / den) ** 0.5
 
 
+def families_main(args) -> None:
+    """``--families``: per family, the fused backward (``jlens``, method ``auto``) against autograd
+    (``jlens-batched``) on a random model of that family, interleaved (each repetition runs every family
+    and both methods once, each in its own process); medians, the ratio and the relative Frobenius
+    difference of the two results."""
+    families = args.families.split(",")
+    seq = int(args.seqs.split(",")[0])
+    reps = args.reps or 2
+    methods = ("jlens-batched", "jlens")
+    times: dict = {(f, m): [] for f in families for m in methods}
+    info: dict = {}
+    results: dict = {}
+    dtype_name = str(bench_dtype(args.device, args.dtype)).removeprefix("torch.")
+    print(f"families {families}: random models d_model {args.d_model}, {args.layers} layers, seq {seq}, "
+          f"skip_first {args.skip_first}, dim_batch {args.dim_batch}, {dtype_name} on {args.device}, "
+          f"{torch.get_num_threads()} threads, {reps} repetitions (interleaved)", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(reps):
+            for family in families:
+                args.model = f"random:{family}:{args.d_model}:{args.layers}"
+                for method in methods:
+                    out = os.path.join(tmp, f"{family}-{method}.pt")
+                    r = run_one(method, seq, args, out)
+                    times[family, method].append(r["seconds"])
+                    info[family, method] = r
+                    results[family, method] = torch.load(out)
+                    print(f"  rep {rep + 1}/{reps} {family:9s} {method:14s} {r['seconds']:7.2f} s "
+                          f"peak {r['peak_rss_mb']:6.0f} MB", flush=True)
+    summary = {"device": args.device, "dtype": dtype_name, "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "d_model": args.d_model, "layers": args.layers, "seq": seq,
+               "skip_first": args.skip_first, "dim_batch": args.dim_batch, "reps": reps, "rows": []}
+    print(f"\n{'family':9s} {'fused s':>8} {'autograd s':>10} {'speedup':>8} {'rel.diff':>9} {'order':>12}")
+    for family in families:
+        fused, batched = (statistics.median(times[family, m]) for m in ("jlens", "jlens-batched"))
+        diff = rel_fro(results[family, "jlens"], results[family, "jlens-batched"])
+        r = info[family, "jlens"]
+        order = ("layer-major" if r["layer_major"] else "row-major") if r["fused"] else "not fused"
+        summary["rows"].append({"family": family, "fused_seconds_median": fused, "fused_seconds_all": times[family, "jlens"],
+                                "batched_seconds_median": batched,
+                                "batched_seconds_all": times[family, "jlens-batched"], "speedup": batched / fused,
+                                "rel_frobenius_diff": diff, "order": order,
+                                "fused_peak_rss_mb": r["peak_rss_mb"],
+                                "batched_peak_rss_mb": info[family, "jlens-batched"]["peak_rss_mb"]})
+        print(f"{family:9s} {fused:8.2f} {batched:10.2f} {batched / fused:7.2f}x {diff:9.1e} {order:>12}")
+    Path(args.json).write_text(json.dumps(summary, indent=1))
+    print(f"\nwrote {args.json}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the 5 source layers below the last only (24..28 of "
@@ -263,7 +358,12 @@ def main() -> None:
                                                  "bf16 on a GPU; J is accumulated in fp32 either way)")
     p.add_argument("--skip-first", type=int, default=16)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--json", default=str(ROOT / "bench" / "fit_speed.json"))
+    p.add_argument("--json", default=None, help="where the JSON goes (default bench/fit_speed.json; with "
+                                                "--families bench/fit_speed_families.json)")
+    p.add_argument("--families", default=None, help="comma-separated families (" + ",".join(FAMILIES) + "): the "
+                   "fused backward against autograd on a random model of each, instead of the methods table")
+    p.add_argument("--d-model", type=int, default=256, help="--families: the random models' width (default 256)")
+    p.add_argument("--layers", type=int, default=8, help="--families: their depth (default 8)")
     p.add_argument("--first-layer", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--method", help=argparse.SUPPRESS)
@@ -274,6 +374,10 @@ def main() -> None:
         args.first_layer = -5 if args.quick else 0  # --quick: the 5 layers below the last
     if args.worker:
         return worker(args)
+    if args.json is None:
+        args.json = str(ROOT / "bench" / ("fit_speed_families.json" if args.families else "fit_speed.json"))
+    if args.families:
+        return families_main(args)
     reps = args.reps or (2 if args.quick else 3)
     seqs = [int(s) for s in args.seqs.split(",")]
     methods = args.methods.split(",")

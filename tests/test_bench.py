@@ -64,3 +64,13 @@ def test_reference_algorithm_matches_the_definition(fit_speed):
         torch.testing.assert_close(reference[layer], naive[layer], rtol=1e-4, atol=1e-5)
     # its FLOPs: every position of the full sequence, no causal savings
     assert fit_speed.reference_flops(model, 24, [0], 3) > fit_speed.backward_flops(model, 24, 4, [0], 3)
+
+
+def test_every_family_of_the_families_table_takes_the_fused_path(fit_speed):
+    # --families compares the fused backward with autograd: each random model must really be fused
+    from jlens_core.fitting.fused import fused_unsupported_reason
+
+    for family in fit_speed.FAMILIES:
+        model = fit_speed.random_family_model(family, 32, 2, torch.float32, "cpu")
+        assert model.config.model_type == family
+        assert fused_unsupported_reason(model) is None, family
