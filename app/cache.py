@@ -21,9 +21,16 @@ from jlens_core.models.loading import load_model
 
 
 @st.cache_resource(show_spinner=False, max_entries=3)
-def load_model_cached(spec: str, device: str, dtype: str):
-    """:func:`jlens_core.models.loading.load_model`, once per (spec, device, dtype) per server."""
-    return load_model(spec, device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype)
+def load_model_cached(spec: str, device: str, dtype: str, device_map: str = "", max_memory: str = "",
+                      offload_folder: str = ""):
+    """:func:`jlens_core.models.loading.load_model`, once per (spec, device, dtype, placement) per server.
+
+    The placement (``device_map``: ``auto`` or JSON, ``max_memory``: ``0:20GiB,cpu:64GiB``, ``offload_folder``) is
+    text, ``""`` for none (docs/models.md, sharded and offloaded models).
+    """
+    return load_model(spec, device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype,
+                      device_map=device_map or None, max_memory=max_memory or None,
+                      offload_folder=offload_folder or None)
 
 
 @st.cache_resource(show_spinner=False, max_entries=12)

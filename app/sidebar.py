@@ -12,7 +12,7 @@ from typing import Any
 import streamlit as st
 
 from cache import load_model_cached
-from common import DTYPES, Context, confine_spec, error_text
+from common import DTYPES, Context, confine, confine_spec, error_text
 from jlens_core.lenses.lens import LogitLens
 from jlens_core.models.loading import DEFAULT_ALIASES, DEFAULT_MODEL
 from lens_slots import SLOTS, draw_extras, draw_slot
@@ -58,12 +58,13 @@ def _model_picker(ctx: Context) -> None:
     c1, c2 = sb.columns(2)
     c1.selectbox("Device", _device_options(), key="device")
     c2.selectbox("Dtype", DTYPES, key="dtype")
+    placement = _placement_fields()
     spec = (ss.get("model_spec") or "").strip()
     ctx.model_spec = spec
     if not spec:
         ctx.model_error = "Give a model: a name, a Hugging Face id, a folder or a .gguf file."
     else:
-        key = f"{spec}|{ss.device}|{ss.dtype}"
+        key = f"{spec}|{ss.device}|{ss.dtype}" + ("|" + "|".join(placement) if any(placement) else "")
         failed = ss.setdefault("_failed_loads", {})
         if key in failed:  # not retried on every rerun (a hub look-up can be slow); Retry does
             ctx.model_error = failed[key]
@@ -73,7 +74,8 @@ def _model_picker(ctx: Context) -> None:
                 if first else ""
             try:
                 with sb.spinner(f"Loading {spec}{note}…"):
-                    ctx.model = load_model_cached(confine_spec(spec, "model folder"), ss.device, ss.dtype)
+                    ctx.model = load_model_cached(confine_spec(spec, "model folder"), ss.device, ss.dtype,
+                                                  *_checked_placement(placement, ss.device))
                 ctx.model_key = key
                 ctx.logit = LogitLens.for_model(ctx.model)
             except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app stays usable
@@ -84,6 +86,40 @@ def _model_picker(ctx: Context) -> None:
             sb.button("Retry", key="retry_load", on_click=lambda: ss["_failed_loads"].clear())
     else:
         sb.caption(_model_summary(ctx.model))
+
+
+def _placement_fields() -> tuple[str, str, str]:
+    """The model's placement over devices (an expander): device map, max memory, offload folder, as typed."""
+    ss = st.session_state
+    typed = tuple((ss.get(k) or "").strip() for k in ("device_map", "max_memory", "offload_folder"))
+    with st.sidebar.expander("Placement: larger than one device", expanded=any(typed)):
+        st.text_input("Device map", key="device_map", placeholder="auto, or JSON",
+                      help='`auto` (or balanced, sequential), or a JSON object of module names to devices, e.g. '
+                           '`{"model.layers.0": "cuda:0", "lm_head": "disk"}`; leave the Device above at auto '
+                           "(docs/models.md, sharded and offloaded models)")
+        st.text_input("Max memory", key="max_memory", placeholder="0:20GiB,cpu:64GiB",
+                      help="The budget per device (implies device map auto); each device given one must hold at "
+                           "least one layer")
+        st.text_input("Offload folder", key="offload_folder", placeholder="offload (in the workspace)",
+                      help="Where weights that fit nowhere else are written (`disk`); a folder in the workspace")
+    return tuple((ss.get(k) or "").strip() for k in ("device_map", "max_memory", "offload_folder"))  # type: ignore[return-value]
+
+
+def _checked_placement(placement: tuple[str, str, str], device: str) -> tuple[str, str, str]:
+    """The placement as :func:`load_model_cached` takes it, the offload folder confined to the workspace.
+
+    Raises:
+        PlacementError: settings that cannot work here (one sentence), before any weight is read.
+    """
+    from jlens_core.models.loading import placement_settings
+
+    device_map, max_memory, offload = placement
+    if not any(placement):
+        return placement
+    folder = str(confine(offload, "offload folder")) if offload else ""
+    placement_settings(device=None if device == "auto" else device, device_map=device_map or None,
+                       max_memory=max_memory or None, offload_folder=folder or None)
+    return device_map, max_memory, folder
 
 
 def _device_options() -> list[str]:

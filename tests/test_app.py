@@ -1237,3 +1237,30 @@ def test_fit_page_experts_and_learn_weights_build_their_commands_under_the_fits_
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_sidebar_placement_fields_check_and_pass_the_placement(tiny_dir, monkeypatch):
+    import sys
+
+    from jlens_core.models.loading import placement_settings
+
+    real_load = load_model
+
+    at = ok(make_app(model=tiny_dir, lens="none", prompt=PROMPT).run())
+    at.text_input(key="max_memory").set_value("0:lots").run()
+    with pytest.raises(ValueError) as bad:
+        placement_settings(max_memory="0:lots")
+    assert any(str(bad.value) in e.value for e in ok(at).sidebar.error)  # the library's one sentence
+    assert any("No model is loaded" in i.value for i in at.info) and not has_chart(at, "heatmap")
+    at.text_input(key="max_memory").set_value("").run()
+    at.text_input(key="offload_folder").set_value("/etc/offload").run()  # outside the workspace: refused
+    assert any("offload folder" in e.value and "workspace" in e.value for e in ok(at).sidebar.error)
+    assert not Path("/etc/offload").exists()
+    at.text_input(key="offload_folder").set_value("").run()
+    cache_module = sys.modules["cache"]  # the app's own module: its loader sees what the sidebar passes
+    calls = []
+    monkeypatch.setattr(cache_module, "load_model", lambda *a, **kw: calls.append(kw) or real_load(*a, **kw))
+    at.text_input(key="device_map").set_value('{"model": "cpu", "lm_head": "cpu"}').run()
+    assert not ok(at).sidebar.error and has_chart(at, "heatmap")
+    assert calls[-1]["device_map"] == '{"model": "cpu", "lm_head": "cpu"}' and calls[-1]["device"] is None
+    assert "cpu" in at.sidebar.caption[0].value and "4 layers" in at.sidebar.caption[0].value
