@@ -184,19 +184,24 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
         eta = rate * (event.n_total - event.next_idx)
         status.write(state="running", n_done=event.n_done, next_idx=event.next_idx, seconds_per_prompt=rate,
                      eta_seconds=eta, max_rel_change=event.max_rel_change,
-                     last_skipped=event.reason if event.skipped else None)
+                     last_skipped=event.reason if event.skipped else None, dim_batch=event.dim_batch,
+                     peak_memory_bytes=event.peak_memory_bytes)
         if bar is not None:
             bar.n = event.next_idx
             delta = "-" if event.max_rel_change is None else f"{event.max_rel_change:.2e}"
-            bar.set_postfix_str(f"{event.seconds:.1f}s/prompt max\u0394={delta}" +
+            from ..models.device_maps import format_bytes
+
+            peak = "" if event.peak_memory_bytes is None else f" peak {format_bytes(event.peak_memory_bytes)}"
+            bar.set_postfix_str(f"{event.seconds:.1f}s/prompt max\u0394={delta}{peak}" +
                                 (" (skipped)" if event.skipped else ""), refresh=True)
 
     try:
-        lens = fit(model, prompts, source_layers=sources, target_layer=args.target_layer, dim_batch=args.dim_batch,
+        dim_batch = args.dim_batch if args.dim_batch is not None else ("auto" if args.fit_memory else 8)
+        lens = fit(model, prompts, source_layers=sources, target_layer=args.target_layer, dim_batch=dim_batch,
                    max_seq_len=args.max_seq_len, skip_first=args.skip_first, checkpoint_path=checkpoint,
                    checkpoint_every=args.checkpoint_every, resume=not args.no_resume, method=args.method,
                    progress=on_progress if rank == 0 else None, should_stop=stop, world=world, rules=args.rules,
-                   experts=args.experts, cluster_prompts=args.cluster_prompts)
+                   experts=args.experts, cluster_prompts=args.cluster_prompts, max_memory=args.fit_memory)
     except BaseException as exc:
         from ..fitting.fit import RankFailedError
 
@@ -270,9 +275,13 @@ def register(subparsers) -> None:
     p.add_argument("--max-seq-len", type=int, default=128, help="truncate prompts to this many tokens (default 128)")
     p.add_argument("--skip-first", type=int, default=16,
                    help="leading positions left out as attention sinks (default 16)")
-    p.add_argument("--dim-batch", type=_dim_batch, default=8,
+    p.add_argument("--dim-batch", type=_dim_batch, default=None,
                    help="output dimensions per backward pass: memory, not result (default 8; 'auto' sizes it "
-                        "from free GPU memory)")
+                        "from free GPU memory, or from --fit-memory; with --fit-memory an integer is the most)")
+    p.add_argument("--fit-memory", default=None, metavar="SIZE",
+                   help="a budget such as 6GiB for one prompt's working memory on each device the layers run on, "
+                        "beyond the weights: dim_batch and the fused order follow from it (default: sized from "
+                        "free memory). Not --max-memory, which places the model's weights")
     p.add_argument("--method", choices=list(METHODS), default="auto",
                    help="how the backward passes run, same result: 'fused' (analytic backward; Llama, Mistral, "
                         "Qwen2 layouts), 'batched' (autograd, cotangents batched), 'replicated' (autograd, prompt "

@@ -52,6 +52,7 @@ from .fused import (
     fused_unsupported_reason,
     prepare_layers,
 )
+from .memory_budget import FitSizes, MemoryPlan, budget_bytes, plan_memory
 from .methods import METHODS, check_rules
 from .relevance import relevance_rules, relevance_unsupported_reason, unsupported_message
 from .routing import expert_counts, one_hot_routes, routed_sums, routes_for
@@ -75,6 +76,8 @@ class PromptJacobian:
             ``sum_{p in e} G_p``, the row blocks of the source positions routed to expert ``e``,
             summed (not averaged; docs/method.md §9.1, experts); else ``None``.
         expert_counts: with a clustering, ``{source_layer: LongTensor[E]}``: positions per expert.
+        dim_batch: the rows per backward pass used (per attention chunk in the fused layer-major order).
+        layer_major: the fused method's order, when a memory budget chose it; else ``None``.
     """
 
     jacobians: dict[int, torch.Tensor]
@@ -82,6 +85,8 @@ class PromptJacobian:
     n_valid: int
     expert_sums: dict[int, torch.Tensor] | None = None
     expert_counts: dict[int, torch.Tensor] | None = None
+    dim_batch: int | None = None
+    layer_major: bool | None = None
 
 
 def valid_position_mask(seq_len: int, skip_first: int = 16) -> torch.Tensor:
@@ -267,7 +272,8 @@ def _remember(model: LensModel, attr: str, value: bool) -> None:
 def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Tensor, *, source_layers: Iterable[int] | None = None,
                         target_layer: int | None = None, dim_batch: int | str = 8, max_seq_len: int = 128,
                         skip_first: int = 16, method: str = "auto", rules: str = "jacobian",
-                        clustering: Mapping[int, Clustering] | None = None) -> PromptJacobian:
+                        clustering: Mapping[int, Clustering] | None = None,
+                        max_memory: int | str | None = None) -> PromptJacobian:
     """The per-prompt Jacobians ``{l: J_l}`` of docs/method.md §2.
 
     Args:
@@ -289,6 +295,10 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
         clustering: ``{source_layer: Clustering}`` (docs/method.md §9.1, experts): each valid source
             position is routed by its own layer residual, and its row block also summed into its
             expert (:attr:`PromptJacobian.expert_sums`), in the same backward passes.
+        max_memory: a budget (bytes, or ``"6GiB"``) for this prompt's working memory on each device the
+            layers run on, beyond the weights (:mod:`~jlens_core.fitting.memory_budget`): ``dim_batch`` and
+            the fused order follow from it and the model's sizes; an integer ``dim_batch`` is then the
+            most rows per pass, ``"auto"`` no limit but ``d_model``.
 
     Returns:
         :class:`PromptJacobian` with fp32 CPU matrices ``[d_model, d_model]``.
@@ -297,6 +307,7 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
         ValueError: bad layer indices, ``dim_batch < 1``, an unknown method or rules, ``"fused"`` on a
             model it does not support, ``rules="relevance"`` on a model whose layers have a part the
             rules do not name, or a prompt with no valid position.
+        MemoryBudgetError: ``max_memory`` too small for one row per pass (a ``ValueError``).
     """
     check_rules(rules)
     if method not in METHODS:
@@ -317,30 +328,46 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
     auto = method == "auto"
     if auto:
         method = "fused" if _fused_usable(model) else "batched"
-    if isinstance(dim_batch, str):  # "auto" (checked above)
+    experts = max((c.experts for c in clustering.values()), default=0) if clustering is not None else 0
+    layer_major: bool | None = None
+    if max_memory is not None:
+        sizes = FitSizes.of(model, n_valid=n_valid, layers_backward=target - sources[0], n_sources=len(sources),
+                            skip_first=skip_first, experts=experts)
+        budget = budget_bytes(max_memory)
+        most_rows = None if isinstance(dim_batch, str) else dim_batch
+
+        def planned(method_now: str) -> MemoryPlan:
+            return plan_memory(sizes, budget, method_now, most_rows)
+
+        plan = planned(method)
+        rows_per_pass, layer_major = plan.dim_batch, plan.layer_major
+        fallback_rows = rows_per_pass if method != "fused" else 0  # planned on a fallback only
+    elif isinstance(dim_batch, str):  # "auto" (checked above)
         # autograd (a fallback below) holds more per row than the fused path
         fallback_rows = auto_dim_batch(model, n_valid, target - sources[0])
         rows_per_pass = (auto_dim_batch(model, n_valid, target - sources[0], fused=True) if method == "fused"
                          else fallback_rows)
     else:
         fallback_rows = rows_per_pass = dim_batch
-    experts = max((c.experts for c in clustering.values()), default=0) if clustering is not None else 0
     sums = ({layer: torch.zeros(experts, d, d, dtype=torch.float32) for layer in sources}
             if clustering is not None else None)
     if method == "fused":
         try:
             prep = prepare_layers(model, ids, sources[0], target, skip_first, rules=rules)
             onehots, counts = _routing(clustering, prep.residuals, sources, experts, like=prep.like)
-            jacobians = fused_backward(model, prep, sources, target, rows_per_pass, routes=onehots, expert_sums=sums)
+            jacobians = fused_backward(model, prep, sources, target, rows_per_pass, layer_major, routes=onehots,
+                                       expert_sums=sums)
             return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid, expert_sums=sums,
-                                  expert_counts=counts)
+                                  expert_counts=counts, dim_batch=rows_per_pass, layer_major=layer_major)
         except FusedMismatchError as exc:
             if not auto:
                 raise
             # Warned once: autograd from now on for this model object.
             log.warning("%s Falling back to autograd ('batched').", exc)
             _remember(model, "_jlens_fused_usable", False)
-            method, rows_per_pass = "batched", fallback_rows
+            method, rows_per_pass, layer_major = "batched", fallback_rows, None
+            if max_memory is not None:
+                rows_per_pass = planned(method).dim_batch
 
     acts, off = (_forward_suffix(model, ids, sources, target, skip_first, 1, rules) if method == "batched"
                  else ({}, 0))
@@ -371,7 +398,7 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
             if onehots is not None and sums is not None:
                 sums[layer][:, start: rows.stop] = routed_sums(onehots[layer], g).cpu()
     return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid, expert_sums=sums,
-                          expert_counts=counts)
+                          expert_counts=counts, dim_batch=rows_per_pass)
 
 
 def _routing(clustering: Mapping[int, Clustering] | None, residuals: Mapping[int, torch.Tensor], sources: list[int],

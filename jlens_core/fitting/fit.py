@@ -19,6 +19,14 @@ from ..lenses.lens import JacobianLens
 from ..models.model import LensModel
 from .estimator import METHODS, jacobian_for_prompt, resolve_layers
 from .expert_clusters import cluster_source_layers, clustering_from_payload, clustering_payload
+from .memory_budget import (
+    FitSizes,
+    budget_bytes,
+    peak_measure,
+    peak_memory_bytes,
+    plan_memory,
+    reset_peak_memory,
+)
 from .methods import check_rules
 from .relevance import relevance_unsupported_reason, unsupported_message
 from .resume import check_same_settings, prompts_digest
@@ -48,6 +56,9 @@ class FitProgress:
         records: the per-layer diagnostics of this prompt (empty when skipped).
         max_rel_change: the largest relative change of the running mean over layers (None at first).
         seconds: time this prompt took.
+        dim_batch: rows per backward pass this prompt used (``None`` when skipped).
+        peak_memory_bytes: the memory peak reached so far (:func:`~jlens_core.fitting.memory_budget.peak_memory_bytes`:
+            CUDA ``max_memory_allocated`` since the fit started; on the CPU the whole process's RSS high-water mark).
     """
 
     prompt_index: int
@@ -59,6 +70,8 @@ class FitProgress:
     records: list[dict] = field(default_factory=list)
     max_rel_change: float | None = None
     seconds: float = 0.0
+    dim_batch: int | None = None
+    peak_memory_bytes: int | None = None
 
 
 @dataclass
@@ -257,6 +270,8 @@ class _FitRun:
         self.pending = _Pending({layer: torch.zeros(d, d, dtype=torch.float64) for layer in self.sources})
         self.steps = 0
         self.experts: int = settings.get("experts", 0)
+        self.memory: dict | None = None  # with a budget: the budget and its plan at max_seq_len (lens settings)
+        self.peak_bytes: int | None = None
 
     def _expert_buffers(self) -> dict[int, torch.Tensor]:
         d = self.model.d_model
@@ -374,8 +389,10 @@ class _FitRun:
         pending.n += 1
         pending.records.extend(records)
         rels = [r["rel_change"] for r in records if r["rel_change"] is not None]
+        self.peak_bytes = peak_memory_bytes(self.model.device)
         pending.events.append(FitProgress(idx, n_total, 0, 0, records=records,
-                                          max_rel_change=max(rels) if rels else None, seconds=seconds))
+                                          max_rel_change=max(rels) if rels else None, seconds=seconds,
+                                          dim_batch=result.dim_batch, peak_memory_bytes=self.peak_bytes))
 
     def _sync(self, final: bool) -> list[FitProgress]:
         """Fold every rank's pending part into the state and ask ``should_stop``; returns the progress events."""
@@ -418,6 +435,9 @@ class _FitRun:
         lens_settings = {key: settings[key] for key in ("skip_first", "max_seq_len", "target_layer")}
         lens_settings.update(dim_batch=self.estimator["dim_batch"], n_skipped=state.n_skipped,
                              method=self.estimator["method"])
+        if self.memory is not None:
+            lens_settings["memory"] = {**self.memory, "peak_bytes": self.peak_bytes,
+                                       "peak_measure": peak_measure(self.model.device)}
         if self.experts:
             lens_settings.update(experts=self.experts, cluster_prompts=settings["cluster_prompts"])
             return ExpertLens({layer: state.mean(layer).float() for layer in self.sources},
@@ -452,6 +472,26 @@ def _check_fit_settings(*, checkpoint_every: int, method: str, dim_batch: int | 
         raise ValueError(f"max_seq_len={max_seq_len} must be at least 2.")
 
 
+def _plan_fit_memory(model: LensModel, max_memory: int | str, estimator: dict, sources: list[int], target: int,
+                     experts: int) -> dict:
+    """The budget's plan for the longest prompt (``max_seq_len`` tokens), before any prompt: a budget too small
+    raises here (each prompt would otherwise be skipped for it). Returns the lens settings' ``memory`` part."""
+    from .estimator import _fused_usable
+
+    budget = budget_bytes(max_memory)
+    skip_first = estimator["skip_first"]
+    n_valid = max(1, estimator["max_seq_len"] - 1 - skip_first)
+    method = estimator["method"]
+    if method == "auto":
+        method = "fused" if _fused_usable(model) else "batched"
+    sizes = FitSizes.of(model, n_valid=n_valid, layers_backward=target - sources[0], n_sources=len(sources),
+                        skip_first=skip_first, experts=experts)
+    dim_batch = estimator["dim_batch"]
+    plan = plan_memory(sizes, budget, method, None if isinstance(dim_batch, str) else dim_batch)
+    return {"budget_bytes": budget, "method": method, "dim_batch_at_max_seq_len": plan.dim_batch,
+            "layer_major": plan.layer_major, "planned_bytes": plan.planned_bytes}
+
+
 @overload
 def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | None = None, target_layer: int | None = None,
         dim_batch: int | str = 8, max_seq_len: int = 128, skip_first: int = 16,
@@ -459,7 +499,7 @@ def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | N
         progress: Callable[[FitProgress], None] | None = None,
         should_stop: Callable[[FitState], str | None] | None = None, method: str = "auto",
         world: World | None = None, rules: str = "jacobian", experts: Literal[0] = 0,
-        cluster_prompts: int = DEFAULT_CLUSTER_PROMPTS) -> JacobianLens: ...
+        cluster_prompts: int = DEFAULT_CLUSTER_PROMPTS, max_memory: int | str | None = None) -> JacobianLens: ...
 
 
 @overload
@@ -469,7 +509,8 @@ def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | N
         progress: Callable[[FitProgress], None] | None = None,
         should_stop: Callable[[FitState], str | None] | None = None, method: str = "auto",
         world: World | None = None, rules: str = "jacobian", experts: int,
-        cluster_prompts: int = DEFAULT_CLUSTER_PROMPTS) -> JacobianLens | ExpertLens: ...
+        cluster_prompts: int = DEFAULT_CLUSTER_PROMPTS,
+        max_memory: int | str | None = None) -> JacobianLens | ExpertLens: ...
 
 
 def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | None = None, target_layer: int | None = None,
@@ -478,7 +519,7 @@ def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | N
         progress: Callable[[FitProgress], None] | None = None,
         should_stop: Callable[[FitState], str | None] | None = None, method: str = "auto",
         world: World | None = None, rules: str = "jacobian", experts: int = 0,
-        cluster_prompts: int = DEFAULT_CLUSTER_PROMPTS) -> JacobianLens | ExpertLens:
+        cluster_prompts: int = DEFAULT_CLUSTER_PROMPTS, max_memory: int | str | None = None) -> JacobianLens | ExpertLens:
     """Fit a Jacobian lens: the plain mean of per-prompt ``J_l`` over the prompts with valid positions.
 
     Args:
@@ -501,6 +542,11 @@ def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | N
             sum. Holds ``E d^2`` fp64 sums per source layer twice (state and pending) and fp32 once per
             prompt: ``20 E d^2`` bytes per layer (SmolLM2-135M, E = 8, 29 layers: 1.5 GB).
         cluster_prompts: how many of the first prompts the clustering is made from (>= 1).
+        max_memory: a budget (bytes, or ``"6GiB"``) for one prompt's working memory on each device the layers
+            run on, beyond the model's weights and the fit's running sums (docs/fitting.md, memory budget):
+            ``dim_batch`` and the fused order follow from it per prompt (an integer ``dim_batch`` is then the
+            most rows per pass; ``"auto"`` lets the budget choose any). Checked before the first prompt at
+            ``max_seq_len``; the lens settings record it, the plan and the peak reached.
 
     Returns:
         The fitted :class:`~jlens_core.lenses.lens.JacobianLens`, with the diagnostics of every prompt x layer;
@@ -510,7 +556,8 @@ def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | N
         ValueError: bad layers or settings (unknown ``rules`` included), ``rules="relevance"`` on a model
             the rules do not cover, a checkpoint made with other settings (rules, experts included) or
             prompts, no prompt with a valid position, ``experts < 0``, ``cluster_prompts < 1``, or fewer
-            kept positions in the cluster prompts than ``experts``.
+            kept positions in the cluster prompts than ``experts``, or a ``max_memory`` too small for one
+            row per backward pass (``MemoryBudgetError``, with the bytes needed).
         RankFailedError: sharded, on every rank, once a rank failed on a prompt (with its error).
     """
     sources, target = resolve_layers(model.n_layers, source_layers, target_layer)
@@ -530,12 +577,18 @@ def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | N
                 "cluster_prompts": cluster_prompts if experts else 0}
     estimator = {"dim_batch": dim_batch, "max_seq_len": max_seq_len, "skip_first": skip_first, "method": method,
                  "rules": rules}
+    memory = None
+    if max_memory is not None:
+        memory = _plan_fit_memory(model, max_memory, estimator, sources, target, experts)
+        estimator["max_memory"] = memory["budget_bytes"]
     run = _FitRun(model, prompts, settings, estimator, world=world if world is not None else _OneProcess(),
                   checkpoint_path=checkpoint_path, checkpoint_every=checkpoint_every, progress=progress,
                   should_stop=should_stop)
     if resume:
         run.resume()
+    run.memory = memory
     run.cluster()
+    reset_peak_memory(model.device)
     t_start = time.perf_counter()
     run.run()
     lens = run.lens()
