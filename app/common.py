@@ -69,6 +69,7 @@ STALE_CSS = """<style>
 .stElementContainer[data-stale="true"] { transition: opacity 0s linear 1s !important; }
 [data-testid="stExpander"] details, [data-testid="stExpander"] summary { transition-duration: 0s !important; }
 </style>"""
+READING_ONLY = "Opened from a reading file: load the model to read new prompts."  # what is disabled, and why
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, LensFileError, KeyError, OSError)
 ENV_MAX_FITS = "JLENS_APP_MAX_FITS"  # fits running at once, at most (`jlens app --max-fits`)
 
@@ -197,6 +198,8 @@ class Context:
     # by slot key ("jacobian", "relevance", "jpp", "rpp", "tuned"; "extra<i>" for a lens added from a file), in
     # the sidebar's order
     loaded: dict[str, LoadedLens] = field(default_factory=dict)
+    reading_file: Any = None  # a ReadingFile opened instead of a model (app/opened_reading.py)
+    reading_error: str | None = None  # why the reading file asked for could not be opened
 
     @property
     def lens(self) -> JacobianLens | None:
@@ -250,6 +253,9 @@ def context() -> Context:
 def require_model() -> Context:
     """The context, or a notice and ``st.stop()`` when no model is loaded."""
     ctx = context()
+    if ctx.model is None and (ctx.reading_file is not None or ctx.reading_error):
+        st.info(READING_ONLY + " (Close the reading file in the sidebar.)")
+        st.stop()
     if ctx.model is None:
         st.info("No model is loaded. Pick one in the sidebar: the embedded default "
                 f"`{DEFAULT_MODEL}`, a Hugging Face id, a local folder or a `.gguf` file.")

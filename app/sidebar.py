@@ -11,6 +11,7 @@ from typing import Any
 
 import streamlit as st
 
+import opened_reading
 from cache import load_model_cached
 from common import DTYPES, Context, confine, confine_spec, error_text
 from jlens_core.lenses.lens import LogitLens
@@ -22,6 +23,9 @@ def sidebar() -> Context:
     """Draw the sidebar (model, lenses, what is loaded) and return the loaded :class:`Context`."""
     ss = st.session_state
     ctx = Context()
+    if opened_reading.opened(ctx):  # a reading file is open: shown without a model (app/opened_reading.py)
+        ss._ctx = ctx
+        return ctx
     _model_picker(ctx)
     sb = st.sidebar
     sb.markdown("### Lens")
@@ -43,6 +47,7 @@ def sidebar() -> Context:
     elif fitted_keys and ss.get("_lens_key") == "" and ss.mode == "logit":
         ss.mode = "side"  # a lens was just loaded: compare the two
     ss._lens_key = fitted_keys
+    opened_reading.open_controls()
     ss._ctx = ctx
     return ctx
 

@@ -1264,3 +1264,45 @@ def test_sidebar_placement_fields_check_and_pass_the_placement(tiny_dir, monkeyp
     assert not ok(at).sidebar.error and has_chart(at, "heatmap")
     assert calls[-1]["device_map"] == '{"model": "cpu", "lm_head": "cpu"}' and calls[-1]["device"] is None
     assert "cpu" in at.sidebar.caption[0].value and "4 layers" in at.sidebar.caption[0].value
+
+
+def test_a_reading_file_opens_without_a_model(tiny_dir, tiny_model, lens_file, tmp_path):
+    from jlens_core import LogitLens, read_prompts, save_readings
+
+    lenses = {"logit": LogitLens.for_model(tiny_model), "jacobian": JacobianLens.load(lens_file)}
+    readings = read_prompts(tiny_model, lenses, PROMPT)
+    path = save_readings(tmp_path / "france.jlens.json", readings, model=tiny_model, lenses=lenses)
+    # a model that cannot load: asking for it would say so; with a reading file nothing is loaded
+    at = ok(make_app(model="no-such-org/no-such-model-xyz", reading=str(path)).run())
+    assert at.session_state["_ctx"].model is None and not at.sidebar.error
+    assert any("Opened from a reading file: load the model to read new prompts" in i.value for i in at.info)
+    assert at.text_area(key="reading_prompt").disabled and at.text_area(key="reading_prompt").value == PROMPT
+    assert at.number_input(key="reading_gen").disabled and button(at, "Intervene").disabled
+    header = next(m.value for m in at.markdown if m.value.startswith("From `france.jlens.json`"))
+    assert tiny_model.name in header and "Jacobian lens: jacobian" in header
+    at.radio(key="mode").set_value("jacobian").run()
+    trace = chart(ok(at), "heatmap")["data"][0]
+    assert np.allclose(values(trace["z"]), readings["jacobian"].grid("top1_prob"), equal_nan=True)
+    at.radio(key="mode").set_value("side").run()
+    at.selectbox(key="stat").set_value("kl_bits").run()
+    top, bottom = (values(t["z"]) for t in chart(ok(at), "heatmap")["data"] if t["type"] == "heatmap")
+    assert np.allclose(top, readings["logit"].grid("kl_bits"), equal_nan=True)
+    assert np.allclose(bottom, readings["jacobian"].grid("kl_bits"), equal_nan=True)
+    # the cell detail: the selected cell's top-k of both lenses, from the file
+    select_point(at, "heatmap", x=2, y=1, curve_number=1).run()
+    cell = readings["jacobian"].cell(1, 2)
+    assert ok(at).session_state["cell_layer"] == 1 and at.session_state["cell_pos"] == 2
+    assert cell["top_tokens"][0] in at.dataframe[0].value["top-1"].tolist()
+    at.switch_page("views/evaluate.py").run()
+    assert any("Opened from a reading file" in i.value for i in ok(at).info)
+    # a bad file is ReadingFileError's sentence; closing it loads the model
+    bad = tmp_path / "bad.jlens.json"
+    bad.write_text(json.dumps({"format": "jlens-reading", "version": 99}))
+    at = ok(make_app(model=tiny_dir, reading=str(bad)).run())
+    from jlens_core.reading.reading_file import ReadingFileError, load_readings
+
+    with pytest.raises(ReadingFileError) as sentence:
+        load_readings(bad)
+    assert any(str(sentence.value) in e.value for e in at.sidebar.error) and at.session_state["_ctx"].model is None
+    button(at, "Close it and load the model").click().run()
+    assert ok(at).session_state["_ctx"].model is not None and has_chart(at, "heatmap") and "reading" not in at.query_params

@@ -32,6 +32,9 @@ st.caption("The fit runs as a separate `jlens fit` process: the app stays respon
            f"continues it from its checkpoint). Runs are kept in `{root}` (`jlens app --workspace` moves them); "
            "every path typed here must lie in the workspace.")
 limit = common.max_fits()
+reading_only = ctx.model is None and (ctx.reading_file is not None or bool(ctx.reading_error))
+if reading_only:
+    st.info(common.READING_ONLY)
 running = runs.active_names(root)  # fits and "Learn weights" runs
 full = len(running) >= limit
 if full:
@@ -229,7 +232,8 @@ def weights_section(run: runs.Run) -> None:
                f"The weighted lens is written to `{run.folder / runs.WEIGHED_FILE}`.")
     sets = st.multiselect("Labelled sets", sorted(shipped_sets()), key="fit_weigh_sets",
                           placeholder="every shipped set")
-    if st.button("Learn weights", icon=":material/balance:", disabled=active or full, key="fit_weigh"):
+    if st.button("Learn weights", icon=":material/balance:", disabled=active or full or reading_only,
+                 key="fit_weigh"):
         with common.guard("Could not learn the weights"):
             runs.start_weigh(run, sets=list(sets) or None, max_active=limit)
             st.rerun()

@@ -518,4 +518,9 @@ def downloads(reader: Reader, fig: Any) -> None:
                        file_name="jlens-heatmap.html", mime="text/html", on_click="ignore", icon=":material/download:")
 
 
-render(common.require_model())
+if common.context().reading_file is not None or common.context().reading_error:  # a reading file, no model
+    import opened_reading
+
+    opened_reading.render(common.context())
+else:
+    render(common.require_model())
