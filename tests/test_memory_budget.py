@@ -29,31 +29,33 @@ HAND = FitSizes(d_model=64, mlp_width=128, mlp_parts=2, heads=4, n_valid=10, key
                 n_sources=3, element_bytes=4, results_on_device=True)
 # Worked out by hand from the formulas in docs/fitting.md (memory budget), in bytes:
 #   prompt:  per layer 4*10*(12+10) + 10*(8*64 + 2*128) + 3*12*64 = 880 + 7680 + 2304 = 10864 values,
-#            x 3 layers x 4 B = 130368, + results 3 * 64^2 * 4 = 49152            -> 179520
+#            x 3 layers x 4 B = 130368, + the forward 12*(4*64 + 3*128) + 2*4*12^2 = 8832 values x 4 B
+#            = 35328, + results 3 * 64^2 * 4 = 49152                          -> 214848
 #   row-major row:  10 * (6*64 + 3*128 + 2*4*12) * 4 = 10 * 864 * 4              -> 34560
 #   layer-major:    (3*10*64^2 + 4*64*2*128) * 4 = (122880 + 65536) * 4          -> 753664 more
 #   its attention row: 10 * (6*64 + 2*4*12) * 4 = 10 * 480 * 4                   -> 19200
-HAND_PROMPT, HAND_ROW, HAND_LAYER_MAJOR, HAND_ATTENTION_ROW = 179520, 34560, 753664, 19200
+HAND_PROMPT, HAND_ROW, HAND_LAYER_MAJOR, HAND_ATTENTION_ROW = 214848, 34560, 753664, 19200
 
 
 def test_dim_batch_follows_the_byte_formula_worked_by_hand():
-    # 400 000 B: the layer-major order (933 184 B before any row) does not fit; (400000 - 179520) // 34560 = 6
+    # 400 000 B: the layer-major order (968 512 B before any row) does not fit; (400000 - 214848) // 34560 = 5
     plan = plan_memory(HAND, 400_000, "fused")
-    assert (plan.dim_batch, plan.layer_major, plan.planned_bytes) == (6, False, HAND_PROMPT + 6 * HAND_ROW)
-    # 2 000 000 B: (2000000 - 179520 - 753664) // 19200 = 55 rows per attention chunk, layer-major
+    assert (plan.dim_batch, plan.layer_major, plan.planned_bytes) == (5, False, HAND_PROMPT + 5 * HAND_ROW)
+    # 2 000 000 B: (2000000 - 214848 - 753664) // 19200 = 53 rows per attention chunk, layer-major
     plan = plan_memory(HAND, 2_000_000, "fused")
-    assert (plan.dim_batch, plan.layer_major) == (55, True)
-    assert plan.planned_bytes == HAND_PROMPT + HAND_LAYER_MAJOR + 55 * HAND_ATTENTION_ROW
+    assert (plan.dim_batch, plan.layer_major) == (53, True)
+    assert plan.planned_bytes == HAND_PROMPT + HAND_LAYER_MAJOR + 53 * HAND_ATTENTION_ROW
     # an integer dim_batch is the most rows per pass
     assert plan_memory(HAND, 2_000_000, "fused", most_rows=16).dim_batch == 16
     assert plan_memory(HAND, 400_000, "fused", most_rows=4).dim_batch == 4
 
 
 def test_autograd_dim_batch_follows_its_byte_formula_worked_by_hand():
-    # graph: per layer 10*(10*64 + 4*128) + 2*4*10*12 = 11520 + 960 = 12480 values x 3 x 4 B = 149760, + 49152
+    # graph: per layer 10*(10*64 + 4*128) + 2*4*10*12 = 11520 + 960 = 12480 values x 3 x 4 B = 149760,
+    #        + the forward 35328 + results 49152 = 234240
     # row:   10 * (6*64 + 3*128 + 2*4*12 + 64*3) * 4 = 10 * 1056 * 4 = 42240
     plan = plan_memory(HAND, 1_000_000, "batched")
-    assert plan.dim_batch == (1_000_000 - 149760 - 49152) // 42240 == 18
+    assert plan.dim_batch == (1_000_000 - 234240) // 42240 == 18
     assert plan.layer_major is None
 
 
@@ -65,7 +67,7 @@ def test_sizes_of_a_model():
 
 
 def test_a_budget_too_small_for_one_row_says_how_much_is_needed():
-    with pytest.raises(MemoryBudgetError, match=r"too small .* needs 209\.1 KiB"):
+    with pytest.raises(MemoryBudgetError, match=r"too small .* needs 243\.6 KiB"):
         plan_memory(HAND, 200_000, "fused")
     with pytest.raises(MemoryBudgetError, match=r"max_memory=1\.0 KiB is too small for this fit.*needs"):
         fit(tiny(), PROMPTS, max_memory="1KiB", **SETTINGS)
@@ -105,3 +107,35 @@ def test_peak_memory_on_the_cpu_is_the_process_high_water_mark():
     with open("/proc/self/status") as status:
         hwm = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
     assert abs(peak_memory_bytes(torch.device("cpu")) - hwm) <= 0.05 * hwm
+
+
+def test_cli_fit_memory_sets_the_budget_and_reports_the_peak(tmp_path, capsys):
+    import json
+
+    from conftest import CORPUS, save_tiny
+
+    from jlens_core import JacobianLens
+    from jlens_core.cli.main import main
+
+    model = save_tiny(tmp_path / "tiny-llama")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(CORPUS.split(". ")[:3]) + "\n", encoding="utf-8")
+
+    def args(out, *extra):
+        return ["fit", "--model", model, "--corpus", str(corpus), "--out", str(out), "--min-chars", "0",
+                "--split", "all", "--max-seq-len", "16", "--skip-first", "2", "--no-progress", *extra]
+
+    assert main(args(tmp_path / "plain.safetensors")) == 0
+    assert main(args(tmp_path / "budget.safetensors", "--fit-memory", "300KiB")) == 0
+    plain, budget = (JacobianLens.load(tmp_path / f"{name}.safetensors") for name in ("plain", "budget"))
+    for layer in plain.source_layers:
+        torch.testing.assert_close(budget.jacobians[layer], plain.jacobians[layer], rtol=1e-5, atol=1e-6)
+    memory = budget.settings["memory"]
+    assert memory["budget_bytes"] == 300 * 1024 and budget.settings["dim_batch"] == "auto"
+    assert memory["layer_major"] is False and 1 <= memory["dim_batch_at_max_seq_len"] < 8
+    assert "memory" not in plain.settings
+    status = json.loads((tmp_path / "budget.status.json").read_text())
+    assert status["peak_memory_bytes"] > 0 and status["dim_batch"] >= 1
+    capsys.readouterr()
+    assert main(args(tmp_path / "tiny.safetensors", "--fit-memory", "1KiB")) != 0
+    assert "is too small for this fit" in capsys.readouterr().err

@@ -87,13 +87,18 @@ def results_bytes(s: FitSizes) -> int:
     return s.n_sources * (1 + s.experts) * s.d_model ** 2 * 4 if s.results_on_device else 0
 
 
+def forward_bytes(s: FitSizes) -> int:
+    """The model's own forward of the prompt, one layer's temporaries at a time: ``S (4 d + 3 F) + 2 H S^2``."""
+    return (s.keys * (4 * s.d_model + 3 * s.mlp_width) + 2 * s.heads * s.keys ** 2) * s.element_bytes
+
+
 def fused_prompt_bytes(s: FitSizes) -> int:
-    """What the fused backward's prepared forward holds for the whole prompt, in bytes: per layer the
-    attention probabilities (``H n (S + n)``), ``n (8 d + parts F)`` coefficients and ``3 S d`` recorded
-    residual, keys and values; plus the results (:func:`results_bytes`)."""
+    """What the fused backward holds for the whole prompt, in bytes: per layer the attention probabilities
+    (``H n (S + n)``), ``n (8 d + parts F)`` coefficients and ``3 S d`` recorded residual, keys and values;
+    plus the forward's temporaries (:func:`forward_bytes`) and the results (:func:`results_bytes`)."""
     per_layer = s.heads * s.n_valid * (s.keys + s.n_valid) + s.n_valid * (8 * s.d_model + s.mlp_parts * s.mlp_width)
     per_layer += 3 * s.keys * s.d_model
-    return per_layer * s.layers_backward * s.element_bytes + results_bytes(s)
+    return per_layer * s.layers_backward * s.element_bytes + forward_bytes(s) + results_bytes(s)
 
 
 def fused_row_bytes(s: FitSizes) -> int:
@@ -115,9 +120,9 @@ def layer_major_buffer_bytes(s: FitSizes) -> int:
 
 def autograd_prompt_bytes(s: FitSizes) -> int:
     """Autograd's forward graph of batch 1, in bytes: per layer about ``n (10 d + 4 F) + 2 H n S`` saved
-    values; plus the results (:func:`results_bytes`)."""
+    values; plus the forward's temporaries (:func:`forward_bytes`) and the results (:func:`results_bytes`)."""
     per_layer = s.n_valid * (10 * s.d_model + 4 * s.mlp_width) + 2 * s.heads * s.n_valid * s.keys
-    return per_layer * s.layers_backward * s.element_bytes + results_bytes(s)
+    return per_layer * s.layers_backward * s.element_bytes + forward_bytes(s) + results_bytes(s)
 
 
 def autograd_row_bytes(s: FitSizes, replicated: bool = False) -> int:
@@ -127,7 +132,7 @@ def autograd_row_bytes(s: FitSizes, replicated: bool = False) -> int:
     row = s.n_valid * (6 * s.d_model + 3 * s.mlp_width + 2 * s.heads * s.keys + s.d_model * s.n_sources)
     row *= s.element_bytes
     if replicated:
-        row += autograd_prompt_bytes(s) - results_bytes(s)
+        row += autograd_prompt_bytes(s) - forward_bytes(s) - results_bytes(s)
     return row
 
 
@@ -222,6 +227,6 @@ def peak_measure(device: torch.device) -> str:
 
 
 __all__ = ["LAYER_MAJOR_MIN_ROWS", "FitSizes", "MemoryBudgetError", "MemoryPlan", "attention_row_bytes",
-           "autograd_prompt_bytes", "autograd_row_bytes", "budget_bytes", "fused_prompt_bytes", "fused_row_bytes",
-           "layer_major_buffer_bytes", "peak_measure", "peak_memory_bytes", "plan_memory", "reset_peak_memory",
-           "results_bytes"]
+           "autograd_prompt_bytes", "autograd_row_bytes", "budget_bytes", "forward_bytes", "fused_prompt_bytes",
+           "fused_row_bytes", "layer_major_buffer_bytes", "peak_measure", "peak_memory_bytes", "plan_memory",
+           "reset_peak_memory", "results_bytes"]
