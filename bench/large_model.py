@@ -15,6 +15,15 @@ Jacobian lens for it, and reports:
     python bench/large_model.py                    # CPU, fp32 (writes bench/large_model.json)
     python bench/large_model.py --fit-rows 64      # measure more rows of the fit prompt
     python bench/large_model.py --device cuda --dtype bfloat16 --json bench/large_model_gpu.json
+    python bench/large_model.py --budgets 512MiB,4GiB        # one fit prompt at each memory budget only
+                                                             # (writes bench/large_model_budget.json)
+
+With ``--budgets`` it runs one whole fit prompt per budget (``jacobian_for_prompt(max_memory=...)``,
+``dim_batch="auto"``: the budget chooses the rows per pass and the fused order) and reports the
+plan, the seconds and the peak memory reached above the loaded model (sampled RSS on the CPU,
+``torch.cuda.max_memory_allocated`` on a GPU) against the budget. On the CPU the whole prompt of all
+15 layers takes half an hour, so ``--budget-seq`` and ``--budget-layers`` reduce it (defaults: 48
+tokens, the last 2 layers backpropagated; the full width and MLP).
 
 A script, not a test: it prints a table and writes JSON.
 """
@@ -118,6 +127,60 @@ def random_lens(model):
                         model_name=model.name, model_fingerprint=model.fingerprint())
 
 
+def budget_main(args) -> None:
+    """One fit prompt per memory budget: the plan, the seconds and the peak above the loaded model."""
+    from jlens_core.fitting.estimator import jacobian_for_prompt
+    from jlens_core.fitting.memory_budget import FitSizes, budget_bytes, plan_memory
+    from jlens_core.models.device_maps import format_bytes
+
+    on_gpu = args.device.startswith("cuda")
+    seq = args.budget_seq or (128 if on_gpu else 48)
+    model = build_model(args)
+    target = model.n_layers - 1
+    depth = args.budget_layers or (target if on_gpu else 2)
+    sources, skip = list(range(target - depth, target)), 16
+    ids = model.encode(PROMPT_64 * 3)[:, :seq]
+    n_valid = int(ids.shape[1]) - 1 - skip
+    sizes = FitSizes.of(model, n_valid=n_valid, layers_backward=depth, n_sources=len(sources), skip_first=skip)
+    print(f"{model.name}: seq {int(ids.shape[1])} ({n_valid} valid), layers {sources[0]}..{target - 1} -> {target} "
+          f"({depth} backpropagated), {args.dtype}, {torch.get_num_threads()} threads, device {args.device}",
+          flush=True)
+    print(f"{'budget':>10s} {'order':>11s} {'dim_batch':>9s} {'planned':>10s} {'peak':>10s} {'s/prompt':>9s}")
+    # first-call set-up (the prefix-cache check, kernels) outside the measurements: a 3-position prompt
+    jacobian_for_prompt(model, ids[:, :skip + 3], source_layers=sources, target_layer=target, dim_batch=64,
+                        max_seq_len=seq, skip_first=skip, method="fused")
+    rows = []
+    for text in args.budgets.split(","):
+        budget = budget_bytes(text)
+        plan = plan_memory(sizes, budget, "fused")
+        _sync(args.device)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+            gpu_base = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        with PeakRSS() as mem:
+            result = jacobian_for_prompt(model, ids, source_layers=sources, target_layer=target, dim_batch="auto",
+                                         max_seq_len=seq, skip_first=skip, method="fused", max_memory=budget)
+            _sync(args.device)
+        seconds = time.perf_counter() - t
+        peak = ((torch.cuda.max_memory_allocated() - gpu_base) if on_gpu else (mem.peak - mem.start) * 2**20)
+        assert result.dim_batch == plan.dim_batch and result.layer_major == plan.layer_major
+        order = "layer-major" if plan.layer_major else "row-major"
+        rows.append({"budget_bytes": budget, "order": order, "dim_batch": plan.dim_batch,
+                     "planned_bytes": plan.planned_bytes, "peak_bytes": int(peak), "seconds_per_prompt": seconds,
+                     "peak_measure": "torch.cuda.max_memory_allocated above the loaded model" if on_gpu
+                     else "process RSS sampled every 5 ms, above the loaded model"})
+        print(f"{format_bytes(budget):>10s} {order:>11s} {plan.dim_batch:>9d} {format_bytes(plan.planned_bytes):>10s} "
+              f"{format_bytes(peak):>10s} {seconds:9.1f}", flush=True)
+    out = {"device": args.device, "dtype": args.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "model": model.name, "d_model": model.d_model, "layers": model.n_layers, "d_ff": sizes.mlp_width,
+           "seq": int(ids.shape[1]), "n_valid": n_valid, "layers_backpropagated": depth, "skip_first": skip,
+           "load_average": os.getloadavg(), "rows": rows}
+    path = args.json or str(ROOT / "bench" / "large_model_budget.json")
+    Path(path).write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--d-model", type=int, default=2048)
@@ -128,9 +191,20 @@ def main() -> None:
     p.add_argument("--fit-rows", type=int, default=32, help="rows of the fit prompt to measure on the CPU "
                                                             "(default 32 of d_model; all on a GPU)")
     p.add_argument("--dim-batch", type=int, default=16)
-    p.add_argument("--json", default=str(ROOT / "bench" / "large_model.json"))
+    p.add_argument("--json", default=None, help="default bench/large_model.json (bench/large_model_budget.json "
+                                                 "with --budgets)")
+    p.add_argument("--budgets", default=None, help="comma-separated memory budgets (e.g. 512MiB,4GiB): only the "
+                                                   "fit prompt, once per budget")
+    p.add_argument("--budget-seq", type=int, default=None, help="tokens of the budgeted fit prompt (default 48 on "
+                                                                "the CPU, 128 on a GPU)")
+    p.add_argument("--budget-layers", type=int, default=None,
+                   help="layers backpropagated in the budgeted fit prompt (default 2 on the CPU, all on a GPU)")
     args = p.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    if args.budgets:
+        budget_main(args)
+        return
+    args.json = args.json or str(ROOT / "bench" / "large_model.json")
     from fit_speed import matmul_peak_gflops
 
     from jlens_core.fitting import fused
