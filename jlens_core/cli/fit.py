@@ -284,7 +284,7 @@ def register(subparsers) -> None:
                         "free memory). Not --max-memory, which places the model's weights")
     p.add_argument("--method", choices=list(METHODS), default="auto",
                    help="how the backward passes run, same result: 'fused' (analytic backward; Llama, Mistral, "
-                        "Qwen2 layouts), 'batched' (autograd, cotangents batched), 'replicated' (autograd, prompt "
+                        "Qwen2, Gemma, Gemma 2, GPT-2, GPT-NeoX, Phi layouts), 'batched' (autograd, cotangents batched), 'replicated' (autograd, prompt "
                         "replicated) or 'auto' (default: 'fused' where supported, else 'batched')")
     p.add_argument("--rules", choices=list(RULES), default="jacobian",
                    help="backward rules: 'jacobian' (default: the J-lens, ordinary gradients) or 'relevance' (the "
