@@ -45,6 +45,10 @@ _SOURCES = {
     "load_swap_set": ".interventions.swap_success",
     "swap_success": ".interventions.swap_success",
     "resolve_layers": ".layerspec",
+    "learn_expert_weights": ".fitting.expert_weights",
+    "macro_pass_at_k": ".fitting.expert_weights",
+    "split_items": ".fitting.expert_weights",
+    "read_labelled_items": ".reading.labelled_items",
     "ExpertLens": ".lenses.experts",
     "JacobianLens": ".lenses.lens",
     "LensFileError": ".lenses.lens",
@@ -118,20 +122,24 @@ __all__ = [
     "generate",
     "heatmap_figure",
     "jacobian_for_prompt",
+    "learn_expert_weights",
     "load_corpus",
     "load_eval_set",
     "load_lens",
     "load_model",
     "load_readings",
     "load_swap_set",
+    "macro_pass_at_k",
     "most_common_tokens",
     "pass_at_k",
     "pass_at_k_figure",
     "pinned_ranks_figure",
+    "read_labelled_items",
     "read_prompt",
     "read_prompts",
     "resolve_layers",
     "save_readings",
+    "split_items",
     "swap_success",
     "swap_success_figure",
     "token_direction",
@@ -151,6 +159,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .figures.interventions import comparison_figure, swap_success_figure
     from .figures.ranks import pinned_ranks_figure
     from .fitting.estimator import PromptJacobian, jacobian_for_prompt, valid_position_mask
+    from .fitting.expert_weights import learn_expert_weights, macro_pass_at_k, split_items
     from .fitting.fit import FitProgress, FitState, fit
     from .fitting.tuning import train_tuned_lens
     from .interventions.compare import compare_runs
@@ -169,6 +178,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .models.recorder import ActivationRecorder
     from .reading.evaluation import evaluate
     from .reading.generation import Generation, generate
+    from .reading.labelled_items import read_labelled_items
     from .reading.passk import EVAL_SETS, load_eval_set, pass_at_k
     from .reading.prompt_reading import PromptReading
     from .reading.reader import read_prompt, read_prompts
