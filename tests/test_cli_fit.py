@@ -12,7 +12,9 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -430,6 +432,181 @@ def test_a_failing_rank_stops_the_others_with_its_error(work, tmp_path):
     assert not out.exists()
     status = json.loads(sidecars(out)[1].read_text())
     assert (status["state"], status["error"], status["failed_rank"]) == ("failed", message, 1)
+
+
+
+# -- torchrun on two nodes: two launches on this machine, a c10d rendezvous on loopback ---------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def node_cmd(addr: str, port: int, run_id: str, *args, host: bool) -> list[str]:
+    """One node of a two-node job, one process per node. ``c10d`` ranks nodes by address (then pid), not by
+    ``--node-rank``: the node at 127.0.0.1 is rank 0, the one at 127.0.0.2 rank 1 (both are loopback). The
+    ``host`` node's torchrun holds the rendezvous store (on a cluster: the one at the endpoint's address)."""
+    exe = Path(sys.executable).with_name("torchrun")
+    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    return [*launcher, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--local-addr", addr,
+            "--rdzv-conf", f"is_host={int(host)}", "--max-restarts", "0", *args]
+
+
+def node_pids(launcher_pid: int) -> list[int]:
+    """A node's processes: its torchrun and every descendant (torchrun starts each worker in a session of
+    its own, so the launcher's process group does not hold them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    pids, todo = [], [launcher_pid]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo.extend(children.get(pid, []))
+    return pids
+
+
+def kill_node(proc: subprocess.Popen) -> None:
+    for pid in node_pids(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start_nodes(tmp_path: Path, tag: str, nodes: dict[str, list[str]]) -> dict[str, subprocess.Popen]:
+    """Start one torchrun per node (``{addr: its arguments}``)."""
+    env = dict(sub_env(), GLOO_SOCKET_IFNAME="lo")  # gloo on loopback only
+    procs = {}
+    for addr, args in nodes.items():
+        with open(tmp_path / f"{tag}-{addr}.stderr", "w") as err:
+            procs[addr] = subprocess.Popen(args, cwd=REPO, env=env, stdout=err, stderr=err)
+    return procs
+
+
+def wait_nodes(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, int]:
+    deadline = time.monotonic() + timeout  # a hang guard, not a measurement
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                kill_node(proc)
+                proc.wait()
+    return {addr: proc.returncode for addr, proc in procs.items()}
+
+
+def stderr_of(tmp_path: Path, tag: str) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob(f"{tag}-*.stderr")))
+
+
+@pytest.mark.slow
+def test_two_nodes_equal_a_one_process_fit(work, tmp_path, reference):
+    n = 13  # odd: rank 1 has one prompt less
+    out, ckpt = tmp_path / "two-nodes.safetensors", tmp_path / "two-nodes.ckpt"
+    args = ["-m", "jlens_core", *fit_args(work, out, "--n-prompts", str(n), "--checkpoint", str(ckpt),
+                                          "--checkpoint-every", "2")]
+    port, run_id = free_port(), f"jlens-{os.getpid()}-{time.time_ns()}"
+    t0 = time.monotonic()
+    procs = start_nodes(tmp_path, "fit", {addr: node_cmd(addr, port, run_id, *args, host=addr == "127.0.0.1")
+                                          for addr in ("127.0.0.1", "127.0.0.2")})
+    codes = wait_nodes(procs, timeout=300)
+    print(f"two-node fit of {n} prompts: {time.monotonic() - t0:.1f} s")
+    assert set(codes.values()) == {0}, stderr_of(tmp_path, "fit")
+    lens = JacobianLens.load(out)
+    assert lens.n_prompts == n
+    assert max_abs_diff(lens, reference(n)) <= 1e-6
+    logs = stderr_of(tmp_path, "fit")
+    assert logs.count(f"Wrote {out}") == 1  # global rank 0 alone writes the lens
+    status = json.loads(sidecars(out)[1].read_text())
+    assert (status["state"], status["world_size"], status["n_done"]) == ("done", 2, n)
+    assert read_checkpoint(ckpt)["n_done"] == n
+
+
+HALTING_RANK = """
+import importlib, os, sys, time
+fit_module = importlib.import_module("jlens_core.fitting.fit")
+from jlens_core.cli.main import main
+real, calls = fit_module.jacobian_for_prompt, []
+def halting(model, prompt, **kwargs):
+    calls.append(prompt)
+    if os.environ["RANK"] == "1" and len(calls) == 5:  # prompt 9, after the syncs at next_idx 4 and 8
+        open(os.environ["JLENS_TEST_HALTED"], "w").close()
+        time.sleep(3600)  # until its node is lost
+    return real(model, prompt, **kwargs)
+fit_module.jacobian_for_prompt = halting
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def lose_node_when(procs: dict[str, subprocess.Popen], lost: str, marker: Path) -> None:
+    """SIGKILL every process of node ``lost`` (its torchrun and its worker) once ``marker`` exists."""
+    deadline = time.monotonic() + 240  # a hang guard, not a measurement
+    while not marker.exists() and all(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert marker.exists(), "rank 1 never reached its halting prompt"
+    kill_node(procs[lost])
+
+
+@pytest.mark.slow
+def test_two_nodes_resume_after_a_node_is_lost_equals_an_uninterrupted_fit(work, tmp_path, reference, monkeypatch):
+    # Each node has its own disk for the checkpoint (--checkpoint differs), the lens goes to a shared
+    # folder. Node B (rank 1) is lost mid-fit; the job restarts with B replaced by a fresh machine
+    # (no checkpoint) that now comes first in the rendezvous, so global rank 0 has no copy of its own.
+    n = 40
+    out = tmp_path / "lost.safetensors"
+    diag_path, status_path, _ = sidecars(out)
+    disk = {"A": tmp_path / "disk-a" / "fit.ckpt", "B": tmp_path / "disk-b" / "fit.ckpt"}
+    halting, halted = tmp_path / "halting_rank.py", tmp_path / "halted"  # rank 1 stops at a known prompt
+    halting.write_text(HALTING_RANK)
+    monkeypatch.setenv("JLENS_TEST_HALTED", str(halted))  # read by rank 1 only
+
+    def args(node: str, program: tuple[str, ...] = ("-m", "jlens_core")) -> list[str]:
+        return [*program, *fit_args(work, out, "--n-prompts", str(n), "--checkpoint", str(disk[node]),
+                                    "--checkpoint-every", "2")]
+
+    port, run_id = free_port(), f"jlens-{os.getpid()}-{time.time_ns()}"
+    procs = start_nodes(tmp_path, "first",
+                        {"127.0.0.1": node_cmd("127.0.0.1", port, run_id, *args("A", (str(halting),)), host=True),
+                         "127.0.0.2": node_cmd("127.0.0.2", port, run_id, *args("B", (str(halting),)), host=False)})
+    try:
+        lose_node_when(procs, "127.0.0.2", halted)
+    finally:
+        codes = wait_nodes(procs, timeout=180)
+    assert codes["127.0.0.2"] == -signal.SIGKILL
+    assert codes["127.0.0.1"] != 0, stderr_of(tmp_path, "first")  # the survivor stops instead of hanging
+    assert json.loads(status_path.read_text())["state"] == "failed"
+    assert not out.exists()
+    saved = read_checkpoint(disk["A"])
+    k = saved["next_idx"]
+    assert k == saved["n_done"] == 8  # the last sync before rank 1 halted
+    assert disk["B"].exists()  # both nodes wrote a copy ...
+    shutil.rmtree(disk["B"].parent)  # ... and B's machine is replaced by one with an empty disk
+
+    port, run_id = free_port(), f"jlens-{os.getpid()}-{time.time_ns()}"  # the same command, a new job
+    procs = start_nodes(tmp_path, "again", {"127.0.0.1": node_cmd("127.0.0.1", port, run_id, *args("B"), host=True),
+                                            "127.0.0.2": node_cmd("127.0.0.2", port, run_id, *args("A"), host=False)})
+    t0 = time.monotonic()
+    codes = wait_nodes(procs, timeout=300)
+    print(f"two-node resume of {n - k} prompts: {time.monotonic() - t0:.1f} s")
+    assert set(codes.values()) == {0}, stderr_of(tmp_path, "again")
+    lens = JacobianLens.load(out)
+    assert lens.n_prompts == n
+    assert max_abs_diff(lens, reference(n)) <= 1e-6
+    records = read_jsonl(diag_path)
+    assert records[: 3 * k] == saved["diagnostics"]  # resumed from A's copy, not recomputed
+    assert [(r["prompt_index"], r["layer"]) for r in records] == [(p, la) for p in range(n) for la in SOURCES]
+    finals = [read_checkpoint(disk[node]) for node in "AB"]  # each node's copy, equal
+    assert all(c["n_done"] == n for c in finals)
+    for layer in SOURCES:
+        assert torch.equal(finals[0]["jacobian_sum"][str(layer)], finals[1]["jacobian_sum"][str(layer)])
 
 
 # -- bad input: one sentence, exit code 2, no traceback -----------------------------------------------

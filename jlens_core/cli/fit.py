@@ -2,7 +2,8 @@
 
 ``jlens fit`` streams one JSON record per prompt x layer to ``<LENS>.diagnostics.jsonl`` (flushed
 per prompt) and its state to ``<LENS>.status.json``, so another program (the app) can follow a
-fit it did not start. Under ``torchrun`` each rank fits every K-th prompt; rank 0 writes the files.
+fit it did not start. Under ``torchrun`` each rank fits every K-th prompt; rank 0 writes the lens and
+these files, and each machine's local rank 0 writes its copy of the checkpoint.
 """
 
 from __future__ import annotations
@@ -153,6 +154,11 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
     rank = world.rank if world is not None else 0
     diag_path, status_path = sidecar(out, "diagnostics.jsonl"), sidecar(out, "status.json")
     status = diag_file = bar = None
+    if world is not None and not args.no_resume:  # rank 0's copy may be behind another machine's: agree first
+        from ..fitting.fit import read_checkpoint
+        from ..fitting.node_checkpoints import agree_on_checkpoint
+
+        agree_on_checkpoint(world, checkpoint, lambda data: read_checkpoint(checkpoint, data))
     if rank == 0:
         status = StatusFile(status_path, out=str(out), model=model.name, corpus=args.corpus, n_total=len(prompts),
                             diagnostics=str(diag_path), checkpoint=str(checkpoint),

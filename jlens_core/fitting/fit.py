@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from .memory_budget import (
     reset_peak_memory,
 )
 from .methods import check_rules
+from .node_checkpoints import agree_on_checkpoint
 from .relevance import relevance_unsupported_reason, unsupported_message
 from .resume import check_same_settings, prompts_digest
 
@@ -107,7 +109,13 @@ class RankFailedError(RuntimeError):
 
 
 class World:
-    """A process group for sharded fitting (``torch.distributed``); ``None`` means one process."""
+    """A process group for sharded fitting (``torch.distributed``); ``None`` means one process.
+
+    ``rank`` is the global rank (it picks the prompts; rank 0 writes the lens and the run files);
+    ``local_rank`` is the rank on this machine (``LOCAL_RANK``, set by torchrun; without it, the global
+    rank): each machine's local rank 0 writes the checkpoint, so a node that does not share rank 0's
+    disk still has one to resume from.
+    """
 
     syncs_every_step = False  # ranks meet every ``checkpoint_every`` steps and at the end
 
@@ -117,6 +125,7 @@ class World:
         self.dist = dist
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         backend = self.dist.get_backend()
@@ -129,9 +138,9 @@ class World:
         self.dist.all_gather_object(out, obj)
         return out
 
-    def broadcast_object(self, obj):
+    def broadcast_object(self, obj, src: int = 0):
         box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
+        self.dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def check_failures(self, error: BaseException | None) -> None:
@@ -186,14 +195,15 @@ def checkpoint_from_lens(lens: JacobianLens, prompts: Sequence, path: str | os.P
     return next_idx
 
 
-def read_checkpoint(path: str | os.PathLike) -> dict:
-    """Load a checkpoint written by :func:`write_checkpoint`.
+def read_checkpoint(path: str | os.PathLike, data: bytes | None = None) -> dict:
+    """Load a checkpoint written by :func:`write_checkpoint` (from ``data``, its bytes, when given; ``path``
+    then only names it in errors).
 
     Raises:
         ValueError: the file is not a jlens checkpoint or cannot be read.
     """
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ValueError(f"Cannot read the checkpoint {str(path)!r}: {exc}. Delete it (or pass resume=False / "
                          "--no-resume) to start over.") from exc
@@ -215,7 +225,7 @@ def _check_resume(path, payload: dict, settings: dict, prompts: Sequence) -> Non
 class _OneProcess:
     """:class:`World`'s interface for an unsharded fit: every collective is the identity."""
 
-    rank, size = 0, 1
+    rank, size, local_rank = 0, 1, 0
     syncs_every_step = True  # folding in a prompt costs nothing here, and keeps progress live
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -224,7 +234,7 @@ class _OneProcess:
     def gather_objects(self, obj) -> list:
         return [obj]
 
-    def broadcast_object(self, obj):
+    def broadcast_object(self, obj, src: int = 0):
         return obj
 
     def check_failures(self, error: BaseException | None) -> None:
@@ -311,10 +321,18 @@ class _FitRun:
     def resume(self) -> None:
         """Go on from the checkpoint (its settings and prompts checked), if there is one."""
         path = self.checkpoint_path
-        if path is None or not Path(path).exists():
+        if path is None:
             return
-        payload = read_checkpoint(path)
-        _check_resume(path, payload, self.settings, self.prompts)
+        if self.world.size > 1:  # one copy per machine: every rank goes on from the most advanced one
+            payload = agree_on_checkpoint(self.world, path, lambda data: read_checkpoint(path, data),
+                                          lambda saved: _check_resume(path, saved, self.settings, self.prompts))
+            if payload is None:
+                return
+        elif not Path(path).exists():
+            return
+        else:
+            payload = read_checkpoint(path)
+            _check_resume(path, payload, self.settings, self.prompts)
         self.state = FitState({int(k): v.double() for k, v in payload["jacobian_sum"].items()},
                               n_done=payload["n_done"], next_idx=payload["next_idx"], n_skipped=payload["n_skipped"],
                               diagnostics=list(payload["diagnostics"]), stop_reason=payload.get("stop_reason"))
@@ -349,7 +367,8 @@ class _FitRun:
         if not (world.syncs_every_step or on_schedule or at_end):
             return
         events = self._sync(final=at_end)
-        if self.checkpoint_path is not None and world.rank == 0 and (on_schedule or at_end or state.stop_reason):
+        # each machine's local rank 0 writes: every rank holds the same state here
+        if self.checkpoint_path is not None and world.local_rank == 0 and (on_schedule or at_end or state.stop_reason):
             write_checkpoint(self.checkpoint_path, state, self.settings, prompts_digest(self.prompts, state.next_idx))
         # reported once the checkpoint holds them: a stop after a reported prompt never finds it a prompt behind
         if world.rank == 0 and self.progress is not None:
