@@ -25,6 +25,18 @@ plan, the seconds and the peak memory reached above the loaded model (sampled RS
 15 layers takes half an hour, so ``--budget-seq`` and ``--budget-layers`` reduce it (defaults: 48
 tokens, the last 2 layers backpropagated; the full width and MLP).
 
+With ``--device-map`` the model is placed over several devices (accelerate's ``dispatch_model``) and
+the row is: placing it, the 64-token readings through both lenses, and one whole fit prompt
+(``jacobian_for_prompt``, ``method="auto"``) whose backward crosses from one device to the next. The
+map is a strategy (``auto``: all visible GPUs, then the CPU), a JSON object of module names to devices
+(the syntax of ``jlens fit --device-map``), or ``DEV,DEV,...``: the decoder layers cut into equal
+consecutive parts, in that order (``cpu,cuda:0``: layers 0-7 on the CPU, 8-15, the final norm and the
+tied embedding/head on the GPU)::
+
+    python bench/large_model.py --device cuda --device-map cpu,cuda:0 --json bench/large_model_split_gpu.json
+    python bench/large_model.py --device cuda --device-map auto --json bench/large_model_auto_gpu.json
+    python bench/large_model.py --device-map cpu,cpu --d-model 256 --layers 4   # the same code, on the CPU
+
 A script, not a test: it prints a table and writes JSON.
 """
 
@@ -89,8 +101,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def build_model(args):
-    """The random 1B-class model as an HFLensModel (weights N(0, 0.02), norms 1), and its build time."""
+def build_model(args, device_map=None):
+    """The random 1B-class model as an HFLensModel (weights N(0, 0.02), norms 1); built on ``args.device``,
+    or on the CPU and then placed by accelerate over ``device_map`` (module name -> device)."""
     import transformers as tf
 
     from jlens_core.models.loading import _gguf_cache_folder, default_gguf_path
@@ -113,6 +126,10 @@ def build_model(args):
                 p.normal_(0.0, 0.02, generator=gen)
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config).to(args.device)  # real buffers, not to_empty garbage
     hf.tie_weights()
+    if device_map is not None:
+        from accelerate import dispatch_model
+
+        hf = dispatch_model(hf, device_map=device_map)
     tokenizer = tf.AutoTokenizer.from_pretrained(str(_gguf_cache_folder(default_gguf_path())))
     return HFLensModel(hf, tokenizer, name=f"random-llama-{args.d_model}x{args.layers}-v{args.vocab}")
 
@@ -125,6 +142,116 @@ def random_lens(model):
     jac = {layer: torch.eye(d) + torch.randn(d, d, generator=gen) / d ** 0.5 for layer in range(model.n_layers - 1)}
     return JacobianLens(jac, n_prompts=1, d_model=d, target_layer=model.n_layers - 1, n_layers=model.n_layers,
                         model_name=model.name, model_fingerprint=model.fingerprint())
+
+
+def layer_split_map(devices: list[str], n_layers: int, tied: bool = True) -> dict[str, str]:
+    """Module name -> device: the decoder layers in ``len(devices)`` equal consecutive parts, in order; the
+    embedding on the first device (on the last when tied to the head), the final norm, the rotary
+    embedding and the head on the last."""
+    cuts = [round(i * n_layers / len(devices)) for i in range(len(devices) + 1)]
+    mapping = {f"model.layers.{layer}": device for device, lo, hi in zip(devices, cuts, cuts[1:], strict=False)
+               for layer in range(lo, hi)}
+    last = devices[-1]
+    return {"model.embed_tokens": last if tied else devices[0], **mapping, "model.rotary_emb": last,
+            "model.norm": last, "lm_head": last}
+
+
+def resolve_device_map(spec: str, args) -> dict[str, str | int]:
+    """``--device-map``: a strategy (``auto``...), a JSON object, or ``DEV,DEV,...`` (:func:`layer_split_map`)."""
+    from jlens_core.models.device_maps import STRATEGIES, check_device, parse_device_map
+
+    if spec in STRATEGIES:  # placed by accelerate from the model's size and the free memory
+        import transformers as tf
+        from accelerate import infer_auto_device_map
+        from accelerate.utils import get_balanced_memory
+
+        config = tf.LlamaConfig(hidden_size=args.d_model, intermediate_size=4 * args.d_model,
+                                num_hidden_layers=args.layers, num_attention_heads=args.d_model // 64,
+                                num_key_value_heads=max(1, args.d_model // 256), vocab_size=args.vocab,
+                                tie_word_embeddings=True)
+        with torch.device("meta"):
+            skeleton = tf.LlamaForCausalLM(config).to(getattr(torch, args.dtype))
+        no_split = skeleton._no_split_modules
+        memory = None if spec in ("auto", "sequential") else get_balanced_memory(
+            skeleton, no_split_module_classes=no_split, low_zero=spec == "balanced_low_0")
+        skeleton.tie_weights()  # accelerate keeps tied weights on one device
+        return infer_auto_device_map(skeleton, max_memory=memory, no_split_module_classes=no_split)
+    if spec.lstrip().startswith("{"):
+        parsed = parse_device_map(spec)
+        assert isinstance(parsed, dict)
+        return parsed
+    devices = [str(check_device(d.strip(), what="--device-map's device")) for d in spec.split(",")]
+    return dict(layer_split_map(devices, args.layers))
+
+
+def multi_device_main(args) -> dict:
+    """One model over several devices: placing it, the readings, one whole fit prompt across the devices."""
+    from collections import Counter
+
+    from jlens_core.fitting.estimator import _fused_usable, jacobian_for_prompt
+    from jlens_core.lenses.lens import LogitLens
+    from jlens_core.models.placement import execution_device
+    from jlens_core.reading.readings import read_prompts
+
+    on_gpu = args.device.startswith("cuda")
+    device_map = resolve_device_map(args.device_map, args)
+    build_args = argparse.Namespace(**{**vars(args), "device": "cpu"})
+    t = time.perf_counter()
+    model = build_model(build_args, device_map=device_map)
+    t_place = time.perf_counter() - t
+    layers = model.hf_model.model.layers
+    devices = [str(execution_device(layer)) for layer in layers]
+    per_device = dict(Counter(devices))
+    print(f"{model.name} ({args.dtype}) over {per_device}: built and placed in {t_place:.1f} s", flush=True)
+    rows = [{"step": "build on the CPU and place", "seconds": t_place}]
+
+    lens = random_lens(model)
+    logit = LogitLens.for_model(model)
+    ids = model.encode(PROMPT_64)[:, :64]
+    read_prompts(model, {"logit": logit}, ids[:, :8])  # first-call set-up
+    for attempt in ("first", "again"):
+        _sync(args.device)
+        t = time.perf_counter()
+        read_prompts(model, {"logit": logit, "jacobian": lens}, ids)
+        _sync(args.device)
+        rows.append({"step": f"read a {int(ids.shape[1])}-token prompt, both lenses in one pass ({attempt})",
+                     "seconds": time.perf_counter() - t})
+        print(f"{rows[-1]['step']:70s} {rows[-1]['seconds']:8.2f} s", flush=True)
+
+    target = model.n_layers - 1
+    # backpropagate into the first device's last layer: the cotangent crosses a device boundary
+    first_upper = next((i for i, d in enumerate(devices) if d != devices[0]), None)
+    depth = args.budget_layers or (target - first_upper + 2 if first_upper is not None else 2)
+    depth = min(depth, target)
+    sources = list(range(target - depth, target))
+    seq = args.budget_seq or (128 if on_gpu else 48)
+    fit_ids = model.encode(PROMPT_64 * 3)[:, :seq]
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    _sync(args.device)
+    t = time.perf_counter()
+    result = jacobian_for_prompt(model, fit_ids, source_layers=sources, target_layer=target,
+                                 dim_batch=args.dim_batch, max_seq_len=seq, skip_first=16, method="auto")
+    _sync(args.device)
+    seconds = time.perf_counter() - t
+    crossed = sorted({devices[i] for i in range(sources[0] + 1, target + 1)})
+    row = {"step": f"one fit prompt, seq {int(fit_ids.shape[1])}, layers {sources[0]}..{target - 1} -> {target}",
+           "seconds": seconds, "method": "fused" if _fused_usable(model) else "batched",
+           "devices_backpropagated": crossed, "dim_batch": result.dim_batch}
+    if on_gpu:
+        row["gpu_peak_MB"] = {f"cuda:{i}": torch.cuda.max_memory_allocated(i) / 2**20
+                              for i in range(torch.cuda.device_count())}
+    rows.append(row)
+    print(f"{row['step']:70s} {seconds:8.2f} s  across {crossed}", flush=True)
+    out = {"device": args.device, "device_map_spec": args.device_map, "layers_per_device": per_device,
+           "gpus_visible": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+           "measured_on_gpu": on_gpu, "dtype": args.dtype, "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "model": model.name, "d_model": model.d_model,
+           "layers": model.n_layers, "vocab": model.vocab_size, "load_average": os.getloadavg(), "rows": rows}
+    path = args.json or str(ROOT / "bench" / "large_model_multi_device.json")
+    Path(path).write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+    return out
 
 
 def budget_main(args) -> None:
@@ -181,7 +308,7 @@ def budget_main(args) -> None:
     print(f"wrote {path}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--layers", type=int, default=16)
@@ -199,8 +326,15 @@ def main() -> None:
                                                                 "the CPU, 128 on a GPU)")
     p.add_argument("--budget-layers", type=int, default=None,
                    help="layers backpropagated in the budgeted fit prompt (default 2 on the CPU, all on a GPU)")
-    args = p.parse_args()
+    p.add_argument("--device-map", default=None,
+                   help="place the model over several devices: a strategy (auto: all visible GPUs), a JSON object "
+                        "of module names to devices, or DEV,DEV,... (the layers cut into equal parts in that "
+                        "order); then one row: place, read, one fit prompt across the devices")
+    args = p.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    if args.device_map:
+        multi_device_main(args)
+        return
     if args.budgets:
         budget_main(args)
         return

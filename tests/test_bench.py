@@ -3,6 +3,7 @@ jacobian_for_prompt method."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,33 @@ def test_every_family_of_the_families_table_takes_the_fused_path(fit_speed):
         model = fit_speed.random_family_model(family, 32, 2, torch.float32, "cpu")
         assert model.config.model_type == family
         assert fused_unsupported_reason(model) is None, family
+
+
+@pytest.fixture(scope="module")
+def large_model():
+    path = BENCH.with_name("large_model.py")
+    spec = importlib.util.spec_from_file_location("large_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_layer_split_map_cuts_the_layers_in_order_and_keeps_tied_weights_together(large_model):
+    mapping = large_model.layer_split_map(["cpu", "cuda:0"], 16)
+    assert [mapping[f"model.layers.{i}"] for i in range(16)] == ["cpu"] * 8 + ["cuda:0"] * 8
+    assert mapping["model.embed_tokens"] == mapping["lm_head"] == mapping["model.norm"] == "cuda:0"
+    three = large_model.layer_split_map(["cuda:0", "cuda:1", "cpu"], 5, tied=False)
+    assert [three[f"model.layers.{i}"] for i in range(5)] == ["cuda:0", "cuda:0", "cuda:1", "cpu", "cpu"]
+    assert three["model.embed_tokens"] == "cuda:0" and three["lm_head"] == "cpu"
+
+
+def test_multi_device_row_runs_on_the_cpu_with_a_cpu_only_map(large_model, tmp_path):
+    # bench/gpu.sh's multi-device row, on a small random model whose map names the CPU twice
+    out = tmp_path / "multi.json"
+    large_model.main(["--device-map", "cpu,cpu", "--d-model", "64", "--layers", "4", "--vocab", "49152",
+                      "--budget-seq", "24", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["layers_per_device"] == {"cpu": 4} and result["measured_on_gpu"] is False
+    steps = [row["step"] for row in result["rows"]]
+    assert steps[0] == "build on the CPU and place" and steps[-1].startswith("one fit prompt, seq 24, layers 1..2 -> 3")
+    assert all(row["seconds"] > 0 for row in result["rows"])
