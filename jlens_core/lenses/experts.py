@@ -18,7 +18,6 @@ import logging
 import math
 import operator
 import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +26,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._atomic import atomic_write
-from ..models.model import LensModel, same_fingerprint
-from .lens import FP16_MAX, LENS_RULES, RESULT_SETTINGS, JacobianLens, LensFileError, check_made_for
+from ..models.model import LensModel
+from .lens import (
+    LENS_RULES,
+    JacobianLens,
+    LensFileError,
+    MatrixTransportMixin,
+    check_made_for,
+    check_mergeable,
+    checked_rules,
+    merged_prompts,
+    prompt_weighted_mean,
+    read_lens_safetensors,
+    storage_dtype,
+)
 
 if TYPE_CHECKING:
     from .protocol import FittedLens
@@ -201,7 +212,7 @@ def _unit(weights: torch.Tensor, what: str) -> torch.Tensor:
     return w / norm
 
 
-class ExpertLens:
+class ExpertLens(MatrixTransportMixin):
     """An expert lens: per source layer ``E`` Jacobians, one per residual cluster (docs/method.md §9.1).
 
     Reads like a :class:`JacobianLens` with ``J_l = sum_e w_e J_{l,e}``; experts with fewer than
@@ -300,11 +311,6 @@ class ExpertLens:
     def source_layers(self) -> list[int]:
         return sorted(self.pooled)
 
-    @property
-    def layers(self) -> list[int]:
-        """Readable layers: the source layers plus the target (where the lens is the identity)."""
-        return self.source_layers + [self.target_layer]
-
     def __repr__(self) -> str:
         return (f"ExpertLens(kind={self.kind!r}, model={self.model_name!r}, layers={self.source_layers[0]}.."
                 f"{self.source_layers[-1]} ({len(self.source_layers)}), target={self.target_layer}, "
@@ -361,25 +367,6 @@ class ExpertLens:
         if mat is None:
             mat = self._matrix_cache[layer] = self.combined(layer, self.layer_weights(layer))
         return mat
-
-    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
-        """``J_l @ h`` over the last axis (``J_l`` = :meth:`matrix`): ``[..., d] -> [..., d]``, in ``h``'s dtype/device.
-
-        Raises:
-            KeyError: the lens was not fitted at ``layer``.
-            ValueError: the last axis of ``h`` is not ``d_model``.
-        """
-        if h.shape[-1] != self.d_model:
-            raise ValueError(f"h has width {h.shape[-1]}, this lens is for d_model={self.d_model}.")
-        if layer == self.target_layer:
-            return h
-        key = (layer, h.device, h.dtype)
-        mat = self._device_cache.get(key)
-        if mat is None:
-            mat = self.matrix(layer).to(device=h.device, dtype=h.dtype)
-            self._device_cache = {k: v for k, v in self._device_cache.items() if k[1:] == key[1:]}
-            self._device_cache[key] = mat
-        return h @ mat.T
 
     def check_model(self, model: LensModel) -> None:
         """Raise :class:`LensFileError` if this lens was fitted for another model than ``model``."""
@@ -451,22 +438,12 @@ class ExpertLens:
         """
         from safetensors.torch import save_file
 
-        dtype = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-                 "fp16": torch.float16}.get(dtype, dtype) if isinstance(dtype, str) else dtype
-        if dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"dtype={dtype} is not supported: use float32 or float16.")
-        if dtype == torch.float16:
-            worst = max(max(float(m.abs().max()) for m in self.pooled.values()),
-                        max(float(m.abs().max()) for m in self.experts.values()))
-            if not worst < FP16_MAX:
-                warnings.warn(f"The lens has a value of magnitude {worst:.3g}, beyond float16's range "
-                              f"({FP16_MAX}); storing float32 instead.", stacklevel=2)
-                dtype = torch.float32
+        store = storage_dtype(dtype, [*self.pooled.values(), *self.experts.values()])
         tensors: dict[str, torch.Tensor] = {}
         for layer in self.source_layers:
             clus = self.clustering[layer]
-            tensors[f"J.{layer}"] = self.pooled[layer].to(dtype).contiguous().clone()
-            tensors[f"experts.{layer}"] = self.experts[layer].to(dtype).contiguous().clone()
+            tensors[f"J.{layer}"] = self.pooled[layer].to(store).contiguous().clone()
+            tensors[f"experts.{layer}"] = self.experts[layer].to(store).contiguous().clone()
             tensors[f"counts.{layer}"] = self.counts[layer].contiguous().clone()
             tensors[f"clustering.mean.{layer}"] = clus.mean.contiguous().clone()
             tensors[f"clustering.components.{layer}"] = clus.components.contiguous().clone()
@@ -486,31 +463,13 @@ class ExpertLens:
             LensFileError: not an expert lens file, truncated, a newer format, experts without their
                 clustering, or (with ``model=``) a lens for another model.
         """
-        from safetensors import safe_open
-
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"No lens file at {str(path)!r}.")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != EXPERTS_FORMAT_NAME or "jlens" not in meta:
-                    raise LensFileError(f"{str(path)!r} is not an expert lens file (its header has no "
-                                        f"{EXPERTS_FORMAT_NAME!r} metadata): load it with JacobianLens.load or load_lens.")
-                info = json.loads(meta["jlens"])
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        except LensFileError:
-            raise
-        except Exception as exc:  # safetensors raises its own error types for bad headers
-            raise LensFileError(f"{str(path)!r} is not a readable lens file (truncated or not safetensors): "
-                                f"{exc}") from exc
-        if info.get("format_version", 0) > EXPERTS_FORMAT_VERSION:
-            raise LensFileError(f"{str(path)!r} has expert lens format version {info['format_version']}; this "
-                                f"jlens reads up to {EXPERTS_FORMAT_VERSION}. Upgrade jlens.")
-        rules = info.get("rules", "jacobian")
-        if rules not in LENS_RULES:
-            raise LensFileError(f"{str(path)!r} records rules={rules!r}, which this jlens does not know "
-                                f"(it reads {' and '.join(LENS_RULES)}): upgrade jlens or refit the lens.")
+        info, tensors = read_lens_safetensors(path, EXPERTS_FORMAT_NAME, "is not an expert lens file (its header has "
+                                              f"no {EXPERTS_FORMAT_NAME!r} metadata): load it with JacobianLens.load "
+                                              "or load_lens.", key=str)
+        rules = checked_rules(path, info, what="expert lens", version=EXPERTS_FORMAT_VERSION)
         layers = [int(layer) for layer in info.get("source_layers", [])]
         if not layers:
             raise LensFileError(f"{str(path)!r} names no source layer.")
@@ -569,33 +528,21 @@ class ExpertLens:
                 raise ValueError(f"Cannot merge expert lenses of widths/layers/E {first.d_model}/"
                                  f"{first.source_layers}/{first.n_experts} and {other.d_model}/"
                                  f"{other.source_layers}/{other.n_experts}.")
-            for key in RESULT_SETTINGS:
-                if first.settings.get(key) != other.settings.get(key):
-                    raise ValueError(f"Cannot merge lenses fitted with different {key}: "
-                                     f"{first.settings.get(key)} vs {other.settings.get(key)}.")
-            if not same_fingerprint(first.model_fingerprint, other.model_fingerprint):
-                raise ValueError(f"Cannot merge lenses of different models ({first.model_name!r} and "
-                                 f"{other.model_name!r}).")
+            check_mergeable(first, other)
             bad = [layer for layer in first.source_layers
                    if not first.clustering[layer].same_as(other.clustering[layer])]
             if bad:
                 raise ValueError(f"Cannot merge expert lenses with different clusterings (layers {bad}): fit the "
                                  "shards with the same cluster_prompts, so they compute the same clustering.")
-        total = sum(lens.n_prompts for lens in lenses)
-        if total <= 0:
-            raise ValueError("Cannot merge lenses that hold zero prompts.")
+        total, settings = merged_prompts(lenses)
         pooled, experts, counts = {}, {}, {}
         for layer in first.source_layers:
-            pooled[layer] = functools.reduce(operator.add, [lens.pooled[layer].double() * lens.n_prompts
-                                                            for lens in lenses]).div(total).float()
+            pooled[layer] = prompt_weighted_mean([(lens.pooled[layer], lens.n_prompts) for lens in lenses], total)
             count = functools.reduce(operator.add, [lens.counts[layer] for lens in lenses])  # [E]
             sums = functools.reduce(operator.add, [lens.experts[layer].double()
                                                    * lens.counts[layer].double()[:, None, None] for lens in lenses])
             experts[layer] = (sums / count.clamp_min(1).double()[:, None, None]).float()
             counts[layer] = count
-        settings = dict(first.settings, merged_from=len(lenses))
-        if all("n_skipped" in lens.settings for lens in lenses):
-            settings["n_skipped"] = sum(int(lens.settings["n_skipped"]) for lens in lenses)
         return first._copy(pooled=pooled, experts=experts, counts=counts, n_prompts=total, settings=settings,
                            diagnostics=[rec for lens in lenses for rec in lens.diagnostics], stop_reason=None)
 

@@ -8,15 +8,18 @@ import logging
 import operator
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
 from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
 from .protocol import FittedLens, Lens
+
+if TYPE_CHECKING:
+    from .experts import ExpertLens
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,158 @@ def check_made_for(lens: FittedLens, model: LensModel, *, what: str, made: str, 
     if not same_fingerprint(lens.model_fingerprint, model.fingerprint()):
         raise LensFileError(f"This {what} was {made} {lens.model_name!r}, whose unembedding differs from "
                             f"that of {model.name!r}: {remedy}.")
+
+
+_T = TypeVar("_T")
+_K = TypeVar("_K")
+
+
+def cached_on_device(cache: dict[tuple[int, torch.device, torch.dtype], _T], layer: int, h: torch.Tensor,
+                     make: Callable[[], _T]) -> _T:
+    """``cache[(layer, h.device, h.dtype)]``, made by ``make()`` when missing; a new entry drops the
+    entries of other devices and dtypes (a lens keeps its matrices on one device and dtype at a time)."""
+    key = (layer, h.device, h.dtype)
+    value = cache.get(key)
+    if value is None:
+        value = make()
+        for other in [k for k in cache if k[1:] != key[1:]]:
+            del cache[other]
+        cache[key] = value
+    return value
+
+
+class SourceLayersMixin:
+    """``layers`` from ``source_layers`` and ``target_layer``: shared by the fitted and trained lenses."""
+
+    target_layer: int
+
+    @property
+    def source_layers(self) -> list[int]:
+        raise NotImplementedError
+
+    @property
+    def layers(self) -> list[int]:
+        """Readable layers: the source layers plus the target (where the lens is the identity)."""
+        return self.source_layers + [self.target_layer]
+
+
+class MatrixTransportMixin(SourceLayersMixin):
+    """The transport of a lens that reads with one matrix per source layer (:meth:`matrix`), kept on the
+    reading's device and dtype: shared by :class:`JacobianLens` and the expert lens."""
+
+    d_model: int
+    _device_cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor]
+
+    def matrix(self, layer: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """``J_l @ h`` over the last axis (``J_l`` = :meth:`matrix`): ``[..., d_model] -> [..., d_model]``,
+        in ``h``'s dtype and device.
+
+        Raises:
+            KeyError: the lens was not fitted at ``layer``.
+            ValueError: the last axis of ``h`` is not ``d_model``.
+        """
+        if h.shape[-1] != self.d_model:
+            raise ValueError(f"h has width {h.shape[-1]}, this lens is for d_model={self.d_model}.")
+        if layer == self.target_layer:
+            return h
+        mat = cached_on_device(self._device_cache, layer, h,
+                               lambda: self.matrix(layer).to(device=h.device, dtype=h.dtype))
+        return h @ mat.T
+
+
+def storage_dtype(dtype: str | torch.dtype, matrices: Iterable[torch.Tensor]) -> torch.dtype:
+    """The dtype a lens file stores ``matrices`` in: ``dtype`` (``float32`` or ``float16``), or float32
+    with a warning when a value would overflow float16.
+
+    Raises:
+        ValueError: another dtype.
+    """
+    dtype = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16}.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"dtype={dtype} is not supported: use float32 or float16.")
+    if dtype == torch.float16:
+        worst = max(float(m.abs().max()) for m in matrices)
+        if not worst < FP16_MAX:
+            warnings.warn(f"The lens has a value of magnitude {worst:.3g}, beyond float16's range "
+                          f"({FP16_MAX}); storing float32 instead.", stacklevel=3)  # points at save's caller
+            return torch.float32
+    return cast(torch.dtype, dtype)
+
+
+def read_lens_safetensors(path: Path, format_name: str, not_ours: str, *, prefix: str = "",
+                          key: Callable[[str], _K]) -> tuple[dict[str, Any], dict[_K, torch.Tensor]]:
+    """The JSON metadata of a lens file and its tensors whose names start with ``prefix`` (named by ``key``).
+
+    Raises:
+        LensFileError: the header's format is not ``format_name`` (the message: ``path`` then ``not_ours``),
+            or the file cannot be read.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != format_name or "jlens" not in meta:
+                raise LensFileError(f"{str(path)!r} {not_ours}")
+            info = json.loads(meta["jlens"])
+            tensors = {key(k): f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118
+    except LensFileError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for bad headers
+        raise LensFileError(f"{str(path)!r} is not a readable lens file (truncated or not safetensors): "
+                            f"{exc}") from exc
+    return info, tensors
+
+
+def checked_rules(path: Path, info: dict[str, Any], *, what: str, version: int) -> str:
+    """The backward rules a lens file's metadata records (``"jacobian"`` when it predates the R-lens).
+
+    Raises:
+        LensFileError: a format version above ``version`` (``what`` names the format), or unknown rules.
+    """
+    if info.get("format_version", 0) > version:
+        raise LensFileError(f"{str(path)!r} has {what} format version {info['format_version']}; this jlens "
+                            f"reads up to {version}. Upgrade jlens.")
+    rules = info.get("rules", "jacobian")  # files from before the R-lens are J-lenses
+    if rules not in LENS_RULES:
+        raise LensFileError(f"{str(path)!r} records rules={rules!r}, which this jlens does not know "
+                            f"(it reads {' and '.join(LENS_RULES)}): upgrade jlens or refit the lens.")
+    return rules
+
+
+def check_mergeable(first: JacobianLens | ExpertLens, other: JacobianLens | ExpertLens) -> None:
+    """Raise ``ValueError`` unless both lenses were fitted with the same result settings on one model."""
+    for key in RESULT_SETTINGS:
+        if first.settings.get(key) != other.settings.get(key):
+            raise ValueError(f"Cannot merge lenses fitted with different {key}: "
+                             f"{first.settings.get(key)} vs {other.settings.get(key)}.")
+    if not same_fingerprint(first.model_fingerprint, other.model_fingerprint):
+        raise ValueError(f"Cannot merge lenses of different models ({first.model_name!r} and "
+                         f"{other.model_name!r}).")
+
+
+def merged_prompts(lenses: Sequence[JacobianLens | ExpertLens]) -> tuple[int, dict[str, Any]]:
+    """The prompts lenses fitted on disjoint prompt sets hold together, and their merged settings.
+
+    Raises:
+        ValueError: they hold no prompt.
+    """
+    total = sum(lens.n_prompts for lens in lenses)
+    if total <= 0:
+        raise ValueError("Cannot merge lenses that hold zero prompts.")
+    settings = dict(lenses[0].settings, merged_from=len(lenses))
+    if all("n_skipped" in lens.settings for lens in lenses):
+        settings["n_skipped"] = sum(int(lens.settings["n_skipped"]) for lens in lenses)
+    return total, settings
+
+
+def prompt_weighted_mean(weighted: Iterable[tuple[torch.Tensor, int]], total: int) -> torch.Tensor:
+    """``sum_i n_i M_i / total`` in float64, returned as fp32."""
+    return functools.reduce(operator.add, [mat.double() * n for mat, n in weighted]).div(total).float()
 
 
 class LogitLens:
@@ -103,7 +258,7 @@ class LogitLens:
         return f"LogitLens(n_layers={self.n_layers}, d_model={self.d_model})"
 
 
-class JacobianLens:
+class JacobianLens(MatrixTransportMixin):
     """A fitted Jacobian lens: ``lens_l(h) = unembed(J_l @ h)``.
 
     Args:
@@ -169,11 +324,6 @@ class JacobianLens:
     def source_layers(self) -> list[int]:
         return sorted(self.jacobians)
 
-    @property
-    def layers(self) -> list[int]:
-        """Readable layers: the fitted source layers plus the target (where the lens is the identity)."""
-        return self.source_layers + [self.target_layer]
-
     def matrix(self, layer: int) -> torch.Tensor:
         """``J_l`` with shrinkage applied: ``(1 - a) J_l + a I``, fp32 ``[d_model, d_model]``.
 
@@ -197,25 +347,6 @@ class JacobianLens:
                             n_layers=self.n_layers, settings=self.settings, model_name=self.model_name,
                             model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
                             shrinkage=alpha, stop_reason=self.stop_reason, rules=self.rules)
-
-    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
-        """``J_l @ h`` over the last axis: ``[..., d_model] -> [..., d_model]``, in ``h``'s dtype and device.
-
-        Raises:
-            KeyError: the lens was not fitted at ``layer``.
-            ValueError: the last axis of ``h`` is not ``d_model``.
-        """
-        if h.shape[-1] != self.d_model:
-            raise ValueError(f"h has width {h.shape[-1]}, this lens is for d_model={self.d_model}.")
-        if layer == self.target_layer:
-            return h
-        key = (layer, h.device, h.dtype)
-        mat = self._device_cache.get(key)
-        if mat is None:
-            mat = self.matrix(layer).to(device=h.device, dtype=h.dtype)
-            self._device_cache = {k: v for k, v in self._device_cache.items() if k[1:] == key[1:]}
-            self._device_cache[key] = mat
-        return h @ mat.T
 
     def check_model(self, model: LensModel) -> None:
         """Raise :class:`LensFileError` if this lens was fitted for another model than ``model``."""
@@ -241,17 +372,8 @@ class JacobianLens:
         """
         from safetensors.torch import save_file
 
-        dtype = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-                 "fp16": torch.float16}.get(dtype, dtype) if isinstance(dtype, str) else dtype
-        if dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"dtype={dtype} is not supported: use float32 or float16.")
-        if dtype == torch.float16:
-            worst = max(float(m.abs().max()) for m in self.jacobians.values())
-            if not worst < FP16_MAX:
-                warnings.warn(f"The lens has a value of magnitude {worst:.3g}, beyond float16's range "
-                              f"({FP16_MAX}); storing float32 instead.", stacklevel=2)
-                dtype = torch.float32
-        tensors = {f"J.{layer}": mat.to(dtype).contiguous() for layer, mat in self.jacobians.items()}
+        store = storage_dtype(dtype, self.jacobians.values())
+        tensors = {f"J.{layer}": mat.to(store).contiguous() for layer, mat in self.jacobians.items()}
         meta = {"format": FORMAT_NAME, "jlens": json.dumps(self.metadata())}
         return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), shared=True)
 
@@ -317,28 +439,10 @@ class JacobianLens:
 
     @classmethod
     def _load_safetensors(cls, path: Path) -> JacobianLens:
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != FORMAT_NAME or "jlens" not in meta:
-                    raise LensFileError(f"{str(path)!r} is a safetensors file but not a jlens lens "
-                                        "(no jlens metadata in its header).")
-                info = json.loads(meta["jlens"])
-                tensors = {int(k.split(".", 1)[1]): f.get_tensor(k) for k in f.keys() if k.startswith("J.")}  # noqa: SIM118
-        except LensFileError:
-            raise
-        except Exception as exc:  # safetensors raises its own error types for bad headers
-            raise LensFileError(f"{str(path)!r} is not a readable lens file (truncated or not safetensors): "
-                                f"{exc}") from exc
-        if info.get("format_version", 0) > FORMAT_VERSION:
-            raise LensFileError(f"{str(path)!r} has lens format version {info['format_version']}; this jlens "
-                                f"reads up to {FORMAT_VERSION}. Upgrade jlens.")
-        rules = info.get("rules", "jacobian")  # files from before the R-lens are J-lenses
-        if rules not in LENS_RULES:
-            raise LensFileError(f"{str(path)!r} records rules={rules!r}, which this jlens does not know "
-                                f"(it reads {' and '.join(LENS_RULES)}): upgrade jlens or refit the lens.")
+        info, tensors = read_lens_safetensors(path, FORMAT_NAME, "is a safetensors file but not a jlens lens "
+                                              "(no jlens metadata in its header).", prefix="J.",
+                                              key=lambda k: int(k.split(".", 1)[1]))
+        rules = checked_rules(path, info, what="lens", version=FORMAT_VERSION)
         missing = [layer for layer in info.get("source_layers", []) if layer not in tensors]
         if missing or not tensors:
             raise LensFileError(f"{str(path)!r} lacks the matrices of layers {missing or 'all'}.")
@@ -387,23 +491,11 @@ class JacobianLens:
                 raise ValueError(f"Cannot merge lenses of widths {first.d_model} and {other.d_model}.")
             if other.source_layers != first.source_layers:
                 raise ValueError(f"Cannot merge lenses of layers {first.source_layers} and {other.source_layers}.")
-            for key in RESULT_SETTINGS:
-                if first.settings.get(key) != other.settings.get(key):
-                    raise ValueError(f"Cannot merge lenses fitted with different {key}: "
-                                     f"{first.settings.get(key)} vs {other.settings.get(key)}.")
-            if not same_fingerprint(first.model_fingerprint, other.model_fingerprint):
-                raise ValueError(f"Cannot merge lenses of different models ({first.model_name!r} and "
-                                 f"{other.model_name!r}).")
-        total = sum(lens.n_prompts for lens in lenses)
-        if total <= 0:
-            raise ValueError("Cannot merge lenses that hold zero prompts.")
-        mats = {layer: functools.reduce(operator.add, [lens.jacobians[layer].double() * lens.n_prompts
-                                                       for lens in lenses]).div(total).float()
+            check_mergeable(first, other)
+        total, settings = merged_prompts(lenses)
+        mats = {layer: prompt_weighted_mean([(lens.jacobians[layer], lens.n_prompts) for lens in lenses], total)
                 for layer in first.source_layers}
         diagnostics = [rec for lens in lenses for rec in lens.diagnostics]
-        settings = dict(first.settings, merged_from=len(lenses))
-        if all("n_skipped" in lens.settings for lens in lenses):
-            settings["n_skipped"] = sum(int(lens.settings["n_skipped"]) for lens in lenses)
         return cls(mats, total, first.d_model, target_layer=first.target_layer, n_layers=first.n_layers,
                    settings=settings, model_name=first.model_name, model_fingerprint=first.model_fingerprint,
                    diagnostics=diagnostics, rules=first.rules)

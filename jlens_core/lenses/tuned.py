@@ -29,7 +29,7 @@ import torch
 
 from .._atomic import atomic_write
 from ..models.model import LensModel
-from .lens import LensFileError, check_made_for
+from .lens import LensFileError, SourceLayersMixin, cached_on_device, check_made_for
 
 if TYPE_CHECKING:
     from .protocol import FittedLens
@@ -40,7 +40,7 @@ FORMAT_NAME = "jlens-tuned"
 FORMAT_VERSION = 1
 
 
-class TunedLens:
+class TunedLens(SourceLayersMixin):
     """Per source layer ``l``: ``transport(h) = h + h A_l^T + b_l`` (``A_l [d, d]``, ``b_l [d]``).
 
     Args:
@@ -97,11 +97,6 @@ class TunedLens:
     def source_layers(self) -> list[int]:
         return sorted(self.translators)
 
-    @property
-    def layers(self) -> list[int]:
-        """Readable layers: the translated ones and the target."""
-        return self.source_layers + [self.target_layer]
-
     def matrix(self, layer: int) -> torch.Tensor:
         """``I + A_layer`` (fp32): the linear part of the transport."""
         a, _ = self.translators[int(layer)]
@@ -120,14 +115,11 @@ class TunedLens:
             return h
         if int(layer) not in self.translators:
             raise KeyError(f"The tuned lens has no translator at layer {layer}; it reads layers {self.source_layers}.")
-        key = (int(layer), h.device, h.dtype)
-        cached = self._device_cache.get(key)
-        if cached is None:
+        def on_device() -> tuple[torch.Tensor, torch.Tensor]:
             a, b = self.translators[int(layer)]
-            cached = (a.to(device=h.device, dtype=h.dtype), b.to(device=h.device, dtype=h.dtype))
-            self._device_cache = {k: v for k, v in self._device_cache.items() if k[1:] == key[1:]}
-            self._device_cache[key] = cached
-        a, b = cached
+            return a.to(device=h.device, dtype=h.dtype), b.to(device=h.device, dtype=h.dtype)
+
+        a, b = cached_on_device(self._device_cache, int(layer), h, on_device)
         return h + h @ a.T + b
 
     def check_model(self, model: LensModel) -> None:
