@@ -368,11 +368,18 @@ def tuned_summary(lens: Any) -> str:
     return " · ".join(parts)
 
 
-JACOBIAN = LensSlot(
-    key="jacobian", param="lens", default=SHIPPED, sources=_jacobian_sources, loader=cache.load_any_lens_cached,
-    version_file=_lens_file, summary=lambda lens: f"**Jacobian lens** · {lens_summary(lens)}", noun="lens",
-    label="Lens", none_label="None: logit lens only", file_label="Lens file (path)…",
-    upload_label="Upload a lens file…", upload_box_label="Lens file", path_label="Lens file", path_what="lens file",
+def _lens_file_slot(noun: str, article: str = "a", **fields: Any) -> LensSlot:
+    """A slot of lens files (a J lens, an R-lens, an expert lens: :func:`cache.load_any_lens_cached` reads them),
+    its file words made from ``noun``: "<Noun> file (path)…", "Upload <article> <noun> file…"."""
+    title = noun[:1].upper() + noun[1:]
+    return LensSlot(loader=cache.load_any_lens_cached, version_file=_lens_file, noun=noun,
+                    file_label=f"{title} file (path)…", upload_label=f"Upload {article} {noun} file…",
+                    upload_box_label=f"{title} file", path_label=f"{title} file", path_what=f"{noun} file", **fields)
+
+
+JACOBIAN = _lens_file_slot(
+    "lens", key="jacobian", param="lens", default=SHIPPED, sources=_jacobian_sources,
+    summary=lambda lens: f"**Jacobian lens** · {lens_summary(lens)}", label="Lens", none_label="None: logit lens only",
     path_placeholder="/path/to/lens.safetensors or hf://owner/repo/lens.pt",
     path_help="A lens file (jlens or the reference's .pt), or hf://owner/repo[@revision]/path on the "
               "Hugging Face Hub (its cache; HF_HUB_OFFLINE honoured).",
@@ -380,12 +387,10 @@ JACOBIAN = LensSlot(
     empty_note="No Jacobian lens loaded: the logit lens only. Fit one on the Fit page or load a lens file.",
     kinds=("jacobian",), wrong_kind="this file is an R-lens (fitted with rules={kind!r}): pick it in the R-lens "
                                     "slot below.")
-RELEVANCE = LensSlot(
-    key="relevance", param="rlens", default=NONE, sources=_relevance_sources, loader=cache.load_any_lens_cached,
-    version_file=_lens_file, summary=lambda lens: f"**R-lens** · {lens_summary(lens)}", noun="R-lens",
-    label="R-lens", none_label="None", unshipped_label="None (no shipped R-lens for this model)",
-    file_label="R-lens file (path)…", upload_label="Upload an R-lens file…", upload_box_label="R-lens file",
-    path_label="R-lens file", path_what="R-lens file", path_placeholder="/path/to/lens.safetensors or hf://owner/repo/lens",
+RELEVANCE = _lens_file_slot(
+    "R-lens", "an", key="relevance", param="rlens", default=NONE, sources=_relevance_sources,
+    summary=lambda lens: f"**R-lens** · {lens_summary(lens)}", label="R-lens", none_label="None",
+    unshipped_label="None (no shipped R-lens for this model)", path_placeholder="/path/to/lens.safetensors or hf://owner/repo/lens",
     path_help="A lens file fitted with relevance rules (`jlens fit --rules relevance`), or "
               "hf://owner/repo[@revision]/path on the Hugging Face Hub.",
     picker_help="The relevance lens: the same average Jacobian, fitted with LRP-style backward rules "
@@ -406,12 +411,11 @@ TUNED = LensSlot(
 def _expert_slot(key: str, rules: str, short: str) -> LensSlot:
     """The J++ or R++ slot: an expert lens fitted with ``rules`` (learned weights, or uniform), in full or combined."""
     what = f"{short} lens"
-    return LensSlot(
-        key=key, param=key, default=NONE, sources=_expert_sources(rules, key, what), loader=cache.load_any_lens_cached,
-        version_file=_lens_file, summary=lambda lens: f"**{KIND_LABELS[lens_kind(lens)]}** · {lens_summary(lens)}",
-        noun=what, label=what, none_label="None", unshipped_label=f"None (no shipped {what} for this model)",
-        file_label=f"{what} file (path)…", upload_label=f"Upload a {what} file…", upload_box_label=f"{what} file",
-        path_label=f"{what} file", path_what=f"{what} file", path_placeholder="/path/to/experts.safetensors or hf://owner/repo/lens",
+    return _lens_file_slot(
+        what, key=key, param=key, default=NONE, sources=_expert_sources(rules, key, what),
+        summary=lambda lens: f"**{KIND_LABELS[lens_kind(lens)]}** · {lens_summary(lens)}", label=what,
+        none_label="None", unshipped_label=f"None (no shipped {what} for this model)",
+        path_placeholder="/path/to/experts.safetensors or hf://owner/repo/lens",
         path_help=f"An expert lens fitted with {rules} rules (`jlens fit --experts E"
                   + (" --rules relevance" if rules == "relevance" else "") + "`, weights from `jlens weigh`), or its "
                   "combined one-matrix file, or hf://owner/repo[@revision]/path on the Hugging Face Hub.",
