@@ -806,6 +806,30 @@ N_FIT = 40  # prompts of the fit started from the page (each ~1 s with its check
 
 
 @pytest.mark.slow  # a 40-prompt fit in a subprocess, stopped and resumed
+def finished_fit(root: Path, name: str, model: str, lens: str, args: list[str], **info) -> Path:
+    """A finished fit of 3 prompts, its files as `jlens fit` leaves them: ``root/name/lens.safetensors`` (a copy of
+    ``lens``), its ``run.json`` (``args`` and ``info``) and a done status. Returns the lens file."""
+    folder = root / name
+    folder.mkdir(parents=True)
+    out = folder / "lens.safetensors"
+    out.write_bytes(Path(lens).read_bytes())
+    (folder / "run.json").write_text(json.dumps({"name": name, "model": model, "out": str(out), "args": args, **info}))
+    (folder / "lens.status.json").write_text(json.dumps({"state": "done", "pid": None, "n_total": 3, "n_done": 3,
+                                                         "next_idx": 3, "model": model, "out": str(out)}))
+    return out
+
+
+def use_finished_fit(at: AppTest, name: str, slot: str, choice: str, caption: str) -> None:
+    """Pick the fit ``name`` on the Fit page and use its lens: the page names the slot that takes it (``slot``),
+    the slot's ``choice`` becomes the run, and a sidebar caption starts with ``caption``."""
+    at.switch_page("views/fit.py").run()
+    at.selectbox(key="fit_run").set_value(name).run()
+    assert any(f"({slot} → Fitted here)" in s.value for s in ok(at).success)
+    button(at, "Use this lens").click().run()
+    assert ok(at).session_state[choice] == f"run:{name}"
+    assert any(c.value.startswith(caption) for c in at.sidebar.caption)
+
+
 def test_fit_page_start_stop_resume_and_use_the_lens(tiny_dir, tmp_path, runs_root):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"Text number {i}. {LONG_TEXT}" for i in range(N_FIT)))
@@ -873,23 +897,12 @@ def test_fit_page_rules_and_a_finished_r_fit_loads_into_the_r_lens_slot(tiny_dir
     assert args[args.index("--rules") + 1] == "relevance"  # `jlens fit --rules relevance`
     _wait(at, lambda a: _state(a) == "failed")
     # a finished fit with relevance rules (its files, as `jlens fit` leaves them) is offered by the R-lens slot only
-    folder = runs_root / "r-fit"
-    folder.mkdir()
-    out = folder / "lens.safetensors"
-    out.write_bytes(Path(rlens_file).read_bytes())
-    (folder / "run.json").write_text(json.dumps({"name": "r-fit", "model": tiny_dir, "out": str(out),
-                                                  "args": ["--rules", "relevance"], "settings": {"rules": "relevance"}}))
-    (folder / "lens.status.json").write_text(json.dumps({"state": "done", "pid": None, "n_total": 3, "n_done": 3,
-                                                         "next_idx": 3, "model": tiny_dir, "out": str(out)}))
+    out = finished_fit(runs_root, "r-fit", tiny_dir, rlens_file, ["--rules", "relevance"],
+                       settings={"rules": "relevance"})
     at = ok(make_app(model=tiny_dir, lens="none").run())
     assert "Fitted here: r-fit (3 prompts)" in at.selectbox(key="rlens_choice").options
     assert not any("r-fit" in o for o in at.selectbox(key="lens_choice").options)
-    at.switch_page("views/fit.py").run()
-    at.selectbox(key="fit_run").set_value("r-fit").run()
-    assert any("(R-lens → Fitted here)" in s.value for s in ok(at).success)
-    button(at, "Use this lens").click().run()
-    assert ok(at).session_state["rlens_choice"] == "run:r-fit"
-    assert any(c.value.startswith("**R-lens** · 3 prompts") for c in at.sidebar.caption)
+    use_finished_fit(at, "r-fit", "R-lens", "rlens_choice", "**R-lens** · 3 prompts")
     # followed by its --out path, its header says where it goes
     fresh = ok(make_app(model=tiny_dir, lens="none").run())
     fresh.switch_page("views/fit.py").run()
@@ -901,24 +914,13 @@ def test_fit_page_rules_and_a_finished_r_fit_loads_into_the_r_lens_slot(tiny_dir
 
 def test_a_finished_expert_fit_loads_into_the_j_plus_plus_slot(tiny_dir, expert_files, runs_root):
     # a finished `jlens fit --experts` run (its files, as `jlens fit` leaves them): the J++ slot offers it, the J slot not
-    folder = runs_root / "x-fit"
-    folder.mkdir(parents=True)
-    out = folder / "lens.safetensors"
-    out.write_bytes(Path(expert_files["uniform"]).read_bytes())
-    (folder / "run.json").write_text(json.dumps({"name": "x-fit", "model": tiny_dir, "out": str(out),
-                                                  "args": ["--experts", "2"], "settings": {"rules": "jacobian"}}))
-    (folder / "lens.status.json").write_text(json.dumps({"state": "done", "pid": None, "n_total": 3, "n_done": 3,
-                                                         "next_idx": 3, "model": tiny_dir, "out": str(out)}))
+    finished_fit(runs_root, "x-fit", tiny_dir, expert_files["uniform"], ["--experts", "2"],
+                 settings={"rules": "jacobian"})
     at = ok(make_app(model=tiny_dir, lens="none").run())
     assert "Fitted here: x-fit (3 prompts)" in at.selectbox(key="jpp_choice").options
     assert not any("x-fit" in o for k in ("lens_choice", "rlens_choice", "rpp_choice")
                    for o in at.selectbox(key=k).options)
-    at.switch_page("views/fit.py").run()
-    at.selectbox(key="fit_run").set_value("x-fit").run()
-    assert any("(J++ lens → Fitted here)" in s.value for s in ok(at).success)
-    button(at, "Use this lens").click().run()
-    assert ok(at).session_state["jpp_choice"] == "run:x-fit"
-    assert any(c.value.startswith("**J-experts (uniform)** · 3 prompts") for c in at.sidebar.caption)
+    use_finished_fit(at, "x-fit", "J++ lens", "jpp_choice", "**J-experts (uniform)** · 3 prompts")
 
 
 def test_fit_page_follows_a_fit_started_elsewhere(tiny_dir, lens_file, tmp_path):
@@ -1198,15 +1200,9 @@ def test_fit_page_experts_and_learn_weights_build_their_commands_under_the_fits_
         assert command == "fit" and args[args.index("--experts"):][:4] == ["--experts", "2", "--cluster-prompts", "3"]
         assert json.loads((runs_root / "ex" / "run.json").read_text())["args"] == args
         # the started fit fills the one place: Start fit and Learn weights wait
-        folder = runs_root / "x-fit"  # a finished `jlens fit --experts` run, as `jlens fit` leaves it
-        folder.mkdir(parents=True)
-        out = folder / "lens.safetensors"
-        out.write_bytes(Path(expert_files["uniform"]).read_bytes())
-        (folder / "run.json").write_text(json.dumps({
-            "name": "x-fit", "model": tiny_dir, "out": str(out), "args": ["--experts", "2"], "created": 1,
-            "settings": {"rules": "jacobian", "device": "cpu"}}))
-        (folder / "lens.status.json").write_text(json.dumps({"state": "done", "pid": None, "n_total": 3, "n_done": 3,
-                                                             "next_idx": 3, "model": tiny_dir, "out": str(out)}))
+        out = finished_fit(runs_root, "x-fit", tiny_dir, expert_files["uniform"], ["--experts", "2"], created=1,
+                           settings={"rules": "jacobian", "device": "cpu"})  # a finished `jlens fit --experts` run
+        folder = out.parent
         at.run()
         at.selectbox(key="fit_run").set_value("x-fit").run()
         assert any("1 of at most 1 fits at once are running (ex)" in i.value for i in ok(at).info)
