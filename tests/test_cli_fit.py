@@ -14,7 +14,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CORPUS, make_hf_model, make_tokenizer, save_tiny
+from conftest import CORPUS, free_port, make_hf_model, make_tokenizer, save_tiny
 
 from jlens_core import JacobianLens
 from jlens_core.cli.main import build_parser, main
@@ -437,12 +436,6 @@ def test_a_failing_rank_stops_the_others_with_its_error(work, tmp_path):
 
 # -- torchrun on two nodes: two launches on this machine, a c10d rendezvous on loopback ---------------
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def node_cmd(addr: str, port: int, run_id: str, *args, host: bool) -> list[str]:
     """One node of a two-node job, one process per node. ``c10d`` ranks nodes by address (then pid), not by
     ``--node-rank``: the node at 127.0.0.1 is rank 0, the one at 127.0.0.2 rank 1 (both are loopback). The
@@ -481,12 +474,15 @@ def kill_node(proc: subprocess.Popen) -> None:
 
 
 def start_nodes(tmp_path: Path, tag: str, nodes: dict[str, list[str]]) -> dict[str, subprocess.Popen]:
-    """Start one torchrun per node (``{addr: its arguments}``)."""
+    """Start a new two-node job (a free port, a fresh rendezvous id): one torchrun per node, ``{addr: the
+    program and its arguments}``; the node at 127.0.0.1 hosts the rendezvous."""
+    port, run_id = free_port(), f"jlens-{os.getpid()}-{time.time_ns()}"
     env = dict(sub_env(), GLOO_SOCKET_IFNAME="lo")  # gloo on loopback only
     procs = {}
     for addr, args in nodes.items():
+        cmd = node_cmd(addr, port, run_id, *args, host=addr == "127.0.0.1")
         with open(tmp_path / f"{tag}-{addr}.stderr", "w") as err:
-            procs[addr] = subprocess.Popen(args, cwd=REPO, env=env, stdout=err, stderr=err)
+            procs[addr] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=err, stderr=err)
     return procs
 
 
@@ -507,22 +503,25 @@ def stderr_of(tmp_path: Path, tag: str) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob(f"{tag}-*.stderr")))
 
 
+def fit_on_two_nodes(tmp_path: Path, tag: str, nodes: dict[str, list[str]], out: Path, n: int, reference) -> None:
+    """Run a two-node fit (:func:`start_nodes`) to its end: every node exits 0 and the lens at ``out`` equals the
+    one-process fit of ``n`` prompts."""
+    t0 = time.monotonic()
+    codes = wait_nodes(start_nodes(tmp_path, tag, nodes), timeout=300)
+    print(f"two-node fit ({tag}) to {n} prompts: {time.monotonic() - t0:.1f} s")
+    assert set(codes.values()) == {0}, stderr_of(tmp_path, tag)
+    lens = JacobianLens.load(out)
+    assert lens.n_prompts == n
+    assert max_abs_diff(lens, reference(n)) <= 1e-6
+
+
 @pytest.mark.slow
 def test_two_nodes_equal_a_one_process_fit(work, tmp_path, reference):
     n = 13  # odd: rank 1 has one prompt less
     out, ckpt = tmp_path / "two-nodes.safetensors", tmp_path / "two-nodes.ckpt"
     args = ["-m", "jlens_core", *fit_args(work, out, "--n-prompts", str(n), "--checkpoint", str(ckpt),
                                           "--checkpoint-every", "2")]
-    port, run_id = free_port(), f"jlens-{os.getpid()}-{time.time_ns()}"
-    t0 = time.monotonic()
-    procs = start_nodes(tmp_path, "fit", {addr: node_cmd(addr, port, run_id, *args, host=addr == "127.0.0.1")
-                                          for addr in ("127.0.0.1", "127.0.0.2")})
-    codes = wait_nodes(procs, timeout=300)
-    print(f"two-node fit of {n} prompts: {time.monotonic() - t0:.1f} s")
-    assert set(codes.values()) == {0}, stderr_of(tmp_path, "fit")
-    lens = JacobianLens.load(out)
-    assert lens.n_prompts == n
-    assert max_abs_diff(lens, reference(n)) <= 1e-6
+    fit_on_two_nodes(tmp_path, "fit", {"127.0.0.1": args, "127.0.0.2": args}, out, n, reference)
     logs = stderr_of(tmp_path, "fit")
     assert logs.count(f"Wrote {out}") == 1  # global rank 0 alone writes the lens
     status = json.loads(sidecars(out)[1].read_text())
@@ -572,10 +571,8 @@ def test_two_nodes_resume_after_a_node_is_lost_equals_an_uninterrupted_fit(work,
         return [*program, *fit_args(work, out, "--n-prompts", str(n), "--checkpoint", str(disk[node]),
                                     "--checkpoint-every", "2")]
 
-    port, run_id = free_port(), f"jlens-{os.getpid()}-{time.time_ns()}"
-    procs = start_nodes(tmp_path, "first",
-                        {"127.0.0.1": node_cmd("127.0.0.1", port, run_id, *args("A", (str(halting),)), host=True),
-                         "127.0.0.2": node_cmd("127.0.0.2", port, run_id, *args("B", (str(halting),)), host=False)})
+    procs = start_nodes(tmp_path, "first", {"127.0.0.1": args("A", (str(halting),)),
+                                            "127.0.0.2": args("B", (str(halting),))})
     try:
         lose_node_when(procs, "127.0.0.2", halted)
     finally:
@@ -590,16 +587,8 @@ def test_two_nodes_resume_after_a_node_is_lost_equals_an_uninterrupted_fit(work,
     assert disk["B"].exists()  # both nodes wrote a copy ...
     shutil.rmtree(disk["B"].parent)  # ... and B's machine is replaced by one with an empty disk
 
-    port, run_id = free_port(), f"jlens-{os.getpid()}-{time.time_ns()}"  # the same command, a new job
-    procs = start_nodes(tmp_path, "again", {"127.0.0.1": node_cmd("127.0.0.1", port, run_id, *args("B"), host=True),
-                                            "127.0.0.2": node_cmd("127.0.0.2", port, run_id, *args("A"), host=False)})
-    t0 = time.monotonic()
-    codes = wait_nodes(procs, timeout=300)
-    print(f"two-node resume of {n - k} prompts: {time.monotonic() - t0:.1f} s")
-    assert set(codes.values()) == {0}, stderr_of(tmp_path, "again")
-    lens = JacobianLens.load(out)
-    assert lens.n_prompts == n
-    assert max_abs_diff(lens, reference(n)) <= 1e-6
+    # the same command, a new job
+    fit_on_two_nodes(tmp_path, "again", {"127.0.0.1": args("B"), "127.0.0.2": args("A")}, out, n, reference)
     records = read_jsonl(diag_path)
     assert records[: 3 * k] == saved["diagnostics"]  # resumed from A's copy, not recomputed
     assert [(r["prompt_index"], r["layer"]) for r in records] == [(p, la) for p in range(n) for la in SOURCES]
