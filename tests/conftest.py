@@ -192,3 +192,16 @@ def wait_serving(url: str, proc, timeout: float = 90) -> bool:
             return False
         time.sleep(0.5)
     return True
+
+
+def stop(proc, timeout: float = 20) -> None:
+    """Stop a server started by a test: SIGTERM, then SIGKILL when it has not exited within ``timeout`` seconds."""
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

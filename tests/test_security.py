@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import stop
 
 from jlens_core.workspace import OutsideWorkspaceError, Workspace, looks_like_path, sanitise_filename
 
@@ -212,22 +213,13 @@ def _status(url: str, headers: dict | None = None) -> int:
         return exc.code
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 @pytest.mark.slow
 def test_jlens_app_listens_on_loopback_only_by_default(tmp_path):
     proc, port = _start_app(tmp_path)
     try:
         assert _listening(port, proc) == ["127.0.0.1"]
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 @pytest.mark.slow
@@ -258,7 +250,7 @@ def test_exposed_app_needs_its_token_for_every_request_local_ones_included(tmp_p
                      additional_headers={"Cookie": cookie}) as ws:
             assert ws.protocol.state.name == "OPEN"
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import free_port, wait_serving
+from conftest import free_port, stop, wait_serving
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,5 +94,4 @@ def test_jlens_app_from_the_wheel(installed):
     try:
         assert wait_serving(f"http://127.0.0.1:{port}", proc), "the app from the wheel did not start"
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop(proc, 30)
