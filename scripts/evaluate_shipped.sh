@@ -6,12 +6,7 @@
 # texts the Jacobian lens was fitted on), Adam lr 1e-3, stored in fp16. Results go to
 # assets/lenses/smollm2-135m.eval/; scripts/readme_tables.py writes their tables into docs/results.md.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash run.sh setup
-PY=.venv/bin/python
-RUN="${JLENS_SHIP_DIR:-runs/tuned}"
-EVAL_TEXTS="${EVAL_TEXTS:-40}"
-mkdir -p "$RUN"
+source "$(dirname "$0")/_common.sh" runs/tuned
 "$PY" -m jlens_core tune --model smollm2-135m --corpus stdlib-docs --split fit --min-chars 600 --n-texts 200 \
     --steps 160 --tokens-per-step 128 --lr 1e-3 --heldout-texts 8 --heldout-every 40 \
     --out "$RUN/smollm2-135m.tuned.safetensors"

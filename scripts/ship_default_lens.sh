@@ -8,13 +8,9 @@
 # JLENS_SHIP_EXTEND=1: where no checkpoint exists, go on from the shipped lens's prompts instead of
 # refitting them (scripts/checkpoint_from_lens.py; those prompts keep the lens's fp16 rounding).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash run.sh setup
-PY=.venv/bin/python
-RUN="${JLENS_SHIP_DIR:-runs/shipped}"
 N="${1:-428}"
-EVAL_TEXTS="${EVAL_TEXTS:-40}"
-mkdir -p "$RUN" assets/lenses
+source "$(dirname "$0")/_common.sh" runs/shipped
+mkdir -p assets/lenses
 if [[ "${JLENS_SHIP_EXTEND:-0}" == 1 && ! -e "$RUN/smollm2-135m.ckpt" ]]; then
     "$PY" scripts/checkpoint_from_lens.py assets/lenses/smollm2-135m.safetensors "$RUN/smollm2-135m.ckpt" \
         --corpus stdlib-docs --split fit --min-chars 600
