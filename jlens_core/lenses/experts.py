@@ -281,17 +281,9 @@ class ExpertLens(MatrixTransportMixin):
             self.weights = {layer: self._checked_weights(weights[layer], layer) for layer in layers}
         self.weight_items = list(weight_items or [])
         self.min_positions = int(min_positions)
-        self.n_prompts = int(n_prompts)
-        self.target_layer = int(target_layer)
-        self.n_layers = int(n_layers) if n_layers is not None else self.target_layer + 1
-        self.settings = dict(settings or {})
-        self.settings.setdefault("target_layer", self.target_layer)
-        self.model_name = model_name
-        self.model_fingerprint = model_fingerprint
-        self.diagnostics = list(diagnostics or [])
-        self.stop_reason = stop_reason
+        self._set_fit_record(n_prompts, target_layer, n_layers, settings, model_name, model_fingerprint,
+                             diagnostics, stop_reason)
         self._matrix_cache: dict[int, torch.Tensor] = {}
-        self._device_cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
     def _checked_weights(self, w: torch.Tensor, layer: int) -> torch.Tensor:
         w = torch.as_tensor(w, dtype=torch.float32).cpu()

@@ -91,6 +91,21 @@ class MatrixTransportMixin(SourceLayersMixin):
     d_model: int
     _device_cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor]
 
+    def _set_fit_record(self, n_prompts: int, target_layer: int, n_layers: int | None, settings: dict | None,
+                        model_name: str | None, model_fingerprint: dict | None, diagnostics: list[dict] | None,
+                        stop_reason: str | None) -> None:
+        """Set what a fit records besides its matrices (the constructors' arguments of those names)."""
+        self.n_prompts = int(n_prompts)
+        self.target_layer = int(target_layer)
+        self.n_layers = int(n_layers) if n_layers is not None else self.target_layer + 1
+        self.settings = dict(settings or {})
+        self.settings.setdefault("target_layer", self.target_layer)
+        self.model_name = model_name
+        self.model_fingerprint = model_fingerprint
+        self.diagnostics = list(diagnostics or [])
+        self.stop_reason = stop_reason
+        self._device_cache = {}
+
     def matrix(self, layer: int) -> torch.Tensor:
         raise NotImplementedError
 
@@ -296,17 +311,9 @@ class JacobianLens(MatrixTransportMixin):
                 raise ValueError(f"The matrix of layer {layer} has shape {tuple(mat.shape)}, expected "
                                  f"({self.d_model}, {self.d_model}).")
             self.jacobians[int(layer)] = mat.float().cpu()
-        self.n_prompts = int(n_prompts)
-        self.target_layer = int(target_layer) if target_layer is not None else max(self.jacobians) + 1
-        self.n_layers = int(n_layers) if n_layers is not None else self.target_layer + 1
-        self.settings = dict(settings or {})
-        self.settings.setdefault("target_layer", self.target_layer)
-        self.model_name = model_name
-        self.model_fingerprint = model_fingerprint
-        self.diagnostics = list(diagnostics or [])
-        self.stop_reason = stop_reason
+        self._set_fit_record(n_prompts, target_layer if target_layer is not None else max(self.jacobians) + 1,
+                             n_layers, settings, model_name, model_fingerprint, diagnostics, stop_reason)
         self.shrinkage = float(shrinkage)
-        self._device_cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
     @property
     def kind(self) -> str:
