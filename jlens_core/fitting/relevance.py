@@ -270,7 +270,9 @@ def _own_forward(module: nn.Module) -> Callable[..., Any]:
     return getattr(module, own_forward_attribute(module))
 
 
-def _norm_forward(module: nn.Module, rule: NormRule) -> Callable[..., Any]:
+def _rule_forward(module: nn.Module, backward: Callable[[torch.Tensor, torch.Tensor], Any]) -> Callable[..., Any]:
+    """``module``'s own forward, except that where a gradient is taken its value (computed without one) gets
+    the gradient ``backward(x, value)`` gives it."""
     original = _own_forward(module)
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -278,22 +280,21 @@ def _norm_forward(module: nn.Module, rule: NormRule) -> Callable[..., Any]:
             return original(x, *args, **kwargs)
         with torch.no_grad():
             value = original(x, *args, **kwargs)
-        return _with_gradient_of(value, rule.surrogate(module, x))
+        return backward(x, value)
     return forward
+
+
+def _norm_forward(module: nn.Module, rule: NormRule) -> Callable[..., Any]:
+    return _rule_forward(module, lambda x, value: _with_gradient_of(value, rule.surrogate(module, x)))
 
 
 def _activation_forward(module: nn.Module, slope: float) -> Callable[..., Any]:
-    original = _own_forward(module)
-
-    def forward(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not (torch.is_grad_enabled() and z.requires_grad):
-            return original(z, *args, **kwargs)
+    def backward(z: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            value = original(z, *args, **kwargs)
             ratio = torch.where(z == 0, torch.full_like(value, slope), value / z)  # f(z)/z, f'(0) at 0
         out = _with_gradient_of(value, z * ratio)
         return out.as_subclass(_ActivationOutput)
-    return forward
+    return _rule_forward(module, backward)
 
 
 def _detach_outputs(out: Any) -> Any:
