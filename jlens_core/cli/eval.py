@@ -220,13 +220,11 @@ def _advance(bar, done: int, total: int) -> None:
 
 
 def register(subparsers) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    add_model_arguments(common)
-
-    e = subparsers.add_parser("eval", parents=[common], help="per-layer KL and cross-entropy of lenses on a corpus",
+    e = subparsers.add_parser("eval", help="per-layer KL and cross-entropy of lenses on a corpus",
                               description="Mean KL(final || lens) and next-token cross-entropy (bits) per layer and "
                                           "lens on texts not used for fitting; optional pass@k on evaluation sets. "
                                           "Writes eval.csv, eval.json and eval.png to --out.")
+    add_model_arguments(e)
     e.add_argument("--lens", action="append", default=None,
                    help="a lens file (Jacobian or tuned), a tuned-lens folder, 'default' (the shipped Jacobian lens), "
                         "'tuned' (the shipped tuned lens) or 'logit'; repeat to compare (default: logit and default)")

@@ -23,7 +23,12 @@ from .._atomic import atomic_write_text
 from ..fitting.methods import METHODS, RULES
 from ..fitting.runfiles import sidecar  # the run-file format, shared with the app
 from .main import CLIError, say
-from .model_args import add_model_arguments, model_loading_options, placement_requested
+from .model_args import (
+    add_model_arguments,
+    add_save_dtype_argument,
+    model_loading_options,
+    placement_requested,
+)
 
 log = logging.getLogger(__name__)
 
@@ -311,8 +316,7 @@ def register(subparsers) -> None:
                    help="stop once the max relative change of the running mean stays below X")
     p.add_argument("--stop-patience", type=int, default=5,
                    help="prompts in a row below --stop-at-delta before stopping (default 5)")
-    p.add_argument("--save-dtype", default="float32", choices=["float32", "float16"],
-                   help="storage precision of the lens file (default float32)")
+    add_save_dtype_argument(p, "storage precision of the lens file (default float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (diagnostics are still written)")
     p.set_defaults(func=cmd_fit)
 
@@ -321,5 +325,5 @@ def register(subparsers) -> None:
                                           "settings or models.")
     m.add_argument("lenses", nargs="+", help="lens files to merge")
     m.add_argument("--out", required=True, help="merged lens file to write")
-    m.add_argument("--save-dtype", default="float32", choices=["float32", "float16"], help="storage precision")
+    add_save_dtype_argument(m, "storage precision")
     m.set_defaults(func=cmd_merge)

@@ -128,13 +128,12 @@ def print_grid(reading: PromptReading, name: str, last: int | None, width: int) 
 
 
 def register(subparsers) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    add_model_arguments(common)
-    i = subparsers.add_parser("inspect", parents=[common], help="print a layer x position grid of top-1 tokens",
+    i = subparsers.add_parser("inspect", help="print a layer x position grid of top-1 tokens",
                               description="Read one prompt through lenses and print the top-1 token of every "
                                           "layer (rows; 'out' is the model's output) at every position (columns), "
                                           "or the whole grid as JSON or CSV records; --save writes a reading file "
                                           "that reopens without the model.")
+    add_model_arguments(i)
     i.add_argument("--lens", action="append", default=None,
                    help="a lens file, 'default' (the shipped lens), 'tuned' or 'logit' (default); repeat, or give "
                         "'a,b', to read several (one table each; a 'lens' column in json/csv; side by side in --html)")

@@ -1,6 +1,7 @@
 """The model options every model-loading command takes: ``--model``, ``--device``, ``--dtype`` and the
 placement of a model larger than one device, ``--device-map``, ``--max-memory``, ``--offload-folder``
-(docs/models.md, "Sharded and offloaded models"), read by :func:`model_loading_options`."""
+(docs/models.md, "Sharded and offloaded models"), read by :func:`model_loading_options`; and ``--save-dtype``,
+which every command that writes a lens takes."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-map", default=None, metavar="auto|JSON", help=DEVICE_MAP_HELP)
     parser.add_argument("--max-memory", default=None, metavar="DEV:SIZE,...", help=MAX_MEMORY_HELP)
     parser.add_argument("--offload-folder", default=None, metavar="DIR", help=OFFLOAD_FOLDER_HELP)
+
+
+def add_save_dtype_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """Add ``--save-dtype`` (``float32``, the default, or ``float16``): the storage of the lens files written."""
+    parser.add_argument("--save-dtype", choices=["float32", "float16"], default="float32", help=help)
 
 
 def placement_requested(args: argparse.Namespace) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .fit import _interruptible
 from .main import CLIError, say
-from .model_args import add_model_arguments, model_loading_options
+from .model_args import add_model_arguments, add_save_dtype_argument, model_loading_options
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -90,7 +90,6 @@ def register(subparsers) -> None:
     p.add_argument("--warmup-steps", type=int, default=5, help="linear warm-up steps (default 5)")
     p.add_argument("--max-seq-len", type=int, default=128, help="truncate texts to this many tokens (default 128)")
     p.add_argument("--skip-first", type=int, default=16, help="leave out the first positions of each text (default 16)")
-    p.add_argument("--save-dtype", choices=["float32", "float16"], default="float32",
-                   help="storage of the lens file (float16 halves it)")
+    add_save_dtype_argument(p, "storage of the lens file (float16 halves it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_tune)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .main import CLIError, say
-from .model_args import add_model_arguments, model_loading_options
+from .model_args import add_model_arguments, add_save_dtype_argument, model_loading_options
 
 DEFAULT_SETS = "two_hop,arithmetic_chain,antonym_chain,translation_pivot,multilingual,couplets,typos,association,order_ops"
 
@@ -135,8 +135,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help="the weighted expert lens (.safetensors)")
     p.add_argument("--combined", default=None,
                    help="also write the one-matrix Jacobian lens (sum_e w_e J_e per layer) here (.safetensors)")
-    p.add_argument("--save-dtype", choices=["float32", "float16"], default="float32",
-                   help="storage of the written lenses (float16 halves them)")
+    add_save_dtype_argument(p, "storage of the written lenses (float16 halves them)")
     p.add_argument("--heldout-fraction", type=float, default=0.5,
                    help="fraction of items held out, by a seeded hash of the prompt (default 0.5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
