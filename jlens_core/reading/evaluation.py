@@ -18,14 +18,7 @@ import torch
 
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
-from .inputs import (
-    as_lens_dict,
-    check_lens,
-    encode_prompt,
-    model_vocab_size,
-    readable_layers,
-    record_residuals,
-)
+from .inputs import checked_lenses, encode_prompt, model_vocab_size, record_residuals
 from .logit_stats import centred_logit_stats, chunk_size, final_distribution
 
 log = logging.getLogger(__name__)
@@ -125,7 +118,7 @@ def evaluate(model: LensModel, lenses: Mapping[str, Lens], texts: Iterable[str] 
             counted position.
         LensFileError: a lens belongs to another model.
     """
-    lenses = as_lens_dict(lenses)
+    lenses, lens_layers = checked_lenses(model, lenses, layers)
     texts = [texts] if isinstance(texts, str) else list(texts)
     if not texts:
         raise ValueError("texts is empty: give at least one text to evaluate on.")
@@ -135,11 +128,8 @@ def evaluate(model: LensModel, lenses: Mapping[str, Lens], texts: Iterable[str] 
     if max_seq_len is not None and int(max_seq_len) < skip + 2:
         raise ValueError(f"max_seq_len={max_seq_len} leaves no counted position with skip_first={skip}: "
                          f"it must be at least {skip + 2}.")
-    for lens in lenses.values():
-        check_lens(model, lens)
     vocab = model_vocab_size(model)
     top = model.n_layers - 1
-    lens_layers = {name: readable_layers(model, lens, layers) for name, lens in lenses.items()}
     all_layers = sorted({layer for ls in lens_layers.values() for layer in ls})
     kl_acc = {(name, layer): _Moments() for name, ls in lens_layers.items() for layer in ls}
     ce_acc = {(name, layer): _Moments() for name, ls in lens_layers.items() for layer in ls}

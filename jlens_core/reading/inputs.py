@@ -46,6 +46,22 @@ def as_lens_dict(lenses: Mapping[str, Lens] | Lens) -> dict[str, Lens]:
     return out
 
 
+def checked_lenses(model: LensModel, lenses: Mapping[str, Lens] | Lens,
+                   layers: Iterable[int] | None = None) -> tuple[dict[str, Lens], dict[str, list[int]]]:
+    """``({name: lens}, {name: the layers it reads})``: :func:`as_lens_dict`, each lens checked against
+    ``model`` (:func:`check_lens`), and its :func:`readable_layers` of ``layers``.
+
+    Raises:
+        ValueError: no lens, or bad layers. LensFileError: a lens belongs to another model.
+    """
+    lens_map = as_lens_dict(lenses)
+    for lens in lens_map.values():
+        check_lens(model, lens)
+    if layers is not None:
+        layers = list(layers)
+    return lens_map, {name: readable_layers(model, lens, layers) for name, lens in lens_map.items()}
+
+
 def readable_layers(model: LensModel, lens: Lens, layers: Iterable[int] | None = None) -> list[int]:
     """The layers to read: ``lens.layers`` (all of them, or those of ``layers`` the lens has), sorted.
 

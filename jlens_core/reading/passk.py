@@ -54,7 +54,7 @@ from .._paths import ASSETS_DIR
 from ..layerspec import wrap_index
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
-from .inputs import as_lens_dict, check_lens, encode_prompt, readable_layers, record_residuals
+from .inputs import checked_lenses, encode_prompt, record_residuals
 from .logit_stats import rank_of
 from .tokens import TokenDisplay, spellings
 from .word_readout import check_vocab, kept_ids_mask
@@ -424,13 +424,10 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
         readout = check_readout(readout)
     synonyms = _check_synonyms(synonyms)
     check_vocab(vocab)
-    lenses = as_lens_dict(lenses)
+    lenses, lens_layers = checked_lenses(model, lenses, layers)
     items = _check_items(items)
-    for lens in lenses.values():
-        check_lens(model, lens)
     kept_np = kept_ids_mask(TokenDisplay.for_model(model), vocab, model.vocab_size)  # bool[vocab_size] or None
     top = model.n_layers - 1
-    lens_layers = {name: readable_layers(model, lens, layers) for name, lens in lenses.items()}
     all_layers = sorted({layer for ls in lens_layers.values() for layer in ls})
     display = TokenDisplay.for_model(model)
     rows = []

@@ -36,15 +36,7 @@ from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from .edit_hooks import check_edits
 from .generation import Generation
-from .inputs import (
-    as_lens_dict,
-    check_lens,
-    encode_prompt,
-    model_vocab_size,
-    readable_layers,
-    record_residuals,
-    resolve_positions,
-)
+from .inputs import checked_lenses, encode_prompt, model_vocab_size, record_residuals, resolve_positions
 from .prompt_reading import PromptReading, lens_skip_first
 from .row_arrays import ReadingArrays, RowGroupReader, RowLayout, Targets, read_rows
 from .tokens import TokenDisplay, display_ids, encode_plain, token_id
@@ -145,10 +137,8 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens, text: str 
         LensFileError: a lens belongs to another model.
     """
     check_vocab(vocab)
-    lens_map = as_lens_dict(lenses)
+    lens_map, lens_layers = checked_lenses(model, lenses, layers)
     source, n_prompt = _check_arguments(text, n_prompt, top_k=top_k, max_seq_len=max_seq_len)
-    for lens in lens_map.values():
-        check_lens(model, lens)
     vocab_size = model_vocab_size(model)
     display = TokenDisplay.for_model(model)
     kept = kept_ids_mask(display, vocab, vocab_size)  # bool[vocab_size], None for "all"
@@ -156,7 +146,7 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens, text: str 
     ids = encode_prompt(model, source, max_seq_len)  # [1, seq]
     seq_len = int(ids.shape[1])
     pos_list = resolve_positions(seq_len, positions)
-    layout = RowLayout({name: readable_layers(model, lens, layers) for name, lens in lens_map.items()})
+    layout = RowLayout(lens_layers)
     n_prompt = seq_len if n_prompt is None else min(int(n_prompt), seq_len)
     edit_list = check_edits(model, edits)
     resid = record_residuals(model, ids, layout.all_layers, edits=edit_list, n_prompt=n_prompt)  # {layer: [seq, d]}
