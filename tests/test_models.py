@@ -156,3 +156,37 @@ def test_fingerprint_is_stable_across_dtype_and_tells_models_apart():
     assert same_fingerprint(a, fp16.fingerprint()) and same_fingerprint(a, bf16.fingerprint())
     assert not same_fingerprint(a, other.fingerprint())
     assert not same_fingerprint(a, tiny("llama").fingerprint() | {"vocab_size": 301})
+
+
+def test_loads_in_several_threads_at_once_all_succeed(tmp_path):
+    """transformers loads under process-wide patches (meta-device init, tied weights): without load_model's
+    lock, four threads loading at once (the app's warm-up and a page) failed with meta tensors every time."""
+    import threading
+
+    from conftest import make_tokenizer, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from jlens_core.models.loading import load_model
+
+    config = tiny_config("llama")
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    reference = load_model(str(tmp_path), device="cpu").hf_model.state_dict()
+    outcomes: list[object] = []
+
+    def load() -> None:
+        try:
+            weights = load_model(str(tmp_path), device="cpu").hf_model.state_dict()
+            outcomes.append(all(torch.equal(weights[k], reference[k]) for k in reference))
+        except Exception as exc:  # noqa: BLE001 - the failure is what this test looks for
+            outcomes.append(repr(exc))
+
+    for _ in range(3):
+        threads = [threading.Thread(target=load) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert outcomes == [True] * 12, outcomes

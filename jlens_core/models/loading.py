@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -278,6 +279,9 @@ def _load_hub_id(spec: str, *, device: str, dtype: torch.dtype, **kwargs):
             f"{DEFAULT_MODEL!r}, which ships offline.") from None
 
 
+_LOAD_LOCK = threading.Lock()  # see load_model
+
+
 def load_model(spec: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | torch.dtype | None = None,
                device_map: DeviceMap | str | None = None, max_memory: MaxMemory | str | None = None,
                offload_folder: str | Path | None = None, progress: Callable[[str], None] | None = None,
@@ -312,31 +316,35 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | None = None, dtype: s
                                            offload_folder=offload_folder)
     torch_dtype = resolve_dtype(dtype, device)
     hf_kwargs.update(placement)
-    name = spec
-    path = Path(spec).expanduser()
-    if spec.lower() in DEFAULT_ALIASES:
-        hf_model, tokenizer = _load_gguf(default_gguf_path(), device=device, dtype=torch_dtype, progress=progress,
-                                         **placement)
-        name = DEFAULT_MODEL
-    elif spec.lower().endswith(".gguf"):
-        if not path.is_file():
-            raise FileNotFoundError(f"No GGUF file at {spec!r}.")
-        hf_model, tokenizer = _load_gguf(path, device=device, dtype=torch_dtype, progress=progress, **placement)
-    elif path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"The folder {spec!r} is not a loadable Hugging Face model: it has no config.json "
-                             "(write one with save_pretrained, model and tokenizer).")
-        try:
-            hf_model, tokenizer = _load_folder(path, device=device, dtype=torch_dtype, **hf_kwargs)
-        except PlacementError:
-            raise
-        except (OSError, ValueError) as exc:  # transformers' messages run to several lines: make them one
-            detail = " ".join(str(exc).split()).rstrip(" .") or type(exc).__name__
-            raise ValueError(f"The folder {spec!r} is not a loadable Hugging Face model ({detail}).") from None
-    elif spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1):
-        raise FileNotFoundError(f"No model folder at {spec!r}.")
-    else:
-        hf_model, tokenizer = _load_hub_id(spec, device=device, dtype=torch_dtype, **hf_kwargs)
+    # transformers builds and loads weights under process-wide patches (meta-device init, tied-weight
+    # handling): two loads at once in one process (the app's warm-up and a page) left parameters on the
+    # meta device. One load at a time.
+    with _LOAD_LOCK:
+        name = spec
+        path = Path(spec).expanduser()
+        if spec.lower() in DEFAULT_ALIASES:
+            hf_model, tokenizer = _load_gguf(default_gguf_path(), device=device, dtype=torch_dtype, progress=progress,
+                                             **placement)
+            name = DEFAULT_MODEL
+        elif spec.lower().endswith(".gguf"):
+            if not path.is_file():
+                raise FileNotFoundError(f"No GGUF file at {spec!r}.")
+            hf_model, tokenizer = _load_gguf(path, device=device, dtype=torch_dtype, progress=progress, **placement)
+        elif path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ValueError(f"The folder {spec!r} is not a loadable Hugging Face model: it has no config.json "
+                                 "(write one with save_pretrained, model and tokenizer).")
+            try:
+                hf_model, tokenizer = _load_folder(path, device=device, dtype=torch_dtype, **hf_kwargs)
+            except PlacementError:
+                raise
+            except (OSError, ValueError) as exc:  # transformers' messages run to several lines: make them one
+                detail = " ".join(str(exc).split()).rstrip(" .") or type(exc).__name__
+                raise ValueError(f"The folder {spec!r} is not a loadable Hugging Face model ({detail}).") from None
+        elif spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1):
+            raise FileNotFoundError(f"No model folder at {spec!r}.")
+        else:
+            hf_model, tokenizer = _load_hub_id(spec, device=device, dtype=torch_dtype, **hf_kwargs)
     model = HFLensModel(hf_model, tokenizer, name=name)
     log.info("Loaded %r on %s in %s.", model, placement.get("device_map", device), torch_dtype)
     return model
