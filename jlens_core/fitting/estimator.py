@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -323,52 +323,86 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
         if reason is not None:
             raise ValueError(unsupported_message(model, reason))
     n_valid = seq_len - 1 - skip_first
-    d = model.d_model
-    jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
     auto = method == "auto"
     if auto:
         method = "fused" if _fused_usable(model) else "batched"
     experts = max((c.experts for c in clustering.values()), default=0) if clustering is not None else 0
-    layer_major: bool | None = None
-    if max_memory is not None:
-        sizes = FitSizes.of(model, n_valid=n_valid, layers_backward=target - sources[0], n_sources=len(sources),
-                            skip_first=skip_first, experts=experts)
-        budget = budget_bytes(max_memory)
-        most_rows = None if isinstance(dim_batch, str) else dim_batch
-
-        def planned(method_now: str) -> MemoryPlan:
-            return plan_memory(sizes, budget, method_now, most_rows)
-
-        plan = planned(method)
-        rows_per_pass, layer_major = plan.dim_batch, plan.layer_major
-        fallback_rows = rows_per_pass if method != "fused" else 0  # planned on a fallback only
-    elif isinstance(dim_batch, str):  # "auto" (checked above)
-        # autograd (a fallback below) holds more per row than the fused path
-        fallback_rows = auto_dim_batch(model, n_valid, target - sources[0])
-        rows_per_pass = (auto_dim_batch(model, n_valid, target - sources[0], fused=True) if method == "fused"
-                         else fallback_rows)
-    else:
-        fallback_rows = rows_per_pass = dim_batch
+    rows = _RowPlan.make(model, dim_batch, max_memory, method, n_valid=n_valid, sources=sources, target=target,
+                         skip_first=skip_first, experts=experts)
+    d = model.d_model
     sums = ({layer: torch.zeros(experts, d, d, dtype=torch.float32) for layer in sources}
             if clustering is not None else None)
     if method == "fused":
         try:
             prep = prepare_layers(model, ids, sources[0], target, skip_first, rules=rules)
             onehots, counts = _routing(clustering, prep.residuals, sources, experts, like=prep.like)
-            jacobians = fused_backward(model, prep, sources, target, rows_per_pass, layer_major, routes=onehots,
-                                       expert_sums=sums)
+            jacobians = fused_backward(model, prep, sources, target, rows.per_pass, rows.layer_major,
+                                       routes=onehots, expert_sums=sums)
             return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid, expert_sums=sums,
-                                  expert_counts=counts, dim_batch=rows_per_pass, layer_major=layer_major)
+                                  expert_counts=counts, dim_batch=rows.per_pass, layer_major=rows.layer_major)
         except FusedMismatchError as exc:
             if not auto:
                 raise
             # Warned once: autograd from now on for this model object.
             log.warning("%s Falling back to autograd ('batched').", exc)
             _remember(model, "_jlens_fused_usable", False)
-            method, rows_per_pass, layer_major = "batched", fallback_rows, None
-            if max_memory is not None:
-                rows_per_pass = planned(method).dim_batch
+            method, rows = "batched", rows.for_autograd()
+    jacobians, counts = _autograd_jacobians(model, ids, method, rows.per_pass, sources=sources, target=target,
+                                            skip_first=skip_first, rules=rules, clustering=clustering,
+                                            experts=experts, expert_sums=sums)
+    return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid, expert_sums=sums,
+                          expert_counts=counts, dim_batch=rows.per_pass)
 
+
+@dataclass
+class _RowPlan:
+    """Rows (output dimensions) per backward pass, and the fused order, for one prompt.
+
+    ``fallback`` is what autograd takes if the fused path falls back (autograd holds more per row);
+    with a memory budget it is planned again for autograd (:meth:`for_autograd`).
+    """
+
+    per_pass: int
+    fallback: int
+    layer_major: bool | None = None
+    replan: Callable[[str], MemoryPlan] | None = None
+
+    @classmethod
+    def make(cls, model: LensModel, dim_batch: int | str, max_memory: int | str | None, method: str, *,
+             n_valid: int, sources: list[int], target: int, skip_first: int, experts: int) -> _RowPlan:
+        layers_backward = target - sources[0]
+        if max_memory is not None:
+            sizes = FitSizes.of(model, n_valid=n_valid, layers_backward=layers_backward, n_sources=len(sources),
+                                skip_first=skip_first, experts=experts)
+            budget = budget_bytes(max_memory)
+            most_rows = None if isinstance(dim_batch, str) else dim_batch
+
+            def replan(method_now: str) -> MemoryPlan:
+                return plan_memory(sizes, budget, method_now, most_rows)
+
+            plan = replan(method)
+            return cls(plan.dim_batch, plan.dim_batch if method != "fused" else 0, plan.layer_major, replan)
+        if isinstance(dim_batch, str):  # "auto" (checked by the caller)
+            fallback = auto_dim_batch(model, n_valid, layers_backward)
+            per_pass = auto_dim_batch(model, n_valid, layers_backward, fused=True) if method == "fused" else fallback
+            return cls(per_pass, fallback)
+        return cls(dim_batch, dim_batch)
+
+    def for_autograd(self) -> _RowPlan:
+        """The plan once the fused path fell back to autograd ("batched")."""
+        per_pass = self.replan("batched").dim_batch if self.replan is not None else self.fallback
+        return _RowPlan(per_pass, per_pass)
+
+
+def _autograd_jacobians(model: LensModel, ids: torch.Tensor, method: str, rows_per_pass: int, *, sources: list[int],
+                        target: int, skip_first: int, rules: str, clustering: Mapping[int, Clustering] | None,
+                        experts: int, expert_sums: dict[int, torch.Tensor] | None
+                        ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor] | None]:
+    """``({layer: J_l}, expert counts)`` by autograd (``"batched"`` or ``"replicated"``); ``expert_sums``
+    are filled in place. Each pass backpropagates ``rows_per_pass`` one-hot cotangents."""
+    n_valid = ids.shape[1] - 1 - skip_first
+    d = model.d_model
+    jacobians = {layer: torch.zeros(d, d, dtype=torch.float32) for layer in sources}
     acts, off = (_forward_suffix(model, ids, sources, target, skip_first, 1, rules) if method == "batched"
                  else ({}, 0))
     onehots = counts = None
@@ -395,11 +429,9 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Te
             per_position = [g[:, off: off + n_valid] for g in grads]  # each [k, n_valid, d]
         for layer, g in zip(sources, per_position):  # g: [k, n_valid, d], row block G_p per position p
             jacobians[layer][start: rows.stop] = g.float().sum(dim=1).cpu() / n_valid
-            if onehots is not None and sums is not None:
-                sums[layer][:, start: rows.stop] = routed_sums(onehots[layer], g).cpu()
-    return PromptJacobian(jacobians=jacobians, seq_len=seq_len, n_valid=n_valid, expert_sums=sums,
-                          expert_counts=counts, dim_batch=rows_per_pass)
-
+            if onehots is not None and expert_sums is not None:
+                expert_sums[layer][:, start: rows.stop] = routed_sums(onehots[layer], g).cpu()
+    return jacobians, counts
 
 def _routing(clustering: Mapping[int, Clustering] | None, residuals: Mapping[int, torch.Tensor], sources: list[int],
              experts: int, like: torch.Tensor) -> tuple[dict[int, torch.Tensor] | None, dict[int, torch.Tensor] | None]:
