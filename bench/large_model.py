@@ -106,7 +106,7 @@ def build_model(args, device_map=None):
     or on the CPU and then placed by accelerate over ``device_map`` (module name -> device)."""
     import transformers as tf
 
-    from jlens_core.models.loading import _gguf_cache_folder, default_gguf_path
+    from jlens_core.models.loading import default_tokenizer
     from jlens_core.models.model import HFLensModel
 
     config = tf.LlamaConfig(hidden_size=args.d_model, intermediate_size=4 * args.d_model, num_hidden_layers=args.layers,
@@ -130,7 +130,7 @@ def build_model(args, device_map=None):
         from accelerate import dispatch_model
 
         hf = dispatch_model(hf, device_map=device_map)
-    tokenizer = tf.AutoTokenizer.from_pretrained(str(_gguf_cache_folder(default_gguf_path())))
+    tokenizer = default_tokenizer()
     return HFLensModel(hf, tokenizer, name=f"random-llama-{args.d_model}x{args.layers}-v{args.vocab}")
 
 

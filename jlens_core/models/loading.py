@@ -47,6 +47,10 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
 
+# One model load (or GGUF conversion) at a time per process: transformers loads under process-wide
+# patches (meta-device init, tied weights), and two at once left parameters on the meta device.
+_LOAD_LOCK = threading.Lock()
+
 
 def cache_dir() -> Path:
     """Where converted models are cached: ``$JLENS_CACHE_DIR``, else the user cache dir (``~/.cache/jlens``)."""
@@ -108,6 +112,19 @@ def _gguf_cache_folder(gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{CACHE_VERSION}".encode()).hexdigest()
     return cache_dir() / "gguf" / f"{gguf.stem}-{key[:12]}"
+
+
+def default_tokenizer():
+    """The embedded default model's tokenizer (converting its GGUF once, like :func:`load_model`, if the
+    cache does not hold it yet): for tools that build their own model on its vocabulary."""
+    from transformers import AutoTokenizer
+
+    gguf = default_gguf_path()
+    folder = _gguf_cache_folder(gguf)
+    with _LOAD_LOCK:
+        if not _cache_is_complete(folder):
+            convert_gguf(gguf, folder)
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
 def _cache_is_complete(folder: Path) -> bool:
@@ -279,8 +296,6 @@ def _load_hub_id(spec: str, *, device: str, dtype: torch.dtype, **kwargs):
             f"{DEFAULT_MODEL!r}, which ships offline.") from None
 
 
-_LOAD_LOCK = threading.Lock()  # see load_model
-
 
 def load_model(spec: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | torch.dtype | None = None,
                device_map: DeviceMap | str | None = None, max_memory: MaxMemory | str | None = None,
@@ -316,10 +331,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str | None = None, dtype: s
                                            offload_folder=offload_folder)
     torch_dtype = resolve_dtype(dtype, device)
     hf_kwargs.update(placement)
-    # transformers builds and loads weights under process-wide patches (meta-device init, tied-weight
-    # handling): two loads at once in one process (the app's warm-up and a page) left parameters on the
-    # meta device. One load at a time.
-    with _LOAD_LOCK:
+    with _LOAD_LOCK:  # one load at a time (the app's warm-up and a page load at once)
         name = spec
         path = Path(spec).expanduser()
         if spec.lower() in DEFAULT_ALIASES:
