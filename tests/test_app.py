@@ -435,6 +435,7 @@ def test_intervene_panel_with_the_logit_lens_only(tiny_dir):
     assert any(c.value.startswith("Edit: `Ablate(' capital', layers 1..2, logit lens)`") for c in ok(at).caption)
 
 
+@pytest.mark.slow  # a fit or training in a subprocess
 def test_tune_page_and_three_lenses(tiny_dir, tiny_model, lens_file, runs_root):
     at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT).run())
     at.switch_page("views/tune.py").run()
@@ -830,6 +831,7 @@ def use_finished_fit(at: AppTest, name: str, slot: str, choice: str, caption: st
     assert any(c.value.startswith(caption) for c in at.sidebar.caption)
 
 
+@pytest.mark.slow  # a fit or training in a subprocess
 def test_fit_page_start_stop_resume_and_use_the_lens(tiny_dir, tmp_path, runs_root):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"Text number {i}. {LONG_TEXT}" for i in range(N_FIT)))
@@ -870,6 +872,7 @@ def test_fit_page_start_stop_resume_and_use_the_lens(tiny_dir, tmp_path, runs_ro
     assert len(chart(ok(again), "heatmap")["data"]) == 4  # side by side with the new lens
 
 
+@pytest.mark.slow  # a fit or training in a subprocess
 def test_fit_page_reports_a_failed_fit(tiny_dir, tmp_path):
     at = ok(make_app(model=tiny_dir, lens="none").run())
     at.switch_page("views/fit.py").run()
@@ -885,6 +888,7 @@ def test_fit_page_reports_a_failed_fit(tiny_dir, tmp_path):
     assert any("exists already" in e.value for e in ok(at).error)
 
 
+@pytest.mark.slow  # a fit or training in a subprocess
 def test_fit_page_rules_and_a_finished_r_fit_loads_into_the_r_lens_slot(tiny_dir, rlens_file, tmp_path, runs_root):
     at = ok(make_app(model=tiny_dir, lens="none").run())
     at.switch_page("views/fit.py").run()

@@ -668,6 +668,7 @@ def test_resume_with_other_settings_says_which_and_how_to_start_over(work, tmp_p
     assert JacobianLens.load(out).settings["skip_first"] == 5
 
 
+@pytest.mark.slow  # a real jlens process each
 @pytest.mark.parametrize("case", ["missing corpus", "not a lens"])
 def test_bad_input_in_a_real_process_exits_non_zero_without_traceback(case, work, bad_dir):
     args, expected = bad_inputs(work, bad_dir)[case]
