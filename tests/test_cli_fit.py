@@ -63,7 +63,9 @@ def fit_args(work, out, *extra, corpus=None) -> list[str]:
 
 
 def sub_env() -> dict:
+    # GLOO_SOCKET_IFNAME: torchrun's ranks talk over loopback, never the machine's network address
     return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                GLOO_SOCKET_IFNAME="lo",
                 PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
 
 

@@ -250,7 +250,8 @@ def test_torchrun_two_ranks_expert_fit_equals_one_process(cli_work, tmp_path):
     exe = Path(sys.executable).with_name("torchrun")
     launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
     out = tmp_path / "sharded.safetensors"
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo),
+           "GLOO_SOCKET_IFNAME": "lo"}  # the ranks talk over loopback only
     proc = subprocess.run([*launcher, "--standalone", "--nproc-per-node", "2", "-m", "jlens_core",
                            *_cli_fit_args(cli_work, out, "--experts", "2", "--cluster-prompts", "3",
                                           "--checkpoint-every", "2")],
