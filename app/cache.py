@@ -16,7 +16,6 @@ from typing import Any
 
 import streamlit as st
 
-from jlens_core.lenses.lens import JacobianLens
 from jlens_core.models.loading import load_model
 
 
@@ -31,12 +30,6 @@ def load_model_cached(spec: str, device: str, dtype: str, device_map: str = "", 
     return load_model(spec, device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype,
                       device_map=device_map or None, max_memory=max_memory or None,
                       offload_folder=offload_folder or None)
-
-
-@st.cache_resource(show_spinner=False, max_entries=12)
-def load_lens_cached(path: str, mtime: float, size: int) -> JacobianLens:
-    """:meth:`JacobianLens.load`, once per file version (path, mtime, size)."""
-    return JacobianLens.load(path)
 
 
 @st.cache_resource(show_spinner=False, max_entries=12)
