@@ -70,6 +70,8 @@ _SOURCES = {
     "EVAL_SETS": ".reading.passk",
     "load_eval_set": ".reading.passk",
     "pass_at_k": ".reading.passk",
+    "heldout_items": ".reading.lens_comparison",
+    "macro_comparison": ".reading.lens_comparison",
     "PromptReading": ".reading.prompt_reading",
     "read_prompt": ".reading.reader",
     "read_prompts": ".reading.reader",
@@ -121,6 +123,7 @@ __all__ = [
     "fit_figures",
     "generate",
     "heatmap_figure",
+    "heldout_items",
     "jacobian_for_prompt",
     "learn_expert_weights",
     "load_corpus",
@@ -129,6 +132,7 @@ __all__ = [
     "load_model",
     "load_readings",
     "load_swap_set",
+    "macro_comparison",
     "macro_pass_at_k",
     "most_common_tokens",
     "pass_at_k",
@@ -179,6 +183,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .reading.evaluation import evaluate
     from .reading.generation import Generation, generate
     from .reading.labelled_items import read_labelled_items
+    from .reading.lens_comparison import heldout_items, macro_comparison
     from .reading.passk import EVAL_SETS, load_eval_set, pass_at_k
     from .reading.prompt_reading import PromptReading
     from .reading.reader import read_prompt, read_prompts

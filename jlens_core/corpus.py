@@ -46,6 +46,13 @@ def in_split(text: str, split: str | None) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
+def heldout_score(prompt: str, seed: int) -> float:
+    """A number in [0, 1) fixed by ``prompt`` and ``seed`` (SHA-256 of ``"<seed>\\0<prompt>"``, first 8 bytes):
+    the seeded split of labelled items into training and held-out ones (docs/method.md §9.1, expert weights)."""
+    digest = hashlib.sha256(f"{int(seed)}\0{prompt}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
 def _stdlib_docstrings() -> tuple[str, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     texts: list[str] = []

@@ -14,7 +14,7 @@ import torch
 from conftest import CORPUS
 from helpers import random_lens
 
-from jlens_core import JacobianLens, load_model
+from jlens_core import JacobianLens, LogitLens, load_model
 from jlens_core.cli.main import main
 from jlens_core.interventions import Swap, swap_success
 from jlens_core.interventions.intervals import clopper_pearson_interval, wilson_interval
@@ -152,3 +152,33 @@ def test_eval_swap_centred_records_seed_and_controls(tiny_dir, lens_file, tmp_pa
     assert {"ci_low", "ci_high", "wilson_low", "wilson_high"} <= set(table.columns)
     items = pd.read_csv(out / "swap_items.csv")
     assert items["seed"].iloc[0] == 3 * 100003 and isinstance(items["control_token"].iloc[0], str)
+
+
+def test_controls_each_draws_a_norm_matched_token_per_lens_in_its_own_geometry(llama, swap_case):
+    lens, item = swap_case
+    other = random_lens(llama, seed=5)
+    layers, seed = [1, 2], 7
+    lenses = {"jacobian": lens, "other": other}
+    report = swap_success(llama, lenses, [item], layers=layers, alphas=(1.0,), seed=seed, controls="each")
+    arms = list(dict.fromkeys(report.summary["lens"]))
+    assert arms == ["jacobian", "other", "logit", "random", f"{NORM_MATCHED} (jacobian)", f"{NORM_MATCHED} (other)",
+                    f"{NORM_MATCHED} (logit)"]
+    row = report.items.iloc[0]
+    target = spellings(llama.tokenizer, " time")[" time"]
+    for name, id_column in (("jacobian", "control_id"), ("other", "control_id (other)"),
+                            ("logit", "control_id (logit)")):
+        used = lenses.get(name) or LogitLens.for_model(llama)
+        drawn = int(row[id_column])
+
+        def mean_norm(t: int, used=used) -> float:  # this lens's own read-direction norms, computed here
+            return sum(float(read_vector(llama, used, layer, t).norm()) for layer in layers) / 2
+
+        assert abs(mean_norm(drawn) - mean_norm(target)) <= 0.1 * mean_norm(target) + 1e-6
+        swap = Swap(llama, used, " capital", drawn, 1.0, layers=layers)
+        edited = generate(llama, item["prompt"], max_new_tokens=1, stop_at_eos=False, edits=[swap]).generated_ids
+        assert row[f"{NORM_MATCHED} ({name})@1 next"] == llama.decode(edited.tolist())
+    # the first lens's draw is the one controls="first" makes
+    first = swap_success(llama, lenses, [item], layers=layers, alphas=(1.0,), seed=seed).items.iloc[0]
+    assert int(first["control_id"]) == int(row["control_id"])
+    with pytest.raises(ValueError, match="controls='some' is not one of first, each"):
+        swap_success(llama, lenses, [item], layers=layers, alphas=(1.0,), controls="some")

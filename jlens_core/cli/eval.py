@@ -124,7 +124,8 @@ def _run_swaps(model: LensModel, lenses: dict[str, Lens], swap_sets: list[tuple[
     for name, items in swap_sets:
         bar = _bar(len(items), f"swap {Path(name).stem}", args.no_progress, unit="item")
         report = swap_success(model, lenses, items, alphas=tuple(args.alpha), centred=args.centred,
-                              seed=args.swap_seed, progress=functools.partial(_advance, bar) if bar else None)
+                              seed=args.swap_seed, controls=args.swap_controls,
+                              progress=functools.partial(_advance, bar) if bar else None)
         if bar:
             bar.close()
         summaries.append(report.summary.assign(set=Path(name).stem, items=report.n_items,
@@ -260,6 +261,9 @@ def register(subparsers) -> None:
                    help="--swap along centred read directions (each minus the mean over the vocabulary at its layer)")
     e.add_argument("--swap-seed", type=int, default=0,
                    help="seed of --swap's random-direction and norm-matched controls (default 0; recorded in the table)")
+    e.add_argument("--swap-controls", choices=["first", "each"], default="first",
+                   help="--swap's norm-matched control: with the first lens's directions (default) or one per lens, "
+                        "'norm-matched (<lens>)', each in its own lens's geometry")
     e.add_argument("--out", required=True, help="folder for eval.csv, eval.json, eval.png")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=_eval_defaults)

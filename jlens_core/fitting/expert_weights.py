@@ -6,6 +6,23 @@ pass@k items read once (:func:`~jlens_core.reading.labelled_items.read_labelled_
 holds its source residuals ``h_l`` at its readout position, so ``J_{l,e} h_l`` is computed once per
 expert and every step only combines them and unembeds, ``unembed(sum_e w_e J_{l,e} h_l)``.
 
+* **Fast path** (:class:`LogitBasis`): when the readout is the final norm then a linear head, and the norm
+  is an RMSNorm (gain ``w`` or Gemma's ``1 + w``) or a LayerNorm (as
+  :func:`~jlens_core.fitting.relevance.recognise_norm` finds it), the unembedding is exact algebra in ``w``,
+  not an approximation: with ``y_e = J_{l,e} h_l``, ``c_e = y_e`` (RMSNorm) or ``y_e - mean(y_e)``
+  (LayerNorm; the centring is linear), the norm's gain ``g``, bias ``b`` and epsilon, and the head ``W``
+  (its rows past the vocabulary dropped, as ``unembed`` drops them),
+  ``logits = (sum_e w_e B_e) / sqrt(w^T G w + eps) + offset`` with ``B_e = W (g * c_e)`` (``[n, E, vocab]``),
+  ``G = C C^T / d`` (``[n, E, E]``: the combination's mean square, or variance, is ``w^T G w``) and
+  ``offset = W b + head bias``; then the model's logit scale and soft-cap
+  (:meth:`~jlens_core.models.model.HFLensModel.scale_and_cap`). A step then costs an ``[E] x [E, vocab]``
+  product per item instead of ``[d] x [d, vocab]`` (``d / E`` fewer FLOPs: 72x on SmolLM2-135M with 8
+  experts). The basis is built once (an ``[n E, d] x [d, vocab]`` product per layer) where it fits
+  :data:`BASIS_BUDGET_BYTES` and the model computes in float32, and kept only when it reproduces
+  ``unembed`` for the uniform weights on every layer (relative max error <= :data:`SELF_CHECK_RTOL`, else
+  a warning). Otherwise (a readout or pre-head module, another norm, an offloaded or non-fp32 model, over
+  budget) every step unembeds as above, and a log line says why.
+
 * **Exact score** (:func:`macro_pass_at_k`): docs/method.md §8's pass@k with every readable layer (the
   source layers and the output): an intermediate passes when its best rank over the layers is
   ``<= k``; an item scores the fraction of its scored intermediates that pass; a set the mean over
@@ -28,7 +45,6 @@ expert and every step only combines them and unembeds, ``unembed(sum_e w_e J_{l,
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -37,9 +53,13 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import torch
+from torch import nn
 
+from ..corpus import heldout_score
 from ..lenses.experts import ExpertLens
-from ..models.model import LensModel
+from ..models.model import HFLensModel, LensModel, weight_of
+from ..models.placement import is_offloaded
+from .relevance import recognise_norm
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +69,13 @@ PASS_K = 10
 TEMPERATURE = 0.1  # the margin is divided by TEMPERATURE x the logits' standard deviation
 STARTS = ("uniform", "best_expert", "top3")
 REPORT_KS = (1, 5, 10)
+# The fast path's logit basis, ``n_layers x n_items x E x vocab`` fp32, is built only up to this many bytes
+# (6 GiB; 50 items of SmolLM2-135M, 29 layers, 8 experts, vocabulary 49152, take 2.1 GiB); above it, or
+# with ``basis_budget=0``, every step unembeds (module docstring).
+BASIS_BUDGET_BYTES = 6 * 2**30
+# The basis is kept only when its logits for the uniform weights match ``unembed``'s to this relative
+# max error (max |fast - unembed| / max |unembed|, on every layer).
+SELF_CHECK_RTOL = 1e-4
 
 
 class LabelledItem(Protocol):
@@ -129,12 +156,6 @@ class WeightFit:
 
 
 # -- the split ------------------------------------------------------------------------------------------------
-def heldout_score(prompt: str, seed: int) -> float:
-    """A number in [0, 1) fixed by ``prompt`` and ``seed`` (SHA-256 of ``"<seed>\\0<prompt>"``, first 8 bytes)."""
-    digest = hashlib.sha256(f"{int(seed)}\0{prompt}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
-
-
 def split_items(items: Sequence[ItemT], heldout_fraction: float = 0.5, *,
                 seed: int = 0) -> tuple[list[ItemT], list[ItemT]]:
     """``(train, heldout)``: an item is held out when :func:`heldout_score` of its prompt is below
@@ -160,6 +181,125 @@ def split_items(items: Sequence[ItemT], heldout_fraction: float = 0.5, *,
 
 # -- the tensors ---------------------------------------------------------------------------------------------
 @dataclass
+class LogitBasis:
+    """The readout of transported items as exact algebra in the weights (the fast path, module docstring).
+
+    Attributes:
+        model: the model it reproduces (:func:`layer_logits` uses it for this model only).
+        logits: ``{layer: [n_items, E, vocab]}`` fp32: ``B_e = W (g * c_e)``.
+        gram: ``{layer: [n_items, E, E]}`` fp64: ``C C^T / d``; ``None`` when the model has no final norm.
+        offset: ``[vocab]`` fp32: ``W b + head bias``, or ``None`` when both are absent.
+        eps: the final norm's epsilon.
+    """
+
+    model: HFLensModel
+    logits: dict[int, torch.Tensor]
+    gram: dict[int, torch.Tensor] | None
+    offset: torch.Tensor | None
+    eps: float
+
+    def layer_logits(self, layer: int, weights: torch.Tensor) -> torch.Tensor:
+        """``[n_items, vocab]`` fp32: the model's ``unembed(sum_e w_e y_e)`` (differentiable in ``weights [E]``)."""
+        basis = self.logits[layer]
+        logits = weights.to(basis) @ basis  # [n, vocab]
+        if self.gram is not None:
+            w = weights.to(self.gram[layer])
+            square = torch.einsum("e,nef,f->n", w, self.gram[layer], w)  # mean square (or variance) [n]
+            logits = logits * torch.rsqrt(square + self.eps).to(logits.dtype)[:, None]
+        if self.offset is not None:
+            logits = logits + self.offset
+        return self.model.scale_and_cap(logits)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.logits.values())
+
+
+def basis_bytes(n_layers: int, n_items: int, n_experts: int, vocab: int) -> int:
+    """Bytes of a :class:`LogitBasis`'s ``logits`` (fp32)."""
+    return 4 * n_layers * n_items * n_experts * vocab
+
+
+def _basis_refusal(model: LensModel, transported: Mapping[int, torch.Tensor], budget: int) -> str | None:
+    """Why ``model``'s readout of ``transported`` cannot be a :class:`LogitBasis` (``None``: it can)."""
+    if not isinstance(model, HFLensModel):
+        return f"the model is a {type(model).__name__}, not an HFLensModel"
+    if model.dtype != torch.float32:
+        return f"the model computes in {model.dtype}, the basis in float32"
+    if model.readout is not None or model.pre_head:
+        return "the model's readout runs modules between the final norm and the head"
+    if not isinstance(model.head, nn.Linear):
+        return f"the head is a {type(model.head).__name__}, not a linear layer"
+    if is_offloaded(model.head) or (model.final_norm is not None and is_offloaded(model.final_norm)):
+        return "the head or the final norm is offloaded"
+    if model.final_norm is not None and recognise_norm(model.final_norm, model.d_model) is None:
+        return f"the final norm ({type(model.final_norm).__name__}) is neither an RMSNorm nor a LayerNorm"
+    first = next(iter(transported.values()))
+    size = basis_bytes(len(transported), first.shape[0], first.shape[1], model.vocab_size)
+    if size > budget:
+        return f"the logit basis would take {size / 2**30:.2f} GiB, over its budget of {budget / 2**30:.2f} GiB"
+    return None
+
+
+def logit_basis(model: LensModel, transported: Mapping[int, torch.Tensor], *,
+                budget: int | None = None) -> LogitBasis | None:
+    """The :class:`LogitBasis` of ``transported`` (``{layer: [n_items, E, d]}`` fp32) for ``model``, or
+    ``None`` (every step unembeds) when its readout is not a recognised final norm then a linear head, when
+    the basis would exceed ``budget`` bytes (default :data:`BASIS_BUDGET_BYTES`; ``0`` always refuses), or
+    when its logits for the uniform weights differ from ``model.unembed``'s by more than
+    :data:`SELF_CHECK_RTOL` on some layer (logged as a warning).
+    """
+    budget = BASIS_BUDGET_BYTES if budget is None else int(budget)
+    refusal = _basis_refusal(model, transported, budget)
+    if refusal is not None:
+        log.info("expert weights: every step unembeds (%s)", refusal)
+        return None
+    assert isinstance(model, HFLensModel)  # _basis_refusal refuses any other
+    device = next(iter(transported.values())).device
+    norm, vocab, d = model.final_norm, model.vocab_size, model.d_model
+    rule = recognise_norm(norm, d) if norm is not None else None
+    with torch.no_grad():
+        gain: torch.Tensor | None = None  # the norm's effective gain (Gemma's 1 + w), None: all ones
+        shift: torch.Tensor | None = None  # its bias
+        if norm is not None and rule is not None:
+            weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
+            if isinstance(weight, torch.Tensor):
+                gain = weight.detach().to(device, torch.float32)
+                gain = 1.0 + gain if rule.one_plus else gain
+            if isinstance(bias, torch.Tensor):
+                shift = bias.detach().to(device, torch.float32)
+        head = weight_of(model.head).detach()[:vocab].to(device, torch.float32)  # [vocab, d]: padding dropped
+        offset = head @ shift if shift is not None else None
+        if model.head.bias is not None:
+            head_bias = model.head.bias.detach()[:vocab].to(device, torch.float32)
+            offset = head_bias if offset is None else offset + head_bias
+        logits, gram = {}, {}
+        for layer, y in transported.items():
+            n, n_experts, _ = y.shape
+            c = y - y.mean(-1, keepdim=True) if rule is not None and rule.centred else y
+            scaled = c * gain if gain is not None else c
+            logits[layer] = (scaled.reshape(n * n_experts, d) @ head.t()).view(n, n_experts, vocab)
+            c64 = c.double()
+            gram[layer] = c64 @ c64.transpose(1, 2) / d
+        basis = LogitBasis(model=model, logits=logits, gram=gram if norm is not None else None, offset=offset,
+                           eps=rule.eps if rule is not None else 0.0)
+        error = 0.0
+        for layer, y in transported.items():
+            uniform = torch.full((y.shape[1],), y.shape[1] ** -0.5, device=device)
+            want = _unembed_combined(model, y, uniform)
+            got = basis.layer_logits(layer, uniform)
+            error = max(error, float((got - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+            if not error <= SELF_CHECK_RTOL:  # NaN included
+                log.warning("expert weights: the logit basis is %.1e off unembed on layer %d (relative max error "
+                            "of the uniform weights' logits, over %.0e): every step unembeds instead", error, layer,
+                            SELF_CHECK_RTOL)
+                return None
+    log.info("expert weights: logit basis of %d layers (%.2f GiB), %.1e off unembed (relative max error)",
+             len(logits), basis.nbytes / 2**30, error)
+    return basis
+
+
+@dataclass
 class ItemBatch:
     """Labelled items as tensors on one device (see :meth:`build`).
 
@@ -172,6 +312,7 @@ class ItemBatch:
         final_ranks: ``LongTensor[n_inter]``: its rank in the model's own output.
         kept: ``[n_items, vocab]`` 0/1 fp32, or ``None`` (every id counts).
         keys: the items' keys, in order.
+        basis: the fast path's :class:`LogitBasis`, or ``None`` (every step unembeds).
     """
 
     transported: dict[int, torch.Tensor]
@@ -181,12 +322,18 @@ class ItemBatch:
     final_ranks: torch.Tensor
     kept: torch.Tensor | None
     keys: list[str]
+    basis: LogitBasis | None = None
 
     @classmethod
     def build(cls, matrices: Mapping[int, torch.Tensor], items: Sequence[LabelledItem],
-              device: torch.device | str = "cpu") -> ItemBatch:
+              device: torch.device | str = "cpu", *, model: LensModel | None = None,
+              basis_budget: int | None = None) -> ItemBatch:
         """Tensors of the scored ``items`` (the unscored are left out), transported by ``matrices``
         (``{layer: [E, d, d]}``, e.g. ``ExpertLens.expert_matrices``).
+
+        With ``model``, also the fast path's :class:`LogitBasis` where :func:`logit_basis` builds one
+        (``basis_budget`` bytes, default :data:`BASIS_BUDGET_BYTES`; ``0``: never): worth its cost (``E``
+        unembeddings per layer) when the items are unembedded many times, as in learning.
 
         Weights: an intermediate counts ``1 / (n_sets * n_items_of_its_set * n_intermediates_of_its_item)``,
         counting only sets, items and intermediates that are scored: the macro mean over sets of the
@@ -228,11 +375,12 @@ class ItemBatch:
             if not all(item.kept is not None for item in scored):
                 raise ValueError("The items mix readouts (some word, some all): read them with one vocab.")
             kept = torch.stack([item.kept for item in scored if item.kept is not None]).to(device)
+        basis = logit_basis(model, transported, budget=basis_budget) if model is not None else None
         return cls(transported=transported, cand=torch.stack(cand).to(device),
                    inter_item=torch.tensor(inter_item, dtype=torch.long, device=device),
                    inter_weight=torch.tensor(inter_weight, dtype=torch.float64, device=device),
                    final_ranks=torch.tensor(final_ranks, dtype=torch.long, device=device), kept=kept,
-                   keys=[item.key for item in scored])
+                   keys=[item.key for item in scored], basis=basis)
 
     @property
     def layers(self) -> list[int]:
@@ -243,10 +391,18 @@ class ItemBatch:
         return int(next(iter(self.transported.values())).shape[1])
 
 
-def layer_logits(model: LensModel, batch: ItemBatch, layer: int, weights: torch.Tensor) -> torch.Tensor:
-    """``[n_items, vocab]`` fp32: ``unembed(sum_e w_e J_{l,e} h_l)`` (differentiable in ``weights [E]``)."""
-    h = torch.einsum("nei,e->ni", batch.transported[layer], weights.to(batch.transported[layer]))  # [n, d]
+def _unembed_combined(model: LensModel, transported: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``[n_items, vocab]`` fp32: ``model.unembed(sum_e w_e y_e)`` for ``transported [n_items, E, d]``."""
+    h = torch.einsum("nei,e->ni", transported, weights.to(transported))  # [n, d]
     return model.unembed(h.to(model.dtype)).float()
+
+
+def layer_logits(model: LensModel, batch: ItemBatch, layer: int, weights: torch.Tensor) -> torch.Tensor:
+    """``[n_items, vocab]`` fp32: ``unembed(sum_e w_e J_{l,e} h_l)`` (differentiable in ``weights [E]``):
+    through the batch's :class:`LogitBasis` when it has one for ``model``, else by ``model.unembed``."""
+    if batch.basis is not None and batch.basis.model is model:
+        return batch.basis.layer_logits(layer, weights)
+    return _unembed_combined(model, batch.transported[layer], weights)
 
 
 def surrogate_terms(logits: torch.Tensor, batch: ItemBatch, *, k: int = PASS_K,
@@ -334,7 +490,8 @@ def _starts(model: LensModel, batch: ItemBatch, k: int, temperature: float) -> d
 
 def learn_expert_weights(model: LensModel, lens: ExpertLens, items: Sequence[LabelledItem], *, steps: int = STEPS,
                          lr: float = LEARNING_RATE, k: int = PASS_K, temperature: float = TEMPERATURE,
-                         progress: Callable[[WeighProgress], None] | None = None) -> WeightFit:
+                         progress: Callable[[WeighProgress], None] | None = None,
+                         basis_budget: int | None = None) -> WeightFit:
     """Learn ``{layer: w [E]}`` for ``lens`` on the training ``items`` (module docstring; docs/method.md §9.1).
 
     Args:
@@ -345,6 +502,8 @@ def learn_expert_weights(model: LensModel, lens: ExpertLens, items: Sequence[Lab
         k: the pass@k the surrogate and the choice of iterate aim at.
         temperature: the surrogate's ``T`` (the margin is divided by ``T`` times the logits' std).
         progress: called after every scored iterate with a :class:`WeighProgress`.
+        basis_budget: bytes the fast path's logit basis may take (default :data:`BASIS_BUDGET_BYTES`; ``0``:
+            every step unembeds). Both paths give the same logits, to float32 rounding.
 
     Returns:
         A :class:`WeightFit`; ``lens.with_weights(fit.weights, fit.items)`` reads with them.
@@ -357,7 +516,7 @@ def learn_expert_weights(model: LensModel, lens: ExpertLens, items: Sequence[Lab
                          "lr and temperature > 0.")
     began = time.perf_counter()
     matrices = {layer: lens.expert_matrices(layer) for layer in lens.source_layers}
-    batch = ItemBatch.build(matrices, items, model.device)
+    batch = ItemBatch.build(matrices, items, model.device, model=model, basis_budget=basis_budget)
     layers = batch.layers
     starts = _starts(model, batch, k, temperature)
     best: tuple[float, str, int, torch.Tensor] | None = None
@@ -395,12 +554,13 @@ def learn_expert_weights(model: LensModel, lens: ExpertLens, items: Sequence[Lab
     final = _best_ranks(model, batch, {layer: rows[i] for i, layer in enumerate(layers)})
     scores = {kk: macro_from_ranks(final, batch, kk) for kk in sorted({*REPORT_KS, k})}
     seconds = time.perf_counter() - began
-    log.info("expert weights: start %s step %d, macro pass@%d %.3f on %d items (%.1f s)", start, step, k, scores[k],
-             len(batch.keys), seconds)
+    log.info("expert weights: start %s step %d, macro pass@%d %.3f on %d items (%.1f s, %s)", start, step, k,
+             scores[k], len(batch.keys), seconds, "logit basis" if batch.basis is not None else "unembed")
     return WeightFit(weights=weights, start=start, step=step, macro=scores, history=history, items=list(batch.keys),
                      seconds=seconds)
 
 
-__all__ = ["LEARNING_RATE", "PASS_K", "REPORT_KS", "STARTS", "STEPS", "TEMPERATURE", "ItemBatch", "LabelledItem",
-           "WeighProgress", "WeightFit", "heldout_score", "intermediate_ranks", "layer_logits",
-           "learn_expert_weights", "macro_from_ranks", "macro_pass_at_k", "split_items", "surrogate_terms"]
+__all__ = ["BASIS_BUDGET_BYTES", "LEARNING_RATE", "PASS_K", "REPORT_KS", "SELF_CHECK_RTOL", "STARTS", "STEPS",
+           "TEMPERATURE", "ItemBatch", "LabelledItem", "LogitBasis", "WeighProgress", "WeightFit", "basis_bytes",
+           "heldout_score", "intermediate_ranks", "layer_logits", "learn_expert_weights", "logit_basis",
+           "macro_from_ranks", "macro_pass_at_k", "split_items", "surrogate_terms"]

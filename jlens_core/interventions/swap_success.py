@@ -18,7 +18,8 @@ centred read directions (docs/method.md §9.1). Items whose words have no single
 skipped and counted.
 
 Controls, all scored on the target's answer (``swap_answer``), the last two with the first lens and its
-layers:
+layers (``controls="each"``: a norm-matched control per lens, with that lens's directions and layers, named
+``"norm-matched (<lens>)"``):
 
 * the logit lens (always included);
 * ``"random"``: random unit directions in place of ``v_A, v_B`` (the floor);
@@ -63,6 +64,7 @@ SWAP_SETS = {"swaps": "written for jlens: geography, people, objects, numbers (>
 DEFAULT_ALPHAS = (0.5, 1.0, 2.0, 4.0)
 RANDOM = "random"
 NORM_MATCHED = "norm-matched"
+CONTROLS = ("first", "each")  # which lenses get a norm-matched control
 NORM_TOLERANCE = 0.10  # the norm-matched control's token: read-direction norm within 10 % of the replacement's
 INTERVAL = "clopper-pearson"  # what ci_low, ci_high hold (wilson_low, wilson_high beside them)
 SUMMARY_COLUMNS = ("lens", "alpha", "eligible", "successes", "rate", "ci_low", "ci_high", "wilson_low",
@@ -192,6 +194,16 @@ class _SwapPlan:
     norm_matched_control: bool
     centred: bool
     seed: int
+    controls: str = "first"
+
+    @property
+    def matched_lenses(self) -> dict[str, str]:
+        """``{arm name: lens name}`` of the norm-matched controls (none when that control is off)."""
+        if not self.norm_matched_control:
+            return {}
+        if self.controls == "each":
+            return {f"{NORM_MATCHED} ({name})": name for name in self.lenses}
+        return {NORM_MATCHED: self.control_name}
 
     @property
     def control_lens(self) -> Lens:
@@ -204,8 +216,7 @@ class _SwapPlan:
     @property
     def arm_names(self) -> list[str]:
         """The lenses, then the controls that are on: the rows of the summary, in order."""
-        return (list(self.lenses) + ([RANDOM] if self.random_control else [])
-                + ([NORM_MATCHED] if self.norm_matched_control else []))
+        return list(self.lenses) + ([RANDOM] if self.random_control else []) + list(self.matched_lenses)
 
 
 @dataclass
@@ -219,12 +230,16 @@ class _Arm:
 
 
 def _plan_swaps(model: LensModel, lenses: Mapping[str, Lens], layers: Sequence[int] | None, alphas: Sequence[float],
-                *, random_control: bool, norm_matched_control: bool, centred: bool, seed: int) -> _SwapPlan:
+                *, random_control: bool, norm_matched_control: bool, centred: bool, seed: int,
+                controls: str = "first") -> _SwapPlan:
     """Check the settings (before any work) and choose each lens's layers; the logit lens is added when missing.
 
     Raises:
-        ValueError: no alphas, an alpha out of range, a layer outside a lens.
+        ValueError: no alphas, an alpha out of range, a layer outside a lens, ``controls`` not first/each.
     """
+    if controls not in CONTROLS:
+        raise ValueError(f"controls={controls!r} is not one of {', '.join(CONTROLS)}: 'first' draws the norm-matched "
+                         "control with the first lens, 'each' with every lens.")
     alpha_list = [float(a) for a in alphas]
     if not alpha_list:
         raise ValueError("alphas is empty: give at least one swap scale.")
@@ -238,7 +253,7 @@ def _plan_swaps(model: LensModel, lenses: Mapping[str, Lens], layers: Sequence[i
               for name, lens in all_lenses.items()}
     return _SwapPlan(lenses=all_lenses, layers=chosen, alphas=alpha_list, control_name=next(iter(chosen)),
                      random_control=random_control, norm_matched_control=norm_matched_control, centred=centred,
-                     seed=seed)
+                     seed=seed, controls=controls)
 
 
 def _spelling_ids(model: LensModel, word: str) -> set[int]:
@@ -273,7 +288,15 @@ def _score_arm(model: LensModel, name: str, arm: _Arm, source: str, ids: torch.T
     return cells
 
 
-def _score_eligible(model: LensModel, plan: _SwapPlan, norms: torch.Tensor | None, words: Mapping[str, str],
+def _control_columns(plan: _SwapPlan, arm: str) -> tuple[str, str]:
+    """The item columns of a norm-matched arm's draw: ``control_id, control_token`` for the first lens's,
+    ``"control_id (<lens>)"`` and ``"control_token (<lens>)"`` for the others' (``controls="each"``)."""
+    lens = plan.matched_lenses[arm]
+    suffix = "" if lens == plan.control_name else f" ({lens})"
+    return f"control_id{suffix}", f"control_token{suffix}"
+
+
+def _score_eligible(model: LensModel, plan: _SwapPlan, norms: Mapping[str, torch.Tensor], words: Mapping[str, str],
                     ids: torch.Tensor, answer_ids: set[int], swap_ids: set[int], item_seed: int) -> dict[str, Any]:
     """An eligible item's row cells: the norm-matched draw, then every arm's success and edited token."""
     source, replacement = words["source"], words["replacement"]
@@ -282,18 +305,20 @@ def _score_eligible(model: LensModel, plan: _SwapPlan, norms: torch.Tensor | Non
         arms[RANDOM] = _Arm(plan.control_lens, plan.control_layers,
                             random_directions(plan.control_layers, model.d_model, item_seed), replacement)
     cells: dict[str, Any] = {}
-    if norms is not None:
-        drawn = _draw_norm_matched(model, norms, source, replacement, answer_ids | swap_ids, item_seed)
-        cells["control_id"] = drawn
-        cells["control_token"] = None if drawn is None else model.decode([drawn])
+    for arm_name, lens_name in plan.matched_lenses.items():
+        drawn = _draw_norm_matched(model, norms[lens_name], source, replacement, answer_ids | swap_ids, item_seed)
+        id_column, token_column = _control_columns(plan, arm_name)
+        cells[id_column] = drawn
+        cells[token_column] = None if drawn is None else model.decode([drawn])
         if drawn is not None:
-            arms[NORM_MATCHED] = _Arm(plan.control_lens, plan.control_layers, None, drawn)
+            arms[arm_name] = _Arm(plan.lenses[lens_name], plan.layers[lens_name], None, drawn)
     for name, arm in arms.items():
         cells.update(_score_arm(model, name, arm, source, ids, swap_ids, plan))
     return cells
 
 
-def _score_item(model: LensModel, plan: _SwapPlan, norms: torch.Tensor | None, item: dict, i: int) -> dict[str, Any]:
+def _score_item(model: LensModel, plan: _SwapPlan, norms: Mapping[str, torch.Tensor], item: dict,
+                i: int) -> dict[str, Any]:
     """One item's row: ``name, eligible, reason``, the clean next token and, when eligible, every arm's result."""
     row: dict[str, Any] = {"name": item.get("name", f"#{i}"), "eligible": False, "reason": ""}
     words = {k: direction_spelling(model.tokenizer, str(item[k]), model.vocab_size) for k in ITEM_FIELDS[1:]}
@@ -350,7 +375,7 @@ def _report(plan: _SwapPlan, rows: list[dict[str, Any]], seconds: float) -> Swap
     n_skipped = int(table["reason"].str.startswith("skipped").sum()) if not table.empty else 0
     n_unmatched = int(eligible["control_token"].isna().sum()) if plan.norm_matched_control and len(eligible) else 0
     controls = {**({RANDOM: plan.control_layers} if plan.random_control else {}),
-                **({NORM_MATCHED: plan.control_layers} if plan.norm_matched_control else {})}
+                **{arm: plan.layers[lens] for arm, lens in plan.matched_lenses.items()}}
     return SwapReport(summary=summary, best=best, items=table, n_items=len(rows), n_eligible=len(eligible),
                       n_skipped=n_skipped, layers={**plan.layers, **controls}, seconds=seconds,
                       n_unmatched=n_unmatched, seed=int(plan.seed), centred=bool(plan.centred),
@@ -360,7 +385,8 @@ def _report(plan: _SwapPlan, rows: list[dict[str, Any]], seconds: float) -> Swap
 def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[dict], *,
                  layers: Sequence[int] | None = None, alphas: Sequence[float] = DEFAULT_ALPHAS,
                  random_control: bool = True, norm_matched_control: bool = True, centred: bool = False,
-                 seed: int = 0, progress: Callable[[int, int], None] | None = None) -> SwapReport:
+                 seed: int = 0, controls: str = "first",
+                 progress: Callable[[int, int], None] | None = None) -> SwapReport:
     """Swap success of each lens on ``items`` (see the module docstring).
 
     Args:
@@ -374,17 +400,20 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
         centred: swap along centred read directions (docs/method.md §9.1), the lenses and the
             norm-matched control alike (its norms are then the centred ones).
         seed: seeds both random controls (item ``i`` draws with ``seed * 100003 + i``).
+        controls: ``"first"`` (default): one norm-matched control, with the first lens's directions;
+            ``"each"``: one per lens (``"norm-matched (<lens>)"``), each drawn from that lens's norms
+            with the item's seed, so a lens is compared with a control in its own geometry.
         progress: called as ``progress(done, total)`` after each item.
 
     Raises:
-        ValueError: no alphas, an alpha out of range, a layer outside a lens.
+        ValueError: no alphas, an alpha out of range, a layer outside a lens, an unknown ``controls``.
     """
     items = list(items)
     plan = _plan_swaps(model, lenses, layers, alphas, random_control=random_control,
-                       norm_matched_control=norm_matched_control, centred=centred, seed=seed)
+                       norm_matched_control=norm_matched_control, centred=centred, seed=seed, controls=controls)
     start = time.perf_counter()
-    norms = (_mean_norms(model, plan.control_lens, plan.control_layers, centred)
-             if norm_matched_control else None)
+    norms = {lens: _mean_norms(model, plan.lenses[lens], plan.layers[lens], centred)
+             for lens in dict.fromkeys(plan.matched_lenses.values())}
     rows = []
     for i, item in enumerate(items):
         rows.append(_score_item(model, plan, norms, item, i))
@@ -396,6 +425,6 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
     return report
 
 
-__all__ = ["DEFAULT_ALPHAS", "INTERVAL", "NORM_MATCHED", "NORM_TOLERANCE", "RANDOM", "SUMMARY_COLUMNS", "SWAP_SETS",
+__all__ = ["CONTROLS", "DEFAULT_ALPHAS", "INTERVAL", "NORM_MATCHED", "NORM_TOLERANCE", "RANDOM", "SUMMARY_COLUMNS", "SWAP_SETS",
            "SwapReport", "clopper_pearson_interval", "direction_spelling", "load_swap_set", "norm_matched_token",
            "swap_success", "wilson_interval"]

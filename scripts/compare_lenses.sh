@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Compare the default model's shipped lenses under one protocol (docs/results.md, "Which lens"):
+#   bash scripts/compare_lenses.sh
+# Lenses: logit, tuned, J and every shipped variant present (R-lens, J++, R++), plus any lens files in
+# $EXTRA_LENSES (space-separated; e.g. an expert stack with uniform weights from runs/). Writes, under
+# assets/lenses/smollm2-135m.eval/:
+#   .            per-layer KL/CE on the corpus's held-out "eval" split ($EVAL_TEXTS texts) and pass@k on every
+#                shipped set, readout vocab=all (J lenses also shrunk by 0.25 and 0.5)
+#   word/        pass@k with the word-token readout (vocab=word)
+#   swap/        swap success of the J-type lenses (and logit), raw read directions, a norm-matched control
+#                per lens and a random-direction control
+#   swap_centred/ the same along centred read directions
+# then writes the tables into docs/results.md (scripts/readme_tables.py).
+set -euo pipefail
+source "$(dirname "$0")/_common.sh" runs/compare
+OUT=assets/lenses/smollm2-135m.eval
+SETS=()
+for f in assets/evaluations/*.json; do SETS+=(--pass-at-k "$(basename "$f" .json)"); done
+VARIANTS=()
+for v in relevance jpp rpp; do
+    [[ -e "assets/lenses/smollm2-135m.$v.safetensors" ]] && VARIANTS+=(--lens "smollm2-135m:$v")
+done
+for f in ${EXTRA_LENSES:-}; do VARIANTS+=(--lens "$f"); done
+LENSES=(--lens logit --lens default --lens tuned "${VARIANTS[@]}")
+COMMON=(--model smollm2-135m --max-seq-len 128)
+rm -f "$OUT/swap_success.csv" "$OUT/swap_items.csv"  # swaps now live in swap/ and swap_centred/
+"$PY" -m jlens_core eval "${COMMON[@]}" "${LENSES[@]}" --shrinkage 0.25 --shrinkage 0.5 --corpus stdlib-docs \
+    --split eval --n-texts "$EVAL_TEXTS" "${SETS[@]}" --out "$OUT"
+"$PY" -m jlens_core eval "${COMMON[@]}" "${LENSES[@]}" --n-texts 0 "${SETS[@]}" --vocab word --out "$OUT/word"
+for mode in raw centred; do
+    flag=(); dir="$OUT/swap"
+    if [[ $mode == centred ]]; then flag=(--centred); dir="$OUT/swap_centred"; fi
+    "$PY" -m jlens_core eval "${COMMON[@]}" --lens default "${VARIANTS[@]}" --n-texts 0 --swap swaps \
+        --swap-controls each "${flag[@]}" --out "$dir"
+done
+"$PY" scripts/readme_tables.py
