@@ -6,7 +6,8 @@ EVAL_DIR defaults to assets/lenses/smollm2-135m.eval (``eval.csv``, ``pass_at_k.
 ``pass_at_k_detail.csv`` and ``swap_success.csv``, as ``jlens eval`` writes them; from the detail, the
 pass@k table adds pass@10 with the copied intermediates left out, docs/method.md §8). Each table replaces the text between its markers
 in the page, ``<!-- readme_tables:NAME -->`` and ``<!-- /readme_tables:NAME -->`` (NAME: ``per_layer``,
-``pass_at_k``, ``swap``); the prose around them is left alone. A missing marker is an error: nothing is
+``pass_at_k``, ``swap`` (from ``swap/`` and ``swap_centred/``), ``lens_comparison`` (from the ``all`` and
+``word/`` detail tables)); the prose around them is left alone. A missing marker is an error: nothing is
 written. ``--print`` prints the tables instead. The one-line summaries under each table (best lens per
 layer, swap eligibility) are printed, for writing the prose by hand.
 """
@@ -22,9 +23,13 @@ import pandas as pd
 DEFAULT_EVAL_DIR = Path("assets/lenses/smollm2-135m.eval")
 DEFAULT_PAGE = Path("docs/results.md")
 
-LENSES = [("logit", "logit"), ("jacobian", "Jacobian"), ("tuned", "tuned"), ("jacobian (shrink 0.25)", "J shrink 0.25"),
-          ("jacobian (shrink 0.5)", "J shrink 0.5")]
-MAIN = 3  # logit, Jacobian, tuned: the lenses with a CE column and in the pass@k / swap tables
+# (key in the evaluation tables, label); the MAIN ones have a CE column and rows in the pass@k / swap tables
+MAIN_LENSES = [("logit", "logit"), ("jacobian", "Jacobian"), ("relevance", "R-lens"), ("jacobian++", "J++"),
+               ("relevance++", "R++"), ("jacobian-experts", "J-experts (uniform)"),
+               ("relevance-experts", "R-experts (uniform)"), ("tuned", "tuned")]
+LENSES = MAIN_LENSES + [(f"{key} (shrink {a})", f"{short} shrink {a}") for key, short in
+                        (("jacobian", "J"), ("relevance", "R")) for a in ("0.25", "0.5")]
+MAIN = len(MAIN_LENSES)
 
 
 def per_layer_table(evals: pd.DataFrame, every: int = 4) -> tuple[str, str]:
@@ -94,25 +99,73 @@ def pass_table(passes: pd.DataFrame, excluded: pd.DataFrame | None = None) -> st
     return "\n".join(lines)
 
 
-def swap_table(swaps: pd.DataFrame) -> tuple[str, str]:
-    """The swap-success table (per lens x alpha, best alpha with its interval) and a summary line."""
-    alphas = sorted(swaps["alpha"].unique())
+def _swap_label(key: str) -> str:
+    """A swap arm's row label: a lens, ``random (control)`` or ``norm-matched token (control, <lens>)``."""
+    labels = dict(LENSES)
+    if key == "random":
+        return "random directions (control)"
+    if key.startswith("norm-matched"):
+        lens = key[len("norm-matched"):].strip(" ()")
+        return f"norm-matched token (control{', ' + labels.get(lens, lens) if lens else ''})"
+    return labels.get(key, key)
+
+
+def swap_table(swaps: pd.DataFrame | dict[str, pd.DataFrame]) -> tuple[str, str]:
+    """The swap-success table (per lens x directions x alpha, best alpha with its interval) and a summary line.
+
+    ``swaps`` is one ``swap_success.csv`` frame or ``{"raw": frame, "centred": frame}``."""
+    runs = swaps if isinstance(swaps, dict) else {"raw": swaps}
+    first_run = next(iter(runs.values()))
+    alphas = sorted(first_run["alpha"].unique())
     # runs since issue #31 hold Clopper-Pearson in ci_low/ci_high and Wilson beside it; older ones Wilson only
-    interval = "Clopper-Pearson" if "wilson_low" in swaps else "Wilson"
-    lines = ["| directions | " + " | ".join(f"α={a:g}" for a in alphas) + f" | best (95 % {interval}) |",
-             "| --- |" + " ---: |" * len(alphas) + " --- |"]
-    labels = dict(LENSES[:MAIN]) | {"random": "random (control)", "norm-matched": "norm-matched token (control)"}
-    for key in ("jacobian", "tuned", "logit", "random", "norm-matched"):
-        sub = swaps[swaps["lens"] == key].set_index("alpha")
-        if sub.empty or sub["rate"].isna().all():
-            continue
-        best = sub["rate"].idxmax()
-        lines.append(f"| {labels[key]} | " + " | ".join(f"{sub.at[a, 'rate']:.2f}" for a in alphas)
-                     + f" | {sub.at[best, 'rate']:.2f} at α={best:g} ({sub.at[best, 'ci_low']:.2f}-"
-                       f"{sub.at[best, 'ci_high']:.2f}) |")
-    first = swaps.iloc[0]
-    summary = (f"items {int(first['items'])}, eligible {int(first['eligible'])}, skipped {int(first['skipped'])}, "
-               f"{float(first['seconds_per_item']):.2f} s per item")
+    interval = "Clopper-Pearson" if "wilson_low" in first_run else "Wilson"
+    lines = ["| directions | arm | " + " | ".join(f"α={a:g}" for a in alphas) + f" | best (95 % {interval}) |",
+             "| --- | --- |" + " ---: |" * len(alphas) + " --- |"]
+    order = [key for key, _ in MAIN_LENSES]
+    for mode, frame in runs.items():
+        arms = list(dict.fromkeys(frame["lens"]))
+        arms.sort(key=lambda a: (a.startswith("random"), a.startswith("norm-matched"),
+                                 order.index(a.split("(")[-1].strip(") ")) if a.split("(")[-1].strip(") ") in order
+                                 else len(order)))
+        for i, key in enumerate(arms):
+            sub = frame[frame["lens"] == key].set_index("alpha")
+            if sub.empty or sub["rate"].isna().all():
+                continue
+            best = sub["rate"].idxmax()
+            lines.append(f"| {mode if i == 0 else ''} | {_swap_label(key)} | "
+                         + " | ".join(f"{sub.at[a, 'rate']:.2f}" for a in alphas)
+                         + f" | {sub.at[best, 'rate']:.2f} at α={best:g} ({sub.at[best, 'ci_low']:.2f}-"
+                           f"{sub.at[best, 'ci_high']:.2f}) |")
+    row = first_run.iloc[0]
+    summary = (f"items {int(row['items'])}, eligible {int(row['eligible'])}, skipped {int(row['skipped'])}, "
+               f"{float(row['seconds_per_item']):.2f} s per item"
+               + (f", unmatched {int(row['unmatched'])}" if "unmatched" in row else ""))
+    return "\n".join(lines), summary
+
+
+def comparison_table(detail: pd.DataFrame, *, keep=None, n_boot: int = 2000) -> tuple[str, str]:
+    """Macro pass@k per lens x readout with paired intervals against the J lens (``all`` readout), the
+    copied intermediates left out at k=10 beside it (jlens_core.reading.lens_comparison), and a summary."""
+    from jlens_core.reading.lens_comparison import macro_comparison
+
+    table = macro_comparison(detail, (1, 5, 10), keep=keep, n_boot=n_boot)
+    clean = macro_comparison(detail, 10, keep=keep, exclude_copied=True, n_boot=n_boot).set_index(["lens", "vocab"])
+    at = table.set_index(["lens", "vocab", "k"])
+    lines = [("| lens | readout | pass@1 | pass@5 | pass@10 (95 %) | Δ@10 vs J (95 %, paired) | ratio @10 | "
+             "verdict | pass@10 without copied |"),
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    labels = dict(LENSES)
+    variants = list(dict.fromkeys(zip(table["lens"], table["vocab"])))
+    variants.sort(key=lambda v: ([key for key, _ in LENSES].index(v[0]) if v[0] in labels else len(LENSES), v[1]))
+    for lens, vocab in variants:
+        r10 = at.loc[(lens, vocab, 10)]
+        lines.append(f"| {labels.get(lens, lens)} | {vocab} | {at.loc[(lens, vocab, 1), 'macro']:.3f} | "
+                     f"{at.loc[(lens, vocab, 5), 'macro']:.3f} | {r10['macro']:.3f} ({r10['ci_low']:.3f}-"
+                     f"{r10['ci_high']:.3f}) | {r10['diff']:+.3f} ({r10['diff_low']:+.3f} to {r10['diff_high']:+.3f}) | "
+                     f"{r10['ratio']:.2f} | {r10['verdict']} | {clean.loc[(lens, vocab), 'macro']:.3f} |")
+    first = table.iloc[0]
+    summary = (f"comparison: {int(first['n_sets'])} sets, {int(first['items_scored'])} items, "
+               f"{int(first['words_scored'])} words; baseline {first['baseline']}")
     return "\n".join(lines), summary
 
 
@@ -127,9 +180,19 @@ def tables(folder: Path) -> tuple[dict[str, str], list[str]]:
     excluded = excluding_copied(pd.read_csv(detail_path)) if detail_path.is_file() else None
     found = {"per_layer": per_layer, "pass_at_k": pass_table(pd.read_csv(folder / "pass_at_k.csv"), excluded)}
     summaries = [layer_summary]
-    if (folder / "swap_success.csv").is_file():
-        found["swap"], swap_summary = swap_table(pd.read_csv(folder / "swap_success.csv"))
+    swap_runs = {mode: pd.read_csv(folder / sub / "swap_success.csv")
+                 for mode, sub in (("raw", "swap"), ("centred", "swap_centred"))
+                 if (folder / sub / "swap_success.csv").is_file()}
+    if not swap_runs and (folder / "swap_success.csv").is_file():  # an older layout: one raw run beside eval.csv
+        swap_runs = {"raw": pd.read_csv(folder / "swap_success.csv")}
+    if swap_runs:
+        found["swap"], swap_summary = swap_table(swap_runs)
         summaries.append(swap_summary)
+    word = folder / "word" / "pass_at_k_detail.csv"
+    if detail_path.is_file() and word.is_file():
+        detail = pd.concat([pd.read_csv(detail_path), pd.read_csv(word)], ignore_index=True)
+        found["lens_comparison"], comparison_summary = comparison_table(detail)
+        summaries.append(comparison_summary)
     return found, summaries
 
 

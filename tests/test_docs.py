@@ -186,10 +186,37 @@ def test_results_page_holds_the_tables_of_the_shipped_evaluation():
     rt = _readme_tables()
     found, _ = rt.tables(ROOT / "assets" / "lenses" / "smollm2-135m.eval")
     page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
-    assert set(found) == {"per_layer", "pass_at_k", "swap"}
+    assert {"per_layer", "pass_at_k", "swap"} <= set(found) <= {"per_layer", "pass_at_k", "swap", "lens_comparison"}
     assert rt.write_tables.__doc__
     for name, body in found.items():
         assert rt.replace_between_markers(page, name, body) == page, f"docs/results.md's {name} table is stale"
+
+
+def test_lens_comparison_table_rows_are_macro_comparison_numbers(tmp_path):
+    import shutil
+
+    import pandas as pd
+
+    from jlens_core.reading.lens_comparison import macro_comparison
+
+    rt = _readme_tables()
+    folder = tmp_path / "eval"
+    shutil.copytree(ROOT / "assets" / "lenses" / "smollm2-135m.eval", folder)
+    detail = pd.read_csv(folder / "pass_at_k_detail.csv")
+    detail = detail[detail["lens"].isin(["logit", "jacobian"])]
+    detail.to_csv(folder / "pass_at_k_detail.csv", index=False)
+    (folder / "word").mkdir(exist_ok=True)
+    word = detail.assign(vocab="word", best_rank=(detail["best_rank"] // 2).clip(lower=1))
+    word.to_csv(folder / "word" / "pass_at_k_detail.csv", index=False)
+    found, summaries = rt.tables(folder)
+    rows = [line for line in found["lens_comparison"].splitlines()[2:]]
+    assert len(rows) == 4 and any("comparison: 9 sets" in s for s in summaries)
+    expected = macro_comparison(pd.concat([detail, word]), 10, n_boot=2000).set_index(["lens", "vocab"])
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        key = ({"logit": "logit", "Jacobian": "jacobian"}[cells[0]], cells[1])
+        assert cells[4].startswith(f"{expected.loc[key, 'macro']:.3f} (")
+        assert cells[7] == expected.loc[key, "verdict"]
 
 
 def test_readme_tables_rewrites_only_between_markers(tmp_path):
