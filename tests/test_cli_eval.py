@@ -238,3 +238,23 @@ def test_tune_then_eval_three_lenses(work, tmp_path, capsys):
                  "--min-chars", "10", "--heldout-texts", "0", "--steps", "4", "--tokens-per-step", "16",
                  "--skip-first", "4", "--lr", "0.5", "--out", str(out), "--no-progress"]) == 2
     assert "was made with lr=0.001, this training asks for lr=0.5" in capsys.readouterr().err
+
+
+def test_eval_names_a_combined_expert_file_by_its_kind(work):
+    """A combined J++ file (ExpertLens.to_jacobian_lens) is a plain Jacobian lens on disk; eval names it
+    ``jacobian++``, beside a plain J lens named ``jacobian``."""
+    model, texts = work["model"], work["texts"]
+    experts = fit(model, texts[:3], max_seq_len=24, skip_first=4, experts=2, cluster_prompts=3)
+    weights = {layer: torch.tensor([1.0, -0.5]) for layer in experts.source_layers}
+    combined = experts.with_weights(weights, ["x:0"]).to_jacobian_lens()
+    path = combined.save(work["root"] / "jpp.safetensors")
+    out = work["root"] / "eval-jpp"
+    code = main(["eval", "--model", str(work["model_dir"]), "--lens", str(work["lens_path"]), "--lens", str(path),
+                 "--corpus", str(work["corpus"]), "--split", "all", "--min-chars", "10", "--max-seq-len", "24",
+                 "--n-texts", "2", "--out", str(out), "--no-progress"])
+    assert code == 0
+    table = pd.read_csv(out / "eval.csv")
+    assert set(table["lens"]) == {"jacobian", "jacobian++"}
+    direct = evaluate(model, {"jacobian++": JacobianLens.load(path)}, texts[:2], max_seq_len=24)
+    mine = table[table["lens"] == "jacobian++"].merge(direct, on=["lens", "layer"], suffixes=("", "_direct"))
+    assert len(mine) == len(direct) and (mine["kl_bits"] - mine["kl_bits_direct"]).abs().max() < 1e-4

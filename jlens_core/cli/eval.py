@@ -32,11 +32,11 @@ def resolve_lenses(specs: list[str], model: LensModel, shrinkage: list[float] | 
     """``--lens`` values to ``{name: lens}``: ``logit``, ``default`` (the shipped Jacobian lens),
     ``tuned`` (the shipped tuned lens), a lens file (Jacobian or tuned) or a tuned-lens folder.
 
-    A lens is named by its kind (``jacobian``, ``tuned``) unless two of a kind are given, then by its
-    file name. Each Jacobian lens also appears shrunk, ``(1 - a) J + a I``, once per ``shrinkage`` value.
+    A lens is named by its kind (``jacobian``, ``relevance``, ``tuned``, ``jacobian++`` for a combined J++
+    file, :func:`~jlens_core.lenses.shipped.lens_kind`) unless two of a kind are given, then by its file name. Each Jacobian lens also appears shrunk, ``(1 - a) J + a I``, once per ``shrinkage`` value.
     """
     from ..lenses.lens import JacobianLens, LogitLens
-    from ..lenses.shipped import default_lens, default_tuned_lens, load_lens
+    from ..lenses.shipped import default_lens, default_tuned_lens, lens_kind, load_lens
 
     loaded: list[tuple[str, str, Lens]] = []
     for spec in specs:
@@ -51,7 +51,7 @@ def resolve_lenses(specs: list[str], model: LensModel, shrinkage: list[float] | 
                 raise CLIError(f"No shipped {what}lens for {model.name!r}: give a lens file, or 'logit'.")
         else:
             found = load_lens(spec, model=model)
-        loaded.append((str(found.kind), spec, found))
+        loaded.append((lens_kind(found), spec, found))  # a combined J++ / R++ file goes by its expert kind
     kinds = [kind for kind, _, _ in loaded]
     lenses: dict[str, Lens] = {}
     for kind, spec, lens in loaded:
