@@ -7,7 +7,8 @@ EVAL_DIR defaults to assets/lenses/smollm2-135m.eval (``eval.csv``, ``pass_at_k.
 pass@k table adds pass@10 with the copied intermediates left out, docs/method.md §8). Each table replaces the text between its markers
 in the page, ``<!-- readme_tables:NAME -->`` and ``<!-- /readme_tables:NAME -->`` (NAME: ``per_layer``,
 ``pass_at_k``, ``swap`` (from ``swap/`` and ``swap_centred/``), ``lens_comparison`` (from the ``all`` and
-``word/`` detail tables)); the prose around them is left alone. A missing marker is an error: nothing is
+``word/`` detail tables), ``ablation`` (the same on the held-out half of the items, when expert lenses were
+evaluated)); the prose around them is left alone. A missing marker is an error: nothing is
 written. ``--print`` prints the tables instead. The one-line summaries under each table (best lens per
 layer, swap eligibility) are printed, for writing the prose by hand.
 """
@@ -30,6 +31,7 @@ MAIN_LENSES = [("logit", "logit"), ("jacobian", "Jacobian"), ("relevance", "R-le
 LENSES = MAIN_LENSES + [(f"{key} (shrink {a})", f"{short} shrink {a}") for key, short in
                         (("jacobian", "J"), ("relevance", "R")) for a in ("0.25", "0.5")]
 MAIN = len(MAIN_LENSES)
+HELDOUT_FRACTION, SPLIT_SEED = 0.5, 0  # jlens weigh's defaults: the split the shipped J++ / R++ weights used
 
 
 def per_layer_table(evals: pd.DataFrame, every: int = 4) -> tuple[str, str]:
@@ -193,6 +195,13 @@ def tables(folder: Path) -> tuple[dict[str, str], list[str]]:
         detail = pd.concat([pd.read_csv(detail_path), pd.read_csv(word)], ignore_index=True)
         found["lens_comparison"], comparison_summary = comparison_table(detail)
         summaries.append(comparison_summary)
+        if detail["lens"].str.contains(r"\+\+|experts", regex=True).any():
+            # learned weights are scored only on the items they never saw: the weigh split's held-out half
+            from jlens_core.reading.lens_comparison import heldout_items
+
+            held = heldout_items(sorted(detail["set"].unique()), HELDOUT_FRACTION, seed=SPLIT_SEED)
+            found["ablation"], ablation_summary = comparison_table(detail, keep=held)
+            summaries.append("held-out " + ablation_summary)
     return found, summaries
 
 

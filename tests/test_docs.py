@@ -186,7 +186,7 @@ def test_results_page_holds_the_tables_of_the_shipped_evaluation():
     rt = _readme_tables()
     found, _ = rt.tables(ROOT / "assets" / "lenses" / "smollm2-135m.eval")
     page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
-    assert {"per_layer", "pass_at_k", "swap"} <= set(found) <= {"per_layer", "pass_at_k", "swap", "lens_comparison"}
+    assert {"per_layer", "pass_at_k", "swap"} <= set(found) <= {"per_layer", "pass_at_k", "swap", "lens_comparison", "ablation"}
     assert rt.write_tables.__doc__
     for name, body in found.items():
         assert rt.replace_between_markers(page, name, body) == page, f"docs/results.md's {name} table is stale"
