@@ -1,11 +1,14 @@
 """Expert weights learned from labelled items (docs/method.md §9.1; jlens_core.fitting.expert_weights and
 jlens_core.reading.labelled_items) on the tiny llama with an expert lens built from random matrices: the
 surrogate against a computation from HF's own hidden states, the exact macro against pass@k of the combined
-lens read through passk, unit norms, the kept iterate, the split and the errors."""
+lens read through passk, unit norms, the kept iterate, the split and the errors; the fast path (the logit
+basis) against unembed on llama (RMSNorm), gpt2 (LayerNorm with a bias) and gemma2 (1 + w gain, soft-cap),
+a padded, scaled head with a bias, its budget and its self-check."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 
@@ -13,12 +16,16 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import make_tiny
+from torch import nn
 
 from jlens_core.fitting.expert_weights import (
     STARTS,
     ItemBatch,
+    basis_bytes,
     heldout_score,
     layer_logits,
+    layer_std,
     learn_expert_weights,
     macro_pass_at_k,
     split_items,
@@ -213,3 +220,154 @@ def test_errors_are_one_sentence(work, llama, tmp_path):
         type(work["items"][0])(**{**work["items"][0].__dict__, "candidates": (), "final_ranks": torch.zeros(0)})]
     with pytest.raises(ValueError, match="has a scorable intermediate"):
         learn_expert_weights(llama, lens, unscored, steps=1)
+
+
+# -- the fast path: the logit basis ------------------------------------------------------------------------------
+def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|`` in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def expert_matrices(lens) -> dict:
+    return {layer: lens.expert_matrices(layer) for layer in lens.source_layers}
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2", "gemma2"])
+def family(request, work):
+    """A tiny model of the family with a random final-norm gain (and bias), so a misread gain or bias shows;
+    its expert lens and its items."""
+    model = make_tiny(request.param, seed=1)
+    with torch.no_grad():
+        model.final_norm.weight.normal_(0.0 if request.param == "gemma2" else 1.0, 0.5)  # Gemma: gain 1 + w
+        if getattr(model.final_norm, "bias", None) is not None:
+            model.final_norm.bias.normal_(0.0, 0.5)
+    lens = expert_lens(model, seed=2)
+    items = read_labelled_items(model, work["paths"], lens.source_layers)
+    return {"name": request.param, "model": model, "lens": lens, "items": items}
+
+
+def both_paths(model, batches, layer, weights):
+    """Per batch: (logits, the std layer_std gives, the surrogate objective's gradient in the weights)."""
+    out = []
+    for batch in batches:
+        w = weights.clone().requires_grad_(True)
+        logits = layer_logits(model, batch, layer, w)
+        std = layer_std(model, batch, layer, w)
+        terms = surrogate_terms(logits, batch, std=std)
+        (grad,) = torch.autograd.grad((batch.inter_weight.float() * terms).sum(), w)
+        out.append((logits.detach(), std, grad))
+    return out
+
+
+def test_the_logit_basis_gives_unembeds_logits_spread_and_gradients(family):
+    model, lens = family["model"], family["lens"]
+    fast = ItemBatch.build(expert_matrices(lens), family["items"], model=model)
+    slow = ItemBatch.build(expert_matrices(lens), family["items"], model=model, basis_budget=0)
+    assert fast.basis is not None and slow.basis is None
+    assert (fast.basis.offset is not None) == (family["name"] == "gpt2")  # W b: the LayerNorm's bias
+    assert bool(model.softcap) == (family["name"] == "gemma2")
+    gen = torch.Generator().manual_seed(3)
+    for layer in lens.source_layers:
+        for weights in (torch.randn(N_EXPERTS, generator=gen), torch.tensor([1.0, -0.5, 0.0, 0.25])):
+            (got, std, grad), (want, no_std, want_grad) = both_paths(model, (fast, slow), layer, weights)
+            assert got.shape == want.shape == (len(fast.keys), model.vocab_size)
+            assert rel_max(got, want) < 1e-5
+            assert no_std is None
+            if model.softcap:
+                assert std is None  # soft-capped logits: the spread is computed from them
+            else:
+                assert std is not None and rel_max(std, want.std(dim=-1, correction=0)) < 1e-5
+            assert want_grad.norm() > 0 and rel_max(grad, want_grad) < 1e-4
+
+
+def test_a_padded_scaled_head_with_a_bias(work):
+    """A head padded past the vocabulary (its last rows dropped, as unembed drops them), a logit scale and a
+    head bias: the basis reads them as unembed does."""
+    model = make_tiny("llama", seed=3)
+    lens = expert_lens(model, seed=4)
+    items = read_labelled_items(model, work["paths"], lens.source_layers)  # candidates under the full vocabulary
+    vocab = model.vocab_size - 20
+    model.unpadded_vocab = model.vocab_size = vocab
+    model.logit_scale = 0.37
+    gen = torch.Generator().manual_seed(5)
+    model.head.bias = nn.Parameter(torch.randn(model.head.out_features, generator=gen))
+    fast = ItemBatch.build(expert_matrices(lens), items, model=model)
+    slow = ItemBatch.build(expert_matrices(lens), items, model=model, basis_budget=0)
+    assert fast.basis is not None and fast.basis.offset is not None and fast.basis.offset.shape == (vocab,)
+    weights = torch.tensor([0.3, -0.8, 0.1, 0.5])
+    for layer in lens.source_layers:
+        got, want = (layer_logits(model, batch, layer, weights) for batch in (fast, slow))
+        assert got.shape == want.shape == (len(fast.keys), vocab)
+        assert rel_max(got, want) < 1e-5
+        std = layer_std(model, fast, layer, weights)
+        assert std is not None and rel_max(std, want.std(dim=-1, correction=0)) < 1e-5
+        w = weights.clone().requires_grad_(True)
+        probe = torch.randn(vocab, generator=torch.Generator().manual_seed(layer))
+        (grad,) = torch.autograd.grad((layer_logits(model, fast, layer, w) * probe).sum(), w)
+        w_slow = weights.clone().requires_grad_(True)
+        (want_grad,) = torch.autograd.grad((layer_logits(model, slow, layer, w_slow) * probe).sum(), w_slow)
+        assert rel_max(grad, want_grad) < 1e-4
+
+
+def test_learning_keeps_the_same_iterate_on_both_paths(family):
+    """The same kept iterate, macro and weights. The best-expert start is compared by its macros only: the
+    readout is scale-invariant in ``w`` (no bias) or nearly, so the gradient along the one-hot start is zero
+    up to rounding, and Adam's first step (``g / (|g| + eps)``) follows that rounding on either path."""
+    model, lens = family["model"], family["lens"]
+    train, _ = split_items(family["items"], 0.5, seed=0)
+    fast = learn_expert_weights(model, lens, train, steps=8)
+    slow = learn_expert_weights(model, lens, train, steps=8, basis_budget=0)
+    assert (fast.start, fast.step) == (slow.start, slow.step)
+    assert fast.macro == slow.macro
+    assert [h["macro"] for h in fast.history] == [h["macro"] for h in slow.history]
+    for mine, theirs in zip(fast.history, slow.history):
+        if mine["start"] != "best_expert":
+            assert mine["surrogate"] == pytest.approx(theirs["surrogate"], rel=1e-4)
+            assert torch.allclose(mine["weights"], theirs["weights"], atol=1e-4)
+    for layer in lens.source_layers:
+        assert torch.allclose(fast.weights[layer], slow.weights[layer], atol=1e-4)
+    first, last = fast.history[0]["weights"], fast.history[8]["weights"]
+    assert not torch.allclose(first, last, atol=1e-3)  # the weights moved: the comparison can fail
+
+
+def test_the_basis_budget_falls_back_to_unembed(work, llama, caplog):
+    lens, items = work["lens"], work["items"]
+    scored = [item for item in items if item.scored]
+    size = basis_bytes(len(lens.source_layers), len(scored), N_EXPERTS, llama.vocab_size)
+    assert ItemBatch.build(expert_matrices(lens), items, model=llama, basis_budget=size).basis is not None
+    with caplog.at_level(logging.INFO, logger="jlens_core.fitting.expert_weights"):
+        for budget in (0, size - 1):
+            batch = ItemBatch.build(expert_matrices(lens), items, model=llama, basis_budget=budget)
+            assert batch.basis is None
+            assert layer_std(llama, batch, lens.source_layers[0], torch.ones(N_EXPERTS)) is None
+    assert "over its budget" in caplog.text
+    # no model: no basis, the same numbers through unembed
+    plain = ItemBatch.build(expert_matrices(lens), items)
+    weights = torch.tensor([0.5, -0.2, 0.7, 0.1])
+    assert plain.basis is None
+    assert torch.equal(layer_logits(llama, plain, 0, weights), layer_logits(llama, batch, 0, weights))
+
+
+class SquaringHead(nn.Linear):
+    """A linear head plus a term no logit basis holds (the squared norm of its input, on every logit)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.01 * x.pow(2).sum(-1, keepdim=True)
+
+
+def test_the_self_check_refuses_a_basis_that_misreads_the_head(work, caplog):
+    model = make_tiny("llama", seed=4)
+    lens = expert_lens(model, seed=5)
+    items = read_labelled_items(model, work["paths"], lens.source_layers)
+    head = SquaringHead(model.d_model, model.head.out_features, bias=False)
+    head.weight = model.head.weight
+    model.head = head  # unembed reads through it: the structure looks linear, the numbers are not
+    with caplog.at_level(logging.WARNING, logger="jlens_core.fitting.expert_weights"):
+        batch = ItemBatch.build(expert_matrices(lens), items, model=model)
+    assert batch.basis is None
+    assert "every step unembeds instead" in caplog.text
+    assert any(record.levelno == logging.WARNING for record in caplog.records)
+    weights = torch.tensor([0.5, -0.2, 0.7, 0.1])
+    h = torch.einsum("nei,e->ni", batch.transported[1], weights)
+    assert torch.equal(layer_logits(model, batch, 1, weights), model.unembed(h).float())

@@ -6,23 +6,6 @@ pass@k items read once (:func:`~jlens_core.reading.labelled_items.read_labelled_
 holds its source residuals ``h_l`` at its readout position, so ``J_{l,e} h_l`` is computed once per
 expert and every step only combines them and unembeds, ``unembed(sum_e w_e J_{l,e} h_l)``.
 
-* **Fast path** (:class:`LogitBasis`): when the readout is the final norm then a linear head, and the norm
-  is an RMSNorm (gain ``w`` or Gemma's ``1 + w``) or a LayerNorm (as
-  :func:`~jlens_core.fitting.relevance.recognise_norm` finds it), the unembedding is exact algebra in ``w``,
-  not an approximation: with ``y_e = J_{l,e} h_l``, ``c_e = y_e`` (RMSNorm) or ``y_e - mean(y_e)``
-  (LayerNorm; the centring is linear), the norm's gain ``g``, bias ``b`` and epsilon, and the head ``W``
-  (its rows past the vocabulary dropped, as ``unembed`` drops them),
-  ``logits = (sum_e w_e B_e) / sqrt(w^T G w + eps) + offset`` with ``B_e = W (g * c_e)`` (``[n, E, vocab]``),
-  ``G = C C^T / d`` (``[n, E, E]``: the combination's mean square, or variance, is ``w^T G w``) and
-  ``offset = W b + head bias``; then the model's logit scale and soft-cap
-  (:meth:`~jlens_core.models.model.HFLensModel.scale_and_cap`). A step then costs an ``[E] x [E, vocab]``
-  product per item instead of ``[d] x [d, vocab]`` (``d / E`` fewer FLOPs: 72x on SmolLM2-135M with 8
-  experts). The basis is built once (an ``[n E, d] x [d, vocab]`` product per layer) where it fits
-  :data:`BASIS_BUDGET_BYTES` and the model computes in float32, and kept only when it reproduces
-  ``unembed`` for the uniform weights on every layer (relative max error <= :data:`SELF_CHECK_RTOL`, else
-  a warning). Otherwise (a readout or pre-head module, another norm, an offloaded or non-fp32 model, over
-  budget) every step unembeds as above, and a log line says why.
-
 * **Exact score** (:func:`macro_pass_at_k`): docs/method.md §8's pass@k with every readable layer (the
   source layers and the output): an intermediate passes when its best rank over the layers is
   ``<= k``; an item scores the fraction of its scored intermediates that pass; a set the mean over
@@ -41,6 +24,26 @@ expert and every step only combines them and unembeds, ``unembed(sum_e w_e J_{l,
   exact macro pass@k over all starts is kept (the earliest on ties).
 * **Split** (:func:`split_items`): items go to the held-out side by a seeded hash of their prompt,
   so the weights are never scored on the items they were learned on.
+* **Fast path** (:class:`LogitBasis`): when the readout is the final norm then a linear head, and the norm
+  is an RMSNorm (gain ``w`` or Gemma's ``1 + w``) or a LayerNorm (as
+  :func:`~jlens_core.fitting.relevance.recognise_norm` finds it), the unembedding is exact algebra in ``w``,
+  not an approximation: with ``y_e = J_{l,e} h_l``, ``c_e = y_e`` (RMSNorm) or ``y_e - mean(y_e)``
+  (LayerNorm; the centring is linear), the norm's gain ``g``, bias ``b`` and epsilon, and the head ``W``
+  (its rows past the vocabulary dropped, as ``unembed`` drops them),
+  ``logits = (sum_e w_e B_e) / sqrt(w^T G w + eps) + offset`` with ``B_e = W (g * c_e)`` (``[n, E, vocab]``),
+  ``G = C C^T / d`` (``[n, E, E]``: the combination's mean square, or variance, is ``w^T G w``) and
+  ``offset = W b + head bias``; then the model's logit scale and soft-cap
+  (:meth:`~jlens_core.models.model.HFLensModel.scale_and_cap`). Without a soft-cap the rows' standard
+  deviation, which the surrogate divides by, is closed form too: ``sqrt(a^T S a)`` times the logit scale,
+  with ``a = (w / sqrt(w^T G w + eps), 1)`` and ``S`` the covariance over the vocabulary of
+  ``B_1 .. B_E, offset``. A step then costs an ``[E] x [E, vocab]`` product per item instead of
+  ``[d] x [d, vocab]`` (``d / E`` fewer FLOPs: 72x on SmolLM2-135M with 8 experts; the step stays
+  memory-bound: 6.5x faster there, bench/weigh_speed.py). The basis is built once (an
+  ``[n E, d] x [d, vocab]`` product per layer) where it fits :data:`BASIS_BUDGET_BYTES` and the model
+  computes in float32, and kept only when it reproduces ``unembed`` for the uniform weights on every layer
+  (relative max error <= :data:`SELF_CHECK_RTOL`, else a warning). Otherwise (a readout or pre-head
+  module, another norm, an offloaded or non-fp32 model, over budget) every step unembeds as above, and a
+  log line says why.
 """
 
 from __future__ import annotations
@@ -189,6 +192,9 @@ class LogitBasis:
         logits: ``{layer: [n_items, E, vocab]}`` fp32: ``B_e = W (g * c_e)``.
         gram: ``{layer: [n_items, E, E]}`` fp64: ``C C^T / d``; ``None`` when the model has no final norm.
         offset: ``[vocab]`` fp32: ``W b + head bias``, or ``None`` when both are absent.
+        spread: ``{layer: [n_items, E + 1, E + 1]}`` fp64: the covariance over the vocabulary of the rows
+            ``B_1 .. B_E, offset``, so the logits' row variance before the logit scale is ``a^T S a`` with
+            ``a = (w / sqrt(w^T G w + eps), 1)`` (:meth:`layer_std`).
         eps: the final norm's epsilon.
     """
 
@@ -196,19 +202,37 @@ class LogitBasis:
     logits: dict[int, torch.Tensor]
     gram: dict[int, torch.Tensor] | None
     offset: torch.Tensor | None
+    spread: dict[int, torch.Tensor]
     eps: float
+
+    def _coefficients(self, layer: int, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[n_items, E]``: ``w / sqrt(w^T G w + eps)`` per item (``w`` without a final norm)."""
+        n = self.logits[layer].shape[0]
+        w = weights.to(device=self.logits[layer].device, dtype=torch.float64)
+        if self.gram is None:
+            return w.expand(n, -1).to(dtype)
+        square = torch.einsum("e,nef,f->n", w, self.gram[layer], w)  # mean square (or variance) [n]
+        return (w[None, :] * torch.rsqrt(square + self.eps)[:, None]).to(dtype)
 
     def layer_logits(self, layer: int, weights: torch.Tensor) -> torch.Tensor:
         """``[n_items, vocab]`` fp32: the model's ``unembed(sum_e w_e y_e)`` (differentiable in ``weights [E]``)."""
         basis = self.logits[layer]
-        logits = weights.to(basis) @ basis  # [n, vocab]
-        if self.gram is not None:
-            w = weights.to(self.gram[layer])
-            square = torch.einsum("e,nef,f->n", w, self.gram[layer], w)  # mean square (or variance) [n]
-            logits = logits * torch.rsqrt(square + self.eps).to(logits.dtype)[:, None]
-        if self.offset is not None:
-            logits = logits + self.offset
-        return self.model.scale_and_cap(logits)
+        coefficients = self._coefficients(layer, weights, basis.dtype)[:, None, :]  # [n, 1, E]
+        if self.offset is None:
+            logits = torch.bmm(coefficients, basis)
+        else:  # the offset added inside the product
+            logits = torch.baddbmm(self.offset.expand(basis.shape[0], 1, -1), coefficients, basis)
+        return self.model.scale_and_cap(logits.squeeze(1))
+
+    def layer_std(self, layer: int, weights: torch.Tensor) -> torch.Tensor | None:
+        """``[n_items]`` fp32: the population standard deviation of each row of :meth:`layer_logits` in closed
+        form (differentiable in ``weights``), or ``None`` for a soft-capped model (not linear in ``w``)."""
+        if self.model.softcap:
+            return None
+        coefficients = self._coefficients(layer, weights, torch.float64)
+        a = torch.cat([coefficients, coefficients.new_ones(coefficients.shape[0], 1)], dim=1)  # [n, E + 1]
+        variance = torch.einsum("ne,nef,nf->n", a, self.spread[layer], a)
+        return (variance.clamp_min(0.0).sqrt() * abs(self.model.logit_scale)).float()
 
     @property
     def nbytes(self) -> int:
@@ -270,10 +294,11 @@ def logit_basis(model: LensModel, transported: Mapping[int, torch.Tensor], *,
                 shift = bias.detach().to(device, torch.float32)
         head = weight_of(model.head).detach()[:vocab].to(device, torch.float32)  # [vocab, d]: padding dropped
         offset = head @ shift if shift is not None else None
-        if model.head.bias is not None:
-            head_bias = model.head.bias.detach()[:vocab].to(device, torch.float32)
+        head_bias = getattr(model.head, "bias", None)
+        if isinstance(head_bias, torch.Tensor):
+            head_bias = head_bias.detach()[:vocab].to(device, torch.float32)
             offset = head_bias if offset is None else offset + head_bias
-        logits, gram = {}, {}
+        logits, gram, spread = {}, {}, {}
         for layer, y in transported.items():
             n, n_experts, _ = y.shape
             c = y - y.mean(-1, keepdim=True) if rule is not None and rule.centred else y
@@ -281,18 +306,27 @@ def logit_basis(model: LensModel, transported: Mapping[int, torch.Tensor], *,
             logits[layer] = (scaled.reshape(n * n_experts, d) @ head.t()).view(n, n_experts, vocab)
             c64 = c.double()
             gram[layer] = c64 @ c64.transpose(1, 2) / d
+            rows = torch.cat([logits[layer], (offset if offset is not None else head.new_zeros(vocab))
+                              .expand(n, 1, vocab)], dim=1).double()  # [n, E + 1, vocab]
+            rows -= rows.mean(-1, keepdim=True)
+            spread[layer] = rows @ rows.transpose(1, 2) / vocab
+            del rows
         basis = LogitBasis(model=model, logits=logits, gram=gram if norm is not None else None, offset=offset,
-                           eps=rule.eps if rule is not None else 0.0)
+                           spread=spread, eps=rule.eps if rule is not None else 0.0)
         error = 0.0
         for layer, y in transported.items():
             uniform = torch.full((y.shape[1],), y.shape[1] ** -0.5, device=device)
             want = _unembed_combined(model, y, uniform)
             got = basis.layer_logits(layer, uniform)
             error = max(error, float((got - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+            std = basis.layer_std(layer, uniform)
+            if std is not None:
+                want_std = want.std(dim=-1, correction=0)
+                error = max(error, float((std - want_std).abs().max() / want_std.abs().max().clamp_min(1e-30)))
             if not error <= SELF_CHECK_RTOL:  # NaN included
                 log.warning("expert weights: the logit basis is %.1e off unembed on layer %d (relative max error "
-                            "of the uniform weights' logits, over %.0e): every step unembeds instead", error, layer,
-                            SELF_CHECK_RTOL)
+                            "of the uniform weights' logits or their spread, over %.0e): every step unembeds "
+                            "instead", error, layer, SELF_CHECK_RTOL)
                 return None
     log.info("expert weights: logit basis of %d layers (%.2f GiB), %.1e off unembed (relative max error)",
              len(logits), basis.nbytes / 2**30, error)
@@ -405,24 +439,35 @@ def layer_logits(model: LensModel, batch: ItemBatch, layer: int, weights: torch.
     return _unembed_combined(model, batch.transported[layer], weights)
 
 
+def layer_std(model: LensModel, batch: ItemBatch, layer: int, weights: torch.Tensor) -> torch.Tensor | None:
+    """``[n_items]``: the population standard deviation of each row of :func:`layer_logits`, in closed form
+    from the batch's :class:`LogitBasis` (:meth:`LogitBasis.layer_std`), or ``None`` where it has none (then
+    :func:`surrogate_terms` computes it from the logits)."""
+    if batch.basis is not None and batch.basis.model is model:
+        return batch.basis.layer_std(layer, weights)
+    return None
+
+
 def surrogate_terms(logits: torch.Tensor, batch: ItemBatch, *, k: int = PASS_K,
-                    temperature: float = TEMPERATURE) -> torch.Tensor:
+                    temperature: float = TEMPERATURE, std: torch.Tensor | None = None) -> torch.Tensor:
     """``[n_inter]``: ``sigmoid((c - t_k) / (temperature * s))`` per scored intermediate (module docstring).
 
     ``logits`` is ``[n_items, vocab]``; ``t_k`` is the k-th largest kept logit of the item's row, ``s`` the
-    population standard deviation of the whole row.
+    population standard deviation of the whole row: ``std`` (``[n_items]``, :func:`layer_std`) when given,
+    else computed from ``logits``.
     """
     ranked = logits if batch.kept is None else logits.masked_fill(batch.kept == 0, -math.inf)
     kth = ranked.topk(min(k, ranked.shape[-1]), dim=-1).values[:, -1]  # [n_items]
-    scale = temperature * logits.std(dim=-1, correction=0).clamp_min(1e-12)  # [n_items]
-    best = logits[batch.inter_item].gather(1, batch.cand).max(dim=1).values  # [n_inter]
+    spread = logits.std(dim=-1, correction=0) if std is None else std
+    scale = temperature * spread.clamp_min(1e-12)  # [n_items]
+    best = logits[batch.inter_item[:, None], batch.cand].max(dim=1).values  # [n_inter]
     return torch.sigmoid((best - kth[batch.inter_item]) / scale[batch.inter_item])
 
 
 def intermediate_ranks(logits: torch.Tensor, batch: ItemBatch) -> torch.Tensor:
     """``LongTensor[n_inter]``: each scored intermediate's best 1-based rank in its item's row of ``logits``:
     ``1 + #{kept v : logit_v > logit of its best candidate}`` (docs/method.md §6, §8)."""
-    rows = logits[batch.inter_item]  # [n_inter, vocab]
+    rows = logits.index_select(0, batch.inter_item)  # [n_inter, vocab]
     best = rows.gather(1, batch.cand).max(dim=1, keepdim=True).values  # [n_inter, 1]
     above = rows > best
     if batch.kept is not None:
@@ -477,8 +522,9 @@ def _starts(model: LensModel, batch: ItemBatch, k: int, temperature: float) -> d
             for e in range(n_experts):
                 logits = layer_logits(model, batch, layer, eye[e])
                 exact = macro_from_ranks(intermediate_ranks(logits, batch), batch, k)
-                smooth = float((batch.inter_weight * surrogate_terms(logits, batch, k=k,
-                                                                     temperature=temperature).double()).sum())
+                terms = surrogate_terms(logits, batch, k=k, temperature=temperature,
+                                        std=layer_std(model, batch, layer, eye[e]))
+                smooth = float((batch.inter_weight * terms.double()).sum())
                 scores.append((exact, smooth))
             order = sorted(range(n_experts), key=lambda e: (-scores[e][0], -scores[e][1], e))
             best_rows.append(eye[order[0]])
@@ -530,7 +576,8 @@ def learn_expert_weights(model: LensModel, lens: ExpertLens, items: Sequence[Lab
             surrogate = 0.0
             for i, layer in enumerate(layers):
                 logits = layer_logits(model, batch, layer, w[i])
-                terms = surrogate_terms(logits, batch, k=k, temperature=temperature)
+                terms = surrogate_terms(logits, batch, k=k, temperature=temperature,
+                                        std=layer_std(model, batch, layer, w[i]))
                 objective = (batch.inter_weight.to(terms.dtype) * terms).sum() / len(layers)
                 surrogate += float(objective.detach())
                 if step < steps:
@@ -562,5 +609,5 @@ def learn_expert_weights(model: LensModel, lens: ExpertLens, items: Sequence[Lab
 
 __all__ = ["BASIS_BUDGET_BYTES", "LEARNING_RATE", "PASS_K", "REPORT_KS", "SELF_CHECK_RTOL", "STARTS", "STEPS",
            "TEMPERATURE", "ItemBatch", "LabelledItem", "LogitBasis", "WeighProgress", "WeightFit", "basis_bytes",
-           "heldout_score", "intermediate_ranks", "layer_logits", "learn_expert_weights", "logit_basis",
+           "heldout_score", "intermediate_ranks", "layer_logits", "layer_std", "learn_expert_weights", "logit_basis",
            "macro_from_ranks", "macro_pass_at_k", "split_items", "surrogate_terms"]

@@ -407,10 +407,21 @@ class HFLensModel:
             logits = logits[..., : self.unpadded_vocab]
         if out is not None and logits is not out:
             logits = out.copy_(logits)
+        return self.scale_and_cap(logits, inplace=out is not None or not logits.requires_grad)
+
+    def scale_and_cap(self, logits: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+        """The model's logit scale, then its soft-cap, applied to head outputs (what :meth:`unembed` does
+        after the head): ``cap * tanh(scale * logits / cap)``, or ``scale * logits`` without a cap.
+
+        Args:
+            logits: ``[..., vocab]`` head outputs.
+            inplace: overwrite ``logits`` (no autograd through it then); else out of place, differentiable.
+        """
         if self.logit_scale != 1.0:
-            logits = logits.mul_(self.logit_scale) if out is not None else logits * self.logit_scale
+            logits = logits.mul_(self.logit_scale) if inplace else logits * self.logit_scale
         if self.softcap:
-            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
+            logits = (logits.div_(self.softcap).tanh_().mul_(self.softcap) if inplace
+                      else torch.tanh(logits / self.softcap) * self.softcap)
         return logits
 
     def fingerprint(self) -> dict:
