@@ -22,7 +22,8 @@ REXP="${JLENS_REXP_DIR:-runs/rexp}"
 for pair in "jpp:$RUN/smollm2-135m.jexp" "rpp:$REXP/smollm2-135m.rexp"; do
     variant="${pair%%:*}"; stem="${pair#*:}"
     [[ -e "$stem.$variant.combined.safetensors" ]] || "$PY" -m jlens_core weigh "$stem.safetensors" \
-        --model smollm2-135m --out "$stem.$variant.safetensors" --combined "$stem.$variant.combined.safetensors" \
+        --model smollm2-135m --basis-memory 12GiB --out "$stem.$variant.safetensors" \
+        --combined "$stem.$variant.combined.safetensors" \
         --save-dtype float16
 done
 "$PY" - "$RUN/smollm2-135m.jexp" "$REXP/smollm2-135m.rexp" <<'PYEOF'

@@ -64,6 +64,7 @@ def test_weigh_writes_a_weighted_lens_that_loads_with_its_items(work, capsys):
     (["--sets", "no_such_set"], "No evaluation set 'no_such_set'"),
     (["--sets", "UNSCORABLE"], "has no scorable item"),
     (["--lens", "PLAIN"], "is not an expert lens, so it has no experts to weigh"),
+    (["--basis-memory", "lots"], "--basis-memory 'lots' is not a memory size"),
 ])
 def test_weigh_errors_are_one_sentence(work, capsys, args, message):
     bad_set = work["root"] / "unscorable.json"
@@ -80,3 +81,17 @@ def test_weigh_errors_are_one_sentence(work, capsys, args, message):
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jlens weigh: error: ")]
     assert code == 2 and len(errors) == 1 and message in errors[0]
     assert not (work["root"] / "never.safetensors").exists()
+
+
+def test_basis_memory_zero_takes_the_unembed_path_to_the_same_weights(work, caplog):
+    """--basis-memory 0 refuses the precomputed logits (the log says so); the weights equal the fast path's."""
+    import logging
+
+    fast, slow = work["root"] / "fast.safetensors", work["root"] / "slow.safetensors"
+    assert weigh(work, "--out", str(fast), "--steps", "3") == 0
+    with caplog.at_level(logging.INFO, logger="jlens_core.fitting.expert_weights"):
+        assert weigh(work, "--out", str(slow), "--steps", "3", "--basis-memory", "0") == 0
+    assert any("every step unembeds" in r.getMessage() for r in caplog.records)
+    a, b = ExpertLens.load(fast), ExpertLens.load(slow)
+    for layer in a.source_layers:
+        assert torch.allclose(a.layer_weights(layer), b.layer_weights(layer), atol=5e-3)

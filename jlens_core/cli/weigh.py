@@ -32,6 +32,7 @@ def cmd_weigh(args: argparse.Namespace) -> int:
 
     from ..fitting.expert_weights import REPORT_KS, learn_expert_weights, macro_pass_at_k, split_items
     from ..lenses.experts import ExpertLens, is_expert_lens_file
+    from ..models.device_maps import parse_size
     from ..models.loading import load_model
     from ..reading.labelled_items import read_labelled_items
     from ..reading.passk import load_eval_set
@@ -42,6 +43,10 @@ def cmd_weigh(args: argparse.Namespace) -> int:
         raise CLIError(f"--heldout-fraction {args.heldout_fraction} must lie strictly between 0 and 1.")
     if args.steps < 0 or not args.lr > 0:
         raise CLIError(f"--steps {args.steps} must be >= 0 and --lr {args.lr} > 0.")
+    try:
+        basis_budget = None if args.basis_memory is None else parse_size(args.basis_memory, what="--basis-memory")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     if not sets:
         raise CLIError("--sets names no set: give e.g. --sets two_hop,association.")
@@ -76,7 +81,8 @@ def cmd_weigh(args: argparse.Namespace) -> int:
             bar.set_postfix({"start": p.start, "pass@10": f"{p.macro:.3f}", "best": f"{p.best_macro:.3f}"},
                             refresh=True)
 
-    fit = learn_expert_weights(model, lens, train, steps=args.steps, lr=args.lr, progress=learn_progress)
+    fit = learn_expert_weights(model, lens, train, steps=args.steps, lr=args.lr, progress=learn_progress,
+                               basis_budget=basis_budget)
     if bar is not None:
         bar.close()
     weighted = lens.with_weights(fit.weights, fit.items)
@@ -143,5 +149,8 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=float, default=0.05, help="Adam learning rate (default 0.05)")
     p.add_argument("--vocab", choices=["all", "word"], default="all",
                    help="the readout ranks are counted under: all tokens, or word tokens (default all)")
+    p.add_argument("--basis-memory", default=None, metavar="SIZE",
+                   help="memory the fast path's precomputed logits may take, e.g. 12GiB (default 6GiB; 0: always "
+                        "unembed, slower, same result). It needs about 4 x items x layers x experts x vocab bytes")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_weigh)
