@@ -11,14 +11,21 @@
 #                per lens and a random-direction control
 #   swap_centred/ the same along centred read directions
 # then writes the tables into docs/results.md (scripts/readme_tables.py).
+# For a quick check of the pipeline: OUT=/tmp/x PASS_SETS="two_hop" SWAP_SET=small.jsonl EVAL_TEXTS=2 \
+#   TABLES_ARGS=--print bash scripts/compare_lenses.sh
 set -euo pipefail
 source "$(dirname "$0")/_common.sh" runs/compare
-OUT=assets/lenses/smollm2-135m.eval
+OUT="${OUT:-assets/lenses/smollm2-135m.eval}"
+SWAP_SET="${SWAP_SET:-swaps}"
 SETS=()
-for f in assets/evaluations/*.json; do SETS+=(--pass-at-k "$(basename "$f" .json)"); done
+if [[ -n "${PASS_SETS:-}" ]]; then
+    for s in $PASS_SETS; do SETS+=(--pass-at-k "$s"); done
+else
+    for f in assets/evaluations/*.json; do SETS+=(--pass-at-k "$(basename "$f" .json)"); done
+fi
 VARIANTS=()
 for v in relevance jpp rpp; do
-    [[ -e "assets/lenses/smollm2-135m.$v.safetensors" ]] && VARIANTS+=(--lens "smollm2-135m:$v")
+    if [[ -e "assets/lenses/smollm2-135m.$v.safetensors" ]]; then VARIANTS+=(--lens "smollm2-135m:$v"); fi
 done
 for f in ${EXTRA_LENSES:-}; do VARIANTS+=(--lens "$f"); done
 LENSES=(--lens logit --lens default --lens tuned "${VARIANTS[@]}")
@@ -30,7 +37,7 @@ rm -f "$OUT/swap_success.csv" "$OUT/swap_items.csv"  # swaps now live in swap/ a
 for mode in raw centred; do
     flag=(); dir="$OUT/swap"
     if [[ $mode == centred ]]; then flag=(--centred); dir="$OUT/swap_centred"; fi
-    "$PY" -m jlens_core eval "${COMMON[@]}" --lens default "${VARIANTS[@]}" --n-texts 0 --swap swaps \
+    "$PY" -m jlens_core eval "${COMMON[@]}" --lens default "${VARIANTS[@]}" --n-texts 0 --swap "$SWAP_SET" \
         --swap-controls each "${flag[@]}" --out "$dir"
 done
-"$PY" scripts/readme_tables.py
+"$PY" scripts/readme_tables.py "$OUT" ${TABLES_ARGS:-}

@@ -129,3 +129,15 @@ def test_mean_is_cached_per_lens_and_layer(setup):
     assert mean_read_vector(model, lens, LAYER) is first
     other = random_lens(model, seed=5)
     assert not torch.equal(mean_read_vector(model, other, LAYER), first)  # another lens, another centre
+
+
+def test_head_rows_and_the_head_matrix_are_cached_and_equal_the_autograd_rows(llama):
+    from jlens_core.interventions import read_directions as rd
+
+    first = rd.head_row(llama, 5)
+    first.add_(1.0)  # the caller's copy: the cache is not changed through it
+    assert torch.equal(rd.head_row(llama, 5), rd._head_gradient(llama, 5))
+    matrix = rd.head_matrix(llama)
+    assert rd.head_matrix(llama) is matrix  # built once per model
+    for t in (0, 5, llama.vocab_size - 1):
+        assert torch.allclose(matrix[:, t].float().cpu(), rd._head_gradient(llama, t), atol=1e-5)

@@ -84,10 +84,25 @@ def _head_gradient(model: LensModel, token_id: int | None) -> torch.Tensor:
     return grad[0].detach().cpu()
 
 
+# model -> {token id: head row}; every swap arm asks for the same few rows at every edited layer
+_HEAD_ROWS: weakref.WeakKeyDictionary[LensModel, dict[int, torch.Tensor]] = weakref.WeakKeyDictionary()
+_HEAD_ROWS_KEPT = 4096  # rows kept per model (16 MiB at d_model 1024); the oldest go first
+
+
 def head_row(model: LensModel, token_id: int) -> torch.Tensor:
     """``P^T u_t`` ``[d_model]`` fp32: the gradient of token ``t``'s logit with respect to the final
-    norm's output, through any pre-head modules and the head (all linear)."""
-    return _head_gradient(model, token_id)
+    norm's output, through any pre-head modules and the head (all linear). Cached per model (the
+    head is frozen); a model whose head changes in place keeps the old rows."""
+    try:
+        rows = _HEAD_ROWS.setdefault(model, {})
+    except TypeError:  # a model that cannot be weakly referenced is not cached
+        return _head_gradient(model, token_id)
+    key = int(token_id)
+    if key not in rows:
+        if len(rows) >= _HEAD_ROWS_KEPT:
+            rows.pop(next(iter(rows)))
+        rows[key] = _head_gradient(model, key)
+    return rows[key].clone()
 
 
 def mean_head_row(model: LensModel) -> torch.Tensor:
@@ -172,6 +187,40 @@ def read_vector(model: LensModel, lens: Lens, layer: int, token_id: int, *, cent
     return v - mean_read_vector(model, lens, layer) if centred else v
 
 
+# model -> its head matrix; read_vector_norms asks for it once per edited layer
+_HEAD_MATRIX: weakref.WeakKeyDictionary[LensModel, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def head_matrix(model: LensModel) -> torch.Tensor:
+    """``[d_model, vocab_size]`` in the head's dtype and device: column ``t`` is ``P^T u_t`` (:func:`head_row`),
+    from ``d_model`` basis vectors through the pre-head modules and the head, minus its bias. The last one
+    built is kept (one per model, while the model lives)."""
+    cached = _HEAD_MATRIX.get(model) if _weakrefable(model) else None
+    if cached is not None:
+        return cached
+    d, vocab = int(model.d_model), int(model.vocab_size)
+    head_param = next(model.head.parameters())
+    with torch.no_grad():
+        x = torch.cat([torch.zeros(1, d), torch.eye(d)]).to(device=execution_device(model.head),
+                                                            dtype=head_param.dtype)
+        for module in model.pre_head:
+            x = module(x)
+        out = model.head(x)[:, :vocab]  # [1 + d, vocab]
+        head_t = out[1:] - out[:1]  # [d, vocab]: the head is linear up to its bias
+    if _weakrefable(model):
+        _HEAD_MATRIX.clear()  # one matrix at a time: it is d x vocab
+        _HEAD_MATRIX[model] = head_t
+    return head_t
+
+
+def _weakrefable(obj: object) -> bool:
+    try:
+        weakref.ref(obj)
+    except TypeError:
+        return False
+    return True
+
+
 def read_vector_norms(model: LensModel, lens: Lens, layer: int, *, centred: bool = False,
                       chunk: int = 4096) -> torch.Tensor:
     """``||v_t||`` (or ``||v_t - m_l||`` with ``centred``) for every vocabulary token ``t < model.vocab_size``:
@@ -183,16 +232,9 @@ def read_vector_norms(model: LensModel, lens: Lens, layer: int, *, centred: bool
     once, in the head's dtype and device; ``chunk`` vocabulary rows at a time in fp32 after that.
     """
     d, vocab = int(model.d_model), int(model.vocab_size)
-    head_param = next(model.head.parameters())
     gamma, centres = norm_gain(model)
     with torch.no_grad():
-        basis = torch.cat([torch.zeros(1, d), torch.eye(d)]).to(device=execution_device(model.head),
-                                                                dtype=head_param.dtype)
-        x = basis
-        for module in model.pre_head:
-            x = module(x)
-        out = model.head(x)[:, :vocab]  # [1 + d, vocab]
-        head_t = out[1:] - out[:1]  # [d, vocab]: column t is P^T u_t (the head is linear up to its bias)
+        head_t = head_matrix(model)  # [d, vocab]
         probe = torch.cat([torch.zeros(1, d), torch.eye(d)])
         moved = lens.transport(probe, int(layer)).float()
         transport_t = (moved[1:] - moved[:1]).to(head_t.device)  # [d, d]: row i is M_l e_i, i.e. M_l^T
