@@ -5,7 +5,7 @@
 # $EXTRA_LENSES (space-separated; e.g. an expert stack with uniform weights from runs/). Writes, under
 # assets/lenses/smollm2-135m.eval/:
 #   .            per-layer KL/CE on the corpus's held-out "eval" split ($EVAL_TEXTS texts) and pass@k on every
-#                shipped set, readout vocab=all (J lenses also shrunk by 0.25 and 0.5)
+#                shipped set, readout vocab=all (SHRINK="--shrinkage 0.25 --shrinkage 0.5" adds shrunk J lenses)
 #   word/        pass@k with the word-token readout (vocab=word)
 #   swap/        swap success of the J-type lenses (and logit), raw read directions, a norm-matched control
 #                per lens and a random-direction control
@@ -31,7 +31,7 @@ for f in ${EXTRA_LENSES:-}; do VARIANTS+=(--lens "$f"); done
 LENSES=(--lens logit --lens default --lens tuned "${VARIANTS[@]}")
 COMMON=(--model smollm2-135m --max-seq-len 128)
 rm -f "$OUT/swap_success.csv" "$OUT/swap_items.csv"  # swaps now live in swap/ and swap_centred/
-"$PY" -m jlens_core eval "${COMMON[@]}" "${LENSES[@]}" --shrinkage 0.25 --shrinkage 0.5 --corpus stdlib-docs \
+"$PY" -m jlens_core eval "${COMMON[@]}" "${LENSES[@]}" ${SHRINK:-} --corpus stdlib-docs \
     --split eval --n-texts "$EVAL_TEXTS" "${SETS[@]}" --out "$OUT"
 "$PY" -m jlens_core eval "${COMMON[@]}" "${LENSES[@]}" --n-texts 0 "${SETS[@]}" --vocab word --out "$OUT/word"
 for mode in raw centred; do
