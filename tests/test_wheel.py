@@ -62,7 +62,8 @@ def test_the_wheel_carries_its_assets_and_app(installed):
     import zipfile
 
     names = zipfile.ZipFile(installed["wheel"]).namelist()
-    for needed in ("jlens_assets/lenses/smollm2-135m.safetensors", "jlens_assets/evaluations/two_hop.json",
+    for needed in ("jlens_assets/lenses/smollm2-135m.safetensors", "jlens_assets/lenses/smollm2-135m.relevance.safetensors",
+                   "jlens_assets/evaluations/two_hop.json",
                    "jlens_assets/example_prompts.json", "jlens_app/main.py", "jlens_app/views/inspect.py",
                    "jlens_core/reading/passk.py"):
         assert needed in names
