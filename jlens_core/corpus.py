@@ -53,6 +53,18 @@ def heldout_score(prompt: str, seed: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
+def check_heldout_fraction(heldout_fraction: float) -> float:
+    """``heldout_fraction`` as a float, for :func:`heldout_score` splits.
+
+    Raises:
+        ValueError: it is not strictly between 0 and 1.
+    """
+    fraction = float(heldout_fraction)
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"The held-out fraction {heldout_fraction} must lie strictly between 0 and 1.")
+    return fraction
+
+
 def _stdlib_docstrings() -> tuple[str, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     texts: list[str] = []

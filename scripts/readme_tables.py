@@ -124,11 +124,14 @@ def swap_table(swaps: pd.DataFrame | dict[str, pd.DataFrame]) -> tuple[str, str]
     lines = ["| directions | arm | " + " | ".join(f"α={a:g}" for a in alphas) + f" | best (95 % {interval}) |",
              "| --- | --- |" + " ---: |" * len(alphas) + " --- |"]
     order = [key for key, _ in MAIN_LENSES]
+
+    def arm_order(arm: str) -> tuple[bool, bool, int]:  # lenses, the random control, norm-matched ones; by lens
+        lens = arm.split("(")[-1].strip(") ")
+        return arm.startswith("random"), arm.startswith("norm-matched"), order.index(lens) if lens in order \
+            else len(order)
+
     for mode, frame in runs.items():
-        arms = list(dict.fromkeys(frame["lens"]))
-        arms.sort(key=lambda a: (a.startswith("random"), a.startswith("norm-matched"),
-                                 order.index(a.split("(")[-1].strip(") ")) if a.split("(")[-1].strip(") ") in order
-                                 else len(order)))
+        arms = sorted(dict.fromkeys(frame["lens"]), key=arm_order)
         for i, key in enumerate(arms):
             sub = frame[frame["lens"] == key].set_index("alpha")
             if sub.empty or sub["rate"].isna().all():

@@ -58,7 +58,7 @@ from typing import Protocol, TypeVar
 import torch
 from torch import nn
 
-from ..corpus import heldout_score
+from ..corpus import check_heldout_fraction, heldout_score
 from ..lenses.experts import ExpertLens
 from ..models.model import HFLensModel, LensModel, weight_of
 from ..models.placement import is_offloaded
@@ -168,9 +168,7 @@ def split_items(items: Sequence[ItemT], heldout_fraction: float = 0.5, *,
     Raises:
         ValueError: ``heldout_fraction`` outside (0, 1), or a split that leaves either side without an item.
     """
-    fraction = float(heldout_fraction)
-    if not 0.0 < fraction < 1.0:
-        raise ValueError(f"The held-out fraction {heldout_fraction} must lie strictly between 0 and 1.")
+    fraction = check_heldout_fraction(heldout_fraction)
     train: list[ItemT] = []
     heldout: list[ItemT] = []
     for item in items:

@@ -195,7 +195,10 @@ def head_matrix(model: LensModel) -> torch.Tensor:
     """``[d_model, vocab_size]`` in the head's dtype and device: column ``t`` is ``P^T u_t`` (:func:`head_row`),
     from ``d_model`` basis vectors through the pre-head modules and the head, minus its bias. The last one
     built is kept (one per model, while the model lives)."""
-    cached = _HEAD_MATRIX.get(model) if _weakrefable(model) else None
+    try:
+        cached = _HEAD_MATRIX.get(model)
+    except TypeError:  # a model that cannot be weakly referenced is not cached
+        cached = None
     if cached is not None:
         return cached
     d, vocab = int(model.d_model), int(model.vocab_size)
@@ -207,18 +210,12 @@ def head_matrix(model: LensModel) -> torch.Tensor:
             x = module(x)
         out = model.head(x)[:, :vocab]  # [1 + d, vocab]
         head_t = out[1:] - out[:1]  # [d, vocab]: the head is linear up to its bias
-    if _weakrefable(model):
+    try:
         _HEAD_MATRIX.clear()  # one matrix at a time: it is d x vocab
         _HEAD_MATRIX[model] = head_t
-    return head_t
-
-
-def _weakrefable(obj: object) -> bool:
-    try:
-        weakref.ref(obj)
     except TypeError:
-        return False
-    return True
+        pass
+    return head_t
 
 
 def read_vector_norms(model: LensModel, lens: Lens, layer: int, *, centred: bool = False,

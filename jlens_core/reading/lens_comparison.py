@@ -24,7 +24,7 @@ from collections.abc import Collection, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from ..corpus import heldout_score
+from ..corpus import check_heldout_fraction, heldout_score
 from .labelled_items import set_name_of
 from .passk import load_eval_set
 
@@ -35,11 +35,17 @@ COMPARISON_COLUMNS = ("lens", "vocab", "k", "macro", "ci_low", "ci_high", "basel
                       "words_scored", "exclude_copied")
 
 
-def _item_scores(detail: pd.DataFrame, k: int, exclude_copied: bool) -> pd.DataFrame:
-    """``[item rows, variants]``: each (set, item)'s score per ``(lens, vocab)`` variant (NaN: not scored)."""
+def _scored_intermediates(detail: pd.DataFrame, exclude_copied: bool) -> pd.DataFrame:
+    """The rows that count: scored intermediates (the copied ones left out with ``exclude_copied``)."""
     inter = detail[(detail["role"] == "intermediate") & detail["scored"].astype(bool)]
     if exclude_copied and "copied" in inter:
         inter = inter[~inter["copied"].astype(bool)]
+    return inter
+
+
+def _item_scores(inter: pd.DataFrame, k: int) -> pd.DataFrame:
+    """``[item rows, variants]``: each (set, item)'s score per ``(lens, vocab)`` variant (NaN: not scored),
+    from :func:`_scored_intermediates`'s rows."""
     passed = (inter["best_rank"] <= k).astype(float)
     scores = passed.groupby([inter["set"], inter["item"], inter["lens"], inter["vocab"]]).mean()
     return scores.unstack(["lens", "vocab"])  # index (set, item); columns (lens, vocab)
@@ -96,10 +102,12 @@ def macro_comparison(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), 
         mask = [(str(s), int(i)) in wanted for s, i in zip(frame["set"], frame["item"])]
         frame = frame[np.asarray(mask, dtype=bool)]
     base = (baseline, "all") if isinstance(baseline, str) else (str(baseline[0]), str(baseline[1]))
+    inter = _scored_intermediates(frame, exclude_copied)
+    words_per_variant = inter.groupby(["lens", "vocab"]).size()  # [variants]
     rng = np.random.default_rng(seed)
     rows = []
     for kk in ks:
-        table = _item_scores(frame, kk, exclude_copied)
+        table = _item_scores(inter, kk)
         if table.empty:
             raise ValueError("No scored intermediate is left to compare: check the detail table and the items kept.")
         variants = list(table.columns)
@@ -125,10 +133,6 @@ def macro_comparison(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), 
                              else (math.nan, math.nan))
             verdict = "baseline" if j == b else ("win" if low > 0 else "loss" if high < 0 else "tie")
             column = values[:, j]
-            words = frame[(frame["lens"] == lens) & (frame["vocab"] == vocab) & (frame["role"] == "intermediate")
-                          & frame["scored"].astype(bool)]
-            if exclude_copied and "copied" in words:
-                words = words[~words["copied"].astype(bool)]
             rows.append({"lens": lens, "vocab": vocab, "k": kk, "macro": float(point[j]),
                          "ci_low": float(np.nanpercentile(replicates[:, j], 2.5)),
                          "ci_high": float(np.nanpercentile(replicates[:, j], 97.5)), "baseline": f"{base[0]} ({base[1]})",
@@ -136,7 +140,8 @@ def macro_comparison(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), 
                          "ratio": float(point[j] / point[b]) if point[b] > 0 else math.nan,
                          "ratio_low": float(r_low), "ratio_high": float(r_high), "verdict": verdict,
                          "n_sets": len(set_names), "items_scored": int(np.isfinite(column).sum()),
-                         "words_scored": len(words), "exclude_copied": bool(exclude_copied)})
+                         "words_scored": int(words_per_variant[(lens, vocab)]),
+                         "exclude_copied": bool(exclude_copied)})
     return pd.DataFrame(rows, columns=list(COMPARISON_COLUMNS))
 
 
@@ -147,9 +152,7 @@ def heldout_items(sets: Iterable[str], heldout_fraction: float = 0.5, *, seed: i
     Raises:
         ValueError: ``heldout_fraction`` outside (0, 1); FileNotFoundError / ValueError: a set that cannot be loaded.
     """
-    fraction = float(heldout_fraction)
-    if not 0.0 < fraction < 1.0:
-        raise ValueError(f"The held-out fraction {heldout_fraction} must lie strictly between 0 and 1.")
+    fraction = check_heldout_fraction(heldout_fraction)
     held: set[tuple[str, int]] = set()
     for spec in dict.fromkeys(str(s) for s in sets):
         for index, item in enumerate(load_eval_set(spec)):
