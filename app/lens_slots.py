@@ -318,7 +318,8 @@ def lens_summary(lens: Any) -> str:
     layers = lens.source_layers
     span = f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else str(layers[0])
     parts = [f"{lens.n_prompts} prompts", f"layers {span} → {lens.target_layer}"]
-    experts = getattr(lens, "n_experts", None) or s.get("experts")
+    # a one-matrix file is a combination of experts only when it says so (ExpertLens.to_jacobian_lens)
+    experts = getattr(lens, "n_experts", None) or (s.get("experts") if s.get("expert_kind") else None)
     if experts:
         weighted = lens_kind(lens).endswith("++")
         parts.append(f"{experts} experts, {'learned' if weighted else 'uniform'} weights"

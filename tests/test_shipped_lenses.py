@@ -37,7 +37,10 @@ def test_load_lens_reads_expert_and_combined_files(llama, experts, tmp_path):
     combined = load_lens(str(weighted.to_jacobian_lens().save(tmp_path / "jpp.one.safetensors")), model=llama)
     assert type(combined) is JacobianLens and combined.kind == "jacobian" and lens_kind(combined) == "jacobian++"
     assert torch.allclose(combined.matrix(layer), weighted.matrix(layer), atol=1e-6)
-    assert lens_kind(experts.pooled_lens()) == "jacobian"  # a plain lens stays a J lens
+    pooled = experts.pooled_lens()
+    assert lens_kind(pooled) == "jacobian"  # a plain lens stays a J lens
+    assert "experts" not in pooled.settings and "cluster_prompts" not in pooled.settings
+    assert {k: v for k, v in experts.settings.items() if k not in ("experts", "cluster_prompts")} == pooled.settings
     # an expert file for another model is refused like any lens file
     other = ExpertLens.load(tmp_path / "experts.safetensors")
     other.model_fingerprint = dict(other.model_fingerprint or {}, d_model=999)

@@ -404,9 +404,13 @@ class ExpertLens(MatrixTransportMixin):
                             diagnostics=self.diagnostics, stop_reason=self.stop_reason, rules=self.rules)
 
     def pooled_lens(self) -> JacobianLens:
-        """The plain lens of the same fit (the per-prompt mean of docs/method.md §3), as a :class:`JacobianLens`."""
+        """The plain lens of the same fit (the per-prompt mean of docs/method.md §3), as a :class:`JacobianLens`.
+
+        Its settings are the fit's without ``experts`` and ``cluster_prompts``: it is the lens a fit without
+        experts gives, and a reader of those keys would take it for a combination of experts."""
+        settings = {key: value for key, value in self.settings.items() if key not in ("experts", "cluster_prompts")}
         return JacobianLens(self.pooled, self.n_prompts, self.d_model, target_layer=self.target_layer,
-                            n_layers=self.n_layers, settings=self.settings, model_name=self.model_name,
+                            n_layers=self.n_layers, settings=settings, model_name=self.model_name,
                             model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
                             stop_reason=self.stop_reason, rules=self.rules)
 
