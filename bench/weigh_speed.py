@@ -4,7 +4,8 @@ In ONE run, on the same items of the default model (SmolLM2-135M, fp32 on the CP
 layers) and the same synthetic 8-expert lens (the shipped J lens per layer plus small seeded
 perturbations, ``J_l + noise * std(J_l) * N(0, 1)`` per expert), ``learn_expert_weights`` runs twice
 for a few steps: with the logit basis (the default, docs/method.md §9.1) and with ``basis_budget=0``
-(every step unembeds through the ``[n, d] x [d, vocab]`` head). Each scored iterate reports progress;
+(every step unembeds through the ``[n, d] x [d, vocab]`` head), and a third time with the basis but the
+earlier dense backward (autograd through the full logits instead of :func:`layer_surrogate`'s columns). Each scored iterate reports progress;
 the seconds between consecutive reports are the seconds per iterate (forward, backward and Adam step
 of all layers). Printed per path: the setup (the items' tensors, the basis where built, and the three
 starts, i.e. up to the first report, less one iterate), the median seconds per iterate, and the full
@@ -35,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jlens_core import load_model
+from jlens_core.fitting import expert_weights
 from jlens_core.fitting.expert_weights import STARTS, STEPS, learn_expert_weights
 from jlens_core.lenses.experts import Clustering, ExpertLens
 from jlens_core.lenses.shipped import default_lens
@@ -60,12 +62,27 @@ def synthetic_experts(model, n_experts: int, noise: float, seed: int) -> ExpertL
                       n_layers=model.n_layers, model_name=model.name, model_fingerprint=model.fingerprint())
 
 
-def timed_run(model, lens, items, steps: int, basis_budget: int | None) -> dict:
-    """One ``learn_expert_weights`` run; the time of every progress report."""
+def dense_layer_surrogate(model, batch, layer, weights, *, k=expert_weights.PASS_K,
+                          temperature=expert_weights.TEMPERATURE):
+    """The previous step: the surrogate of the full logits with autograd, so the backward reads the whole basis."""
+    logits = expert_weights.layer_logits(model, batch, layer, weights)
+    std = expert_weights.layer_std(model, batch, layer, weights)
+    return expert_weights.surrogate_terms(logits, batch, k=k, temperature=temperature, std=std), logits.detach()
+
+
+def timed_run(model, lens, items, steps: int, basis_budget: int | None, *, dense_backward: bool = False) -> dict:
+    """One ``learn_expert_weights`` run; the time of every progress report. ``dense_backward``: the step
+    backpropagates through the full logits (the algorithm before ``layer_surrogate``'s column backward)."""
     marks: list[float] = []
+    sparse = expert_weights.layer_surrogate
+    if dense_backward:
+        expert_weights.layer_surrogate = dense_layer_surrogate
     began = time.perf_counter()
-    fit = learn_expert_weights(model, lens, items, steps=steps, basis_budget=basis_budget,
-                               progress=lambda _: marks.append(time.perf_counter()))
+    try:
+        fit = learn_expert_weights(model, lens, items, steps=steps, basis_budget=basis_budget,
+                                   progress=lambda _: marks.append(time.perf_counter()))
+    finally:
+        expert_weights.layer_surrogate = sparse
     total = time.perf_counter() - began
     per_iterate = statistics.median(b - a for a, b in itertools.pairwise(marks))
     setup = marks[0] - began - per_iterate
@@ -103,23 +120,27 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
 
     runs = {"basis": timed_run(model, lens, items, args.steps, None),
+            "basis-dense": timed_run(model, lens, items, args.steps, None, dense_backward=True),
             "unembed": timed_run(model, lens, items, args.steps, 0)}
-    print(f"{'path':8} {'setup s':>9} {'s/iterate':>10} {'full run s (3 x 201 iterates)':>30}  "
+    print(f"{'path':12} {'setup s':>9} {'s/iterate':>10} {'full run s (3 x 201 iterates)':>30}  "
           "kept (start, step, pass@10)")
     for name, run in runs.items():
-        print(f"{name:8} {run['setup_s']:9.2f} {run['iterate_s']:10.4f} {run['full_run_s']:30.1f}  "
+        print(f"{name:12} {run['setup_s']:9.2f} {run['iterate_s']:10.4f} {run['full_run_s']:30.1f}  "
               f"({run['start']}, {run['step']}, {run['macro10']:.4f})")
-    fast, slow = runs["basis"], runs["unembed"]
+    fast, dense, slow = runs["basis"], runs["basis-dense"], runs["unembed"]
     same = (fast["start"], fast["step"], fast["macro10"]) == (slow["start"], slow["step"], slow["macro10"])
     weight_diff = float((fast["weights"] - slow["weights"]).abs().max())
     print(f"ratio per iterate: {slow['iterate_s'] / fast['iterate_s']:.1f}x; full run: "
           f"{slow['full_run_s'] / fast['full_run_s']:.1f}x; same kept iterate and macro: {same} "
           f"(weights max |diff| {weight_diff:.1e})")
+    print(f"column backward against the dense backward through the basis: {dense['iterate_s'] / fast['iterate_s']:.2f}x "
+          f"per iterate")
     if args.json:
         out = {"model": model.name, "items": len(items), "experts": args.experts, "steps": args.steps,
                "threads": torch.get_num_threads(), "same_kept_iterate": same, "weights_max_abs_diff": weight_diff,
                "ratio_iterate": slow["iterate_s"] / fast["iterate_s"],
                "ratio_full_run": slow["full_run_s"] / fast["full_run_s"],
+               "ratio_iterate_dense_backward": dense["iterate_s"] / fast["iterate_s"],
                "runs": {name: {k: v for k, v in run.items() if k != "weights"} for name, run in runs.items()}}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -26,6 +26,7 @@ from jlens_core.fitting.expert_weights import (
     heldout_score,
     layer_logits,
     layer_std,
+    layer_surrogate,
     learn_expert_weights,
     macro_pass_at_k,
     split_items,
@@ -279,6 +280,26 @@ def test_the_logit_basis_gives_unembeds_logits_spread_and_gradients(family):
             else:
                 assert std is not None and rel_max(std, want.std(dim=-1, correction=0)) < 1e-5
             assert want_grad.norm() > 0 and rel_max(grad, want_grad) < 1e-4
+
+
+def test_the_surrogate_from_the_basis_columns_has_the_dense_values_and_gradient(family):
+    """layer_surrogate's sparse backward (the basis's columns at the k-th largest and best candidate ids) against
+    surrogate_terms of the full logits, unembedded (the slow path): the same terms and gradient."""
+    model, lens = family["model"], family["lens"]
+    fast = ItemBatch.build(expert_matrices(lens), family["items"], model=model)
+    slow = ItemBatch.build(expert_matrices(lens), family["items"], model=model, basis_budget=0)
+    gen = torch.Generator().manual_seed(7)
+    for layer in lens.source_layers:
+        weights = torch.randn(N_EXPERTS, generator=gen)
+        w = weights.clone().requires_grad_(True)
+        terms, logits = layer_surrogate(model, fast, layer, w)
+        assert not logits.requires_grad and logits.shape == (len(fast.keys), model.vocab_size)
+        (grad,) = torch.autograd.grad((fast.inter_weight.float() * terms).sum(), w)
+        ((want_logits, _, want_grad),) = both_paths(model, (slow,), layer, weights)
+        want_terms = surrogate_terms(want_logits, slow)
+        assert rel_max(logits, want_logits) < 1e-5
+        assert rel_max(terms, want_terms) < 1e-4
+        assert want_grad.norm() > 0 and rel_max(grad, want_grad) < 1e-3
 
 
 def test_a_padded_scaled_head_with_a_bias(work):

@@ -38,7 +38,8 @@ expert and every step only combines them and unembeds, ``unembed(sum_e w_e J_{l,
   with ``a = (w / sqrt(w^T G w + eps), 1)`` and ``S`` the covariance over the vocabulary of
   ``B_1 .. B_E, offset``. A step then costs an ``[E] x [E, vocab]`` product per item instead of
   ``[d] x [d, vocab]`` (``d / E`` fewer FLOPs: 72x on SmolLM2-135M with 8 experts; the step stays
-  memory-bound: 6.5x faster there, bench/weigh_speed.py). The basis is built once (an
+  memory-bound: 6.5x faster there, bench/weigh_speed.py), and its backward reads only the basis's columns
+  that the surrogate's gradient reaches (:func:`layer_surrogate`): one pass over the basis a step. The basis is built once (an
   ``[n E, d] x [d, vocab]`` product per layer) where it fits :data:`BASIS_BUDGET_BYTES` and the model
   computes in float32, and kept only when it reproduces ``unembed`` for the uniform weights on every layer
   (relative max error <= :data:`SELF_CHECK_RTOL`, else a warning). Otherwise (a readout or pre-head
@@ -221,6 +222,20 @@ class LogitBasis:
         else:  # the offset added inside the product
             logits = torch.baddbmm(self.offset.expand(basis.shape[0], 1, -1), coefficients, basis)
         return self.model.scale_and_cap(logits.squeeze(1))
+
+    def logits_at(self, layer: int, weights: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``[m]`` fp32: ``layer_logits(layer, weights)[rows, ids]`` from the basis's columns at ``ids`` alone
+        (differentiable in ``weights``; ``rows``, ``ids``: ``LongTensor[m]``).
+
+        The surrogate's gradient reaches only these few logits per row (the best candidate, the k-th
+        largest): the backward reads ``m x E`` numbers instead of the whole ``[n_items, E, vocab]`` basis.
+        """
+        basis = self.logits[layer]
+        coefficients = self._coefficients(layer, weights, basis.dtype)  # [n, E]
+        values = (coefficients[rows] * basis[rows, :, ids]).sum(dim=-1)  # [m]
+        if self.offset is not None:
+            values = values + self.offset[ids]
+        return self.model.scale_and_cap(values)
 
     def layer_std(self, layer: int, weights: torch.Tensor) -> torch.Tensor | None:
         """``[n_items]`` fp32: the population standard deviation of each row of :meth:`layer_logits` in closed
@@ -462,6 +477,36 @@ def surrogate_terms(logits: torch.Tensor, batch: ItemBatch, *, k: int = PASS_K,
     return torch.sigmoid((best - kth[batch.inter_item]) / scale[batch.inter_item])
 
 
+def layer_surrogate(model: LensModel, batch: ItemBatch, layer: int, weights: torch.Tensor, *, k: int = PASS_K,
+                    temperature: float = TEMPERATURE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(terms [n_inter], logits [n_items, vocab])``: :func:`surrogate_terms` of :func:`layer_logits`
+    (differentiable in ``weights [E]``) and the logits themselves, detached (for the exact ranks).
+
+    Through the batch's :class:`LogitBasis`, without a soft-cap, the logits are computed once without
+    autograd and the terms again from the basis's columns at each row's k-th largest kept id and each
+    intermediate's best candidate (:meth:`LogitBasis.logits_at`), the only logits the terms' gradient
+    reaches (the standard deviation is closed form): the same values and gradient, one pass over the basis
+    a step instead of two. Otherwise through :func:`surrogate_terms`.
+    """
+    std = layer_std(model, batch, layer, weights)
+    basis = batch.basis
+    if basis is None or basis.model is not model or std is None:
+        logits = layer_logits(model, batch, layer, weights)
+        return surrogate_terms(logits, batch, k=k, temperature=temperature, std=std), logits.detach()
+    with torch.no_grad():
+        logits = basis.layer_logits(layer, weights)  # [n_items, vocab]
+        ranked = logits if batch.kept is None else logits.masked_fill(batch.kept == 0, -math.inf)
+        kth_ids = ranked.topk(min(k, ranked.shape[-1]), dim=-1).indices[:, -1]  # [n_items]
+        columns = logits[batch.inter_item[:, None], batch.cand].argmax(dim=1, keepdim=True)  # [n_inter, 1]
+        best_ids = batch.cand.gather(1, columns).squeeze(1)  # [n_inter]
+    rows = torch.arange(len(kth_ids), device=kth_ids.device)
+    kth = basis.logits_at(layer, weights, rows, kth_ids)  # [n_items]
+    best = basis.logits_at(layer, weights, batch.inter_item, best_ids)  # [n_inter]
+    scale = temperature * std.clamp_min(1e-12)
+    terms = torch.sigmoid((best - kth[batch.inter_item]) / scale[batch.inter_item])
+    return terms, logits
+
+
 def intermediate_ranks(logits: torch.Tensor, batch: ItemBatch) -> torch.Tensor:
     """``LongTensor[n_inter]``: each scored intermediate's best 1-based rank in its item's row of ``logits``:
     ``1 + #{kept v : logit_v > logit of its best candidate}`` (docs/method.md §6, §8)."""
@@ -573,14 +618,12 @@ def learn_expert_weights(model: LensModel, lens: ExpertLens, items: Sequence[Lab
             ranks = batch.final_ranks.clone()
             surrogate = 0.0
             for i, layer in enumerate(layers):
-                logits = layer_logits(model, batch, layer, w[i])
-                terms = surrogate_terms(logits, batch, k=k, temperature=temperature,
-                                        std=layer_std(model, batch, layer, w[i]))
+                terms, logits = layer_surrogate(model, batch, layer, w[i], k=k, temperature=temperature)
                 objective = (batch.inter_weight.to(terms.dtype) * terms).sum() / len(layers)
                 surrogate += float(objective.detach())
                 if step < steps:
                     (-objective).backward()
-                ranks = torch.minimum(ranks, intermediate_ranks(logits.detach(), batch))
+                ranks = torch.minimum(ranks, intermediate_ranks(logits, batch))
             macro = macro_from_ranks(ranks, batch, k)
             history.append({"start": start, "step": step, "surrogate": surrogate, "macro": macro,
                             "weights": w.detach().cpu().clone()})
@@ -607,5 +650,5 @@ def learn_expert_weights(model: LensModel, lens: ExpertLens, items: Sequence[Lab
 
 __all__ = ["BASIS_BUDGET_BYTES", "LEARNING_RATE", "PASS_K", "REPORT_KS", "SELF_CHECK_RTOL", "STARTS", "STEPS",
            "TEMPERATURE", "ItemBatch", "LabelledItem", "LogitBasis", "WeighProgress", "WeightFit", "basis_bytes",
-           "heldout_score", "intermediate_ranks", "layer_logits", "layer_std", "learn_expert_weights", "logit_basis",
-           "macro_from_ranks", "macro_pass_at_k", "split_items", "surrogate_terms"]
+           "heldout_score", "intermediate_ranks", "layer_logits", "layer_std", "layer_surrogate", "learn_expert_weights",
+           "logit_basis", "macro_from_ranks", "macro_pass_at_k", "split_items", "surrogate_terms"]
