@@ -245,6 +245,18 @@ def lens_label(name: str) -> str:
     return charts.LENS_NAMES.get(name, name)
 
 
+def default_pair(ctx: Context) -> tuple[str, str]:
+    """Inspect's default comparison: the logit lens and the model's default reading lens
+    (``jlens_core.lenses.shipped.default_reading_lens``: the J lens, or the shipped variant that beat it) under
+    the name the loaded lens goes by (an expert lens by its kind, "J++")."""
+    from jlens_core.lenses.shipped import default_reading_lens
+
+    name = getattr(ctx.model, "name", None) or DEFAULT_MODEL
+    key = default_reading_lens(name)
+    item = ctx.loaded.get(key)
+    return "logit", (item.name or key) if item is not None else key
+
+
 def context() -> Context:
     """The :class:`Context` of this run (built by :func:`sidebar.sidebar`)."""
     return st.session_state.get("_ctx") or Context()

@@ -27,7 +27,8 @@ import common
 from common import ASSETS, ENV_LENS, LoadedLens
 from jlens_core.lenses.experts import is_expert_lens_file
 from jlens_core.lenses.lens import JacobianLens
-from jlens_core.lenses.shipped import KIND_NAMES, is_tuned_lens_file, lens_kind
+from jlens_core.lenses.shipped import DEFAULT_READING_LENS, KIND_NAMES, is_tuned_lens_file, lens_kind
+from jlens_core.models.loading import DEFAULT_MODEL
 
 LENS_DIR = ASSETS / "lenses"
 SHIPPED, NONE, FILE, UPLOAD, RUN = "shipped", "none", "file", "upload", "run:"
@@ -388,8 +389,14 @@ JACOBIAN = _lens_file_slot(
     empty_note="No Jacobian lens loaded: the logit lens only. Fit one on the Fit page or load a lens file.",
     kinds=("jacobian",), wrong_kind="this file is an R-lens (fitted with rules={kind!r}): pick it in the R-lens "
                                     "slot below.")
+def _variant_default(variant: str) -> str:
+    """A variant slot's default: the shipped lens when it is the default model's reading lens
+    (``DEFAULT_READING_LENS``, docs/results.md), else none (loaded on request)."""
+    return SHIPPED if DEFAULT_READING_LENS.get(DEFAULT_MODEL) == variant else NONE
+
+
 RELEVANCE = _lens_file_slot(
-    "R-lens", "an", key="relevance", param="rlens", default=NONE, sources=_relevance_sources,
+    "R-lens", "an", key="relevance", param="rlens", default=_variant_default("relevance"), sources=_relevance_sources,
     summary=lambda lens: f"**R-lens** · {lens_summary(lens)}", label="R-lens", none_label="None",
     unshipped_label="None (no shipped R-lens for this model)", path_placeholder="/path/to/lens.safetensors or hf://owner/repo/lens",
     path_help="A lens file fitted with relevance rules (`jlens fit --rules relevance`), or "
@@ -413,7 +420,7 @@ def _expert_slot(key: str, rules: str, short: str) -> LensSlot:
     """The J++ or R++ slot: an expert lens fitted with ``rules`` (learned weights, or uniform), in full or combined."""
     what = f"{short} lens"
     return _lens_file_slot(
-        what, key=key, param=key, default=NONE, sources=_expert_sources(rules, key, what),
+        what, key=key, param=key, default=_variant_default(key), sources=_expert_sources(rules, key, what),
         summary=lambda lens: f"**{KIND_LABELS[lens_kind(lens)]}** · {lens_summary(lens)}", label=what,
         none_label="None", unshipped_label=f"None (no shipped {what} for this model)",
         path_placeholder="/path/to/experts.safetensors or hf://owner/repo/lens",

@@ -112,7 +112,7 @@ def sync_query_params() -> None:
     wanted["centred"] = "1" if ss.get("iv_centred") else None
     wanted["iv_lens"] = ss.get("iv_lens") if ss.get("iv_lens") not in (None, "jacobian") else None
     pair = (ss.get("pair_a"), ss.get("pair_b"))
-    wanted["pair"] = ",".join(pair) if ss.get("mode") in ("side", "diff") and pair != ("logit", "jacobian") \
+    wanted["pair"] = ",".join(pair) if ss.get("mode") in ("side", "diff") and pair != common.default_pair(ctx) \
         and all(pair) else None
     try:
         for key, value in wanted.items():

@@ -68,3 +68,13 @@ def test_shipped_variants_are_found_beside_the_jacobian_lens(llama, experts, tmp
     experts.to_jacobian_lens().save(tmp_path / f"{name}.jpp.safetensors")
     assert lens_kind(default_lens(llama, "jpp")) == "jacobian-experts"
     assert default_lens(llama, "rpp") is None and default_lens(llama) is None
+
+
+def test_the_default_reading_lens_is_a_shipped_variant_only_when_its_file_ships(tmp_path, monkeypatch):
+    monkeypatch.setattr(shipped, "LENS_DIR", tmp_path)
+    monkeypatch.setattr(shipped, "SHIPPED_LENSES", {"smollm2-135m": tmp_path / "smollm2-135m.safetensors"})
+    monkeypatch.setattr(shipped, "DEFAULT_READING_LENS", {"smollm2-135m": "rpp"})
+    assert shipped.default_reading_lens("smollm2-135m") == "jacobian"  # rpp is named but does not ship
+    (tmp_path / "smollm2-135m.rpp.safetensors").write_bytes(b"")
+    assert shipped.default_reading_lens("SmolLM2-135M") == "rpp"  # an alias of the default model
+    assert shipped.default_reading_lens("some/other-model") == "jacobian"

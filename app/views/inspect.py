@@ -206,7 +206,7 @@ def lens_controls(ctx: common.Context, pins: list[str]) -> tuple[str, str]:
         ss.mode = ss.pop("mode_request")
     if ss.mode not in mode_options:
         ss.mode = "logit"
-    pair = _pick_pair(available)
+    pair = _pick_pair(available, common.default_pair(ctx))
 
     def mode_label(m: str) -> str:
         if m == "diff":
@@ -230,17 +230,19 @@ def lens_controls(ctx: common.Context, pins: list[str]) -> tuple[str, str]:
     return pair
 
 
-def _pick_pair(available: list[str]) -> tuple[str, str]:
+def _pick_pair(available: list[str], default: tuple[str, str] = ("logit", "jacobian")) -> tuple[str, str]:
     """The two lenses of side by side and difference (``pair_a``, ``pair_b``; kept in the URL's ``pair``).
 
-    By default the logit lens and the first other lens loaded (J, R, J++, R++, tuned, added). A pair member
-    that is not loaded gives way to a loaded lens outside the pair, when there is one (else the heatmap says
-    what is missing).
+    By default ``default`` (the logit lens and the model's default reading lens, :func:`common.default_pair`)
+    when its second lens is loaded, else the logit lens and the first other lens loaded (J, R, J++, R++,
+    tuned, added). A pair member that is not loaded gives way to a loaded lens outside the pair, when there
+    is one (else the heatmap says what is missing).
     """
     fitted = [k for k in available if k != "logit"]
-    for key, default in (("pair_a", "logit"), ("pair_b", fitted[0] if fitted else "jacobian")):
+    second = default[1] if default[1] in fitted else (fitted[0] if fitted else "jacobian")
+    for key, value in (("pair_a", default[0]), ("pair_b", second)):
         if not isinstance(ss.get(key), str) or not ss.get(key):
-            ss[key] = default
+            ss[key] = value
     if ss.pair_a == ss.pair_b:
         ss.pair_b = next(k for k in [*available, *common.LENS_KINDS] if k != ss.pair_a)
     for key in ("pair_a", "pair_b"):

@@ -28,6 +28,9 @@ SHIPPED_LENSES = {DEFAULT_MODEL: LENS_DIR / f"{DEFAULT_MODEL}.safetensors"}
 SHIPPED_TUNED_LENSES = {DEFAULT_MODEL: LENS_DIR / f"{DEFAULT_MODEL}.tuned.safetensors"}
 # The shipped lenses beside a model's Jacobian lens: ``<model>.<variant>.safetensors``.
 VARIANTS = {"relevance": "R-lens", "jpp": "J++ lens", "rpp": "R++ lens"}
+# The lens each model's readings open with beside the logit lens (the app's default): the Jacobian lens
+# (``"jacobian"``) unless a shipped variant beat it on held-out items (docs/results.md, "The default lens").
+DEFAULT_READING_LENS = {DEFAULT_MODEL: "jacobian"}
 # How each kind of lens (``lens_kind``) is named to a reader.
 KIND_NAMES = {"logit": "logit lens", "jacobian": "Jacobian lens", "relevance": "R-lens", "tuned": "tuned lens",
               "jacobian++": "J++ lens", "relevance++": "R++ lens", "jacobian-experts": "J-experts lens (uniform weights)",
@@ -89,6 +92,15 @@ def shipped_lens_path(name: str = DEFAULT_MODEL, variant: str | None = None) -> 
         if path.is_file():
             return path
     return None
+
+
+def default_reading_lens(name: str = DEFAULT_MODEL) -> str:
+    """The lens model ``name`` is read with by default (:data:`DEFAULT_READING_LENS`): ``"jacobian"``, or a
+    shipped variant of :data:`VARIANTS` (``"relevance"``, ``"jpp"``, ``"rpp"``) when it ships for the model."""
+    choice = DEFAULT_READING_LENS.get(_model_key(name), "jacobian")
+    if choice != "jacobian" and shipped_lens_path(name, choice) is None:
+        return "jacobian"
+    return choice
 
 
 def lens_kind(lens: object) -> str:
