@@ -5,7 +5,8 @@ layers) and the same synthetic 8-expert lens (the shipped J lens per layer plus 
 perturbations, ``J_l + noise * std(J_l) * N(0, 1)`` per expert), ``learn_expert_weights`` runs twice
 for a few steps: with the logit basis (the default, docs/method.md §9.1) and with ``basis_budget=0``
 (every step unembeds through the ``[n, d] x [d, vocab]`` head), and a third time with the basis but the
-earlier dense backward (autograd through the full logits instead of :func:`layer_surrogate`'s columns). Each scored iterate reports progress;
+previous step (autograd through the full logits instead of ``layer_surrogate``'s columns, and fresh
+``[n, vocab]`` temporaries instead of the batch's buffers). Each scored iterate reports progress;
 the seconds between consecutive reports are the seconds per iterate (forward, backward and Adam step
 of all layers). Printed per path: the setup (the items' tensors, the basis where built, and the three
 starts, i.e. up to the first report, less one iterate), the median seconds per iterate, and the full
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import resource
 import statistics
 import sys
 import time
@@ -70,24 +72,43 @@ def dense_layer_surrogate(model, batch, layer, weights, *, k=expert_weights.PASS
     return expert_weights.surrogate_terms(logits, batch, k=k, temperature=temperature, std=std), logits.detach()
 
 
-def timed_run(model, lens, items, steps: int, basis_budget: int | None, *, dense_backward: bool = False) -> dict:
-    """One ``learn_expert_weights`` run; the time of every progress report. ``dense_backward``: the step
-    backpropagates through the full logits (the algorithm before ``layer_surrogate``'s column backward)."""
+def fresh_intermediate_ranks(logits, batch):
+    """The previous ranks: fresh ``[n_inter, vocab]`` temporaries every call instead of the batch's buffers."""
+    rows = logits.index_select(0, batch.inter_item)
+    best = rows.gather(1, batch.cand).max(dim=1, keepdim=True).values
+    above = rows > best
+    if batch.kept is not None:
+        above = above & (batch.kept[batch.inter_item] > 0)
+    return above.sum(dim=1) + 1
+
+
+def timed_run(model, lens, items, steps: int, basis_budget: int | None, *, previous_step: bool = False) -> dict:
+    """One ``learn_expert_weights`` run; the time of every progress report and the minor page faults per
+    iterate. ``previous_step``: the step as it was before ``layer_surrogate``: backpropagated through the full
+    logits, its ``[n, vocab]`` temporaries allocated afresh."""
     marks: list[float] = []
-    sparse = expert_weights.layer_surrogate
-    if dense_backward:
+    faults: list[int] = []
+    kept = expert_weights.layer_surrogate, expert_weights.intermediate_ranks
+    if previous_step:
         expert_weights.layer_surrogate = dense_layer_surrogate
+        expert_weights.intermediate_ranks = fresh_intermediate_ranks
+
+    def mark(_) -> None:
+        marks.append(time.perf_counter())
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
     began = time.perf_counter()
     try:
-        fit = learn_expert_weights(model, lens, items, steps=steps, basis_budget=basis_budget,
-                                   progress=lambda _: marks.append(time.perf_counter()))
+        fit = learn_expert_weights(model, lens, items, steps=steps, basis_budget=basis_budget, progress=mark)
     finally:
-        expert_weights.layer_surrogate = sparse
+        expert_weights.layer_surrogate, expert_weights.intermediate_ranks = kept
     total = time.perf_counter() - began
     per_iterate = statistics.median(b - a for a, b in itertools.pairwise(marks))
     setup = marks[0] - began - per_iterate
     full = setup + len(STARTS) * (STEPS + 1) * per_iterate
+    faults_per_iterate = statistics.median(b - a for a, b in itertools.pairwise(faults))
     return {"seconds_total": total, "setup_s": setup, "iterate_s": per_iterate, "full_run_s": full,
+            "minor_faults_per_iterate": faults_per_iterate,
             "start": fit.start, "step": fit.step, "macro10": fit.macro[10],
             "weights": torch.stack([fit.weights[layer] for layer in sorted(fit.weights)])}
 
@@ -120,27 +141,27 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
 
     runs = {"basis": timed_run(model, lens, items, args.steps, None),
-            "basis-dense": timed_run(model, lens, items, args.steps, None, dense_backward=True),
+            "basis-prev": timed_run(model, lens, items, args.steps, None, previous_step=True),
             "unembed": timed_run(model, lens, items, args.steps, 0)}
-    print(f"{'path':12} {'setup s':>9} {'s/iterate':>10} {'full run s (3 x 201 iterates)':>30}  "
+    print(f"{'path':12} {'setup s':>9} {'s/iterate':>10} {'faults/iterate':>15} {'full run s (3 x 201 iterates)':>30}  "
           "kept (start, step, pass@10)")
     for name, run in runs.items():
-        print(f"{name:12} {run['setup_s']:9.2f} {run['iterate_s']:10.4f} {run['full_run_s']:30.1f}  "
-              f"({run['start']}, {run['step']}, {run['macro10']:.4f})")
-    fast, dense, slow = runs["basis"], runs["basis-dense"], runs["unembed"]
+        print(f"{name:12} {run['setup_s']:9.2f} {run['iterate_s']:10.4f} {run['minor_faults_per_iterate']:15.0f} "
+              f"{run['full_run_s']:30.1f}  ({run['start']}, {run['step']}, {run['macro10']:.4f})")
+    fast, dense, slow = runs["basis"], runs["basis-prev"], runs["unembed"]
     same = (fast["start"], fast["step"], fast["macro10"]) == (slow["start"], slow["step"], slow["macro10"])
     weight_diff = float((fast["weights"] - slow["weights"]).abs().max())
     print(f"ratio per iterate: {slow['iterate_s'] / fast['iterate_s']:.1f}x; full run: "
           f"{slow['full_run_s'] / fast['full_run_s']:.1f}x; same kept iterate and macro: {same} "
           f"(weights max |diff| {weight_diff:.1e})")
-    print(f"column backward against the dense backward through the basis: {dense['iterate_s'] / fast['iterate_s']:.2f}x "
-          f"per iterate")
+    print(f"this step against the previous one through the basis (dense backward, fresh temporaries): "
+          f"{dense['iterate_s'] / fast['iterate_s']:.2f}x per iterate")
     if args.json:
         out = {"model": model.name, "items": len(items), "experts": args.experts, "steps": args.steps,
                "threads": torch.get_num_threads(), "same_kept_iterate": same, "weights_max_abs_diff": weight_diff,
                "ratio_iterate": slow["iterate_s"] / fast["iterate_s"],
                "ratio_full_run": slow["full_run_s"] / fast["full_run_s"],
-               "ratio_iterate_dense_backward": dense["iterate_s"] / fast["iterate_s"],
+               "ratio_iterate_previous_step": dense["iterate_s"] / fast["iterate_s"],
                "runs": {name: {k: v for k, v in run.items() if k != "weights"} for name, run in runs.items()}}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -213,15 +213,17 @@ class LogitBasis:
         square = torch.einsum("e,nef,f->n", w, self.gram[layer], w)  # mean square (or variance) [n]
         return (w[None, :] * torch.rsqrt(square + self.eps)[:, None]).to(dtype)
 
-    def layer_logits(self, layer: int, weights: torch.Tensor) -> torch.Tensor:
-        """``[n_items, vocab]`` fp32: the model's ``unembed(sum_e w_e y_e)`` (differentiable in ``weights [E]``)."""
+    def layer_logits(self, layer: int, weights: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n_items, vocab]`` fp32: the model's ``unembed(sum_e w_e y_e)`` (differentiable in ``weights [E]``;
+        with ``out``, an ``[n_items, vocab]`` buffer it is written into, not: for scoring under ``no_grad``)."""
         basis = self.logits[layer]
         coefficients = self._coefficients(layer, weights, basis.dtype)[:, None, :]  # [n, 1, E]
+        target = None if out is None else out.view(basis.shape[0], 1, basis.shape[2])
         if self.offset is None:
-            logits = torch.bmm(coefficients, basis)
+            logits = torch.bmm(coefficients, basis, out=target)
         else:  # the offset added inside the product
-            logits = torch.baddbmm(self.offset.expand(basis.shape[0], 1, -1), coefficients, basis)
-        return self.model.scale_and_cap(logits.squeeze(1))
+            logits = torch.baddbmm(self.offset.expand(basis.shape[0], 1, -1), coefficients, basis, out=target)
+        return self.model.scale_and_cap(logits.squeeze(1), inplace=out is not None)
 
     def logits_at(self, layer: int, weights: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``[m]`` fp32: ``layer_logits(layer, weights)[rows, ids]`` from the basis's columns at ``ids`` alone
@@ -429,6 +431,25 @@ class ItemBatch:
                    final_ranks=torch.tensor(final_ranks, dtype=torch.long, device=device), kept=kept,
                    keys=[item.key for item in scored], basis=basis)
 
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A reusable ``shape`` buffer, made once per ``name``: a step's ``[n, vocab]`` temporaries would
+        otherwise be fresh allocations, and glibc maps each one over 32 MB anew, so every page faults in
+        again (half of a learning run's time went to the kernel before)."""
+        held = self.scratch.get(name)
+        if held is None or held.shape != shape or held.dtype != dtype:
+            held = self.scratch[name] = torch.empty(shape, dtype=dtype, device=self.cand.device)
+        return held
+
+    def kept_rows(self) -> torch.Tensor | None:
+        """``[n_inter, vocab]`` bool: the readout's kept ids on each intermediate's item row (``None``: every id)."""
+        if self.kept is None:
+            return None
+        if "kept_rows" not in self.scratch:
+            self.scratch["kept_rows"] = self.kept.index_select(0, self.inter_item) > 0
+        return self.scratch["kept_rows"]
+
     @property
     def layers(self) -> list[int]:
         return sorted(self.transported)
@@ -480,7 +501,8 @@ def surrogate_terms(logits: torch.Tensor, batch: ItemBatch, *, k: int = PASS_K,
 def layer_surrogate(model: LensModel, batch: ItemBatch, layer: int, weights: torch.Tensor, *, k: int = PASS_K,
                     temperature: float = TEMPERATURE) -> tuple[torch.Tensor, torch.Tensor]:
     """``(terms [n_inter], logits [n_items, vocab])``: :func:`surrogate_terms` of :func:`layer_logits`
-    (differentiable in ``weights [E]``) and the logits themselves, detached (for the exact ranks).
+    (differentiable in ``weights [E]``) and the logits themselves, detached (for the exact ranks; through
+    the basis they lie in the batch's buffer, so they hold until the next call on the batch).
 
     Through the batch's :class:`LogitBasis`, without a soft-cap, the logits are computed once without
     autograd and the terms again from the basis's columns at each row's k-th largest kept id and each
@@ -494,7 +516,8 @@ def layer_surrogate(model: LensModel, batch: ItemBatch, layer: int, weights: tor
         logits = layer_logits(model, batch, layer, weights)
         return surrogate_terms(logits, batch, k=k, temperature=temperature, std=std), logits.detach()
     with torch.no_grad():
-        logits = basis.layer_logits(layer, weights)  # [n_items, vocab]
+        n_items, _, vocab = basis.logits[layer].shape
+        logits = basis.layer_logits(layer, weights, out=batch.buffer("logits", (n_items, vocab), torch.float32))
         ranked = logits if batch.kept is None else logits.masked_fill(batch.kept == 0, -math.inf)
         kth_ids = ranked.topk(min(k, ranked.shape[-1]), dim=-1).indices[:, -1]  # [n_items]
         columns = logits[batch.inter_item[:, None], batch.cand].argmax(dim=1, keepdim=True)  # [n_inter, 1]
@@ -510,11 +533,15 @@ def layer_surrogate(model: LensModel, batch: ItemBatch, layer: int, weights: tor
 def intermediate_ranks(logits: torch.Tensor, batch: ItemBatch) -> torch.Tensor:
     """``LongTensor[n_inter]``: each scored intermediate's best 1-based rank in its item's row of ``logits``:
     ``1 + #{kept v : logit_v > logit of its best candidate}`` (docs/method.md §6, §8)."""
-    rows = logits.index_select(0, batch.inter_item)  # [n_inter, vocab]
+    shape = (len(batch.inter_item), logits.shape[-1])
+    reuse = not (logits.requires_grad and torch.is_grad_enabled())  # out= buffers take no autograd
+    rows = (torch.index_select(logits, 0, batch.inter_item, out=batch.buffer("rows", shape, logits.dtype)) if reuse
+            else logits.index_select(0, batch.inter_item))  # [n_inter, vocab]
     best = rows.gather(1, batch.cand).max(dim=1, keepdim=True).values  # [n_inter, 1]
-    above = rows > best
-    if batch.kept is not None:
-        above = above & (batch.kept[batch.inter_item] > 0)
+    above = torch.gt(rows, best, out=batch.buffer("above", shape, torch.bool)) if reuse else rows > best
+    kept = batch.kept_rows()
+    if kept is not None:
+        above &= kept
     return above.sum(dim=1) + 1
 
 
