@@ -42,6 +42,7 @@ from jlens_core.fitting import expert_weights
 from jlens_core.fitting.expert_weights import STARTS, STEPS, learn_expert_weights
 from jlens_core.lenses.experts import Clustering, ExpertLens
 from jlens_core.lenses.shipped import default_lens
+from jlens_core.models.device_maps import parse_size
 from jlens_core.reading.labelled_items import read_labelled_items
 
 
@@ -123,6 +124,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="Adam steps per start measured (>= 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--basis-memory", default=None, metavar="SIZE",
+                        help="the basis's budget (as jlens weigh --basis-memory; default 6GiB: about 130 items)")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
     if args.steps < 1:
@@ -140,8 +143,9 @@ def main() -> None:
           f"{args.experts} experts, {len(items)} items (read in {read_s:.1f} s), {args.steps} steps per start, "
           f"{torch.get_num_threads()} threads")
 
-    runs = {"basis": timed_run(model, lens, items, args.steps, None),
-            "basis-prev": timed_run(model, lens, items, args.steps, None, previous_step=True),
+    budget = None if args.basis_memory is None else parse_size(args.basis_memory, what="--basis-memory")
+    runs = {"basis": timed_run(model, lens, items, args.steps, budget),
+            "basis-prev": timed_run(model, lens, items, args.steps, budget, previous_step=True),
             "unembed": timed_run(model, lens, items, args.steps, 0)}
     print(f"{'path':12} {'setup s':>9} {'s/iterate':>10} {'faults/iterate':>15} {'full run s (3 x 201 iterates)':>30}  "
           "kept (start, step, pass@10)")
@@ -149,6 +153,8 @@ def main() -> None:
         print(f"{name:12} {run['setup_s']:9.2f} {run['iterate_s']:10.4f} {run['minor_faults_per_iterate']:15.0f} "
               f"{run['full_run_s']:30.1f}  ({run['start']}, {run['step']}, {run['macro10']:.4f})")
     fast, dense, slow = runs["basis"], runs["basis-prev"], runs["unembed"]
+    if fast["minor_faults_per_iterate"] == slow["minor_faults_per_iterate"]:
+        print("warning: the basis was not built (over its budget?): every arm unembedded; raise --basis-memory")
     same = (fast["start"], fast["step"], fast["macro10"]) == (slow["start"], slow["step"], slow["macro10"])
     weight_diff = float((fast["weights"] - slow["weights"]).abs().max())
     print(f"ratio per iterate: {slow['iterate_s'] / fast['iterate_s']:.1f}x; full run: "
