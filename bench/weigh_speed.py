@@ -39,7 +39,13 @@ sys.path.insert(0, str(ROOT))
 
 from jlens_core import load_model
 from jlens_core.fitting import expert_weights
-from jlens_core.fitting.expert_weights import STARTS, STEPS, learn_expert_weights
+from jlens_core.fitting.expert_weights import (
+    BASIS_BUDGET_BYTES,
+    STARTS,
+    STEPS,
+    basis_bytes,
+    learn_expert_weights,
+)
 from jlens_core.lenses.experts import Clustering, ExpertLens
 from jlens_core.lenses.shipped import default_lens
 from jlens_core.models.device_maps import parse_size
@@ -144,6 +150,10 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
 
     budget = None if args.basis_memory is None else parse_size(args.basis_memory, what="--basis-memory")
+    needed = basis_bytes(len(lens.source_layers), len(items), args.experts, model.vocab_size)
+    if needed > (BASIS_BUDGET_BYTES if budget is None else budget):
+        parser.error(f"the basis of {len(items)} items needs {needed / 2**30:.1f} GiB, over its budget: every arm "
+                     "would unembed; raise --basis-memory")
     runs = {"basis": timed_run(model, lens, items, args.steps, budget),
             "basis-prev": timed_run(model, lens, items, args.steps, budget, previous_step=True),
             "unembed": timed_run(model, lens, items, args.steps, 0)}
@@ -153,8 +163,6 @@ def main() -> None:
         print(f"{name:12} {run['setup_s']:9.2f} {run['iterate_s']:10.4f} {run['minor_faults_per_iterate']:15.0f} "
               f"{run['full_run_s']:30.1f}  ({run['start']}, {run['step']}, {run['macro10']:.4f})")
     fast, dense, slow = runs["basis"], runs["basis-prev"], runs["unembed"]
-    if fast["minor_faults_per_iterate"] == slow["minor_faults_per_iterate"]:
-        print("warning: the basis was not built (over its budget?): every arm unembedded; raise --basis-memory")
     same = (fast["start"], fast["step"], fast["macro10"]) == (slow["start"], slow["step"], slow["macro10"])
     weight_diff = float((fast["weights"] - slow["weights"]).abs().max())
     print(f"ratio per iterate: {slow['iterate_s'] / fast['iterate_s']:.1f}x; full run: "
