@@ -1,0 +1,112 @@
+"""Do an expert lens's learned weights carry over to labelled sets they never saw? (docs/results.md)
+
+    python scripts/expert_weights_across_sets.py STACK [--folds 3] [--out DIR] [--basis-memory 14GiB]
+
+``jlens weigh`` learns on half of every set's items and is scored on the other half: the held-out items
+are new, their sets are not. Here the shipped sets are dealt into ``--folds`` groups (sorted by name,
+round robin); for each group the weights are learned (``learn_expert_weights``, the default protocol)
+on every item of the *other* sets, and the group's sets are read with them. Every set is so read by
+weights that never saw it. Beside them, on the same items: the J lens (the shipped one, the baseline),
+the stack's pooled lens and its uniform-weight combination. Writes under ``--out``:
+
+* ``fold<i>.safetensors``: each group's combined one-matrix lens (fp16), its sets in its settings;
+* ``pass_at_k_detail.csv``: per word and lens, as ``jlens eval`` writes it (the learned lens of each set's
+  group under one name, ``<kind> (other sets)``);
+* ``comparison.csv``: :func:`~jlens_core.reading.lens_comparison.macro_comparison` of that detail (macro
+  pass@1/5/10, paired bootstrap intervals against the J lens) and prints it.
+
+A script, not a test: about ``--folds`` times a ``jlens weigh`` run (the basis of all the other sets'
+items must fit ``--basis-memory``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jlens_core import load_model
+from jlens_core.fitting.expert_weights import STEPS, learn_expert_weights
+from jlens_core.lenses.experts import ExpertLens
+from jlens_core.lenses.shipped import default_lens
+from jlens_core.models.device_maps import parse_size
+from jlens_core.reading.labelled_items import read_labelled_items
+from jlens_core.reading.lens_comparison import macro_comparison
+from jlens_core.reading.passk import pass_at_k_detail, shipped_sets
+
+
+def deal(sets: list[str], folds: int) -> list[list[str]]:
+    """``sets`` sorted and dealt round robin into ``folds`` groups (each non-empty).
+
+    Raises:
+        ValueError: fewer than 2 groups, or more groups than sets.
+    """
+    if not 2 <= folds <= len(sets):
+        raise ValueError(f"--folds {folds} must lie between 2 and the {len(sets)} sets: each group needs a set, "
+                         "and the weights need other sets to learn on.")
+    ordered = sorted(sets)
+    return [ordered[i::folds] for i in range(folds)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("stack", help="an expert lens file (jlens fit --experts E)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--sets", default=",".join(sorted(shipped_sets())), help="labelled sets (default: all shipped)")
+    parser.add_argument("--folds", type=int, default=3)
+    parser.add_argument("--basis-memory", default="14GiB", metavar="SIZE")
+    parser.add_argument("--steps", type=int, default=STEPS, help="Adam steps per start (the protocol's 200)")
+    parser.add_argument("--out", default=None, help="default: runs/across_sets/<stack's stem>")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    try:
+        groups = deal(sets, args.folds)
+        budget = parse_size(args.basis_memory, what="--basis-memory")
+    except ValueError as exc:
+        parser.error(str(exc))
+    out = Path(args.out or ROOT / "runs" / "across_sets" / Path(args.stack).stem)
+    out.mkdir(parents=True, exist_ok=True)
+
+    model = load_model(args.model, device="cpu")
+    stack = ExpertLens.load(args.stack, model=model).with_weights(None)  # a weighted file's weights unused
+    baseline = default_lens(model)
+    if baseline is None:
+        parser.error(f"No shipped J lens for {model.name!r}: the baseline of this comparison.")
+    rules = stack.rules
+    items = read_labelled_items(model, sets, stack.source_layers)
+    details = []
+    for i, group in enumerate(groups):
+        train = [item for item in items if item.set_name not in group]
+        began = time.perf_counter()
+        fit = learn_expert_weights(model, stack, train, steps=args.steps, basis_budget=budget)
+        learned = stack.with_weights(fit.weights, fit.items).to_jacobian_lens()
+        learned.settings["weights_learned_without"] = group
+        learned.save(out / f"fold{i}.safetensors", dtype="float16")
+        print(f"group {i} ({','.join(group)}): learned on {len(train)} items of the other sets in "
+              f"{time.perf_counter() - began:.0f} s (start {fit.start}, step {fit.step})", flush=True)
+        lenses = {"jacobian": baseline, f"{rules} (pooled)": stack.pooled_lens(),
+                  f"{rules}-experts (uniform)": stack.to_jacobian_lens(), f"{rules}++ (other sets)": learned}
+        for name in group:
+            details.append(pass_at_k_detail(model, lenses, name).assign(set=name))
+    detail = pd.concat(details, ignore_index=True)
+    detail.to_csv(out / "pass_at_k_detail.csv", index=False)
+    table = macro_comparison(detail, (1, 5, 10))
+    table.to_csv(out / "comparison.csv", index=False)
+    at10 = table[table["k"] == 10]
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(at10[["lens", "macro", "ci_low", "ci_high", "diff", "diff_low", "diff_high", "ratio", "verdict"]]
+              .to_string(index=False))
+    print(f"wrote {out}/pass_at_k_detail.csv, comparison.csv and the groups' lenses")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
