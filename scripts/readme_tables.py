@@ -8,13 +8,15 @@ pass@k table adds pass@10 with the copied intermediates left out, docs/method.md
 in the page, ``<!-- readme_tables:NAME -->`` and ``<!-- /readme_tables:NAME -->`` (NAME: ``per_layer``,
 ``pass_at_k``, ``swap`` (from ``swap/`` and ``swap_centred/``), ``lens_comparison`` (from the ``all`` and
 ``word/`` detail tables), ``ablation`` (the same on the held-out half of the items, when expert lenses were
-evaluated)); the prose around them is left alone. A missing marker is an error: nothing is
+evaluated), ``ablation_steps`` (on those items, the J lens to each expert lens one change at a time, each step's
+paired difference: where a gain comes from)); the prose around them is left alone. A missing marker is an error: nothing is
 written. ``--print`` prints the tables instead. The one-line summaries under each table (best lens per
 layer, swap eligibility) are printed, for writing the prose by hand.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import sys
 from pathlib import Path
@@ -174,6 +176,44 @@ def comparison_table(detail: pd.DataFrame, *, keep=None, n_boot: int = 2000) -> 
     return "\n".join(lines), summary
 
 
+# The ablation's paths from the J lens to each expert lens, one change a step (variant, what the step adds):
+# the difference of each step is paired on the same held-out items, so the gain splits into its parts.
+ABLATION_PATHS = [
+    [(("jacobian", "all"), "J lens (baseline)"), (("jacobian-experts", "all"), "experts, uniform weights"),
+     (("jacobian++", "all"), "learned weights"), (("jacobian++", "word"), "word readout")],
+    [(("jacobian", "all"), "J lens (baseline)"), (("relevance", "all"), "relevance rules"),
+     (("relevance-experts", "all"), "experts, uniform weights"), (("relevance++", "all"), "learned weights"),
+     (("relevance++", "word"), "word readout")],
+]
+
+
+def ablation_steps_table(detail: pd.DataFrame, *, keep=None, n_boot: int = 2000) -> str:
+    """Each :data:`ABLATION_PATHS` step's change in macro pass@10 against the step before it (a paired
+    bootstrap on the same items, ``keep``), and the path's total against the J lens: where a gain comes from.
+    Paths whose lenses are not all in ``detail`` are left out."""
+    from jlens_core.reading.lens_comparison import macro_comparison
+
+    present = set(zip(detail["lens"], detail["vocab"]))
+    lines = ["| path | step adds | lens | readout | pass@10 | Δ@10 vs the step before (95 %, paired) | verdict |",
+             "| --- | --- | --- | --- | ---: | ---: | --- |"]
+    labels = dict(LENSES)
+    for path in ABLATION_PATHS:
+        if not all(variant in present for variant, _ in path):
+            continue
+        end = labels.get(path[-1][0][0], path[-1][0][0])
+        for (before, _), (variant, adds) in itertools.pairwise(path):
+            table = macro_comparison(detail, 10, keep=keep, baseline=before, n_boot=n_boot)
+            row = table.set_index(["lens", "vocab"]).loc[variant]
+            lines.append(f"| to {end} | {adds} | {labels.get(variant[0], variant[0])} | {variant[1]} | "
+                         f"{row['macro']:.3f} | {row['diff']:+.3f} ({row['diff_low']:+.3f} to {row['diff_high']:+.3f}) | "
+                         f"{row['verdict']} |")
+        total = macro_comparison(detail, 10, keep=keep, n_boot=n_boot).set_index(["lens", "vocab"]).loc[path[-1][0]]
+        lines.append(f"| to {end} | **all steps** | {end} | {path[-1][0][1]} | {total['macro']:.3f} | "
+                     f"{total['diff']:+.3f} ({total['diff_low']:+.3f} to {total['diff_high']:+.3f}) vs the J lens | "
+                     f"{total['verdict']} |")
+    return "\n".join(lines)
+
+
 def tables(folder: Path) -> tuple[dict[str, str], list[str]]:
     """The tables by marker name, and their summary lines, from an evaluation folder.
 
@@ -205,6 +245,7 @@ def tables(folder: Path) -> tuple[dict[str, str], list[str]]:
             held = heldout_items(sorted(detail["set"].unique()), HELDOUT_FRACTION, seed=SPLIT_SEED)
             found["ablation"], ablation_summary = comparison_table(detail, keep=held)
             summaries.append("held-out " + ablation_summary)
+            found["ablation_steps"] = ablation_steps_table(detail, keep=held)
     return found, summaries
 
 

@@ -186,7 +186,8 @@ def test_results_page_holds_the_tables_of_the_shipped_evaluation():
     rt = _readme_tables()
     found, _ = rt.tables(ROOT / "assets" / "lenses" / "smollm2-135m.eval")
     page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
-    assert {"per_layer", "pass_at_k", "swap"} <= set(found) <= {"per_layer", "pass_at_k", "swap", "lens_comparison", "ablation"}
+    assert {"per_layer", "pass_at_k", "swap"} <= set(found) <= {"per_layer", "pass_at_k", "swap", "lens_comparison", "ablation",
+                                                              "ablation_steps"}
     assert rt.write_tables.__doc__
     for name, body in found.items():
         assert rt.replace_between_markers(page, name, body) == page, f"docs/results.md's {name} table is stale"
@@ -217,6 +218,34 @@ def test_lens_comparison_table_rows_are_macro_comparison_numbers(tmp_path):
         key = ({"logit": "logit", "Jacobian": "jacobian"}[cells[0]], cells[1])
         assert cells[4].startswith(f"{expected.loc[key, 'macro']:.3f} (")
         assert cells[7] == expected.loc[key, "verdict"]
+
+
+def _macro_at_10(frame) -> float:
+    """Macro pass@10 by hand: the mean over sets of the mean over items of the fraction of scored intermediates
+    found at rank <= 10."""
+    inter = frame[(frame["role"] == "intermediate") & frame["scored"]]
+    per_item = inter.assign(hit=inter["best_rank"] <= 10).groupby(["set", "item"])["hit"].mean()
+    return float(per_item.groupby(level="set").mean().mean())
+
+
+def test_ablation_steps_are_paired_differences_along_each_path():
+    import pandas as pd
+
+    rt = _readme_tables()
+    detail = pd.read_csv(ROOT / "assets" / "lenses" / "smollm2-135m.eval" / "pass_at_k_detail.csv")
+    j = detail[detail["lens"] == "jacobian"].assign(vocab="all")
+    ranks = j["best_rank"].to_numpy()
+    variants = {("relevance", "all"): ranks + 3, ("relevance-experts", "all"): ranks + 1,
+                ("relevance++", "all"): (ranks // 2).clip(1), ("relevance++", "word"): (ranks // 3).clip(1)}
+    frames = [j] + [j.assign(lens=lens, vocab=vocab, best_rank=r) for (lens, vocab), r in variants.items()]
+    table = rt.ablation_steps_table(pd.concat(frames, ignore_index=True), n_boot=200)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert [r[1] for r in rows] == ["relevance rules", "experts, uniform weights", "learned weights", "word readout",
+                                    "**all steps**"]  # the J++ path is left out: its lenses are missing
+    macros = [_macro_at_10(j)] + [_macro_at_10(f) for f in frames[1:]]
+    for row, before, after in zip(rows, macros, macros[1:]):
+        assert row[4] == f"{after:.3f}" and row[5].startswith(f"{after - before:+.3f} (")
+    assert rows[-1][5].startswith(f"{macros[-1] - macros[0]:+.3f} (") and rows[-1][5].endswith("vs the J lens")
 
 
 def test_readme_tables_rewrites_only_between_markers(tmp_path):
