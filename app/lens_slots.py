@@ -27,8 +27,7 @@ import common
 from common import ASSETS, ENV_LENS, LoadedLens
 from jlens_core.lenses.experts import is_expert_lens_file
 from jlens_core.lenses.lens import JacobianLens
-from jlens_core.lenses.shipped import DEFAULT_READING_LENS, KIND_NAMES, is_tuned_lens_file, lens_kind
-from jlens_core.models.loading import DEFAULT_MODEL
+from jlens_core.lenses.shipped import KIND_NAMES, is_tuned_lens_file, lens_kind
 
 LENS_DIR = ASSETS / "lenses"
 SHIPPED, NONE, FILE, UPLOAD, RUN = "shipped", "none", "file", "upload", "run:"
@@ -54,7 +53,7 @@ class LensSlot:
 
     key: str  # the lens's name in Context.lenses() and in readings ("jacobian", "relevance", "tuned")
     param: str  # the URL query parameter, and the prefix of the widgets' session keys
-    default: str  # what "auto" picks: SHIPPED (NONE when nothing ships for the model) or NONE
+    default: str  # what "auto" picks (SHIPPED: the shipped lens, NONE when nothing ships; or NONE), but see default_for
     sources: Callable[[Any, str], list[Source]]  # (model, model spec) -> the shipped and here-made files
     loader: Callable[[str, float, int], Any]  # (path, mtime, size) -> the lens, cached per file version
     version_file: Callable[[Path], Path]  # the file whose mtime and size version a path (raises when none)
@@ -77,6 +76,17 @@ class LensSlot:
     kinds: tuple[str, ...] = ()  # the lens kinds (``lens_kind(lens)``) the slot takes; empty: any its loader reads
     wrong_kind: str = ""  # why a J lens or an R-lens is refused, and where it goes: "{kind}" is the file's
     named: bool = False  # the lens is named by its kind ("J++", "J-experts (uniform)"), not by the slot's key
+    variant: str | None = None  # the shipped variant it holds ("relevance", "jpp", "rpp"; jlens_core VARIANTS)
+
+    def default_for(self, model: Any) -> str:
+        """What "auto" picks for ``model``: the slot's shipped lens when that is the model's default reading lens
+        (``jlens_core.lenses.shipped.default_reading_lens``, docs/results.md), else :attr:`default`."""
+        if self.variant is not None and model is not None:
+            from jlens_core.lenses.shipped import default_reading_lens
+
+            if default_reading_lens(str(getattr(model, "name", "") or "")) == self.variant:
+                return SHIPPED
+        return self.default
 
     def state(self, part: str) -> str:
         """The session key of one of the slot's values (``choice``, ``path``, ``upload``, ``request``)."""
@@ -93,26 +103,27 @@ class LensSlot:
                   **{s.choice: s.label for s in sources}}
         return options, labels, {s.choice: s.path for s in sources}
 
-    def resolve_request(self, request: str, options: list[str]) -> str:
+    def resolve_request(self, request: str, options: list[str], model: Any = None) -> str:
         """The choice a requested value (the URL's, an environment's, ``auto``) stands for.
 
-        A shipped lens, run or upload that is not there falls back to the default; anything else not
-        among the options is a path, put in the slot's path box.
+        A shipped lens, run or upload that is not there falls back to the default (:meth:`default_for` the
+        model); anything else not among the options is a path, put in the slot's path box.
         """
         if request in options and request != "auto":
             return request
         if request == "auto" or request.startswith(RUN) or request in (SHIPPED, UPLOAD):
-            return self.default if self.default in options else NONE
+            default = self.default_for(model)
+            return default if default in options else NONE
         st.session_state[self.state("path")] = request
         return FILE
 
-    def url_value(self) -> str | None:
+    def url_value(self, model: Any = None) -> str | None:
         """The slot's value in the URL: the choice, a file's path; ``None`` (left out) when it says what ``auto`` does."""
         ss = st.session_state
         value = ss.get(self.state("choice")) or NONE
         if value == FILE:
             value = ss.get(self.state("path")) or NONE
-        return None if value == NONE and self.default == NONE else value
+        return None if value == NONE and self.default_for(model) == NONE else value
 
 
 def draw_slot(slot: LensSlot, model: Any, spec: str) -> LoadedLens | None:
@@ -125,9 +136,9 @@ def draw_slot(slot: LensSlot, model: Any, spec: str) -> LoadedLens | None:
     options, labels, paths = slot.options(model, spec)
     request, choice = slot.state("request"), slot.state("choice")
     if request in ss and model is not None:  # the URL's pick, once the model is there
-        ss[choice] = slot.resolve_request(ss.pop(request), options)
+        ss[choice] = slot.resolve_request(ss.pop(request), options, model)
     if ss.get(choice) not in options:
-        ss[choice] = slot.resolve_request("auto", options)
+        ss[choice] = slot.resolve_request("auto", options, model)
     sb.selectbox(slot.label, options, key=choice, format_func=lambda o: labels.get(o, o), disabled=model is None,
                  help=slot.picker_help)
     if model is None:
@@ -389,14 +400,8 @@ JACOBIAN = _lens_file_slot(
     empty_note="No Jacobian lens loaded: the logit lens only. Fit one on the Fit page or load a lens file.",
     kinds=("jacobian",), wrong_kind="this file is an R-lens (fitted with rules={kind!r}): pick it in the R-lens "
                                     "slot below.")
-def _variant_default(variant: str) -> str:
-    """A variant slot's default: the shipped lens when it is the default model's reading lens
-    (``DEFAULT_READING_LENS``, docs/results.md), else none (loaded on request)."""
-    return SHIPPED if DEFAULT_READING_LENS.get(DEFAULT_MODEL) == variant else NONE
-
-
 RELEVANCE = _lens_file_slot(
-    "R-lens", "an", key="relevance", param="rlens", default=_variant_default("relevance"), sources=_relevance_sources,
+    "R-lens", "an", key="relevance", param="rlens", default=NONE, variant="relevance", sources=_relevance_sources,
     summary=lambda lens: f"**R-lens** · {lens_summary(lens)}", label="R-lens", none_label="None",
     unshipped_label="None (no shipped R-lens for this model)", path_placeholder="/path/to/lens.safetensors or hf://owner/repo/lens",
     path_help="A lens file fitted with relevance rules (`jlens fit --rules relevance`), or "
@@ -420,7 +425,7 @@ def _expert_slot(key: str, rules: str, short: str) -> LensSlot:
     """The J++ or R++ slot: an expert lens fitted with ``rules`` (learned weights, or uniform), in full or combined."""
     what = f"{short} lens"
     return _lens_file_slot(
-        what, key=key, param=key, default=_variant_default(key), sources=_expert_sources(rules, key, what),
+        what, key=key, param=key, default=NONE, variant=key, sources=_expert_sources(rules, key, what),
         summary=lambda lens: f"**{KIND_LABELS[lens_kind(lens)]}** · {lens_summary(lens)}", label=what,
         none_label="None", unshipped_label=f"None (no shipped {what} for this model)",
         path_placeholder="/path/to/experts.safetensors or hf://owner/repo/lens",

@@ -104,7 +104,7 @@ def sync_query_params() -> None:
     ss = st.session_state
     ctx = common.context()
     wanted = {"model": ctx.model_spec or ss.get("model_spec") or DEFAULT_MODEL,
-              **{slot.param: slot.url_value() for slot in SLOTS},
+              **{slot.param: slot.url_value(ctx.model) for slot in SLOTS},
               EXTRA_PARAM: ",".join(ss.get(EXTRAS) or []) or None,
               "prompt": ss.get("prompt") or "", "mode": ss.get("mode") or "logit", "stat": ss.get("stat") or "top1_prob"}
     wanted.update(generation_query())

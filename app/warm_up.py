@@ -47,7 +47,7 @@ def _starting_path(slot: LensSlot, model: Any, spec: str) -> Path | None:
     """The file ``slot`` starts with when the URL names none (its environment variable, else its default)."""
     request = (os.environ.get(slot.env) if slot.env else None) or "auto"
     if request == "auto":
-        request = slot.default
+        request = slot.default_for(model)
     if request == SHIPPED:
         return next((s.path for s in slot.sources(model, spec) if s.choice == SHIPPED), None)
     if request in (NONE, FILE, UPLOAD) or request.startswith((RUN, "hf://")):

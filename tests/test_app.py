@@ -598,6 +598,40 @@ def test_the_r_lens_slot_side_by_side_with_any_lens(tiny_dir, tiny_model, lens_f
     assert {t["name"] for t in chart(ok(at), "eval_curves")["data"]} == {"Logit lens", "Jacobian lens", "R-lens"}
 
 
+def test_the_default_reading_lens_opens_beside_the_logit_lens(tiny_dir, tiny_model, lens_file, expert_files, tmp_path,
+                                                              monkeypatch):
+    """A model whose default reading lens is a shipped variant (here a J++ lens, shipped as its combined file, as
+    the default model's would be: jlens_core.lenses.shipped.DEFAULT_READING_LENS): the app loads it unasked and
+    Inspect opens comparing the logit lens with it (a pair the URL leaves out, as it is the default); turned
+    off, the URL says so, and a view shared by it keeps it off."""
+    import shutil
+
+    from jlens_core.lenses import shipped
+
+    lens_dir = tmp_path / "lenses"
+    lens_dir.mkdir()
+    shutil.copyfile(expert_files["combined"], lens_dir / f"{Path(tiny_model.name).name}.jpp.safetensors")
+    monkeypatch.setattr(shipped, "LENS_DIR", lens_dir)
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT).run())
+    assert at.selectbox(key="jpp_choice").value == "none"  # shipped, but J stays the default reading lens
+    assert "J++" not in at.radio(key="mode").options
+
+    monkeypatch.setattr(shipped, "DEFAULT_READING_LENS", {str(tiny_model.name): "jpp"})
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT).run())
+    assert at.selectbox(key="jpp_choice").value == "shipped"
+    assert at.radio(key="mode").value == "side"
+    name = next(n for n in at.radio(key="mode").options if n.startswith("J++"))  # the combined file's kind
+    assert (at.session_state["pair_a"], at.session_state["pair_b"]) == ("logit", name)
+    heatmap = chart(at, "heatmap")
+    assert [t["name"] for t in heatmap["data"][::2]] == ["Logit lens", name]
+    params = {k: (v[0] if isinstance(v, list) else v) for k, v in at.query_params.items()}
+    assert params["jpp"] == "shipped" and "pair" not in params  # the default pair is left out
+    at.selectbox(key="jpp_choice").set_value("none").run()  # turned off: the URL says so
+    params = {k: (v[0] if isinstance(v, list) else v) for k, v in ok(at).query_params.items()}
+    assert params["jpp"] == "none"
+    assert ok(make_app(**params).run()).selectbox(key="jpp_choice").value == "none"  # and a shared view keeps it
+
+
 def test_any_number_of_lenses_expert_slots_and_lenses_added_from_files(tiny_dir, tiny_model, lens_file, rlens_file,
                                                                          expert_files):
     """The J++ slot and "Add a lens from a file" (issue #32 §4): every loaded lens is offered by Inspect's modes and
