@@ -158,7 +158,7 @@ def comparison_table(detail: pd.DataFrame, *, keep=None, n_boot: int = 2000) -> 
     table = macro_comparison(detail, (1, 5, 10), keep=keep, n_boot=n_boot)
     clean = macro_comparison(detail, 10, keep=keep, exclude_copied=True, n_boot=n_boot).set_index(["lens", "vocab"])
     at = table.set_index(["lens", "vocab", "k"])
-    lines = [("| lens | readout | pass@1 | pass@5 | pass@10 (95 %) | Δ@10 vs J (95 %, paired) | ratio @10 | "
+    lines = [("| lens | readout | pass@1 (95 %) | pass@5 (95 %) | pass@10 (95 %) | Δ@10 vs J (95 %, paired) | ratio @10 | "
              "verdict | pass@10 without copied |"),
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     labels = dict(LENSES)
@@ -166,8 +166,9 @@ def comparison_table(detail: pd.DataFrame, *, keep=None, n_boot: int = 2000) -> 
     variants.sort(key=lambda v: ([key for key, _ in LENSES].index(v[0]) if v[0] in labels else len(LENSES), v[1]))
     for lens, vocab in variants:
         r10 = at.loc[(lens, vocab, 10)]
-        lines.append(f"| {labels.get(lens, lens)} | {vocab} | {at.loc[(lens, vocab, 1), 'macro']:.3f} | "
-                     f"{at.loc[(lens, vocab, 5), 'macro']:.3f} | {r10['macro']:.3f} ({r10['ci_low']:.3f}-"
+        r1, r5 = at.loc[(lens, vocab, 1)], at.loc[(lens, vocab, 5)]
+        lines.append(f"| {labels.get(lens, lens)} | {vocab} | {r1['macro']:.3f} ({r1['ci_low']:.2f}-{r1['ci_high']:.2f}) | "
+                     f"{r5['macro']:.3f} ({r5['ci_low']:.2f}-{r5['ci_high']:.2f}) | {r10['macro']:.3f} ({r10['ci_low']:.3f}-"
                      f"{r10['ci_high']:.3f}) | {r10['diff']:+.3f} ({r10['diff_low']:+.3f} to {r10['diff_high']:+.3f}) | "
                      f"{r10['ratio']:.2f} | {r10['verdict']} | {clean.loc[(lens, vocab), 'macro']:.3f} |")
     first = table.iloc[0]
