@@ -38,9 +38,9 @@ expert and every step only combines them and unembeds, ``unembed(sum_e w_e J_{l,
   with ``a = (w / sqrt(w^T G w + eps), 1)`` and ``S`` the covariance over the vocabulary of
   ``B_1 .. B_E, offset``. A step then costs an ``[E] x [E, vocab]`` product per item instead of
   ``[d] x [d, vocab]`` (``d / E`` fewer FLOPs: 72x on SmolLM2-135M with 8 experts; the step stays
-  memory-bound: 6.5x faster there, bench/weigh_speed.py), and its backward reads only the basis's columns
-  that the surrogate's gradient reaches (:func:`layer_surrogate`): one pass over the basis a step. The basis is built once (an
-  ``[n E, d] x [d, vocab]`` product per layer) where it fits :data:`BASIS_BUDGET_BYTES` and the model
+  memory-bound: 6.5x faster there, bench/weigh_speed.py), and its backward reads only the basis's
+  columns that the surrogate's gradient reaches (:func:`layer_surrogate`): one pass over the basis a
+  step. The basis is built once (an ``[n E, d] x [d, vocab]`` product per layer) where it fits :data:`BASIS_BUDGET_BYTES` and the model
   computes in float32, and kept only when it reproduces ``unembed`` for the uniform weights on every layer
   (relative max error <= :data:`SELF_CHECK_RTOL`, else a warning). Otherwise (a readout or pre-head
   module, another norm, an offloaded or non-fp32 model, over budget) every step unembeds as above, and a
@@ -214,8 +214,8 @@ class LogitBasis:
         return (w[None, :] * torch.rsqrt(square + self.eps)[:, None]).to(dtype)
 
     def layer_logits(self, layer: int, weights: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``[n_items, vocab]`` fp32: the model's ``unembed(sum_e w_e y_e)`` (differentiable in ``weights [E]``;
-        with ``out``, an ``[n_items, vocab]`` buffer it is written into, not: for scoring under ``no_grad``)."""
+        """``[n_items, vocab]`` fp32: the model's ``unembed(sum_e w_e y_e)``, differentiable in ``weights [E]``;
+        or written into ``out`` (an ``[n_items, vocab]`` buffer; under ``no_grad`` only, no autograd through it)."""
         basis = self.logits[layer]
         coefficients = self._coefficients(layer, weights, basis.dtype)[:, None, :]  # [n, 1, E]
         target = None if out is None else out.view(basis.shape[0], 1, basis.shape[2])
@@ -362,6 +362,7 @@ class ItemBatch:
         kept: ``[n_items, vocab]`` 0/1 fp32, or ``None`` (every id counts).
         keys: the items' keys, in order.
         basis: the fast path's :class:`LogitBasis`, or ``None`` (every step unembeds).
+        scratch: the step's reusable buffers by name (:meth:`buffer`).
     """
 
     transported: dict[int, torch.Tensor]
@@ -372,6 +373,7 @@ class ItemBatch:
     kept: torch.Tensor | None
     keys: list[str]
     basis: LogitBasis | None = None
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, matrices: Mapping[int, torch.Tensor], items: Sequence[LabelledItem],
@@ -430,8 +432,6 @@ class ItemBatch:
                    inter_weight=torch.tensor(inter_weight, dtype=torch.float64, device=device),
                    final_ranks=torch.tensor(final_ranks, dtype=torch.long, device=device), kept=kept,
                    keys=[item.key for item in scored], basis=basis)
-
-    scratch: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A reusable ``shape`` buffer, made once per ``name``: a step's ``[n, vocab]`` temporaries would
