@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -86,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     for i, group in enumerate(groups):
         train = [item for item in items if item.set_name not in group]
         began = time.perf_counter()
-        fit = learn_expert_weights(model, stack, train, steps=args.steps, basis_budget=budget)
+        with tqdm(total=0, desc=f"group {i} weights", unit="step", file=sys.stderr) as bar:
+            def advance(p, bar=bar) -> None:
+                bar.total = p.n_starts * (p.n_steps + 1)
+                bar.n = p.start_index * (p.n_steps + 1) + p.step + 1
+                bar.set_postfix({"start": p.start, "pass@10": f"{p.macro:.3f}"}, refresh=True)
+
+            fit = learn_expert_weights(model, stack, train, steps=args.steps, basis_budget=budget, progress=advance)
         learned = stack.with_weights(fit.weights, fit.items).to_jacobian_lens()
         learned.settings["weights_learned_without"] = group
         learned.save(out / f"fold{i}.safetensors", dtype="float16")
