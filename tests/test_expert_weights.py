@@ -24,6 +24,7 @@ from jlens_core.fitting.expert_weights import (
     ItemBatch,
     basis_bytes,
     heldout_score,
+    intermediate_ranks,
     layer_logits,
     layer_std,
     layer_surrogate,
@@ -282,12 +283,17 @@ def test_the_logit_basis_gives_unembeds_logits_spread_and_gradients(family):
             assert want_grad.norm() > 0 and rel_max(grad, want_grad) < 1e-4
 
 
-def test_the_surrogate_from_the_basis_columns_has_the_dense_values_and_gradient(family):
+@pytest.mark.parametrize("vocab", ["all", "word"])
+def test_the_surrogate_from_the_basis_columns_has_the_dense_values_and_gradient(family, work, vocab):
     """layer_surrogate's sparse backward (the basis's columns at the k-th largest and best candidate ids) against
-    surrogate_terms of the full logits, unembedded (the slow path): the same terms and gradient."""
+    surrogate_terms of the full logits, unembedded (the slow path): the same terms, gradient and exact ranks
+    (those in the batch's buffers), with either readout."""
     model, lens = family["model"], family["lens"]
-    fast = ItemBatch.build(expert_matrices(lens), family["items"], model=model)
-    slow = ItemBatch.build(expert_matrices(lens), family["items"], model=model, basis_budget=0)
+    items = family["items"] if vocab == "all" else read_labelled_items(model, work["paths"], lens.source_layers,
+                                                                        vocab=vocab)
+    fast = ItemBatch.build(expert_matrices(lens), items, model=model)
+    slow = ItemBatch.build(expert_matrices(lens), items, model=model, basis_budget=0)
+    assert (fast.kept is None) == (vocab == "all")
     gen = torch.Generator().manual_seed(7)
     for layer in lens.source_layers:
         weights = torch.randn(N_EXPERTS, generator=gen)
@@ -300,6 +306,13 @@ def test_the_surrogate_from_the_basis_columns_has_the_dense_values_and_gradient(
         assert rel_max(logits, want_logits) < 1e-5
         assert rel_max(terms, want_terms) < 1e-4
         assert want_grad.norm() > 0 and rel_max(grad, want_grad) < 1e-3
+        with torch.no_grad():  # buffered ranks against a count made here
+            rows = want_logits[slow.inter_item]
+            best = rows.gather(1, slow.cand).max(dim=1, keepdim=True).values
+            above = rows > best
+            if slow.kept is not None:
+                above &= slow.kept[slow.inter_item] > 0
+            assert torch.equal(intermediate_ranks(want_logits, fast), above.sum(dim=1) + 1)
 
 
 def test_a_padded_scaled_head_with_a_bias(work):

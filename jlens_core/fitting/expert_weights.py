@@ -443,12 +443,20 @@ class ItemBatch:
         return held
 
     def kept_rows(self) -> torch.Tensor | None:
-        """``[n_inter, vocab]`` bool: the readout's kept ids on each intermediate's item row (``None``: every id)."""
+        """``[n_inter, vocab]`` fp32 0/1: the readout's kept ids on each intermediate's item row (``None``: every id)."""
         if self.kept is None:
             return None
         if "kept_rows" not in self.scratch:
-            self.scratch["kept_rows"] = self.kept.index_select(0, self.inter_item) > 0
+            self.scratch["kept_rows"] = (self.kept.index_select(0, self.inter_item) > 0).float()
         return self.scratch["kept_rows"]
+
+    def dropped(self) -> torch.Tensor | None:
+        """``[n_items, vocab]`` bool: the ids the readout leaves out (``None``: every id counts)."""
+        if self.kept is None:
+            return None
+        if "dropped" not in self.scratch:
+            self.scratch["dropped"] = self.kept == 0
+        return self.scratch["dropped"]
 
     @property
     def layers(self) -> list[int]:
@@ -518,7 +526,11 @@ def layer_surrogate(model: LensModel, batch: ItemBatch, layer: int, weights: tor
     with torch.no_grad():
         n_items, _, vocab = basis.logits[layer].shape
         logits = basis.layer_logits(layer, weights, out=batch.buffer("logits", (n_items, vocab), torch.float32))
-        ranked = logits if batch.kept is None else logits.masked_fill(batch.kept == 0, -math.inf)
+        dropped = batch.dropped()
+        ranked = logits
+        if dropped is not None:
+            ranked = batch.buffer("ranked", (n_items, vocab), torch.float32)
+            ranked.copy_(logits).masked_fill_(dropped, -math.inf)
         kth_ids = ranked.topk(min(k, ranked.shape[-1]), dim=-1).indices[:, -1]  # [n_items]
         columns = logits[batch.inter_item[:, None], batch.cand].argmax(dim=1, keepdim=True)  # [n_inter, 1]
         best_ids = batch.cand.gather(1, columns).squeeze(1)  # [n_inter]
@@ -534,15 +546,22 @@ def intermediate_ranks(logits: torch.Tensor, batch: ItemBatch) -> torch.Tensor:
     """``LongTensor[n_inter]``: each scored intermediate's best 1-based rank in its item's row of ``logits``:
     ``1 + #{kept v : logit_v > logit of its best candidate}`` (docs/method.md §6, §8)."""
     shape = (len(batch.inter_item), logits.shape[-1])
-    reuse = not (logits.requires_grad and torch.is_grad_enabled())  # out= buffers take no autograd
-    rows = (torch.index_select(logits, 0, batch.inter_item, out=batch.buffer("rows", shape, logits.dtype)) if reuse
-            else logits.index_select(0, batch.inter_item))  # [n_inter, vocab]
+    if (logits.requires_grad and torch.is_grad_enabled()) or shape[1] >= 1 << 24:
+        rows = logits.index_select(0, batch.inter_item)  # [n_inter, vocab]
+        best = rows.gather(1, batch.cand).max(dim=1, keepdim=True).values  # [n_inter, 1]
+        above = rows > best
+        if batch.kept is not None:
+            above = above & (batch.kept[batch.inter_item] > 0)
+        return above.sum(dim=1) + 1
+    # The same count in the batch's buffers (out= takes no autograd): 0/1 as fp32, exact below 2^24 ids,
+    # because summing a bool tensor first copies it to int64, a fresh [n_inter, vocab] allocation a layer.
+    rows = torch.index_select(logits, 0, batch.inter_item, out=batch.buffer("rows", shape, logits.dtype))
     best = rows.gather(1, batch.cand).max(dim=1, keepdim=True).values  # [n_inter, 1]
-    above = torch.gt(rows, best, out=batch.buffer("above", shape, torch.bool)) if reuse else rows > best
+    above = torch.gt(rows, best, out=batch.buffer("above", shape, torch.float32))
     kept = batch.kept_rows()
     if kept is not None:
-        above &= kept
-    return above.sum(dim=1) + 1
+        above.mul_(kept)
+    return above.sum(dim=1).long() + 1
 
 
 def macro_from_ranks(best_ranks: torch.Tensor, batch: ItemBatch, k: int) -> float:
