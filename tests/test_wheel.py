@@ -61,6 +61,8 @@ def run(installed, *args: str, timeout: int = 300) -> subprocess.CompletedProces
 def test_the_wheel_carries_its_assets_and_app(installed):
     import zipfile
 
+    size = installed["wheel"].stat().st_size
+    assert size < 100e6, f"the wheel is {size / 1e6:.1f} MB: PyPI refuses wheels over 100 MB (ship fp16 one-matrix lenses only)"
     names = zipfile.ZipFile(installed["wheel"]).namelist()
     for needed in ("jlens_assets/lenses/smollm2-135m.safetensors", "jlens_assets/lenses/smollm2-135m.relevance.safetensors",
                    "jlens_assets/evaluations/two_hop.json",
