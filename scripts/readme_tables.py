@@ -9,7 +9,8 @@ in the page, ``<!-- readme_tables:NAME -->`` and ``<!-- /readme_tables:NAME -->`
 ``pass_at_k``, ``swap`` (from ``swap/`` and ``swap_centred/``), ``lens_comparison`` (from the ``all`` and
 ``word/`` detail tables), ``ablation`` (the same on the held-out half of the items, when expert lenses were
 evaluated), ``ablation_steps`` (on those items, the J lens to each expert lens one change at a time, each step's
-paired difference: where a gain comes from)); the prose around them is left alone. A missing marker is an error: nothing is
+paired difference: where a gain comes from), ``across_sets`` (from ``across_sets_<stack>/``: learned weights
+on sets they never saw, scripts/expert_weights_across_sets.py)); the prose around them is left alone. A missing marker is an error: nothing is
 written. ``--print`` prints the tables instead. The one-line summaries under each table (best lens per
 layer, swap eligibility) are printed, for writing the prose by hand.
 """
@@ -215,6 +216,25 @@ def ablation_steps_table(detail: pd.DataFrame, *, keep=None, n_boot: int = 2000)
     return "\n".join(lines)
 
 
+def across_sets_table(details: dict[str, pd.DataFrame], *, n_boot: int = 2000) -> str:
+    """Per stack (``across_sets_<stack>/``, scripts/expert_weights_across_sets.py): macro pass@1/5/10 of the J
+    lens, the stack's pooled lens, its uniform weights and its weights learned on the *other* sets, with the
+    paired comparison against the J lens (every set read by weights that never saw it)."""
+    from jlens_core.reading.lens_comparison import macro_comparison
+
+    lines = [("| experts | lens | pass@1 (95 %) | pass@5 (95 %) | pass@10 (95 %) | Δ@10 vs J (95 %, paired) | "
+              "ratio @10 | verdict |"), "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for stack, detail in details.items():
+        at = macro_comparison(detail, (1, 5, 10), n_boot=n_boot).set_index(["lens", "vocab", "k"])
+        for lens in dict.fromkeys(detail["lens"]):
+            r1, r5, r10 = (at.loc[(lens, "all", k)] for k in (1, 5, 10))
+            lines.append(f"| {stack} | {lens} | {r1['macro']:.3f} ({r1['ci_low']:.2f}-{r1['ci_high']:.2f}) | "
+                         f"{r5['macro']:.3f} ({r5['ci_low']:.2f}-{r5['ci_high']:.2f}) | {r10['macro']:.3f} "
+                         f"({r10['ci_low']:.3f}-{r10['ci_high']:.3f}) | {r10['diff']:+.3f} ({r10['diff_low']:+.3f} to "
+                         f"{r10['diff_high']:+.3f}) | {r10['ratio']:.2f} | {r10['verdict']} |")
+    return "\n".join(lines)
+
+
 def tables(folder: Path) -> tuple[dict[str, str], list[str]]:
     """The tables by marker name, and their summary lines, from an evaluation folder.
 
@@ -247,6 +267,10 @@ def tables(folder: Path) -> tuple[dict[str, str], list[str]]:
             found["ablation"], ablation_summary = comparison_table(detail, keep=held)
             summaries.append("held-out " + ablation_summary)
             found["ablation_steps"] = ablation_steps_table(detail, keep=held)
+    across = {sub.name.removeprefix("across_sets_"): pd.read_csv(sub / "pass_at_k_detail.csv")
+              for sub in sorted(folder.glob("across_sets_*")) if (sub / "pass_at_k_detail.csv").is_file()}
+    if across:
+        found["across_sets"] = across_sets_table(across)
     return found, summaries
 
 

@@ -187,7 +187,7 @@ def test_results_page_holds_the_tables_of_the_shipped_evaluation():
     found, _ = rt.tables(ROOT / "assets" / "lenses" / "smollm2-135m.eval")
     page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
     assert {"per_layer", "pass_at_k", "swap"} <= set(found) <= {"per_layer", "pass_at_k", "swap", "lens_comparison", "ablation",
-                                                              "ablation_steps"}
+                                                              "ablation_steps", "across_sets"}
     assert rt.write_tables.__doc__
     for name, body in found.items():
         assert rt.replace_between_markers(page, name, body) == page, f"docs/results.md's {name} table is stale"
@@ -246,6 +246,21 @@ def test_ablation_steps_are_paired_differences_along_each_path():
     for row, before, after in zip(rows, macros, macros[1:]):
         assert row[4] == f"{after:.3f}" and row[5].startswith(f"{after - before:+.3f} (")
     assert rows[-1][5].startswith(f"{macros[-1] - macros[0]:+.3f} (") and rows[-1][5].endswith("vs the J lens")
+
+
+def test_across_sets_rows_are_each_lens_macro_against_the_j_lens():
+    import pandas as pd
+
+    rt = _readme_tables()
+    detail = pd.read_csv(ROOT / "assets" / "lenses" / "smollm2-135m.eval" / "pass_at_k_detail.csv")
+    j = detail[detail["lens"] == "jacobian"].assign(vocab="all")
+    other = j.assign(lens="relevance++ (other sets)", best_rank=(j["best_rank"] // 2).clip(1))
+    table = rt.across_sets_table({"rexp": pd.concat([j, other], ignore_index=True)}, n_boot=200)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert [r[:2] for r in rows] == [["rexp", "jacobian"], ["rexp", "relevance++ (other sets)"]]
+    assert rows[0][4].startswith(f"{_macro_at_10(j):.3f} (") and rows[0][7] == "baseline"
+    assert rows[1][4].startswith(f"{_macro_at_10(other):.3f} (")
+    assert rows[1][5].startswith(f"{_macro_at_10(other) - _macro_at_10(j):+.3f} (") and rows[1][7] == "win"
 
 
 def test_readme_tables_rewrites_only_between_markers(tmp_path):
