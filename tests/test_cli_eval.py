@@ -77,6 +77,24 @@ def test_eval_pass_at_k_on_a_shipped_set(work):
     assert (whole["words_scored"] < whole["n_words"]).all() and (whole["n_words"] == 28).all()
 
 
+def test_eval_decoys_score_each_item_on_another_items_words(work, capsys):
+    out = work["root"] / "eval-decoys"
+    base = ["eval", "--model", str(work["model_dir"]), "--lens", "logit", "--n-texts", "0", "--no-progress",
+            "--spelling", "first_token"]
+    assert main([*base, "--out", str(out / "real"), "--pass-at-k", "two_hop"]) == 0
+    assert main([*base, "--out", str(out / "decoy"), "--pass-at-k", "two_hop", "--decoys"]) == 0
+    real, decoy = (pd.read_csv(out / sub / "pass_at_k_detail.csv") for sub in ("real", "decoy"))
+    inter = [d[d["role"] == "intermediate"].set_index("item") for d in (real, decoy)]
+    both = inter[1].index
+    assert len(both) > 0 and set(both) <= set(inter[0].index)
+    assert (inter[0].loc[both, "word"] != inter[1]["word"]).all()  # another item's word, at the same prompt
+    assert (inter[0].loc[both, "position"] == inter[1]["position"]).all()
+    lone = work["root"] / "lone.jsonl"
+    lone.write_text('{"prompt": "The capital of France is", "intermediates": ["Paris"]}\n')
+    assert main([*base, "--out", str(out / "x"), "--pass-at-k", str(lone), "--decoys"]) == 2
+    assert "--decoys: no item of" in capsys.readouterr().err
+
+
 def test_inspect_prints_a_grid_with_the_output_row(work, capsys):
     code = main(["inspect", "--model", str(work["model_dir"]), "--lens", str(work["lens_path"]),
                  "--prompt", work["texts"][0], "--layers", "0,2", "--last", "4", "--max-seq-len", "24"])

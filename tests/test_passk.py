@@ -19,10 +19,12 @@ from jlens_core.reading.passk import (
     EVAL_SETS,
     PASS_COLUMNS,
     bootstrap_interval,
+    decoy_items,
     load_eval_set,
     macro_mean,
     number_synonyms,
     pass_at_k,
+    pass_at_k_detail,
     readout_position,
     summarize_pass_at_k,
     word_spellings,
@@ -289,3 +291,20 @@ def test_load_eval_set_errors(tmp_path):
     assert items[0]["readout"] == "last_newline" and items[1]["readout"] == -2
     assert items[0]["synonyms"] == "numbers_ops" and "target" not in items[0]
 
+
+
+def test_decoy_items_take_another_items_words_absent_from_the_prompt(llama):
+    items = [{"name": "a", "prompt": "x 2 + 3 then", "intermediates": ["5"], "target": "10"},
+             {"name": "b", "prompt": "y 4 + 1 then", "intermediates": ["5"], "target": "15"},  # same word as a: skipped
+             {"name": "c", "prompt": "z 2 * 3 then", "intermediates": ["6"], "target": "12"},
+             {"name": "d", "prompt": "w 6 + 6 then", "intermediates": ["12"], "target": "6"}]
+    decoys = decoy_items(items)
+    assert [(d["name"], d["intermediates"], d["decoy_of"], d["index"]) for d in decoys] == [
+        ("a", ["6"], "c", 0), ("b", ["6"], "c", 1), ("c", ["5"], "a", 2), ("d", ["5"], "a", 3)]
+    assert all(d["prompt"] == items[d["index"]]["prompt"] and d["target"] == items[d["index"]]["target"] for d in decoys)
+    # an item every other item's words are in (or its own): left out
+    assert decoy_items([{"prompt": "one two", "intermediates": ["one"]}, {"prompt": "two one", "intermediates": ["two"]}]) == []
+    # scored under the real items' indices (where an item without a decoy is left out), so results pair
+    detail = pass_at_k_detail(llama, {"logit": LogitLens.for_model(llama)}, decoys[1:])
+    assert sorted(set(detail["item"])) == [1, 2, 3]
+    assert set(detail.loc[detail["role"] == "intermediate", "word"]) == {"6", "5"}

@@ -161,10 +161,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ..corpus import load_corpus
     from ..interventions.swap_success import load_swap_set
     from ..models.loading import load_model
-    from ..reading.passk import load_eval_set
+    from ..reading.passk import decoy_items, load_eval_set
 
     readout = parse_readout(args.readout)
     eval_sets = [(name, load_eval_set(name)) for name in args.pass_at_k or []]  # bad files fail before loading
+    if args.decoys:
+        eval_sets = [(name, decoy_items(items)) for name, items in eval_sets]
+        empty = [name for name, items in eval_sets if not items]
+        if empty:
+            raise CLIError(f"--decoys: no item of {', '.join(empty)} has a decoy (another item's intermediates "
+                           "absent from its prompt): give sets of several items.")
     swap_sets = [(name, load_swap_set(name)) for name in args.swap or []]  # bad files fail before loading
     if args.n_texts < 0:
         raise CLIError(f"--n-texts {args.n_texts} must be >= 0 (0 skips the per-layer evaluation).")
@@ -253,6 +259,9 @@ def register(subparsers) -> None:
                         "the item's spellings are always kept)")
     e.add_argument("--exclude-copied", action="store_true",
                    help="pass@k: leave out intermediates that appear in the prompt (the 'copied' column counts them)")
+    e.add_argument("--decoys", action="store_true",
+                   help="pass@k of decoys: each item scored on another item's intermediates instead of its own "
+                        "(the control for a lens that ranks a kind of word high everywhere; docs/method.md §8)")
     e.add_argument("--swap", action="append", default=None, metavar="SET",
                    help="also measure swap success on a swap set ('swaps', shipped, or a .jsonl); writes "
                         "swap_success.csv and swap_items.csv")

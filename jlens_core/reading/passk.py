@@ -203,6 +203,36 @@ def load_eval_set(spec: str | os.PathLike) -> list[dict]:
     return items
 
 
+def decoy_items(items: Sequence[Mapping]) -> list[dict]:
+    """The decoy control of pass@k (docs/method.md §8): each item with its intermediates replaced by those of
+    another item of the same list, words of the same kind that are not this prompt's latent step.
+
+    A lens that ranks a kind of word high everywhere (numbers, say) finds decoys as often as the real steps;
+    one that reads the step finds the real ones more often. The decoy of item ``i`` is the intermediates of
+    the first item after it (cyclically) none of whose intermediates is one of item ``i``'s intermediates or
+    its target, nor appears in its prompt (:func:`appears_in_prompt`); an item without one is left out.
+    Each decoy item keeps its prompt, target, readout and position in the list (``index``, so results pair
+    with the real items') and records ``decoy_of`` (the other item's name, else its index).
+
+    Returns:
+        The decoy items, in order (fewer than ``items`` where some had no decoy).
+    """
+    decoys = []
+    n = len(items)
+    for i, item in enumerate(items):
+        synonyms = item.get("synonyms")
+        own = {str(w).strip().lower() for w in [*item["intermediates"], item.get("target") or ""]}
+        for step in range(1, n):
+            other = items[(i + step) % n]
+            words = [str(w) for w in other["intermediates"]]
+            if any(w.strip().lower() in own or appears_in_prompt(item["prompt"], w, synonyms=synonyms) for w in words):
+                continue
+            decoys.append({**item, "intermediates": words, "index": item.get("index", i),
+                           "decoy_of": other.get("name") or (i + step) % n})
+            break
+    return decoys
+
+
 def _check_synonyms(value: Any) -> str | None:
     if value in (None, "", "none"):
         return None
@@ -447,7 +477,7 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
                 if top in ls:
                     logits[ls.index(top)] = final_logits[0]
                 for (role, word), spelled in zip(words, spellings):
-                    row = {"item": index, "name": name, "lens": lens_name, "role": role, "word": word,
+                    row = {"item": int(item.get("index", index)), "name": name, "lens": lens_name, "role": role, "word": word,
                            "scored": bool(spelled), "copied": copied[word],
                            "spellings": list(spelled), "token_ids": list(spelled.values()),
                            "position": position, "readout_token": display.texts[int(ids[0, position])],
@@ -573,7 +603,8 @@ def macro_mean(per_set: pd.DataFrame) -> pd.DataFrame:
 
 
 __all__ = ["DETAIL_COLUMNS", "EVAL_DIR", "EVAL_SETS", "PASS_COLUMNS", "READOUT_RULES", "SPELLINGS", "SYNONYM_SETS",
-           "ItemReadout", "appears_in_prompt", "bootstrap_interval", "check_item", "check_readout", "item_kept_ids",
+           "ItemReadout", "appears_in_prompt", "bootstrap_interval", "check_item", "check_readout", "decoy_items",
+           "item_kept_ids",
            "item_readout", "load_eval_set", "macro_mean", "number_synonyms",
            "pass_at_k", "pass_at_k_detail", "readout_position", "shipped_sets", "summarize_pass_at_k",
            "word_spellings"]
