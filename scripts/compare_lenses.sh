@@ -7,6 +7,7 @@
 #   .            per-layer KL/CE on the corpus's held-out "eval" split ($EVAL_TEXTS texts) and pass@k on every
 #                shipped set, readout vocab=all (SHRINK="--shrinkage 0.25 --shrinkage 0.5" adds shrunk J lenses)
 #   word/        pass@k with the word-token readout (vocab=word)
+#   decoy/       pass@k of each item on another item's intermediates (the decoy control, docs/method.md §8)
 #   swap/        swap success of the J-type lenses (and logit), raw read directions, a norm-matched control
 #                per lens and a random-direction control
 #   swap_centred/ the same along centred read directions
@@ -34,6 +35,7 @@ rm -f "$OUT/swap_success.csv" "$OUT/swap_items.csv"  # swaps now live in swap/ a
 "$PY" -m jlens_core eval "${COMMON[@]}" "${LENSES[@]}" ${SHRINK:-} --corpus stdlib-docs \
     --split eval --n-texts "$EVAL_TEXTS" "${SETS[@]}" --out "$OUT"
 "$PY" -m jlens_core eval "${COMMON[@]}" "${LENSES[@]}" --n-texts 0 "${SETS[@]}" --vocab word --out "$OUT/word"
+"$PY" -m jlens_core eval "${COMMON[@]}" "${LENSES[@]}" --n-texts 0 "${SETS[@]}" --decoys --out "$OUT/decoy"
 for mode in raw centred; do
     flag=(); dir="$OUT/swap"
     if [[ $mode == centred ]]; then flag=(--centred); dir="$OUT/swap_centred"; fi
