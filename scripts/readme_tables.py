@@ -9,7 +9,8 @@ in the page, ``<!-- readme_tables:NAME -->`` and ``<!-- /readme_tables:NAME -->`
 ``pass_at_k``, ``swap`` (from ``swap/`` and ``swap_centred/``), ``lens_comparison`` (from the ``all`` and
 ``word/`` detail tables), ``ablation`` (the same on the held-out half of the items, when expert lenses were
 evaluated), ``ablation_steps`` (on those items, the J lens to each expert lens one change at a time, each step's
-paired difference: where a gain comes from), ``across_sets`` (from ``across_sets_<stack>/``: learned weights
+paired difference: where a gain comes from), ``decoys`` (from ``decoy/``: real against decoy intermediates per lens, on the held-out half when a lens has
+learned weights), ``across_sets`` (from ``across_sets_<stack>/``: learned weights
 on sets they never saw, scripts/expert_weights_across_sets.py)); the prose around them is left alone. A missing marker is an error: nothing is
 written. ``--print`` prints the tables instead. The one-line summaries under each table (best lens per
 layer, swap eligibility) are printed, for writing the prose by hand.
@@ -216,6 +217,26 @@ def ablation_steps_table(detail: pd.DataFrame, *, keep=None, n_boot: int = 2000)
     return "\n".join(lines)
 
 
+def decoy_table(real: pd.DataFrame, decoy: pd.DataFrame, *, keep=None, n_boot: int = 2000) -> str:
+    """Per lens (``all`` readout): macro pass@10 of the real intermediates and of the decoys (another item's
+    intermediates at the same prompt, docs/method.md §8), and real - decoy with a paired interval: how much of
+    a lens's score is reading the step rather than favouring its kind of word."""
+    from jlens_core.reading.lens_comparison import macro_comparison
+
+    labels = dict(LENSES)
+    lines = ["| lens | pass@10 real | pass@10 decoys | real − decoys (95 %, paired) |", "| --- | ---: | ---: | ---: |"]
+    real, decoy = real[real["vocab"] == "all"], decoy[decoy["vocab"] == "all"]
+    order = [key for key, _ in LENSES]
+    lenses = sorted(set(real["lens"]) & set(decoy["lens"]), key=lambda x: (order.index(x) if x in order else len(order), x))
+    for lens in lenses:
+        frame = pd.concat([real[real["lens"] == lens], decoy[decoy["lens"] == lens].assign(lens="decoy")])
+        row = macro_comparison(frame, 10, keep=keep, baseline=lens, n_boot=n_boot).set_index("lens")
+        lines.append(f"| {labels.get(lens, lens)} | {row.loc[lens, 'macro']:.3f} | {row.loc['decoy', 'macro']:.3f} | "
+                     f"{-row.loc['decoy', 'diff']:+.3f} ({-row.loc['decoy', 'diff_high']:+.3f} to "
+                     f"{-row.loc['decoy', 'diff_low']:+.3f}) |")
+    return "\n".join(lines)
+
+
 def across_sets_table(details: dict[str, pd.DataFrame], *, n_boot: int = 2000) -> str:
     """Per stack (``across_sets_<stack>/``, scripts/expert_weights_across_sets.py): macro pass@1/5/10 of the J
     lens, the stack's pooled lens, its uniform weights and its weights learned on the *other* sets, with the
@@ -267,6 +288,15 @@ def tables(folder: Path) -> tuple[dict[str, str], list[str]]:
             found["ablation"], ablation_summary = comparison_table(detail, keep=held)
             summaries.append("held-out " + ablation_summary)
             found["ablation_steps"] = ablation_steps_table(detail, keep=held)
+    decoy_path = folder / "decoy" / "pass_at_k_detail.csv"
+    if detail_path.is_file() and decoy_path.is_file():
+        real = pd.read_csv(detail_path)
+        held = None
+        if real["lens"].str.contains(r"\+\+", regex=True).any():  # learned weights: their held-out items only
+            from jlens_core.reading.lens_comparison import heldout_items
+
+            held = heldout_items(sorted(real["set"].unique()), HELDOUT_FRACTION, seed=SPLIT_SEED)
+        found["decoys"] = decoy_table(real, pd.read_csv(decoy_path), keep=held)
     across = {sub.name.removeprefix("across_sets_"): pd.read_csv(sub / "pass_at_k_detail.csv")
               for sub in sorted(folder.glob("across_sets_*")) if (sub / "pass_at_k_detail.csv").is_file()}
     if across:
@@ -280,13 +310,14 @@ def replace_between_markers(text: str, name: str, body: str) -> str:
     Raises:
         ValueError: the page lacks the pair of markers (or holds it twice): add them where the table goes.
     """
-    pattern = re.compile(rf"(<!-- readme_tables:{re.escape(name)} -->\n).*?(\n<!-- /readme_tables:{re.escape(name)} -->)",
+    # the lines between may be none (a new pair of markers)
+    pattern = re.compile(rf"(<!-- readme_tables:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- /readme_tables:{re.escape(name)} -->)",
                          re.DOTALL)
     matches = pattern.findall(text)
     if len(matches) != 1:
         raise ValueError(f"The page has {len(matches)} pairs of markers for table {name!r}; it needs exactly one: "
                          f"put <!-- readme_tables:{name} --> and <!-- /readme_tables:{name} --> where the table goes.")
-    return pattern.sub(lambda m: m.group(1) + body.strip("\n") + m.group(2), text)
+    return pattern.sub(lambda m: m.group(1) + body.strip("\n") + "\n" + m.group(2), text)
 
 
 def write_tables(page: Path, found: dict[str, str]) -> None:

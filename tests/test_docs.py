@@ -187,7 +187,7 @@ def test_results_page_holds_the_tables_of_the_shipped_evaluation():
     found, _ = rt.tables(ROOT / "assets" / "lenses" / "smollm2-135m.eval")
     page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
     assert {"per_layer", "pass_at_k", "swap"} <= set(found) <= {"per_layer", "pass_at_k", "swap", "lens_comparison", "ablation",
-                                                              "ablation_steps", "across_sets"}
+                                                              "ablation_steps", "across_sets", "decoys"}
     assert rt.write_tables.__doc__
     for name, body in found.items():
         assert rt.replace_between_markers(page, name, body) == page, f"docs/results.md's {name} table is stale"
@@ -263,6 +263,20 @@ def test_across_sets_rows_are_each_lens_macro_against_the_j_lens():
     assert rows[1][5].startswith(f"{_macro_at_10(other) - _macro_at_10(j):+.3f} (") and rows[1][7] == "win"
 
 
+def test_decoy_rows_are_real_and_decoy_macros_and_their_difference():
+    import pandas as pd
+
+    rt = _readme_tables()
+    detail = pd.read_csv(ROOT / "assets" / "lenses" / "smollm2-135m.eval" / "pass_at_k_detail.csv")
+    real = detail[detail["lens"].isin(["logit", "jacobian"])]
+    decoy = real.assign(best_rank=real["best_rank"] * 3)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in rt.decoy_table(real, decoy, n_boot=200).splitlines()[2:]]
+    assert [r[0] for r in rows] == ["logit", "Jacobian"]
+    for row, lens in zip(rows, ["logit", "jacobian"]):
+        mine, theirs = _macro_at_10(real[real["lens"] == lens]), _macro_at_10(decoy[decoy["lens"] == lens])
+        assert row[1:3] == [f"{mine:.3f}", f"{theirs:.3f}"] and row[3].startswith(f"{mine - theirs:+.3f} (")
+
+
 def test_readme_tables_rewrites_only_between_markers(tmp_path):
     rt = _readme_tables()
     page = tmp_path / "results.md"
@@ -272,6 +286,9 @@ def test_readme_tables_rewrites_only_between_markers(tmp_path):
     with pytest.raises(ValueError, match="per_layer"):
         rt.write_tables(page, {"swap": "| x |", "per_layer": "| y |"})
     assert "| new |" in page.read_text()  # a missing marker writes nothing
+    page.write_text("a\n<!-- readme_tables:per_layer -->\n<!-- /readme_tables:per_layer -->\nb\n")  # new, empty
+    rt.write_tables(page, {"per_layer": "| y |"})
+    assert page.read_text() == "a\n<!-- readme_tables:per_layer -->\n| y |\n<!-- /readme_tables:per_layer -->\nb\n"
 
 
 # -- imports shown in the docs ---------------------------------------------------------------------
