@@ -113,6 +113,7 @@ __all__ = [
     "compare_readings",
     "compare_runs",
     "comparison_figure",
+    "decoy_items",
     "default_lens",
     "diff_dumps",
     "difference",
@@ -128,7 +129,6 @@ __all__ = [
     "jacobian_for_prompt",
     "learn_expert_weights",
     "load_corpus",
-    "decoy_items",
     "load_eval_set",
     "load_lens",
     "load_model",
@@ -186,7 +186,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .reading.generation import Generation, generate
     from .reading.labelled_items import read_labelled_items
     from .reading.lens_comparison import heldout_items, macro_comparison
-    from .reading.passk import EVAL_SETS, load_eval_set, pass_at_k
+    from .reading.passk import EVAL_SETS, decoy_items, load_eval_set, pass_at_k
     from .reading.prompt_reading import PromptReading
     from .reading.reader import read_prompt, read_prompts
     from .reading.reading_file import ReadingFile, ReadingFileError, load_readings, save_readings
