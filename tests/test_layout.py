@@ -32,7 +32,7 @@ EXEMPT = {"__init__", "__main__"}
 PUBLIC_NAMES = [
     "DEFAULT_MODEL", "EVAL_SETS", "LAYOUTS", "ActivationRecorder", "FitProgress", "FitState", "HFLensModel",
     "JacobianLens", "LensFileError", "LensModel", "LogitLens", "ModelLayout", "PromptJacobian", "PromptReading",
-    "default_lens", "evaluate", "fit", "jacobian_for_prompt", "load_corpus", "load_eval_set", "load_lens",
+    "decoy_items", "default_lens", "evaluate", "fit", "jacobian_for_prompt", "load_corpus", "load_eval_set", "load_lens",
     "load_model", "pass_at_k", "read_prompt", "read_prompts", "resolve_layers", "valid_position_mask",
     "Lens",  # the lens protocol (issue #29 §4)
     # the front door for what the docs import (issue #29 §5)
