@@ -9,7 +9,8 @@ on every item of the *other* sets, and the group's sets are read with them. Ever
 weights that never saw it. Beside them, on the same items: the J lens (the shipped one, the baseline),
 the stack's pooled lens and its uniform-weight combination. Writes under ``--out``:
 
-* ``fold<i>.safetensors``: each group's combined one-matrix lens (fp16), its sets in its settings;
+* ``fold<i>.safetensors``: each group's combined one-matrix lens (fp16), its sets in its settings, and
+  ``fold<i>.detail.csv`` its sets' detail (a rerun after a crash reads the groups already done);
 * ``pass_at_k_detail.csv``: per word and lens, as ``jlens eval`` writes it (the learned lens of each set's
   group under one name, ``<kind> (other sets)``);
 * ``comparison.csv``: :func:`~jlens_core.reading.lens_comparison.macro_comparison` of that detail (macro
@@ -85,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     items = read_labelled_items(model, sets, stack.source_layers)
     details = []
     for i, group in enumerate(groups):
+        done = out / f"fold{i}.detail.csv"
+        if done.is_file() and (out / f"fold{i}.safetensors").is_file():  # a rerun after a crash: groups done stay done
+            kept = pd.read_csv(done)
+            if sorted(kept["set"].unique()) == sorted(group):
+                print(f"group {i} ({','.join(group)}): done before, read from {done}", flush=True)
+                details.append(kept)
+                continue
         train = [item for item in items if item.set_name not in group]
         began = time.perf_counter()
         with tqdm(total=0, desc=f"group {i} weights", unit="step", file=sys.stderr) as bar:
@@ -101,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{time.perf_counter() - began:.0f} s (start {fit.start}, step {fit.step})", flush=True)
         lenses = {"jacobian": baseline, f"{rules} (pooled)": stack.pooled_lens(),
                   f"{rules}-experts (uniform)": stack.to_jacobian_lens(), f"{rules}++ (other sets)": learned}
-        for name in group:
-            details.append(pass_at_k_detail(model, lenses, name).assign(set=name))
+        group_detail = pd.concat([pass_at_k_detail(model, lenses, name).assign(set=name) for name in group],
+                                 ignore_index=True)
+        group_detail.to_csv(done, index=False)
+        details.append(group_detail)
     detail = pd.concat(details, ignore_index=True)
     detail.to_csv(out / "pass_at_k_detail.csv", index=False)
     table = macro_comparison(detail, (1, 5, 10))
