@@ -498,7 +498,8 @@ def surrogate_terms(logits: torch.Tensor, batch: ItemBatch, *, k: int = PASS_K,
     population standard deviation of the whole row: ``std`` (``[n_items]``, :func:`layer_std`) when given,
     else computed from ``logits``.
     """
-    ranked = logits if batch.kept is None else logits.masked_fill(batch.kept == 0, -math.inf)
+    dropped = batch.dropped()
+    ranked = logits if dropped is None else logits.masked_fill(dropped, -math.inf)
     kth = ranked.topk(min(k, ranked.shape[-1]), dim=-1).values[:, -1]  # [n_items]
     spread = logits.std(dim=-1, correction=0) if std is None else std
     scale = temperature * spread.clamp_min(1e-12)  # [n_items]
@@ -550,8 +551,9 @@ def intermediate_ranks(logits: torch.Tensor, batch: ItemBatch) -> torch.Tensor:
         rows = logits.index_select(0, batch.inter_item)  # [n_inter, vocab]
         best = rows.gather(1, batch.cand).max(dim=1, keepdim=True).values  # [n_inter, 1]
         above = rows > best
-        if batch.kept is not None:
-            above = above & (batch.kept[batch.inter_item] > 0)
+        kept = batch.kept_rows()
+        if kept is not None:
+            above = above & (kept > 0)
         return above.sum(dim=1) + 1
     # The same count in the batch's buffers (out= takes no autograd): 0/1 as fp32, exact below 2^24 ids,
     # because summing a bool tensor first copies it to int64, a fresh [n_inter, vocab] allocation a layer.
