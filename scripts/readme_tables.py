@@ -152,6 +152,16 @@ def swap_table(swaps: pd.DataFrame | dict[str, pd.DataFrame]) -> tuple[str, str]
     return "\n".join(lines), summary
 
 
+def _estimate(row, digits: int = 2) -> str:
+    """``macro (ci_low-ci_high)``: a macro pass@k and its interval, the interval to ``digits`` decimals."""
+    return f"{row['macro']:.3f} ({row['ci_low']:.{digits}f}-{row['ci_high']:.{digits}f})"
+
+
+def _difference(row) -> str:
+    """``diff (diff_low to diff_high)``: a paired difference and its interval."""
+    return f"{row['diff']:+.3f} ({row['diff_low']:+.3f} to {row['diff_high']:+.3f})"
+
+
 def comparison_table(detail: pd.DataFrame, *, keep=None, n_boot: int = 2000) -> tuple[str, str]:
     """Macro pass@k per lens x readout with paired intervals against the J lens (``all`` readout), the
     copied intermediates left out at k=10 beside it (jlens_core.reading.lens_comparison), and a summary."""
@@ -169,10 +179,9 @@ def comparison_table(detail: pd.DataFrame, *, keep=None, n_boot: int = 2000) -> 
     for lens, vocab in variants:
         r10 = at.loc[(lens, vocab, 10)]
         r1, r5 = at.loc[(lens, vocab, 1)], at.loc[(lens, vocab, 5)]
-        lines.append(f"| {labels.get(lens, lens)} | {vocab} | {r1['macro']:.3f} ({r1['ci_low']:.2f}-{r1['ci_high']:.2f}) | "
-                     f"{r5['macro']:.3f} ({r5['ci_low']:.2f}-{r5['ci_high']:.2f}) | {r10['macro']:.3f} ({r10['ci_low']:.3f}-"
-                     f"{r10['ci_high']:.3f}) | {r10['diff']:+.3f} ({r10['diff_low']:+.3f} to {r10['diff_high']:+.3f}) | "
-                     f"{r10['ratio']:.2f} | {r10['verdict']} | {clean.loc[(lens, vocab), 'macro']:.3f} |")
+        lines.append(f"| {labels.get(lens, lens)} | {vocab} | {_estimate(r1)} | {_estimate(r5)} | {_estimate(r10, 3)} | "
+                     f"{_difference(r10)} | {r10['ratio']:.2f} | {r10['verdict']} | "
+                     f"{clean.loc[(lens, vocab), 'macro']:.3f} |")
     first = table.iloc[0]
     summary = (f"comparison: {int(first['n_sets'])} sets, {int(first['items_scored'])} items, "
                f"{int(first['words_scored'])} words; baseline {first['baseline']}")
@@ -208,12 +217,10 @@ def ablation_steps_table(detail: pd.DataFrame, *, keep=None, n_boot: int = 2000)
             table = macro_comparison(detail, 10, keep=keep, baseline=before, n_boot=n_boot)
             row = table.set_index(["lens", "vocab"]).loc[variant]
             lines.append(f"| to {end} | {adds} | {labels.get(variant[0], variant[0])} | {variant[1]} | "
-                         f"{row['macro']:.3f} | {row['diff']:+.3f} ({row['diff_low']:+.3f} to {row['diff_high']:+.3f}) | "
-                         f"{row['verdict']} |")
+                         f"{row['macro']:.3f} | {_difference(row)} | {row['verdict']} |")
         total = macro_comparison(detail, 10, keep=keep, n_boot=n_boot).set_index(["lens", "vocab"]).loc[path[-1][0]]
         lines.append(f"| to {end} | **all steps** | {end} | {path[-1][0][1]} | {total['macro']:.3f} | "
-                     f"{total['diff']:+.3f} ({total['diff_low']:+.3f} to {total['diff_high']:+.3f}) vs the J lens | "
-                     f"{total['verdict']} |")
+                     f"{_difference(total)} vs the J lens | {total['verdict']} |")
     return "\n".join(lines)
 
 
@@ -249,11 +256,17 @@ def across_sets_table(details: dict[str, pd.DataFrame], *, n_boot: int = 2000) -
         at = macro_comparison(detail, (1, 5, 10), n_boot=n_boot).set_index(["lens", "vocab", "k"])
         for lens in dict.fromkeys(detail["lens"]):
             r1, r5, r10 = (at.loc[(lens, "all", k)] for k in (1, 5, 10))
-            lines.append(f"| {stack} | {lens} | {r1['macro']:.3f} ({r1['ci_low']:.2f}-{r1['ci_high']:.2f}) | "
-                         f"{r5['macro']:.3f} ({r5['ci_low']:.2f}-{r5['ci_high']:.2f}) | {r10['macro']:.3f} "
-                         f"({r10['ci_low']:.3f}-{r10['ci_high']:.3f}) | {r10['diff']:+.3f} ({r10['diff_low']:+.3f} to "
-                         f"{r10['diff_high']:+.3f}) | {r10['ratio']:.2f} | {r10['verdict']} |")
+            lines.append(f"| {stack} | {lens} | {_estimate(r1)} | {_estimate(r5)} | {_estimate(r10, 3)} | "
+                         f"{_difference(r10)} | {r10['ratio']:.2f} | {r10['verdict']} |")
     return "\n".join(lines)
+
+
+def weights_heldout(detail: pd.DataFrame):
+    """The items of ``detail``'s sets that the shipped weights never saw (the weigh split's held-out half): learned
+    weights are scored on these only."""
+    from jlens_core.reading.lens_comparison import heldout_items
+
+    return heldout_items(sorted(detail["set"].unique()), HELDOUT_FRACTION, seed=SPLIT_SEED)
 
 
 def tables(folder: Path) -> tuple[dict[str, str], list[str]]:
@@ -281,21 +294,14 @@ def tables(folder: Path) -> tuple[dict[str, str], list[str]]:
         found["lens_comparison"], comparison_summary = comparison_table(detail)
         summaries.append(comparison_summary)
         if detail["lens"].str.contains(r"\+\+|experts", regex=True).any():
-            # learned weights are scored only on the items they never saw: the weigh split's held-out half
-            from jlens_core.reading.lens_comparison import heldout_items
-
-            held = heldout_items(sorted(detail["set"].unique()), HELDOUT_FRACTION, seed=SPLIT_SEED)
+            held = weights_heldout(detail)
             found["ablation"], ablation_summary = comparison_table(detail, keep=held)
             summaries.append("held-out " + ablation_summary)
             found["ablation_steps"] = ablation_steps_table(detail, keep=held)
     decoy_path = folder / "decoy" / "pass_at_k_detail.csv"
     if detail_path.is_file() and decoy_path.is_file():
         real = pd.read_csv(detail_path)
-        held = None
-        if real["lens"].str.contains(r"\+\+", regex=True).any():  # learned weights: their held-out items only
-            from jlens_core.reading.lens_comparison import heldout_items
-
-            held = heldout_items(sorted(real["set"].unique()), HELDOUT_FRACTION, seed=SPLIT_SEED)
+        held = weights_heldout(real) if real["lens"].str.contains(r"\+\+", regex=True).any() else None
         found["decoys"] = decoy_table(real, pd.read_csv(decoy_path), keep=held)
     across = {sub.name.removeprefix("across_sets_"): pd.read_csv(sub / "pass_at_k_detail.csv")
               for sub in sorted(folder.glob("across_sets_*")) if (sub / "pass_at_k_detail.csv").is_file()}
