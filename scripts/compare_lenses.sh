@@ -12,6 +12,9 @@
 #                per lens and a random-direction control
 #   swap_centred/ the same along centred read directions
 # then writes the tables into docs/results.md (scripts/readme_tables.py).
+# ADD_LENSES (space-separated lens files) grows an existing comparison instead: only these lenses are read
+# (per-layer, pass@k all and word, swaps raw and centred, in $RUN/added/) and their rows appended to $OUT's
+# tables (scripts/merge_eval.py; each lens's numbers depend on that lens alone); the decoy run reads every lens.
 # For a quick check of the pipeline: OUT=/tmp/x PASS_SETS="two_hop" SWAP_SET=small.jsonl EVAL_TEXTS=2 \
 #   TABLES_ARGS=--print bash scripts/compare_lenses.sh
 set -euo pipefail
@@ -32,14 +35,30 @@ for f in ${EXTRA_LENSES:-}; do VARIANTS+=(--lens "$f"); done
 LENSES=(--lens logit --lens default --lens tuned "${VARIANTS[@]}")
 COMMON=(--model smollm2-135m --max-seq-len 128)
 rm -f "$OUT/swap_success.csv" "$OUT/swap_items.csv"  # swaps now live in swap/ and swap_centred/
-"$PY" -m jlens_core eval "${COMMON[@]}" "${LENSES[@]}" ${SHRINK:-} --corpus stdlib-docs \
-    --split eval --n-texts "$EVAL_TEXTS" "${SETS[@]}" --out "$OUT"
-"$PY" -m jlens_core eval "${COMMON[@]}" "${LENSES[@]}" --n-texts 0 "${SETS[@]}" --vocab word --out "$OUT/word"
+# one comparison: the per-layer and pass@k runs, then swaps, of LENSES (swaps: SWAP_LENSES) into folder $1
+compare() {
+    local dest="$1"
+    "$PY" -m jlens_core eval "${COMMON[@]}" "${LENSES[@]}" ${SHRINK:-} --corpus stdlib-docs \
+        --split eval --n-texts "$EVAL_TEXTS" "${SETS[@]}" --out "$dest"
+    "$PY" -m jlens_core eval "${COMMON[@]}" "${LENSES[@]}" --n-texts 0 "${SETS[@]}" --vocab word --out "$dest/word"
+    for mode in raw centred; do
+        flag=(); dir="$dest/swap"
+        if [[ $mode == centred ]]; then flag=(--centred); dir="$dest/swap_centred"; fi
+        "$PY" -m jlens_core eval "${COMMON[@]}" "${SWAP_LENSES[@]}" --n-texts 0 --swap "$SWAP_SET" \
+            --swap-controls each "${flag[@]}" --out "$dir"
+    done
+}
+if [[ -n "${ADD_LENSES:-}" ]]; then
+    ALL=("${LENSES[@]}")
+    LENSES=(); for f in $ADD_LENSES; do LENSES+=(--lens "$f"); done
+    SWAP_LENSES=("${LENSES[@]}")
+    rm -rf "$RUN/added"
+    compare "$RUN/added"
+    "$PY" scripts/merge_eval.py "$OUT" "$RUN/added"
+    LENSES=("${ALL[@]}" "${LENSES[@]}")
+else
+    SWAP_LENSES=(--lens default "${VARIANTS[@]}")
+    compare "$OUT"
+fi
 "$PY" -m jlens_core eval "${COMMON[@]}" "${LENSES[@]}" --n-texts 0 "${SETS[@]}" --decoys --out "$OUT/decoy"
-for mode in raw centred; do
-    flag=(); dir="$OUT/swap"
-    if [[ $mode == centred ]]; then flag=(--centred); dir="$OUT/swap_centred"; fi
-    "$PY" -m jlens_core eval "${COMMON[@]}" --lens default "${VARIANTS[@]}" --n-texts 0 --swap "$SWAP_SET" \
-        --swap-controls each "${flag[@]}" --out "$dir"
-done
 "$PY" scripts/readme_tables.py "$OUT" ${TABLES_ARGS:-}

@@ -7,8 +7,8 @@
 #  2. learn each stack's weights with `jlens weigh` on the training half of the nine shipped sets (the
 #     default seeded split), writing the weighted stack and its one-matrix fp16 combination;
 #  3. write each stack's uniform-weight combination (the ablation's "experts, uniform" rows);
-#  4. compare every lens (scripts/compare_lenses.sh with the four combinations as EXTRA_LENSES; the
-#     ablation table scores them on the held-out half only);
+#  4. compare every lens (scripts/compare_lenses.sh with the four combinations as ADD_LENSES: read, then added
+#     to the shipped comparison; the ablation table scores them on the held-out half only);
 #  5. ship (assets/lenses/smollm2-135m.{jpp,rpp}.safetensors, fp16, one matrix per layer) each learned
 #     lens whose held-out macro pass@10 beats the J lens's outside the paired 95 % interval.
 # The per-expert stacks stay in runs/, out of the wheel.
@@ -34,7 +34,7 @@ for stem in sys.argv[1:]:
     lens.to_jacobian_lens().save(f"{stem}.uniform.safetensors", dtype="float16")
     print(f"uniform combination of {lens} -> {stem}.uniform.safetensors")
 PYEOF
-EXTRA_LENSES="$RUN/smollm2-135m.jexp.jpp.combined.safetensors $REXP/smollm2-135m.rexp.rpp.combined.safetensors \
+ADD_LENSES="$RUN/smollm2-135m.jexp.jpp.combined.safetensors $REXP/smollm2-135m.rexp.rpp.combined.safetensors \
 $RUN/smollm2-135m.jexp.uniform.safetensors $REXP/smollm2-135m.rexp.uniform.safetensors" \
     bash scripts/compare_lenses.sh
 "$PY" - "$RUN/smollm2-135m.jexp.jpp.combined.safetensors" "$REXP/smollm2-135m.rexp.rpp.combined.safetensors" <<'PYEOF'
