@@ -275,6 +275,10 @@ def test_decoy_rows_are_real_and_decoy_macros_and_their_difference():
     for row, lens in zip(rows, ["logit", "jacobian"]):
         mine, theirs = _macro_at_10(real[real["lens"] == lens]), _macro_at_10(decoy[decoy["lens"] == lens])
         assert row[1:3] == [f"{mine:.3f}", f"{theirs:.3f}"] and row[3].startswith(f"{mine - theirs:+.3f} (")
+    # the last column: each gap minus the J lens's (the same items score all four, so the macros subtract)
+    gap = {lens: _macro_at_10(real[real["lens"] == lens]) - _macro_at_10(decoy[decoy["lens"] == lens])
+           for lens in ["logit", "jacobian"]}
+    assert rows[1][4] == "baseline" and rows[0][4].startswith(f"{gap['logit'] - gap['jacobian']:+.3f} (")
 
 
 def test_readme_tables_rewrites_only_between_markers(tmp_path):
