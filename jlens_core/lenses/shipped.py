@@ -29,7 +29,8 @@ SHIPPED_TUNED_LENSES = {DEFAULT_MODEL: LENS_DIR / f"{DEFAULT_MODEL}.tuned.safete
 # The shipped lenses beside a model's Jacobian lens: ``<model>.<variant>.safetensors``.
 VARIANTS = {"relevance": "R-lens", "jpp": "J++ lens", "rpp": "R++ lens"}
 # The lens each model's readings open with beside the logit lens (the app's default): the Jacobian lens
-# (``"jacobian"``) unless a shipped variant beat it on held-out items (docs/results.md, "The default lens").
+# (``"jacobian"``) unless a shipped variant beat it on held-out items and under the decoy control
+# (docs/results.md, "The default lens": the default model's J++ and R++ win the first, tie the second).
 DEFAULT_READING_LENS = {DEFAULT_MODEL: "jacobian"}
 # How each kind of lens (``lens_kind``) is named to a reader.
 KIND_NAMES = {"logit": "logit lens", "jacobian": "Jacobian lens", "relevance": "R-lens", "tuned": "tuned lens",
