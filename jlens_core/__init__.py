@@ -71,6 +71,7 @@ _SOURCES = {
     "load_eval_set": ".reading.passk",
     "pass_at_k": ".reading.passk",
     "decoy_items": ".reading.passk",
+    "gap_comparison": ".reading.lens_comparison",
     "heldout_items": ".reading.lens_comparison",
     "macro_comparison": ".reading.lens_comparison",
     "PromptReading": ".reading.prompt_reading",
@@ -123,6 +124,7 @@ __all__ = [
     "evaluate",
     "fit",
     "fit_figures",
+    "gap_comparison",
     "generate",
     "heatmap_figure",
     "heldout_items",
@@ -185,7 +187,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .reading.evaluation import evaluate
     from .reading.generation import Generation, generate
     from .reading.labelled_items import read_labelled_items
-    from .reading.lens_comparison import heldout_items, macro_comparison
+    from .reading.lens_comparison import gap_comparison, heldout_items, macro_comparison
     from .reading.passk import EVAL_SETS, decoy_items, load_eval_set, pass_at_k
     from .reading.prompt_reading import PromptReading
     from .reading.reader import read_prompt, read_prompts

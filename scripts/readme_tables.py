@@ -224,61 +224,26 @@ def ablation_steps_table(detail: pd.DataFrame, *, keep=None, n_boot: int = 2000)
     return "\n".join(lines)
 
 
-def _gap_differences(real: pd.DataFrame, decoy: pd.DataFrame, lenses: list[str], *, keep=None, n_boot: int = 2000,
-                     seed: int = 0) -> dict[str, tuple[float, float, float]]:
-    """Per lens: its macro pass@10 gap (real - decoy) minus the J lens's, with a paired 95 % interval (the stratified
-    bootstrap of jlens_core.reading.lens_comparison, one draw of items shared by the four scores)."""
-    import numpy as np
-
-    from jlens_core.reading import lens_comparison as lc
-
-    frame = pd.concat([real, decoy.assign(lens=decoy["lens"] + " decoy")], ignore_index=True)
-    if keep is not None:
-        wanted = {(str(s), int(i)) for s, i in keep}
-        frame = frame[np.asarray([(str(s), int(i)) in wanted for s, i in zip(frame["set"], frame["item"])], dtype=bool)]
-    table = lc._item_scores(lc._scored_intermediates(frame, False), 10)
-    columns = list(table.columns)
-    sets = list(dict.fromkeys(table.index.get_level_values(0)))
-    set_of_row = np.asarray([sets.index(s) for s in table.index.get_level_values(0)])
-    values = table.to_numpy(dtype=np.float64)  # [items, lens x {real, decoy}]
-
-    def gap(lens: str):  # [items]
-        return values[:, columns.index((lens, "all"))] - values[:, columns.index((f"{lens} decoy", "all"))]
-
-    rng = np.random.default_rng(seed)
-    draws = np.concatenate([rng.choice(np.flatnonzero(set_of_row == s), size=(n_boot, int((set_of_row == s).sum())))
-                            for s in range(len(sets))], axis=1)  # [n_boot, items]
-    found = {}
-    for lens in lenses:
-        diff = (gap(lens) - gap("jacobian"))[:, None]  # [items, 1]
-        point = float(lc._macro(diff, set_of_row, len(sets))[0])
-        low, high = np.nanpercentile(lc._macro(diff[draws], set_of_row[draws[0]], len(sets))[:, 0], [2.5, 97.5])
-        found[lens] = (point, float(low), float(high))
-    return found
-
-
 def decoy_table(real: pd.DataFrame, decoy: pd.DataFrame, *, keep=None, n_boot: int = 2000) -> str:
     """Per lens (``all`` readout): macro pass@10 of the real intermediates and of the decoys (another item's
     intermediates at the same prompt, docs/method.md §8), real - decoy with a paired interval (how much of a
     lens's score is reading the step rather than favouring its kind of word) and that gap's difference to the J
-    lens's gap, paired on the same items (when the J lens is in both tables)."""
-    from jlens_core.reading.lens_comparison import macro_comparison
+    lens's gap, paired on the same items (jlens_core.reading.lens_comparison.gap_comparison)."""
+    from jlens_core.reading.lens_comparison import gap_comparison
 
     labels = dict(LENSES)
     lines = ["| lens | pass@10 real | pass@10 decoys | real − decoys (95 %, paired) | gap − the J lens's gap (95 %, paired) |",
              "| --- | ---: | ---: | ---: | ---: |"]
-    real, decoy = real[real["vocab"] == "all"], decoy[decoy["vocab"] == "all"]
     order = [key for key, _ in LENSES]
-    lenses = sorted(set(real["lens"]) & set(decoy["lens"]), key=lambda x: (order.index(x) if x in order else len(order), x))
-    gaps = _gap_differences(real, decoy, lenses, keep=keep, n_boot=n_boot) if "jacobian" in lenses else {}
-    for lens in lenses:
-        frame = pd.concat([real[real["lens"] == lens], decoy[decoy["lens"] == lens].assign(lens="decoy")])
-        row = macro_comparison(frame, 10, keep=keep, baseline=lens, n_boot=n_boot).set_index("lens")
-        versus = ("baseline" if lens == "jacobian" else
-                  f"{gaps[lens][0]:+.3f} ({gaps[lens][1]:+.3f} to {gaps[lens][2]:+.3f})" if lens in gaps else "")
-        lines.append(f"| {labels.get(lens, lens)} | {row.loc[lens, 'macro']:.3f} | {row.loc['decoy', 'macro']:.3f} | "
-                     f"{-row.loc['decoy', 'diff']:+.3f} ({-row.loc['decoy', 'diff_high']:+.3f} to "
-                     f"{-row.loc['decoy', 'diff_low']:+.3f}) | {versus} |")
+    in_both = [lens for lens in dict.fromkeys(real["lens"]) if lens in set(decoy["lens"])]
+    baseline = "jacobian" if "jacobian" in in_both else in_both[0]
+    gaps = gap_comparison(real, decoy, 10, baseline=baseline, keep=keep, n_boot=n_boot).set_index("lens")
+    for lens in sorted(gaps.index, key=lambda x: (order.index(x) if x in order else len(order), x)):
+        row = gaps.loc[lens]
+        versus = ("baseline" if row["verdict"] == "baseline" else "" if baseline != "jacobian" else
+                  f"{row['gap_diff']:+.3f} ({row['gap_diff_low']:+.3f} to {row['gap_diff_high']:+.3f})")
+        lines.append(f"| {labels.get(lens, lens)} | {row['real']:.3f} | {row['decoy']:.3f} | {row['gap']:+.3f} "
+                     f"({row['gap_low']:+.3f} to {row['gap_high']:+.3f}) | {versus} |")
     return "\n".join(lines)
 
 

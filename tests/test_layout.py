@@ -45,7 +45,7 @@ PUBLIC_NAMES = [
     "comparison_figure", "eval_curves_figure", "fit_figures", "heatmap_figure", "pass_at_k_figure",
     "pinned_ranks_figure", "swap_success_figure", "write_reading_page",
     "ReadingFile", "ReadingFileError", "load_readings", "save_readings",  # the reading file (issue #33 §3)
-    "heldout_items", "macro_comparison",  # lenses compared with paired intervals (issues #31 §5, #32 §5)
+    "gap_comparison", "heldout_items", "macro_comparison",  # lenses compared with paired intervals (issues #31 §5, #32 §5)
 ]
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from jlens_core.reading.lens_comparison import heldout_items, macro_comparison
+from jlens_core.reading.lens_comparison import gap_comparison, heldout_items, macro_comparison
 from jlens_core.reading.passk import load_eval_set, macro_mean, summarize_pass_at_k
 
 
@@ -109,3 +109,54 @@ def test_bad_input_is_one_sentence():
         macro_comparison(detail, 10, keep=set())
     with pytest.raises(ValueError, match="strictly between 0 and 1"):
         heldout_items(["two_hop"], 1.0)
+
+
+def decoy_detail(detail: pd.DataFrame, seed: int = 7) -> pd.DataFrame:
+    """The decoy run of ``detail``: the same items and lenses, other ranks."""
+    rng = np.random.default_rng(seed)
+    return detail.assign(best_rank=rng.integers(1, 30, size=len(detail)))
+
+
+def test_gap_is_real_minus_decoy_macro_and_its_difference_is_against_the_baseline_gap():
+    real = synthetic_detail()
+    decoy = decoy_detail(real)
+    table = gap_comparison(real, decoy, 10, n_boot=300).set_index("lens")
+    real_macro = macro_comparison(real, 10, n_boot=1).set_index("lens")["macro"]
+    decoy_macro = macro_comparison(decoy, 10, n_boot=1).set_index("lens")["macro"]
+    for lens in ("jacobian", "logit", "relevance"):
+        row = table.loc[lens]
+        assert row["real"] == pytest.approx(real_macro[lens]) and row["decoy"] == pytest.approx(decoy_macro[lens])
+        # every item has both scores, so the macro of item gaps is the difference of the macros
+        assert row["gap"] == pytest.approx(real_macro[lens] - decoy_macro[lens])
+        assert row["gap_low"] <= row["gap"] <= row["gap_high"]
+        expected = (real_macro[lens] - decoy_macro[lens]) - (real_macro["jacobian"] - decoy_macro["jacobian"])
+        assert row["gap_diff"] == pytest.approx(expected)
+        assert row["items_scored"] == 39
+    base = table.loc["jacobian"]
+    assert base["verdict"] == "baseline" and base["gap_diff"] == 0 == base["gap_diff_low"] == base["gap_diff_high"]
+
+
+def test_a_lens_that_reads_the_step_wins_on_the_gap_one_that_favours_a_kind_of_word_does_not():
+    real = synthetic_detail(lenses=("jacobian",))
+    decoy = decoy_detail(real)
+    inter = real[real["role"] == "intermediate"]
+    reads = inter.assign(lens="reads", best_rank=1)  # finds the item's own words, not another item's
+    kind = inter.assign(lens="kind", best_rank=1)  # finds every word of the kind, its own or not
+    table = gap_comparison(pd.concat([real, reads, kind]),
+                           pd.concat([decoy, reads.assign(best_rank=10_000), kind]), 10, n_boot=300).set_index("lens")
+    assert table.loc["reads", "gap"] == 1.0 and table.loc["reads", "verdict"] == "win"
+    assert table.loc["kind", "real"] == 1.0 and table.loc["kind", "gap"] == 0.0
+    assert table.loc["kind", "gap_low"] == table.loc["kind", "gap_high"] == 0.0  # no item gap to resample
+
+
+def test_gap_comparison_refuses_bad_input_in_one_sentence():
+    real = synthetic_detail()
+    decoy = decoy_detail(real)
+    with pytest.raises(ValueError, match="baseline 'jacobian' must be in both the real and the decoy table"):
+        gap_comparison(real, decoy[decoy["lens"] != "jacobian"], 10)
+    with pytest.raises(ValueError, match="k=0 must be"):
+        gap_comparison(real, decoy, 0)
+    with pytest.raises(ValueError, match="decoy table lacks columns \\['scored'\\]"):
+        gap_comparison(real, decoy.drop(columns="scored"), 10)
+    with pytest.raises(ValueError, match="No scored intermediate is left"):
+        gap_comparison(real, decoy, 10, keep=set())

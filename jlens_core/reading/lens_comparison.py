@@ -13,6 +13,10 @@ and scores every lens x readout on the same items:
   scored on. A difference whose interval excludes 0 is a win or a loss; otherwise it is a tie.
 * **Held-out items**: ``keep`` restricts the comparison to some items (e.g. those a learned lens's
   weights never saw, :func:`heldout_items`).
+
+:func:`gap_comparison` scores the decoy control the same way: per lens, the gap between its real
+intermediates and their decoys (``jlens eval --decoys``), and that gap against the baseline lens's gap,
+paired on the same items and the same resamples.
 """
 
 from __future__ import annotations
@@ -62,6 +66,28 @@ def _macro(scores: np.ndarray, set_of_row: np.ndarray, n_sets: int) -> np.ndarra
         return np.nanmean(np.stack(per_set, axis=0), axis=0)
 
 
+def _stratified_draws(rng: np.random.Generator, set_of_row: np.ndarray, n_sets: int, n_boot: int) -> np.ndarray:
+    """``[n_boot, items]``: row indices, each replicate resampling every set's rows with replacement (the same
+    draw is then shared by every variant: the pairing)."""
+    return np.concatenate([rng.choice(np.flatnonzero(set_of_row == s), size=(n_boot, int((set_of_row == s).sum())))
+                           for s in range(n_sets)], axis=1)
+
+
+def _select_items(frame: pd.DataFrame, keep: Collection[tuple[str, int]] | None) -> pd.DataFrame:
+    if keep is None:
+        return frame
+    wanted = {(str(s), int(i)) for s, i in keep}
+    return frame[np.asarray([(str(s), int(i)) in wanted for s, i in zip(frame["set"], frame["item"])], dtype=bool)]
+
+
+def _check_detail(detail: pd.DataFrame, name: str = "detail") -> pd.DataFrame:
+    need = {"set", "item", "lens", "role", "scored", "best_rank"}
+    missing = sorted(need - set(detail.columns))
+    if missing:
+        raise ValueError(f"The {name} table lacks columns {missing}: give pass_at_k_detail.csv as jlens eval writes it.")
+    return detail if "vocab" in detail else detail.assign(vocab="all")
+
+
 def macro_comparison(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), *,
                      baseline: tuple[str, str] | str = "jacobian", exclude_copied: bool = False,
                      keep: Collection[tuple[str, int]] | None = None, n_boot: int = N_BOOT,
@@ -92,15 +118,7 @@ def macro_comparison(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), 
     ks = [k] if isinstance(k, int) else [int(x) for x in k]
     if not ks or any(x < 1 for x in ks):
         raise ValueError(f"k={k} must be one or more integers >= 1 (ranks are 1-based: k=1 is top-1).")
-    need = {"set", "item", "lens", "role", "scored", "best_rank"}
-    missing = sorted(need - set(detail.columns))
-    if missing:
-        raise ValueError(f"The detail table lacks columns {missing}: give pass_at_k_detail.csv as jlens eval writes it.")
-    frame = detail if "vocab" in detail else detail.assign(vocab="all")
-    if keep is not None:
-        wanted = {(str(s), int(i)) for s, i in keep}
-        mask = [(str(s), int(i)) in wanted for s, i in zip(frame["set"], frame["item"])]
-        frame = frame[np.asarray(mask, dtype=bool)]
+    frame = _select_items(_check_detail(detail), keep)
     base = (baseline, "all") if isinstance(baseline, str) else (str(baseline[0]), str(baseline[1]))
     inter = _scored_intermediates(frame, exclude_copied)
     words_per_variant = inter.groupby(["lens", "vocab"]).size()  # [variants]
@@ -119,8 +137,7 @@ def macro_comparison(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), 
         values = table.to_numpy(dtype=np.float64)  # [items, variants]
         point = _macro(values, set_of_row, len(set_names))  # [variants]
         # one stratified draw per replicate, shared by every variant (paired)
-        draws = np.concatenate([rng.choice(np.flatnonzero(set_of_row == s), size=(n_boot, int((set_of_row == s).sum())))
-                                for s in range(len(set_names))], axis=1)  # [n_boot, items]
+        draws = _stratified_draws(rng, set_of_row, len(set_names), n_boot)  # [n_boot, items]
         replicates = _macro(values[draws], set_of_row[draws[0]], len(set_names))  # [n_boot, variants]
         b = variants.index(base)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -145,6 +162,86 @@ def macro_comparison(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), 
     return pd.DataFrame(rows, columns=list(COMPARISON_COLUMNS))
 
 
+GAP_COLUMNS = ("lens", "vocab", "k", "real", "decoy", "gap", "gap_low", "gap_high", "baseline", "gap_diff",
+               "gap_diff_low", "gap_diff_high", "verdict", "items_scored")
+
+
+def gap_comparison(real: pd.DataFrame, decoy: pd.DataFrame, k: int = 10, *, baseline: str = "jacobian",
+                   vocab: str = "all", keep: Collection[tuple[str, int]] | None = None, n_boot: int = N_BOOT,
+                   seed: int = 0) -> pd.DataFrame:
+    """The decoy control per lens: macro pass@k on the real intermediates minus on their decoys, and that gap
+    minus ``baseline``'s gap (docs/method.md §8).
+
+    A lens that reads the step finds an item's own intermediates far more often than another item's
+    (the decoys, :func:`~jlens_core.reading.passk.decoy_items`); one that favours a kind of word finds both.
+    Item scores are as in :func:`macro_comparison`; each item's gap is its real score minus its decoy
+    score, and the macro of the per-item gap (differences) carries the same stratified bootstrap, one draw
+    shared by every lens and by both tables, so the intervals are paired.
+
+    Args:
+        real: per-word rows of ``jlens eval`` (``pass_at_k_detail.csv``).
+        decoy: the same of ``jlens eval --decoys`` on the same sets (same ``set``/``item`` indices).
+        k: the cut-off (>= 1).
+        baseline: the lens whose gap the others are set against (it must be in both tables).
+        vocab: the readout compared (``"all"`` or ``"word"``).
+        keep: ``(set, item)`` pairs to score (default: every item).
+        n_boot, seed: the bootstrap (replicates, seed).
+
+    Returns:
+        One row per lens in both tables, columns :data:`GAP_COLUMNS`: ``real`` and ``decoy`` macro pass@k;
+        ``gap`` (real - decoy, as a macro of item gaps) with its 95 % interval; ``gap_diff`` = gap - the
+        baseline's gap with its paired 95 % interval; ``verdict`` ``"win"``/``"loss"``/``"tie"`` on
+        ``gap_diff`` (``"baseline"`` on the baseline's row); ``items_scored`` (items with both scores).
+
+    Raises:
+        ValueError: ``k`` below 1, a table without the needed columns, no lens in both tables, no scored
+            item left, or a baseline missing from either table.
+    """
+    if k < 1:
+        raise ValueError(f"k={k} must be an integer >= 1 (ranks are 1-based: k=1 is top-1).")
+    real = _select_items(_check_detail(real, "real"), keep)
+    decoy = _select_items(_check_detail(decoy, "decoy"), keep)
+    real, decoy = real[real["vocab"] == vocab], decoy[decoy["vocab"] == vocab]
+    if real.empty or decoy.empty:
+        raise ValueError(f"No scored intermediate is left to compare (readout {vocab!r}): check the tables and the "
+                         "items kept.")
+    lenses = [lens for lens in dict.fromkeys(real["lens"]) if lens in set(decoy["lens"])]
+    if baseline not in lenses:
+        raise ValueError(f"The baseline {baseline!r} must be in both the real and the decoy table (readout {vocab!r}); "
+                         f"both hold {lenses or 'no lens'}: run jlens eval and jlens eval --decoys with it.")
+    suffix = "\x00decoy"  # a lens name no user writes: keeps a lens's real and decoy columns apart
+    both = pd.concat([real, decoy.assign(lens=decoy["lens"] + suffix)], ignore_index=True)
+    table = _item_scores(_scored_intermediates(both, False), k)
+    if table.empty:
+        raise ValueError("No scored intermediate is left to compare: check the tables and the items kept.")
+    columns = list(table.columns)
+    set_names = list(dict.fromkeys(table.index.get_level_values(0)))
+    set_of_row = np.asarray([set_names.index(s) for s in table.index.get_level_values(0)])
+    values = table.to_numpy(dtype=np.float64)  # [items, lens x {real, decoy}]
+    reals = np.stack([values[:, columns.index((lens, vocab))] for lens in lenses], axis=1)  # [items, lenses]
+    decoys = np.stack([values[:, columns.index((lens + suffix, vocab))] for lens in lenses], axis=1)
+    gaps = reals - decoys  # [items, lenses]
+    b = lenses.index(baseline)
+    gap_diffs = gaps - gaps[:, b:b + 1]  # [items, lenses]
+    n_sets = len(set_names)
+    draws = _stratified_draws(np.random.default_rng(seed), set_of_row, n_sets, n_boot)  # [n_boot, items]
+    point_gap, point_diff = _macro(gaps, set_of_row, n_sets), _macro(gap_diffs, set_of_row, n_sets)  # [lenses]
+    boot_gap = _macro(gaps[draws], set_of_row[draws[0]], n_sets)  # [n_boot, lenses]
+    boot_diff = _macro(gap_diffs[draws], set_of_row[draws[0]], n_sets)
+    point_real, point_decoy = _macro(reals, set_of_row, n_sets), _macro(decoys, set_of_row, n_sets)
+    rows = []
+    for j, lens in enumerate(lenses):
+        g_low, g_high = np.nanpercentile(boot_gap[:, j], [2.5, 97.5])
+        d_low, d_high = np.nanpercentile(boot_diff[:, j], [2.5, 97.5])
+        verdict = "baseline" if j == b else ("win" if d_low > 0 else "loss" if d_high < 0 else "tie")
+        rows.append({"lens": lens, "vocab": vocab, "k": int(k), "real": float(point_real[j]),
+                     "decoy": float(point_decoy[j]), "gap": float(point_gap[j]), "gap_low": float(g_low),
+                     "gap_high": float(g_high), "baseline": baseline, "gap_diff": float(point_diff[j]),
+                     "gap_diff_low": float(d_low), "gap_diff_high": float(d_high), "verdict": verdict,
+                     "items_scored": int(np.isfinite(gaps[:, j]).sum())})
+    return pd.DataFrame(rows, columns=list(GAP_COLUMNS))
+
+
 def heldout_items(sets: Iterable[str], heldout_fraction: float = 0.5, *, seed: int = 0) -> set[tuple[str, int]]:
     """The ``(set, item index)`` pairs :func:`~jlens_core.fitting.expert_weights.split_items` holds out
     (the same seeded hash of each prompt), for scoring a learned lens on items its weights never saw.
@@ -161,4 +258,4 @@ def heldout_items(sets: Iterable[str], heldout_fraction: float = 0.5, *, seed: i
     return held
 
 
-__all__ = ["COMPARISON_COLUMNS", "N_BOOT", "heldout_items", "macro_comparison"]
+__all__ = ["COMPARISON_COLUMNS", "GAP_COLUMNS", "N_BOOT", "gap_comparison", "heldout_items", "macro_comparison"]
