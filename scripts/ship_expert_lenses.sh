@@ -37,7 +37,8 @@ PYEOF
 ADD_LENSES="$RUN/smollm2-135m.jexp.jpp.combined.safetensors $REXP/smollm2-135m.rexp.rpp.combined.safetensors \
 $RUN/smollm2-135m.jexp.uniform.safetensors $REXP/smollm2-135m.rexp.uniform.safetensors" \
     bash scripts/compare_lenses.sh
-"$PY" - "$RUN/smollm2-135m.jexp.jpp.combined.safetensors" "$REXP/smollm2-135m.rexp.rpp.combined.safetensors" <<'PYEOF'
+"$PY" - "$RUN/smollm2-135m.jexp.jpp" "$REXP/smollm2-135m.rexp.rpp" <<'PYEOF'
+import json
 import shutil
 import sys
 
@@ -47,14 +48,15 @@ from jlens_core.reading.lens_comparison import heldout_items, macro_comparison
 
 root = "assets/lenses/smollm2-135m.eval"
 detail = pd.read_csv(f"{root}/pass_at_k_detail.csv")
-held = heldout_items(sorted(detail["set"].unique()), 0.5, seed=0)
-table = macro_comparison(detail, 10, keep=held).set_index("lens")
-for path, kind, variant in zip(sys.argv[1:], ("jacobian++", "relevance++"), ("jpp", "rpp")):
-    row = table.loc[kind]
+for stem, kind, variant in zip(sys.argv[1:], ("jacobian++", "relevance++"), ("jpp", "rpp")):
+    # the items these weights never saw: the split jlens weigh recorded beside them
+    record = json.loads(open(f"{stem}.weigh.json", encoding="utf-8").read())
+    held = heldout_items(record["sets"], record["heldout_fraction"], seed=record["seed"])
+    row = macro_comparison(detail, 10, keep=held).set_index("lens").loc[kind]
     verdict = row["verdict"]
     print(f"{kind}: held-out macro pass@10 {row['macro']:.3f}, vs J {row['diff']:+.3f} "
           f"({row['diff_low']:+.3f} to {row['diff_high']:+.3f}): {verdict}")
     if verdict == "win":
-        shutil.copyfile(path, f"assets/lenses/smollm2-135m.{variant}.safetensors")
+        shutil.copyfile(f"{stem}.combined.safetensors", f"assets/lenses/smollm2-135m.{variant}.safetensors")
         print(f"shipped assets/lenses/smollm2-135m.{variant}.safetensors")
 PYEOF
