@@ -49,7 +49,16 @@ compare() {
     done
 }
 if [[ -n "${ADD_LENSES:-}" ]]; then
-    ALL=("${LENSES[@]}")
+    # the decoy run reads every lens once: a shipped variant that an added file repeats byte for byte (a rerun
+    # after shipping) is read as the added file, under the name the merged tables give it
+    ALL=(--lens logit --lens default --lens tuned)
+    for v in relevance jpp rpp; do
+        shipped="assets/lenses/smollm2-135m.$v.safetensors"
+        [[ -e "$shipped" ]] || continue
+        repeated=0; for f in $ADD_LENSES; do if cmp -s "$shipped" "$f"; then repeated=1; fi; done
+        if [[ $repeated == 0 ]]; then ALL+=(--lens "smollm2-135m:$v"); fi
+    done
+    for f in ${EXTRA_LENSES:-}; do ALL+=(--lens "$f"); done
     LENSES=(); for f in $ADD_LENSES; do LENSES+=(--lens "$f"); done
     SWAP_LENSES=("${LENSES[@]}")
     rm -rf "$RUN/added"
