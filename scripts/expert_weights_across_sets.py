@@ -14,10 +14,14 @@ the stack's pooled lens and its uniform-weight combination. Writes under ``--out
 * ``pass_at_k_detail.csv``: per word and lens, as ``jlens eval`` writes it (the learned lens of each set's
   group under one name, ``<kind> (other sets)``);
 * ``comparison.csv``: :func:`~jlens_core.reading.lens_comparison.macro_comparison` of that detail (macro
-  pass@1/5/10, paired bootstrap intervals against the J lens) and prints it.
+  pass@1/5/10, paired bootstrap intervals against the J lens) and prints it;
+* ``decoy/pass_at_k_detail.csv``: the same lenses on the decoy control (each item scored on another item's
+  intermediates at its own prompt, docs/method.md §8; ``fold<i>.decoy.csv`` per group), and prints
+  :func:`~jlens_core.reading.lens_comparison.gap_comparison`: whether weights that never saw a set read its
+  particular steps better than the J lens, or only favour the kind of answer it asks for.
 
 A script, not a test: about ``--folds`` times a ``jlens weigh`` run (the basis of all the other sets'
-items must fit ``--basis-memory``).
+items must fit ``--basis-memory``). A rerun with every group done only scores what is missing.
 """
 
 from __future__ import annotations
@@ -37,11 +41,11 @@ sys.path.insert(0, str(ROOT))
 from jlens_core import load_model
 from jlens_core.fitting.expert_weights import STEPS, learn_expert_weights
 from jlens_core.lenses.experts import ExpertLens
-from jlens_core.lenses.shipped import default_lens
+from jlens_core.lenses.shipped import default_lens, load_lens_file
 from jlens_core.models.device_maps import parse_size
 from jlens_core.reading.labelled_items import read_labelled_items
-from jlens_core.reading.lens_comparison import macro_comparison
-from jlens_core.reading.passk import pass_at_k_detail, shipped_sets
+from jlens_core.reading.lens_comparison import gap_comparison, macro_comparison
+from jlens_core.reading.passk import decoy_items, load_eval_set, pass_at_k_detail, shipped_sets
 
 
 def deal(sets: list[str], folds: int) -> list[list[str]]:
@@ -83,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     if baseline is None:
         parser.error(f"No shipped J lens for {model.name!r}: the baseline of this comparison.")
     rules = stack.rules
-    items = read_labelled_items(model, sets, stack.source_layers)
-    details = []
+    items = None  # read once, and only when a group's weights must be learned
+    details, decoys = [], []
     for i, group in enumerate(groups):
         done = out / f"fold{i}.detail.csv"
         if done.is_file() and (out / f"fold{i}.safetensors").is_file():  # a rerun after a crash: groups done stay done
@@ -93,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"group {i} ({','.join(group)}): done before, read from {done}", flush=True)
                 details.append(kept)
                 continue
+        if items is None:
+            items = read_labelled_items(model, sets, stack.source_layers)
         train = [item for item in items if item.set_name not in group]
         began = time.perf_counter()
         with tqdm(total=0, desc=f"group {i} weights", unit="step", file=sys.stderr) as bar:
@@ -113,6 +119,17 @@ def main(argv: list[str] | None = None) -> int:
                                  ignore_index=True)
         group_detail.to_csv(done, index=False)
         details.append(group_detail)
+    for i, group in enumerate(groups):
+        done = out / f"fold{i}.decoy.csv"
+        kept = pd.read_csv(done) if done.is_file() else None
+        if kept is None or sorted(kept["set"].unique()) != sorted(group):
+            learned = load_lens_file(out / f"fold{i}.safetensors", model=model)
+            lenses = {"jacobian": baseline, f"{rules} (pooled)": stack.pooled_lens(),
+                      f"{rules}-experts (uniform)": stack.to_jacobian_lens(), f"{rules}++ (other sets)": learned}
+            kept = pd.concat([pass_at_k_detail(model, lenses, decoy_items(load_eval_set(name))).assign(set=name)
+                              for name in group], ignore_index=True)
+            kept.to_csv(done, index=False)
+        decoys.append(kept)
     detail = pd.concat(details, ignore_index=True)
     detail.to_csv(out / "pass_at_k_detail.csv", index=False)
     table = macro_comparison(detail, (1, 5, 10))
@@ -121,7 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(at10[["lens", "macro", "ci_low", "ci_high", "diff", "diff_low", "diff_high", "ratio", "verdict"]]
               .to_string(index=False))
-    print(f"wrote {out}/pass_at_k_detail.csv, comparison.csv and the groups' lenses")
+    decoy = pd.concat(decoys, ignore_index=True)
+    (out / "decoy").mkdir(exist_ok=True)
+    decoy.to_csv(out / "decoy" / "pass_at_k_detail.csv", index=False)
+    gaps = gap_comparison(detail, decoy, 10)
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(gaps[["lens", "real", "decoy", "gap", "gap_low", "gap_high", "gap_diff", "gap_diff_low", "gap_diff_high",
+                    "verdict"]].to_string(index=False))
+    print(f"wrote {out}/pass_at_k_detail.csv, comparison.csv, decoy/pass_at_k_detail.csv and the groups' lenses")
     return 0
 
 

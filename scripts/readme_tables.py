@@ -11,7 +11,8 @@ in the page, ``<!-- readme_tables:NAME -->`` and ``<!-- /readme_tables:NAME -->`
 evaluated), ``ablation_steps`` (on those items, the J lens to each expert lens one change at a time, each step's
 paired difference: where a gain comes from), ``decoys`` (from ``decoy/``: real against decoy intermediates per lens, on the held-out half when a lens has
 learned weights), ``across_sets`` (from ``across_sets_<stack>/``: learned weights
-on sets they never saw, scripts/expert_weights_across_sets.py)); the prose around them is left alone. A missing marker is an error: nothing is
+on sets they never saw, scripts/expert_weights_across_sets.py), ``across_sets_decoys`` (from
+``across_sets_<stack>/decoy/``: the decoy control of the same)); the prose around them is left alone. A missing marker is an error: nothing is
 written. ``--print`` prints the tables instead. The one-line summaries under each table (best lens per
 layer, swap eligibility) are printed, for writing the prose by hand.
 """
@@ -264,6 +265,26 @@ def across_sets_table(details: dict[str, pd.DataFrame], *, n_boot: int = 2000) -
     return "\n".join(lines)
 
 
+def across_sets_decoy_table(reals: dict[str, pd.DataFrame], decoys: dict[str, pd.DataFrame], *,
+                            n_boot: int = 2000) -> str:
+    """Per stack: the decoy control of the across-sets comparison (``across_sets_<stack>/decoy/``): macro pass@10 on
+    the real intermediates and on the decoys, the gap, and the gap minus the J lens's gap, paired
+    (jlens_core.reading.lens_comparison.gap_comparison)."""
+    from jlens_core.reading.lens_comparison import gap_comparison
+
+    lines = [("| experts | lens | pass@10 real | pass@10 decoys | real − decoys (95 %, paired) | "
+             "gap − the J lens's gap (95 %, paired) | verdict |"), "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for stack, real in reals.items():
+        gaps = gap_comparison(real, decoys[stack], 10, n_boot=n_boot)
+        order = list(dict.fromkeys(real["lens"]))
+        for row in sorted(gaps.itertuples(), key=lambda r: order.index(r.lens)):
+            versus = ("baseline" if row.verdict == "baseline" else
+                      f"{row.gap_diff:+.3f} ({row.gap_diff_low:+.3f} to {row.gap_diff_high:+.3f})")
+            lines.append(f"| {stack} | {row.lens} | {row.real:.3f} | {row.decoy:.3f} | {row.gap:+.3f} "
+                         f"({row.gap_low:+.3f} to {row.gap_high:+.3f}) | {versus} | {row.verdict} |")
+    return "\n".join(lines)
+
+
 def weights_heldout(detail: pd.DataFrame):
     """The items of ``detail``'s sets that the shipped weights never saw (the weigh split's held-out half): learned
     weights are scored on these only."""
@@ -310,6 +331,10 @@ def tables(folder: Path) -> tuple[dict[str, str], list[str]]:
               for sub in sorted(folder.glob("across_sets_*")) if (sub / "pass_at_k_detail.csv").is_file()}
     if across:
         found["across_sets"] = across_sets_table(across)
+        across_decoys = {stack: pd.read_csv(folder / f"across_sets_{stack}" / "decoy" / "pass_at_k_detail.csv")
+                         for stack in across if (folder / f"across_sets_{stack}" / "decoy" / "pass_at_k_detail.csv").is_file()}
+        if across_decoys:
+            found["across_sets_decoys"] = across_sets_decoy_table({s: across[s] for s in across_decoys}, across_decoys)
     return found, summaries
 
 

@@ -187,7 +187,8 @@ def test_results_page_holds_the_tables_of_the_shipped_evaluation():
     found, _ = rt.tables(ROOT / "assets" / "lenses" / "smollm2-135m.eval")
     page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
     assert {"per_layer", "pass_at_k", "swap"} <= set(found) <= {"per_layer", "pass_at_k", "swap", "lens_comparison", "ablation",
-                                                              "ablation_steps", "across_sets", "decoys"}
+                                                              "ablation_steps", "across_sets", "decoys",
+                                                              "across_sets_decoys"}
     assert rt.write_tables.__doc__
     for name, body in found.items():
         assert rt.replace_between_markers(page, name, body) == page, f"docs/results.md's {name} table is stale"
@@ -279,6 +280,27 @@ def test_decoy_rows_are_real_and_decoy_macros_and_their_difference():
     gap = {lens: _macro_at_10(real[real["lens"] == lens]) - _macro_at_10(decoy[decoy["lens"] == lens])
            for lens in ["logit", "jacobian"]}
     assert rows[1][4] == "baseline" and rows[0][4].startswith(f"{gap['logit'] - gap['jacobian']:+.3f} (")
+
+
+def test_across_sets_decoy_rows_are_each_stacks_gaps_against_the_j_lens():
+    import pandas as pd
+
+    rt = _readme_tables()
+    detail = pd.read_csv(ROOT / "assets" / "lenses" / "smollm2-135m.eval" / "pass_at_k_detail.csv")
+    j = detail[detail["lens"] == "jacobian"].assign(vocab="all")
+    other = j.assign(lens="jacobian++ (other sets)", best_rank=(j["best_rank"] // 2).clip(1))
+    real = pd.concat([j, other], ignore_index=True)
+    decoy = real.assign(best_rank=real["best_rank"] * 4)
+    table = rt.across_sets_decoy_table({"jexp": real}, {"jexp": decoy}, n_boot=200)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert [r[:2] for r in rows] == [["jexp", "jacobian"], ["jexp", "jacobian++ (other sets)"]]
+    gap = {}
+    for row, frame, fake in ((rows[0], j, decoy[decoy["lens"] == "jacobian"]), (rows[1], other, decoy[decoy["lens"] != "jacobian"])):
+        mine, theirs = _macro_at_10(frame), _macro_at_10(fake)
+        gap[row[1]] = mine - theirs
+        assert row[2:4] == [f"{mine:.3f}", f"{theirs:.3f}"] and row[4].startswith(f"{mine - theirs:+.3f} (")
+    assert rows[0][5] == rows[0][6] == "baseline"
+    assert rows[1][5].startswith(f"{gap['jacobian++ (other sets)'] - gap['jacobian']:+.3f} (")
 
 
 def test_readme_tables_rewrites_only_between_markers(tmp_path):
