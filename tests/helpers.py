@@ -6,11 +6,25 @@ Fixtures live in ``conftest.py`` (``llama`` is ``tiny("llama")``); these are pla
 from __future__ import annotations
 
 import functools
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 
 import torch
 from conftest import make_tiny
 
 from jlens_core import JacobianLens
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(path: str) -> ModuleType:
+    """The repository's script or benchmark at ``path`` (relative to the repository root, e.g.
+    ``"scripts/merge_eval.py"``) imported as a module, for testing its functions: scripts are not a package."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache

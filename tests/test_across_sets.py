@@ -2,20 +2,13 @@
 bad input refused in one sentence."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def across_sets():
-    spec = importlib.util.spec_from_file_location("across_sets", ROOT / "scripts" / "expert_weights_across_sets.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/expert_weights_across_sets.py")
 
 
 def test_groups_are_sorted_sets_dealt_round_robin_each_set_once(across_sets):

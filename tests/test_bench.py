@@ -2,25 +2,19 @@
 jacobian_for_prompt method."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import LONG_TEXT, make_tiny
+from helpers import load_script
 
 from jlens_core import jacobian_for_prompt
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "fit_speed.py"
 
 
 @pytest.fixture(scope="module")
 def fit_speed():
-    spec = importlib.util.spec_from_file_location("fit_speed", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/fit_speed.py")
 
 
 @pytest.mark.parametrize("method", ["fused", "batched", "replicated"])
@@ -79,11 +73,7 @@ def test_every_family_of_the_families_table_takes_the_fused_path(fit_speed):
 
 @pytest.fixture(scope="module")
 def large_model():
-    path = BENCH.with_name("large_model.py")
-    spec = importlib.util.spec_from_file_location("large_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/large_model.py")
 
 
 def test_layer_split_map_cuts_the_layers_in_order_and_keeps_tied_weights_together(large_model):

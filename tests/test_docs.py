@@ -6,11 +6,11 @@ Pure text checks over the repository (no model, no torch): part of the fast loop
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 METHOD = ROOT / "docs" / "method.md"
@@ -176,10 +176,7 @@ def test_readme_is_short_and_starts_with_the_two_commands():
 # -- the results tables ---------------------------------------------------------------------------
 
 def _readme_tables():
-    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "scripts" / "readme_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/readme_tables.py")
 
 
 def test_results_page_holds_the_tables_of_the_shipped_evaluation():

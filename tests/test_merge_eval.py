@@ -1,22 +1,17 @@
 """scripts/merge_eval.py: a comparison grows by the lenses of a second evaluation folder, no row lost or doubled."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def merge_eval():
-    spec = importlib.util.spec_from_file_location("merge_eval", ROOT / "scripts" / "merge_eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/merge_eval.py")
 
 
 def per_layer(lenses: list[str]) -> pd.DataFrame:
