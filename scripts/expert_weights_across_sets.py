@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     if baseline is None:
         parser.error(f"No shipped J lens for {model.name!r}: the baseline of this comparison.")
     rules = stack.rules
+    # the lenses every group reads beside its own learned one
+    fixed = {"jacobian": baseline, f"{rules} (pooled)": stack.pooled_lens(),
+             f"{rules}-experts (uniform)": stack.to_jacobian_lens()}
     items = None  # read once, and only when a group's weights must be learned
     details, decoys = [], []
     for i, group in enumerate(groups):
@@ -113,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         learned.save(out / f"fold{i}.safetensors", dtype="float16")
         print(f"group {i} ({','.join(group)}): learned on {len(train)} items of the other sets in "
               f"{time.perf_counter() - began:.0f} s (start {fit.start}, step {fit.step})", flush=True)
-        lenses = {"jacobian": baseline, f"{rules} (pooled)": stack.pooled_lens(),
-                  f"{rules}-experts (uniform)": stack.to_jacobian_lens(), f"{rules}++ (other sets)": learned}
+        lenses = {**fixed, f"{rules}++ (other sets)": learned}
         group_detail = pd.concat([pass_at_k_detail(model, lenses, name).assign(set=name) for name in group],
                                  ignore_index=True)
         group_detail.to_csv(done, index=False)
@@ -124,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         kept = pd.read_csv(done) if done.is_file() else None
         if kept is None or sorted(kept["set"].unique()) != sorted(group):
             learned = load_lens_file(out / f"fold{i}.safetensors", model=model)
-            lenses = {"jacobian": baseline, f"{rules} (pooled)": stack.pooled_lens(),
-                      f"{rules}-experts (uniform)": stack.to_jacobian_lens(), f"{rules}++ (other sets)": learned}
+            lenses = {**fixed, f"{rules}++ (other sets)": learned}
             kept = pd.concat([pass_at_k_detail(model, lenses, decoy_items(load_eval_set(name))).assign(set=name)
                               for name in group], ignore_index=True)
             kept.to_csv(done, index=False)
