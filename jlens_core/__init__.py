@@ -49,6 +49,10 @@ _SOURCES = {
     "macro_pass_at_k": ".fitting.expert_weights",
     "split_items": ".fitting.expert_weights",
     "read_labelled_items": ".reading.labelled_items",
+    "Study": ".evaluation.study",
+    "load_study": ".evaluation.study",
+    "study": ".evaluation.study",
+    "study_figure": ".figures.study",
     "ExpertLens": ".lenses.experts",
     "JacobianLens": ".lenses.lens",
     "LensFileError": ".lenses.lens",
@@ -87,6 +91,7 @@ _SOURCES = {
 }
 
 __all__ = [
+    "Study", "load_study", "study", "study_figure",
     "DEFAULT_MODEL",
     "EVAL_SETS",
     "LAYOUTS",
@@ -160,7 +165,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .corpus import load_corpus
     from .debugging.diff import diff_dumps, divergence_curve
     from .debugging.dump import dump_hidden_states
+    from .evaluation.study import Study, load_study, study
     from .figures.evaluation import eval_curves_figure, pass_at_k_figure
+    from .figures.study import study_figure
     from .figures.fitting import fit_figures
     from .figures.heatmaps import heatmap_figure
     from .figures.html_page import write_reading_page

@@ -22,7 +22,7 @@ APP = PACKAGE.parent / "app"
 # Leaves: top-level modules that import nothing from jlens_core.
 LEAVES = {"_atomic", "_version", "_paths", "corpus", "layerspec", "workspace"}
 RANKS = {"files": 1, "models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4, "plots": 4,
-         "figures": 4, "cli": 5}
+         "figures": 4, "evaluation": 5, "cli": 6}
 # A result object draws itself (``reading.figure()``, ``evaluation.figure()``, ``reading._repr_html_``): these
 # methods import ``jlens_core.figures`` inside their body, lazily, the one upward import the layout allows.
 FIGURE_HOOKS = {"figure", "to_html", "_repr_html_", "_repr_mimebundle_"}
@@ -46,6 +46,7 @@ PUBLIC_NAMES = [
     "pinned_ranks_figure", "swap_success_figure", "write_reading_page",
     "ReadingFile", "ReadingFileError", "load_readings", "save_readings",  # the reading file (issue #33 §3)
     "gap_comparison", "heldout_items", "macro_comparison",  # lenses compared with paired intervals (issues #31 §5, #32 §5)
+    "Study", "load_study", "study", "study_figure",  # studies over item sets (issue #43)
 ]
 
 
