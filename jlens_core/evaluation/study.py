@@ -67,6 +67,8 @@ STUDY_VERSION = 1
 N_BOOT = 1000
 ROLES = ("intermediate", "target", "both")
 TABLE_COLUMNS = ("set", "item", "lens", "concept", "layer", "position", "readout", "rank")
+TABLE_DTYPES = {"set": object, "item": np.int64, "lens": object, "concept": object, "layer": np.int64,
+                "position": np.int64, "readout": bool, "rank": np.int64}
 ITEM_COLUMNS = ("set", "item", "name", "prompt", "lens", "role", "concept", "scored", "spellings", "position",
                 "readout_token", "answer", "answered", "kept", "first_layer", "last_layer", "best_rank", "best_layer",
                 "final_rank")
@@ -289,7 +291,7 @@ def study(model: LensModel, lenses: Mapping[str, Lens] | Lens, items: ItemsSpec,
                          "items (greedy next token = a first token of the answer); study them with "
                          "answered_only=False (jlens study --no-filter).")
     table = (pd.concat(table_parts, ignore_index=True) if table_parts
-             else pd.DataFrame(columns=list(TABLE_COLUMNS)))
+             else pd.DataFrame(columns=list(TABLE_COLUMNS))).astype(TABLE_DTYPES)
     info = {"format": STUDY_FORMAT, "version": STUDY_VERSION, "jlens": __version__, "model": str(model.name),
             "n_layers": int(model.n_layers), "k": int(k), "answered_only": answered_only,
             "all_positions": bool(all_positions), "readout": readout, "spelling": spelling, "synonyms": synonyms,
@@ -606,10 +608,7 @@ def load_study(path: str | os.PathLike) -> Study:
     items = pd.DataFrame(data["items"], columns=list(ITEM_COLUMNS))
     for name in ("first_layer", "last_layer", "best_rank", "best_layer", "final_rank"):
         items[name] = pd.to_numeric(items[name], errors="coerce").astype(np.float64)
-    table = pd.DataFrame(data["table"], columns=list(TABLE_COLUMNS))
-    if not table.empty:
-        table = table.astype({"item": np.int64, "layer": np.int64, "position": np.int64, "readout": bool,
-                              "rank": np.int64})
+    table = pd.DataFrame(data["table"], columns=list(TABLE_COLUMNS)).astype(TABLE_DTYPES)
     return Study(table, items, data["info"])
 
 
