@@ -91,7 +91,6 @@ _SOURCES = {
 }
 
 __all__ = [
-    "Study", "load_study", "study", "study_figure",
     "DEFAULT_MODEL",
     "EVAL_SETS",
     "LAYOUTS",
@@ -113,6 +112,7 @@ __all__ = [
     "ReadingFile",
     "ReadingFileError",
     "Steer",
+    "Study",
     "Swap",
     "SwapReport",
     "TunedLens",
@@ -140,6 +140,7 @@ __all__ = [
     "load_lens",
     "load_model",
     "load_readings",
+    "load_study",
     "load_swap_set",
     "macro_comparison",
     "macro_pass_at_k",
@@ -153,6 +154,8 @@ __all__ = [
     "resolve_layers",
     "save_readings",
     "split_items",
+    "study",
+    "study_figure",
     "swap_success",
     "swap_success_figure",
     "token_direction",
@@ -167,12 +170,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .debugging.dump import dump_hidden_states
     from .evaluation.study import Study, load_study, study
     from .figures.evaluation import eval_curves_figure, pass_at_k_figure
-    from .figures.study import study_figure
     from .figures.fitting import fit_figures
     from .figures.heatmaps import heatmap_figure
     from .figures.html_page import write_reading_page
     from .figures.interventions import comparison_figure, swap_success_figure
     from .figures.ranks import pinned_ranks_figure
+    from .figures.study import study_figure
     from .fitting.estimator import PromptJacobian, jacobian_for_prompt, valid_position_mask
     from .fitting.expert_weights import learn_expert_weights, macro_pass_at_k, split_items
     from .fitting.fit import FitProgress, FitState, fit
