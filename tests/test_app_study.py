@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from test_app import button, chart, lens_file, make_app, ok, runs_root, tiny_model, values  # noqa: F401 - fixtures
+import test_app
+from test_app import button, chart, make_app, ok, values
 
 from jlens_core import JacobianLens, LogitLens
 from jlens_core.evaluation.study import study
 
+lens_file, runs_root, tiny_model = test_app.lens_file, test_app.runs_root, test_app.tiny_model  # its fixtures
 ITEMS = [{"name": "france", "prompt": "The capital of France is", "intermediates": ["capital", "Paris"]},
          {"name": "story", "prompt": "Once upon a time there was a", "intermediates": ["time"]},
          {"name": "water", "prompt": "Water boils at one", "intermediates": ["capital"]}]
