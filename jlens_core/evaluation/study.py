@@ -562,7 +562,9 @@ class Study:
                 "table": columns(self.table)}
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the study file (JSON, atomically); :func:`load_study` reopens it without the model."""
+        """Write the study file (JSON, atomically; its folder is made); :func:`load_study` reopens it without the
+        model. Returns the path written."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         return atomic_write_text(path, json.dumps(self.to_dict(), separators=(",", ":")), shared=True)
 
     def figure(self, set_name: str | None = None) -> Any:
@@ -578,6 +580,7 @@ class Study:
 
         page = study_page(self)
         if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, page, shared=True)
         return page
 

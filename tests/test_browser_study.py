@@ -1,0 +1,40 @@
+"""The Study page in a real browser (Debian's ``chromium`` driven by Playwright, as in ``tests/test_browser.py``),
+on the embedded default model with its shipped lenses: a study of a few two_hop items draws one line per lens,
+and an item opens in Inspect with its concept pinned (in the URL and in the pin box)."""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs, urlparse
+
+import test_browser
+from test_browser import CHROMIUM, FIRST_LOAD_S, _idle, _no_exception, _page
+
+pytestmark = test_browser.pytestmark
+server, browser, shots = test_browser.server, test_browser.browser, test_browser.shots  # its fixtures
+STUDY_FIG = '.st-key-study_fig [data-testid="stPlotlyChart"] .js-plotly-plot'
+
+
+def test_study_page_draws_and_opens_an_item_in_inspect(server, browser, shots):
+    assert CHROMIUM
+    page = _page(browser, height=1600)
+    page.goto(server + "/study?sets=two_hop&n=6&filter=0")
+    page.get_by_role("button", name="Run study").wait_for(timeout=FIRST_LOAD_S * 1000)
+    _idle(page, timeout=FIRST_LOAD_S * 1000)  # the model and the shipped lenses load first
+    page.get_by_role("button", name="Run study").click()
+    page.wait_for_function(f"(() => {{ const g = document.querySelector('{STUDY_FIG}'); "
+                           "return !!(g && g.data && g.data.length > 0); })()", timeout=300_000)
+    _no_exception(page)
+    names = page.evaluate(f"(() => document.querySelector('{STUDY_FIG}').data"
+                          ".filter(t => t.mode === 'lines+markers').map(t => t.name))()")
+    assert names[:2] == ["Logit lens", "Jacobian lens"]
+    page.screenshot(path=str(shots / "study.png"), full_page=True)
+    _idle(page)
+    page.get_by_role("button", name="Open in Inspect").click()
+    page.wait_for_url("**/inspect?**", timeout=120_000)
+    page.locator('.st-key-heatmap [data-testid="stPlotlyChart"] .js-plotly-plot').wait_for(timeout=120_000)
+    query = parse_qs(urlparse(page.url).query)
+    assert query["pin"] == [" France"] and query["prompt"][0].startswith("The capital of the country")
+    assert page.get_by_label("Pin tokens").input_value() == " France"
+    _no_exception(page)
+    page.close()
+
