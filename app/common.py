@@ -240,9 +240,9 @@ class Context:
 def lens_label(name: str) -> str:
     """A lens's name as pages and figures show it: ``"Jacobian lens"`` for ``"jacobian"``; an expert or added
     lens's name is its label (``"J++"``, ``"my-lens (R)"``)."""
-    import charts
+    from jlens_core.figures.labels import LENS_NAMES
 
-    return charts.LENS_NAMES.get(name, name)
+    return LENS_NAMES.get(name, name)
 
 
 def default_pair(ctx: Context) -> tuple[str, str]:

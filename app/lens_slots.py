@@ -24,12 +24,11 @@ import streamlit as st
 
 import cache
 import common
-from common import ASSETS, ENV_LENS, LoadedLens
+from common import ENV_LENS, LoadedLens
 from jlens_core.lenses.experts import is_expert_lens_file
 from jlens_core.lenses.lens import JacobianLens
 from jlens_core.lenses.shipped import KIND_NAMES, is_tuned_lens_file, lens_kind
 
-LENS_DIR = ASSETS / "lenses"
 SHIPPED, NONE, FILE, UPLOAD, RUN = "shipped", "none", "file", "upload", "run:"
 EXTRA_PARAM = "extra"  # the URL parameter of the lenses added from files: their paths, comma-separated
 EXTRAS = "extra_lenses"  # their session key: [path or hf:// spec]
@@ -186,23 +185,9 @@ def refusal(slot: LensSlot, kind: str) -> str:
 
 # -- the Jacobian lens -----------------------------------------------------------------------------------
 def shipped_lens_path(model: Any) -> Path | None:
-    """The lens shipped in ``assets/lenses/`` for ``model`` (by its name), or ``None``.
-
-    Asks :func:`jlens_core.lenses.shipped.shipped_lens_path` (the default model's lens), then looks for
-    ``assets/lenses/<model name>.safetensors``.
-    """
-    from jlens_core.lenses.shipped import shipped_lens_path as core_shipped
-
-    name = str(getattr(model, "name", "") or "")
-    found = core_shipped(name)
-    if found is not None:
-        return Path(found)
-    for candidate in dict.fromkeys([name, Path(name).name, name.replace("/", "--")]):
-        if candidate:
-            path = LENS_DIR / f"{candidate}.safetensors"
-            if path.is_file():
-                return path
-    return None
+    """The lens shipped in ``assets/lenses/`` for ``model`` (by its name), or ``None``
+    (:func:`jlens_core.lenses.shipped.shipped_lens_path`)."""
+    return shipped_variant_path(model, None)
 
 
 def finished_runs(model: Any, spec: str, rules: str = "jacobian", experts: bool = False) -> list[dict]:
@@ -279,23 +264,12 @@ def file_info(path: str | Path) -> dict:
 
 
 # -- the R-lens ------------------------------------------------------------------------------------------
-def shipped_variant_path(model: Any, variant: str) -> Path | None:
+def shipped_variant_path(model: Any, variant: str | None) -> Path | None:
     """A lens shipped for ``model`` beside its J lens: ``assets/lenses/<model>.<variant>.safetensors`` (``variant``:
-    ``relevance``, ``jpp`` or ``rpp``, :data:`jlens_core.lenses.shipped.VARIANTS`)."""
+    ``relevance``, ``jpp`` or ``rpp``, :data:`jlens_core.lenses.shipped.VARIANTS`; None: the J lens)."""
     from jlens_core.lenses.shipped import shipped_lens_path as core_shipped
 
-    name = str(getattr(model, "name", "") or "")
-    found = core_shipped(name, variant)
-    if found is not None:
-        return Path(found)
-    jacobian = shipped_lens_path(model)
-    names = [jacobian.name.removesuffix(".safetensors")] if jacobian is not None else []
-    names += [name, Path(name).name, name.replace("/", "--")]
-    for candidate in dict.fromkeys(n for n in names if n and n not in (".", "..")):
-        path = LENS_DIR / f"{candidate}.{variant}.safetensors"
-        if path.is_file():
-            return path
-    return None
+    return core_shipped(str(getattr(model, "name", "") or ""), variant)
 
 
 def shipped_relevance_path(model: Any) -> Path | None:

@@ -24,6 +24,7 @@ from ..fitting.methods import METHODS, RULES
 from ..fitting.runfiles import sidecar  # the run-file format, shared with the app
 from .main import CLIError, say
 from .model_args import (
+    add_corpus_arguments,
     add_model_arguments,
     add_save_dtype_argument,
     model_loading_options,
@@ -274,15 +275,11 @@ def register(subparsers) -> None:
                               description="Fit a Jacobian lens: d_model backward passes per prompt, averaged over "
                                           "the corpus. Resumable; under torchrun, sharded over ranks.")
     add_model_arguments(p, device_help="cuda, cuda:1, mps, cpu, or auto (spread over GPUs); default: best")
-    p.add_argument("--corpus", default="stdlib-docs",
-                   help="'stdlib-docs' (built-in), a .txt (paragraphs) or .jsonl (text field) file, or a HF dataset")
+    add_corpus_arguments(p, split="fit", split_help="corpus part: 'fit' (default; disjoint from 'eval'), 'eval' or 'all'")
     p.add_argument("--out", required=True, help="lens file to write (safetensors), e.g. lens.safetensors")
     p.add_argument("--n-prompts", type=int, default=None, help="use N texts of the corpus from --first-prompt on (default all)")
     p.add_argument("--first-prompt", type=int, default=0,
                    help="start at this corpus text (default 0): fit disjoint slices anywhere, then `jlens merge`")
-    p.add_argument("--min-chars", type=int, default=400, help="skip corpus texts shorter than this (default 400)")
-    p.add_argument("--split", choices=["all", "fit", "eval"], default="fit",
-                   help="corpus part: 'fit' (default; disjoint from 'eval'), 'eval' or 'all'")
     p.add_argument("--max-seq-len", type=int, default=128, help="truncate prompts to this many tokens (default 128)")
     p.add_argument("--skip-first", type=int, default=16,
                    help="leading positions left out as attention sinks (default 16)")

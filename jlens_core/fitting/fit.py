@@ -15,10 +15,11 @@ from typing import Literal, overload
 import torch
 
 from .._atomic import atomic_write
+from ..layerspec import resolve_layers
 from ..lenses.experts import Clustering, ExpertLens
 from ..lenses.lens import JacobianLens
 from ..models.model import LensModel
-from .estimator import METHODS, jacobian_for_prompt, resolve_layers
+from .estimator import METHODS, jacobian_for_prompt
 from .expert_clusters import cluster_source_layers, clustering_from_payload, clustering_payload
 from .memory_budget import (
     FitSizes,

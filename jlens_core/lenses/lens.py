@@ -18,9 +18,6 @@ from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
 from .protocol import FittedLens, Lens
 
-if TYPE_CHECKING:
-    from .experts import ExpertLens
-
 log = logging.getLogger(__name__)
 
 FORMAT_NAME = "jlens"
@@ -187,8 +184,8 @@ def checked_rules(path: Path, info: dict[str, Any], *, what: str, version: int) 
     return rules
 
 
-def check_mergeable(first: JacobianLens | ExpertLens, other: JacobianLens | ExpertLens) -> None:
-    """Raise ``ValueError`` unless both lenses were fitted with the same result settings on one model."""
+def check_mergeable(first: MatrixTransportMixin, other: MatrixTransportMixin) -> None:
+    """Raise ``ValueError`` unless both fitted lenses (Jacobian or expert lenses) were fitted with the same result settings on one model."""
     for key in RESULT_SETTINGS:
         if first.settings.get(key) != other.settings.get(key):
             raise ValueError(f"Cannot merge lenses fitted with different {key}: "
@@ -198,8 +195,8 @@ def check_mergeable(first: JacobianLens | ExpertLens, other: JacobianLens | Expe
                          f"{other.model_name!r}).")
 
 
-def merged_prompts(lenses: Sequence[JacobianLens | ExpertLens]) -> tuple[int, dict[str, Any]]:
-    """The prompts lenses fitted on disjoint prompt sets hold together, and their merged settings.
+def merged_prompts(lenses: Sequence[MatrixTransportMixin]) -> tuple[int, dict[str, Any]]:
+    """The prompts fitted lenses (Jacobian or expert lenses) on disjoint prompt sets hold together, and their merged settings.
 
     Raises:
         ValueError: they hold no prompt.
