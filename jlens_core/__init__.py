@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from .interventions.swap_success import SwapReport, load_swap_set, swap_success
     from .layerspec import resolve_layers
     from .lenses.experts import ExpertLens
-    from .lenses.lens import JacobianLens, LensFileError, LogitLens
+    from .lenses.header import LensFileError
+    from .lenses.lens import JacobianLens, LogitLens
     from .lenses.loading import default_lens, load_lens
     from .lenses.protocol import Lens
     from .lenses.tuned import TunedLens

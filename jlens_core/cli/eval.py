@@ -33,12 +33,12 @@ def resolve_lenses(specs: list[str], model: LensModel, shrinkage: list[float] | 
     ``tuned`` (the shipped tuned lens), a lens file (Jacobian or tuned) or a tuned-lens folder.
 
     A lens is named by its kind (``jacobian``, ``relevance``, ``tuned``, ``jacobian++`` for a combined J++
-    file, :func:`~jlens_core.lenses.shipped.lens_kind`) unless two of a kind are given, then by its file name.
+    file, :func:`~jlens_core.lenses.kinds.lens_kind`) unless two of a kind are given, then by its file name.
     Each Jacobian lens also appears shrunk, ``(1 - a) J + a I``, once per ``shrinkage`` value.
     """
+    from ..lenses.kinds import lens_kind
     from ..lenses.lens import JacobianLens, LogitLens
     from ..lenses.loading import default_lens, default_tuned_lens, load_lens
-    from ..lenses.shipped import lens_kind
 
     loaded: list[tuple[str, str, Lens]] = []
     for spec in specs:

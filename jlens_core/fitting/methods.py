@@ -2,9 +2,11 @@
 (``method=``) and the backward rules it applies (``rules=``), in a module without torch, so the CLI
 can offer them without importing it."""
 
+from ..lenses.kinds import RULES as LENS_RULES
+
 METHODS = ("auto", "fused", "batched", "replicated")
 # "jacobian": ordinary gradients (docs/method.md §2); "relevance": the R-lens's rules (docs/method.md §9.1)
-RULES = ("jacobian", "relevance")
+RULES = LENS_RULES  # from the lens kinds (jlens_core.lenses.kinds)
 
 
 def check_rules(rules: object) -> str:

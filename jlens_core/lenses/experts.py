@@ -28,6 +28,8 @@ import torch
 
 from .._atomic import atomic_write
 from ..models.model import LensModel
+from .header import EXPERTS_FORMAT_NAME, header_or_none
+from .kinds import expert_kind
 from .lens import (
     LENS_RULES,
     JacobianLens,
@@ -47,7 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EXPERTS_FORMAT_NAME = "jlens-experts"
 EXPERTS_FORMAT_VERSION = 1
 # Below this many positions an expert's own mean is too noisy: it reads with the pooled matrix instead.
 MIN_POSITIONS = 50
@@ -203,7 +204,7 @@ class ExpertLens(MatrixTransportMixin):
     def kind(self) -> str:
         """``"jacobian-experts"`` / ``"relevance-experts"`` (uniform weights), ``"jacobian++"`` / ``"relevance++"``
         (learned weights: the J++ and R++ lenses)."""
-        return f"{self.rules}++" if self.weights is not None else f"{self.rules}-experts"
+        return expert_kind(self.rules, weighted=self.weights is not None)
 
     @property
     def source_layers(self) -> list[int]:
@@ -454,13 +455,8 @@ def is_expert_lens_file(path: str | os.PathLike) -> bool:
     path = Path(path)
     if not path.is_file() or path.suffix != ".safetensors":
         return False
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("format") == EXPERTS_FORMAT_NAME
-    except Exception:  # noqa: BLE001 - not readable as safetensors: not an expert lens file
-        return False
+    header = header_or_none(path)  # not readable as a jlens lens: not an expert lens file
+    return header is not None and header.is_expert
 
 
 if TYPE_CHECKING:  # mypy checks here that the expert lens implements the protocol

@@ -15,22 +15,20 @@ from pathlib import Path
 
 from .._paths import ASSETS_DIR
 from ..models.loading import DEFAULT_ALIASES, DEFAULT_MODEL
-from .lens import JacobianLens
-from .tuned import FORMAT_NAME as TUNED_FORMAT
+from .header import header_or_none
+from .kinds import KINDS
 
 LENS_DIR = ASSETS_DIR / "lenses"
 SHIPPED_LENSES = {DEFAULT_MODEL: LENS_DIR / f"{DEFAULT_MODEL}.safetensors"}
 SHIPPED_TUNED_LENSES = {DEFAULT_MODEL: LENS_DIR / f"{DEFAULT_MODEL}.tuned.safetensors"}
 # The shipped lenses beside a model's Jacobian lens: ``<model>.<variant>.safetensors``.
-VARIANTS = {"relevance": "R-lens", "jpp": "J++ lens", "rpp": "R++ lens"}
+VARIANTS = {k.variant: k.name for k in KINDS if k.variant}  # {"relevance": "R-lens", "jpp": "J++ lens", "rpp": ...}
 # The lens each model's readings open with beside the logit lens (the app's default): the Jacobian lens
 # (``"jacobian"``) unless a shipped variant beat it on held-out items and under the decoy control
 # (docs/results.md, "The default lens": the default model's J++ and R++ win the first, tie the second).
 DEFAULT_READING_LENS = {DEFAULT_MODEL: "jacobian"}
 # How each kind of lens (``lens_kind``) is named to a reader.
-KIND_NAMES = {"logit": "logit lens", "jacobian": "Jacobian lens", "relevance": "R-lens", "tuned": "tuned lens",
-              "jacobian++": "J++ lens", "relevance++": "R++ lens", "jacobian-experts": "J-experts lens (uniform weights)",
-              "relevance-experts": "R-experts lens (uniform weights)"}
+KIND_NAMES = {k.kind: k.name for k in KINDS}
 
 
 def shipped_tuned_lens_path(name: str = DEFAULT_MODEL) -> Path | None:
@@ -42,22 +40,11 @@ def shipped_tuned_lens_path(name: str = DEFAULT_MODEL) -> Path | None:
 
 def is_tuned_lens_file(path: str | Path) -> bool:
     """Whether ``path`` is a tuned lens: a tuned-lens folder, or a safetensors file of format ``jlens-tuned``."""
-    import json
-    import struct
-
     path = Path(path)
     if path.is_dir():
         return (path / "config.json").is_file() and (path / "params.pt").is_file()
-    try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > 1 << 26:
-                return False
-            header = json.loads(f.read(size))
-        info = json.loads(header.get("__metadata__", {}).get("jlens", "{}"))
-    except (OSError, ValueError, struct.error, AttributeError):
-        return False
-    return info.get("format") == TUNED_FORMAT
+    header = header_or_none(path)
+    return header is not None and header.is_tuned
 
 
 def _model_key(name: str) -> str:
@@ -102,13 +89,3 @@ def default_reading_lens(name: str = DEFAULT_MODEL) -> str:
     if choice != "jacobian" and shipped_lens_path(name, choice) is None:
         return "jacobian"
     return choice
-
-
-def lens_kind(lens: object) -> str:
-    """The kind a lens reads as: ``lens.kind``, except that a plain Jacobian lens combined from an expert lens
-    (:meth:`~jlens_core.lenses.experts.ExpertLens.to_jacobian_lens`, its settings record ``expert_kind``)
-    is that expert lens's kind (``"jacobian++"``, ``"relevance-experts"``, ...)."""
-    settings = getattr(lens, "settings", None)
-    if isinstance(lens, JacobianLens) and isinstance(settings, dict) and settings.get("expert_kind"):
-        return str(settings["expert_kind"])
-    return str(getattr(lens, "kind", "lens"))
