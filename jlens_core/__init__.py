@@ -50,6 +50,9 @@ _SOURCES = {
     "split_items": ".fitting.expert_weights",
     "read_labelled_items": ".reading.labelled_items",
     "ExpertLens": ".lenses.experts",
+    "FitPlan": ".lenses.fit_settings",
+    "FitRecord": ".lenses.fit_settings",
+    "FitSettings": ".lenses.fit_settings",
     "JacobianLens": ".lenses.lens",
     "LensFileError": ".lenses.lens",
     "LogitLens": ".lenses.lens",
@@ -93,7 +96,10 @@ __all__ = [
     "Ablate",
     "ActivationRecorder",
     "ExpertLens",
+    "FitPlan",
     "FitProgress",
+    "FitRecord",
+    "FitSettings",
     "FitState",
     "Generation",
     "HFLensModel",
@@ -176,6 +182,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .interventions.swap_success import SwapReport, load_swap_set, swap_success
     from .layerspec import resolve_layers
     from .lenses.experts import ExpertLens
+    from .lenses.fit_settings import FitPlan, FitRecord, FitSettings
     from .lenses.lens import JacobianLens, LensFileError, LogitLens
     from .lenses.protocol import Lens
     from .lenses.shipped import default_lens, load_lens
