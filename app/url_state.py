@@ -94,7 +94,7 @@ def _seed_generation_state(ss) -> None:
 
 def _seed_study_state(ss) -> None:
     """The Study page's ``sets`` (comma-separated shipped names), ``set_path``, ``k``, ``n`` and ``filter`` (0/1)."""
-    from jlens_core.reading.passk import EVAL_SETS
+    from jlens_core.evaluation.passk import EVAL_SETS
 
     sets = [s for s in (_query_value("sets") or "").split(",") if s in EVAL_SETS]
     if sets or _query_value("sets") == "none":

@@ -12,9 +12,9 @@ from pathlib import Path
 import streamlit as st
 
 import common
+from jlens_core.evaluation.passk import EVAL_SETS
 from jlens_core.evaluation.study import StudyCancelled, study, study_sets
 from jlens_core.figures.study import study_figure
-from jlens_core.reading.passk import EVAL_SETS
 from jlens_core.workspace import sanitise_filename
 
 ss = st.session_state

@@ -5,7 +5,7 @@
 layer is read from the same recorded residuals) and keeps, per item x lens x concept, the concept's rank
 at every layer at the item's readout position (and, with ``all_positions``, at every position). The items,
 readout positions, complete single-token spellings and the unscored rule are pass@k's
-(:mod:`~jlens_core.reading.passk`, docs/method.md §8).
+(:mod:`~jlens_core.evaluation.passk`, docs/method.md §8).
 
 * **Capability filter**: with ``answered_only`` (on by default when the items carry an ``answer``, else
   a ``target``) an item is kept when the model's greedy next token after the prompt is a first token of
@@ -19,7 +19,7 @@ readout positions, complete single-token spellings and the unscored rule are pas
   contiguous run from the onset that stays at or above it, each with a seeded percentile bootstrap
   interval over items.
 * **Lenses compared** (:meth:`Study.compare`) paired over items: the same resampled items for both lenses
-  (the lens comparison's stratified draws, :mod:`~jlens_core.reading.lens_comparison`).
+  (the lens comparison's stratified draws, :mod:`~jlens_core.evaluation.lens_comparison`).
 
 A :class:`Study` saves to one JSON file that :func:`load_study` reopens without the model, and writes a
 self-contained HTML page (:meth:`Study.to_html`).
@@ -46,9 +46,11 @@ from ..interventions.intervals import wilson_interval
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.inputs import checked_lenses, record_residuals
-from ..reading.labelled_items import set_name_of
-from ..reading.lens_comparison import _stratified_draws
-from ..reading.passk import (
+from ..reading.tokens import TokenDisplay
+from ..reading.word_readout import check_vocab, kept_ids_mask
+from .labelled_items import set_name_of
+from .lens_comparison import _stratified_draws
+from .passk import (
     _best_rank,
     _check_items,
     _check_synonyms,
@@ -57,8 +59,6 @@ from ..reading.passk import (
     item_readout,
     word_spellings,
 )
-from ..reading.tokens import TokenDisplay
-from ..reading.word_readout import check_vocab, kept_ids_mask
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def study(model: LensModel, lenses: Mapping[str, Lens] | Lens, items: ItemsSpec,
         all_positions: also keep every concept's rank at every position of the prompt (the tidy table's
             ``readout`` column marks the readout position; the statistics use it alone).
         layers: layers read (default: every readable layer of each lens, the output included).
-        readout, spelling, synonyms, vocab: pass@k's protocol (:func:`~jlens_core.reading.passk.pass_at_k_detail`).
+        readout, spelling, synonyms, vocab: pass@k's protocol (:func:`~jlens_core.evaluation.passk.pass_at_k_detail`).
         role: the concepts studied: ``"intermediate"`` (default), ``"target"`` or ``"both"``.
         n_boot, seed: the bootstrap of the band's and the comparisons' intervals (replicates, seed).
         progress: called as ``progress(items_done, n_items)`` over every set's items.
