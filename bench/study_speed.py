@@ -23,7 +23,7 @@ def main() -> None:
 
     from jlens_core import LogitLens, default_lens, load_model
     from jlens_core.evaluation.study import study, study_sets
-    from jlens_core.lenses.shipped import default_tuned_lens
+    from jlens_core.lenses.loading import default_tuned_lens
     from jlens_core.reading.inputs import record_residuals
 
     model = load_model()

@@ -24,7 +24,7 @@ def _write_csv(frame, path: Path) -> None:
 
 def _default_lenses(model) -> list[str]:
     """logit, the shipped J lens and the shipped tuned lens, those the model has."""
-    from ..lenses.shipped import default_lens, default_tuned_lens
+    from ..lenses.loading import default_lens, default_tuned_lens
 
     specs = ["logit"]
     if default_lens(model) is not None:
