@@ -70,6 +70,7 @@ STALE_CSS = """<style>
 .stElementContainer[data-stale="true"] { transition: opacity 0s linear 1s !important; }
 [data-testid="stExpander"] details, [data-testid="stExpander"] summary { transition-duration: 0s !important; }
 </style>"""
+STUDY_URL_KEYS = ("sets", "set_path", "k", "n", "filter")  # the Study page's part of the URL (url_state)
 READING_ONLY = "Opened from a reading file: load the model to read new prompts."  # what is disabled, and why
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, LensFileError, KeyError, OSError)
 ENV_MAX_FITS = "JLENS_APP_MAX_FITS"  # fits running at once, at most (`jlens app --max-fits`)

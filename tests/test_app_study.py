@@ -5,6 +5,7 @@ workspace, the no-answer sentence, and an item opened in Inspect with its concep
 from __future__ import annotations
 
 import json
+from urllib.parse import parse_qs, urlparse
 
 import numpy as np
 import test_app
@@ -45,12 +46,14 @@ def test_study_page_lines_band_items_and_open_in_inspect(tiny_dir, tiny_model, l
     assert len(rects) == 2 * sum(b is not None for b in bands)
     assert any("Paris" in c.value for c in at.caption)  # unscored: listed, not dropped silently
     assert params(at)["set_path"] == str(path) and params(at)["k"] == "40" and params(at)["filter"] == "0"
-    at.selectbox(key="st_item").set_value("story · time")
-    button(at, "Open in Inspect").click().run()
-    ok(at)
-    assert at.session_state["prompt"] == ITEMS[1]["prompt"] and at.session_state["pinned"] == " time"
-    assert params(at)["pin"] == " time" and params(at)["prompt"] == ITEMS[1]["prompt"]
-    assert at.text_input(key="pinned").value == " time"  # Inspect drew it
+    at.selectbox(key="st_item").set_value("story · time").run()
+    link = next(b for b in ok(at).get("link_button") if b.proto.label == "Open in Inspect")
+    query = {k: v[0] for k, v in parse_qs(urlparse(link.proto.url).query).items()}
+    assert query["prompt"] == ITEMS[1]["prompt"] and query["pin"] == " time" and query["model"] == tiny_dir
+    assert "set_path" not in query  # the Study page's own settings stay behind
+    inspect = ok(make_app(**query).run())  # the link opens Inspect from its URL, as a shared view
+    assert inspect.text_input(key="pinned").value == " time" and inspect.session_state["prompt"] == ITEMS[1]["prompt"]
+    assert "Rank of pinned ' time'" in inspect.selectbox(key="stat").options  # the pin is read: its rank can colour the map
 
 
 def test_study_page_refusals_and_url(tiny_dir, lens_file, tmp_path):

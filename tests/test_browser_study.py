@@ -18,7 +18,11 @@ def test_study_page_draws_and_opens_an_item_in_inspect(server, browser, shots):
     assert CHROMIUM
     page = _page(browser, height=1600)
     page.goto(server + "/study?sets=two_hop&n=6&filter=0")
-    page.get_by_role("button", name="Run study").wait_for(timeout=FIRST_LOAD_S * 1000)
+    try:
+        page.get_by_role("button", name="Run study").wait_for(timeout=FIRST_LOAD_S * 1000)
+    except Exception:
+        page.screenshot(path=str(shots / "study-failed.png"), full_page=True)
+        raise
     _idle(page, timeout=FIRST_LOAD_S * 1000)  # the model and the shipped lenses load first
     page.get_by_role("button", name="Run study").click()
     page.wait_for_function(f"(() => {{ const g = document.querySelector('{STUDY_FIG}'); "
@@ -29,12 +33,14 @@ def test_study_page_draws_and_opens_an_item_in_inspect(server, browser, shots):
     assert names[:2] == ["Logit lens", "Jacobian lens"]
     page.screenshot(path=str(shots / "study.png"), full_page=True)
     _idle(page)
-    page.get_by_role("button", name="Open in Inspect").click()
-    page.wait_for_url("**/inspect?**", timeout=120_000)
-    page.locator('.st-key-heatmap [data-testid="stPlotlyChart"] .js-plotly-plot').wait_for(timeout=120_000)
-    query = parse_qs(urlparse(page.url).query)
+    with page.expect_popup() as opened:  # the link opens Inspect in a new tab, from its URL
+        page.get_by_role("link", name="Open in Inspect").click()
+    inspect = opened.value
+    inspect.set_default_timeout(120_000)
+    inspect.locator('.st-key-heatmap [data-testid="stPlotlyChart"] .js-plotly-plot').wait_for()
+    query = parse_qs(urlparse(inspect.url).query)
     assert query["pin"] == [" France"] and query["prompt"][0].startswith("The capital of the country")
-    assert page.get_by_label("Pin tokens").input_value() == " France"
-    _no_exception(page)
+    assert inspect.get_by_label("Pin tokens").input_value() == " France"
+    _no_exception(inspect)
+    inspect.close()
     page.close()
-

@@ -8,6 +8,7 @@ import hashlib
 import json
 import tempfile
 from pathlib import Path
+from urllib.parse import urlencode
 
 import streamlit as st
 
@@ -127,19 +128,19 @@ if found and found["key"] == _key(ctx.model_key, LENSES_KEY):
                        on_click="ignore", key="study_csv")
     rows = list(picked.selection.rows) if picked is not None and hasattr(picked, "selection") else []
     labels = [f"{row.name} · {row.concept}" for row in table.itertuples()]
-    if rows:
+    if rows and rows[0] != ss.get("_st_row"):  # a row clicked: it becomes the item to open
         ss.st_item = labels[rows[0]]
+    ss._st_row = rows[0] if rows else None
+    if ss.get("st_item") not in labels:
+        ss.st_item = labels[0]
     o1, o2 = st.columns([3, 1])
     choice = o1.selectbox("Item (or click a row)", labels, key="st_item")
-    if o2.button("Open in Inspect", icon=":material/grid_on:", key="st_open"):
-        row = table.iloc[labels.index(choice)]
-        items = result.items
-        spelled = items[(items["set"] == set_name) & (items["name"] == row["name"])
-                        & (items["concept"] == row["concept"])]["spellings"].iloc[0]
-        pin = (list(spelled) or [" " + str(row["concept"])])[0]
-        # st.switch_page drops the widgets' state: the next run seeds the session from the URL again (the model,
-        # the lenses, the prompt and the pin), as when a shared view is opened
-        query = {key: st.query_params.get(key) for key in st.query_params}
-        query.update(prompt=str(row["prompt"]), pin=pin)
-        ss._initialised = False
-        st.switch_page("views/inspect.py", query_params=query)
+    row = table.iloc[labels.index(choice)]
+    items = result.items
+    spelled = items[(items["set"] == set_name) & (items["name"] == row["name"])
+                    & (items["concept"] == row["concept"])]["spellings"].iloc[0]
+    # Inspect opens from the URL, as a shared view does: this view's model and lenses, the item's prompt, its
+    # concept pinned (its first single-token spelling)
+    query = {key: st.query_params.get(key) for key in st.query_params if key not in common.STUDY_URL_KEYS}
+    query.update(prompt=str(row["prompt"]), pin=(list(spelled) or [" " + str(row["concept"])])[0])
+    o2.link_button("Open in Inspect", "./?" + urlencode(query), icon=":material/grid_on:")
