@@ -40,7 +40,7 @@ def test_study_page_draws_and_opens_an_item_in_inspect(server, browser, shots):
     inspect.locator('.st-key-heatmap [data-testid="stPlotlyChart"] .js-plotly-plot').wait_for()
     query = parse_qs(urlparse(inspect.url).query)
     assert query["pin"] == [" France"] and query["prompt"][0].startswith("The capital of the country")
-    assert inspect.get_by_label("Pin tokens").input_value() == " France"
+    assert inspect.get_by_label("Pin tokens", exact=True).input_value() == " France"
     _no_exception(inspect)
     inspect.close()
     page.close()
