@@ -14,7 +14,7 @@ import streamlit as st
 
 import common
 from jlens_core.evaluation.passk import EVAL_SETS
-from jlens_core.evaluation.study import StudyCancelled, study, study_sets
+from jlens_core.evaluation.study import study, study_sets
 from jlens_core.figures.study import study_figure
 from jlens_core.workspace import sanitise_filename
 
@@ -81,16 +81,14 @@ if run_col.button("Run study", type="primary", icon=":material/play_arrow:", key
         sets = _chosen_sets()
         total = sum(len(items) for items in sets.values())
         # Cancel reruns the page: Streamlit stops this run at its next call, the progress update between two items
-        cancel_col.button("Cancel", icon=":material/stop:", key="st_cancel")
+        cancel_slot = cancel_col.empty()
+        cancel_slot.button("Cancel", icon=":material/stop:", key="st_cancel")
         bar = st.progress(0.0, text=f"0 / {total} items")
-        try:
-            result = study(model, lenses, sets, k=int(ss.st_k), answered_only=None if ss.st_filter else False,
-                           progress=lambda i, n: bar.progress(i / n, text=f"{i} / {n} items"))
-        except StudyCancelled:
-            result = None
+        result = study(model, lenses, sets, k=int(ss.st_k), answered_only=None if ss.st_filter else False,
+                       progress=lambda i, n: bar.progress(i / n, text=f"{i} / {n} items"))
         bar.empty()
-        if result is not None:
-            ss.st_result = {"key": _key(ctx.model_key, LENSES_KEY), "study": result}
+        cancel_slot.empty()
+        ss.st_result = {"key": _key(ctx.model_key, LENSES_KEY), "study": result}
 if ss.get("st_cancel"):
     st.info("The study was cancelled; press Run study to start it again.")
 
