@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal, overload
 
 import torch
+from jaxtyping import Float, Int
 
 from .._atomic import atomic_write
 from ..layerspec import resolve_layers
@@ -86,17 +87,17 @@ class FitState:
     Tensor[E]}`` fp64, positions per expert) and the fixed ``clustering``; all three empty otherwise.
     """
 
-    jacobian_sum: dict[int, torch.Tensor]
+    jacobian_sum: dict[int, Float[torch.Tensor, "d_model d_model"]]
     n_done: int = 0
     next_idx: int = 0
     n_skipped: int = 0
     diagnostics: list[dict] = field(default_factory=list)
     stop_reason: str | None = None
-    expert_sum: dict[int, torch.Tensor] = field(default_factory=dict)
-    expert_count: dict[int, torch.Tensor] = field(default_factory=dict)
+    expert_sum: dict[int, Float[torch.Tensor, "experts d_model d_model"]] = field(default_factory=dict)
+    expert_count: dict[int, Int[torch.Tensor, " experts"]] = field(default_factory=dict)
     clustering: dict[int, Clustering] = field(default_factory=dict)
 
-    def mean(self, layer: int) -> torch.Tensor:
+    def mean(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         return self.jacobian_sum[layer] / self.n_done
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
+from jaxtyping import Float
 
 from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
@@ -100,10 +101,11 @@ class MatrixTransportMixin(SourceLayersMixin):
         self.stop_reason = stop_reason
         self._device_cache = {}
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         raise NotImplementedError
 
-    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+    def transport(self, h: Float[torch.Tensor, "*batch d_model"],
+                  layer: int) -> Float[torch.Tensor, "*batch d_model"]:
         """``J_l @ h`` over the last axis (``J_l`` = :meth:`matrix`): ``[..., d_model] -> [..., d_model]``,
         in ``h``'s dtype and device.
 
@@ -241,11 +243,12 @@ class LogitLens:
         """Every layer below the target."""
         return list(range(self.target_layer))
 
-    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+    def transport(self, h: Float[torch.Tensor, "*batch d_model"],
+                  layer: int) -> Float[torch.Tensor, "*batch d_model"]:
         """Identity: ``[..., d_model] -> [..., d_model]``."""
         return h
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """``I``, fp32 ``[d_model, d_model]``.
 
         Raises:
@@ -286,7 +289,8 @@ class JacobianLens(MatrixTransportMixin):
         ValueError: a matrix that is not ``[d_model, d_model]``, no matrices, or unknown ``rules``.
     """
 
-    def __init__(self, jacobians: dict[int, torch.Tensor], n_prompts: int, d_model: int, *,
+    def __init__(self, jacobians: dict[int, Float[torch.Tensor, "d_model d_model"]], n_prompts: int, d_model: int,
+                 *,
                  target_layer: int | None = None, n_layers: int | None = None, settings: dict | None = None,
                  model_name: str | None = None, model_fingerprint: dict | None = None,
                  diagnostics: list[dict] | None = None, shrinkage: float = 0.0, stop_reason: str | None = None,
@@ -324,7 +328,7 @@ class JacobianLens(MatrixTransportMixin):
     def source_layers(self) -> list[int]:
         return sorted(self.jacobians)
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """``J_l`` with shrinkage applied: ``(1 - a) J_l + a I``, fp32 ``[d_model, d_model]``.
 
         Raises:
