@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .interventions.swap_success import SwapReport, load_swap_set, swap_success
     from .layerspec import resolve_layers
     from .lenses.experts import ExpertLens
+    from .lenses.fit_settings import FitPlan, FitRecord, FitSettings
     from .lenses.header import LensFileError
     from .lenses.lens import JacobianLens, LogitLens
     from .lenses.loading import default_lens, load_lens

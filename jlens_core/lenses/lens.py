@@ -17,6 +17,7 @@ from jaxtyping import Float
 
 from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
+from .fit_settings import FitPlan, FitRecord, FitSettings
 from .header import FORMAT_NAME, LensFileError, read_header
 from .kinds import RULES
 from .protocol import FittedLens, Lens
@@ -84,6 +85,7 @@ class MatrixTransportMixin(SourceLayersMixin):
     reading's device and dtype: shared by :class:`JacobianLens` and the expert lens."""
 
     d_model: int
+    rules: str
     _device_cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor]
 
     def _set_fit_record(self, n_prompts: int, target_layer: int, n_layers: int | None, settings: dict | None,
@@ -100,6 +102,25 @@ class MatrixTransportMixin(SourceLayersMixin):
         self.diagnostics = list(diagnostics or [])
         self.stop_reason = stop_reason
         self._device_cache = {}
+
+    @property
+    def fit_settings(self) -> FitSettings:
+        """What shaped this lens (:class:`~jlens_core.lenses.fit_settings.FitSettings`): its layers and rules, and
+        the ``settings`` its fit recorded (defaults where an old file has none)."""
+        return FitSettings.from_lens(self.source_layers, self.target_layer, self.rules, self.settings)
+
+    @property
+    def fit_plan(self) -> FitPlan:
+        """How its fit ran (:class:`~jlens_core.lenses.fit_settings.FitPlan`), as far as its settings record it."""
+        return FitPlan.from_lens(self.settings)
+
+    @property
+    def record(self) -> FitRecord:
+        """What its fit recorded (:class:`~jlens_core.lenses.fit_settings.FitRecord`): model, prompts counted and
+        skipped, diagnostics, stop reason."""
+        return FitRecord(model_name=self.model_name, model_fingerprint=self.model_fingerprint,
+                         n_prompts=self.n_prompts, n_skipped=int(self.settings.get("n_skipped", 0)),
+                         diagnostics=tuple(self.diagnostics), stop_reason=self.stop_reason)
 
     def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         raise NotImplementedError
