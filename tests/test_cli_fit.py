@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_SEQ, SKIP = 24, 4
 N_LAYERS, D = 4, 32
 SOURCES, TARGET = [0, 1, 2], 3
-RECORD_KEYS = {"prompt_index", "layer", "seq_len", "n_valid", "seconds", "jacobian_norm", "rel_change"}
+RECORD_KEYS = {"prompt_index", "layer", "seq_len", "n_valid", "seconds", "jacobian_norm", "rel_change",
+               "half", "half_rel_diff"}  # the split halves (docs/method.md §3.3): the prompt's half, their difference
 
 
 def make_texts(n: int, seed: int = 0) -> list[str]:
