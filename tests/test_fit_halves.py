@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import tiny
 from safetensors import safe_open
+from test_cli_fit import REPO, fit_args, make_texts, sub_env, torchrun_cmd, write_corpus
 from test_fit import PROMPTS, SETTINGS, per_prompt, uninterrupted
 
 from jlens_core import ExpertLens, FitPlan, JacobianLens, fit
@@ -213,3 +214,95 @@ def test_expert_fit_resumed_has_the_halves_of_one_fit(tmp_path):
     for h, one in zip(doubled.halves(), expert_fit().halves()):
         assert torch.equal(h.counts[0], 2 * one.counts[0])
         torch.testing.assert_close(h.experts[1], one.experts[1], **TIGHT)
+
+
+def test_halves_agreement_from_the_records_and_its_figure():
+    from jlens_core.figures.fitting import half_agreement_figure
+    from jlens_core.fitting.diagnostics import half_agreement_frame
+
+    lens = uninterrupted()
+    table = lens.half_diagnostics()
+    live = half_agreement_frame(lens.diagnostics)  # what the Fit page reads while the fit runs
+    assert list(live["layer"]) == list(table["layer"]) and list(live["n_even"]) == [2] * 3
+    for column in ("half_rel_diff", "predicted_rel_se"):
+        assert live[column].tolist() == pytest.approx(table[column].tolist(), rel=1e-6)
+    fig = half_agreement_figure(table)
+    bars, marks = fig.data
+    assert list(bars.x) == ["L0", "L1", "L2"] and list(bars.y) == pytest.approx(list(100 * table["half_rel_diff"]))
+    assert list(marks.y) == pytest.approx(list(100 * table["predicted_rel_se"]))
+    assert "2 + 3 prompts" in fig.layout.title.text
+    assert half_agreement_frame([r for r in lens.diagnostics if r["prompt_index"] == 0]).empty  # one half only
+
+
+# -- the command line: jlens fit --first-prompt / --no-halves, jlens merge, torchrun ---------------------------
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    from conftest import save_tiny
+
+    root = tmp_path_factory.mktemp("cli-halves")
+    save_tiny(root / "tiny-llama")
+    return {"root": root, "model": str(root / "tiny-llama"), "corpus": str(write_corpus(root / "c.txt", make_texts(12)))}
+
+
+@pytest.fixture(scope="module")
+def reference(work):
+    """One uninterrupted in-process CLI fit per prompt count: ``reference(n) -> JacobianLens``."""
+    from jlens_core.cli.main import main
+
+    cache: dict[int, JacobianLens] = {}
+
+    def get(n: int) -> JacobianLens:
+        if n not in cache:
+            out = work["root"] / f"reference-{n}.safetensors"
+            assert main(fit_args(work, out, "--n-prompts", str(n))) == 0
+            cache[n] = JacobianLens.load(out)
+        return cache[n]
+
+    return get
+
+
+def test_cli_slices_merged_have_the_halves_of_one_cli_fit(work, reference, tmp_path, capsys):
+    from jlens_core.cli.main import main
+
+    n, cut = 7, 3
+    one = reference(n)
+    assert one.half_prompts == (4, 3)
+    head, tail, merged = (tmp_path / f"{name}.safetensors" for name in ("head", "tail", "merged"))
+    assert main(fit_args(work, head, "--n-prompts", str(cut))) == 0
+    assert main(fit_args(work, tail, "--first-prompt", str(cut), "--n-prompts", str(n - cut))) == 0
+    assert "kB with its split halves (about 3x" in capsys.readouterr().err
+    assert main(["merge", str(head), str(tail), "--out", str(merged)]) == 0
+    assert_same_halves(JacobianLens.load(merged), one)
+    bare = tmp_path / "bare.safetensors"
+    assert main(["merge", str(head), str(tail), "--out", str(bare), "--no-halves"]) == 0
+    assert JacobianLens.load(bare).halves() is None
+    assert bare.stat().st_size < merged.stat().st_size / 2  # the header (diagnostics) weighs in on a tiny model
+
+
+def test_cli_fit_no_halves(work, reference, tmp_path):
+    from jlens_core.cli.main import main
+
+    out = tmp_path / "bare.safetensors"
+    assert main(fit_args(work, out, "--n-prompts", "3", "--no-halves")) == 0
+    lens = JacobianLens.load(out)
+    assert lens.halves() is None and not lens.fit_plan.halves
+    assert max(float((lens.jacobians[k] - reference(3).jacobians[k]).abs().max()) for k in lens.source_layers) == 0
+
+
+@pytest.mark.slow  # torchrun subprocesses
+def test_torchrun_three_ranks_have_the_halves_of_one_fit(work, reference, tmp_path):
+    """3 ranks: each reads prompts of both parities (rank r: r, r + 3, ...), synced every 2 steps."""
+    n = 8
+    out = tmp_path / "sharded.safetensors"
+    proc = run_torchrun_n(3, "-m", "jlens_core", *fit_args(work, out, "--n-prompts", str(n), "--checkpoint-every", "2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lens = JacobianLens.load(out)
+    assert lens.half_prompts == (4, 4)
+    assert_same_halves(lens, reference(n), rtol=1e-6, atol=1e-6)
+
+
+def run_torchrun_n(nproc: int, *args):
+    import subprocess
+
+    return subprocess.run(torchrun_cmd(*args, nproc=nproc), check=False, cwd=REPO, env=sub_env(), capture_output=True,
+                          text=True, timeout=300)

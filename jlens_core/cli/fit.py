@@ -261,10 +261,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def _size(path: Path, lens, kept: bool = True) -> str:
     """The file's size, and whether the split halves (about 2/3 of it) are in it."""
-    mb = path.stat().st_size / 2**20
+    size = path.stat().st_size
+    text = f"{size / 2**20:.1f} MB" if size >= 2**20 else f"{size / 2**10:.0f} kB"
     if lens.raw_halves is not None and kept:
-        return f"{mb:.1f} MB with its split halves (about 3x the lens alone; --no-halves leaves them out)"
-    return f"{mb:.1f} MB"
+        return f"{text} with its split halves (about 3x the lens alone; --no-halves leaves them out)"
+    return text
 
 
 def register(subparsers) -> None:
