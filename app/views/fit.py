@@ -6,12 +6,11 @@ import time
 
 import streamlit as st
 
-import charts
 import common
 import lens_slots
 import runs
 from jlens_core.corpus import BUILTIN_CORPUS
-from jlens_core.figures.fitting import half_agreement_figure
+from jlens_core.figures.fitting import convergence_figure, half_agreement_figure, norm_heatmap
 from jlens_core.fitting.diagnostics import (
     convergence_frame,
     diagnostics_frame,
@@ -217,9 +216,9 @@ def show_run(folder_or_run, shown_state: str) -> None:
     else:
         conv = convergence_frame(frame)
         g1, g2 = st.columns(2)
-        g1.plotly_chart(charts.convergence_figure(conv, one_over_n_guide(conv)), key="fit_convergence",
+        g1.plotly_chart(convergence_figure(conv, one_over_n_guide(conv)), key="fit_convergence",
                         config={"displaylogo": False})
-        g2.plotly_chart(charts.norm_heatmap(norm_matrix(frame)), key="fit_norms", config={"displaylogo": False})
+        g2.plotly_chart(norm_heatmap(norm_matrix(frame)), key="fit_norms", config={"displaylogo": False})
         halves = half_agreement_frame(records)
         if not halves.empty:  # the split halves (docs/method.md §3.3): which layers read alike from either half
             st.plotly_chart(half_agreement_figure(halves), key="fit_halves", config={"displaylogo": False})

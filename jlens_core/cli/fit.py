@@ -24,6 +24,7 @@ from ..fitting.runfiles import sidecar  # the run-file format, shared with the a
 from ..lenses.fit_settings import FitPlan, FitSettings, add_fit_arguments
 from .main import CLIError, say
 from .model_args import (
+    add_corpus_arguments,
     add_model_arguments,
     add_save_dtype_argument,
     model_loading_options,
@@ -273,13 +274,9 @@ def register(subparsers) -> None:
                               description="Fit a Jacobian lens: d_model backward passes per prompt, averaged over "
                                           "the corpus. Resumable; under torchrun, sharded over ranks.")
     add_model_arguments(p, device_help="cuda, cuda:1, mps, cpu, or auto (spread over GPUs); default: best")
-    p.add_argument("--corpus", default="stdlib-docs",
-                   help="'stdlib-docs' (built-in), a .txt (paragraphs) or .jsonl (text field) file, or a HF dataset")
+    add_corpus_arguments(p, split="fit", split_help="corpus part: 'fit' (default; disjoint from 'eval'), 'eval' or 'all'")
     p.add_argument("--out", required=True, help="lens file to write (safetensors), e.g. lens.safetensors")
     p.add_argument("--n-prompts", type=int, default=None, help="use N texts of the corpus from --first-prompt on (default all)")
-    p.add_argument("--min-chars", type=int, default=400, help="skip corpus texts shorter than this (default 400)")
-    p.add_argument("--split", choices=["all", "fit", "eval"], default="fit",
-                   help="corpus part: 'fit' (default; disjoint from 'eval'), 'eval' or 'all'")
     add_fit_arguments(p)  # the fields of FitSettings and FitPlan: names, defaults and help live there
     p.add_argument("--checkpoint", default=None, help="checkpoint file (default <OUT stem>.ckpt next to --out)")
     p.add_argument("--no-resume", action="store_true", help="start over even if the checkpoint exists")

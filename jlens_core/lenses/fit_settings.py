@@ -24,13 +24,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from .kinds import (
+    RULES,  # "jacobian" (docs/method.md §2), "relevance" (the R-lens, §9.1): from the lens kinds
+)
+
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing's own from Python 3.11
 
 # How the backward passes run (jlens_core.fitting.estimator); the same Jacobian whichever.
 METHODS = ("auto", "fused", "batched", "replicated")
-# "jacobian": ordinary gradients (docs/method.md §2); "relevance": the R-lens's rules (docs/method.md §9.1)
-RULES = ("jacobian", "relevance")
 # Expert fits (docs/method.md §9.1): the prompts the clustering is made from, by default.
 DEFAULT_CLUSTER_PROMPTS = 64
 

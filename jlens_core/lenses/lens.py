@@ -18,22 +18,21 @@ import torch
 from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
 from .fit_settings import FitPlan, FitRecord, FitSettings
+from .header import FORMAT_NAME, LensFileError, read_header
+from .kinds import RULES
 from .protocol import FittedLens, Lens
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from .experts import ExpertLens
-
 log = logging.getLogger(__name__)
 
-FORMAT_NAME = "jlens"
 FORMAT_VERSION = 1
 FP16_MAX = 65504.0
 # Fit settings that shape the result: lenses that differ in any of them cannot be merged.
 RESULT_SETTINGS = ("skip_first", "max_seq_len", "target_layer")
 # The backward rules a lens can be fitted with (docs/method.md §9.1): "jacobian" is the J-lens, "relevance" the R-lens.
-LENS_RULES = ("jacobian", "relevance")
+LENS_RULES = RULES  # ("jacobian", "relevance"): the rules of the lens kinds' table
 # Split halves in a lens file (docs/method.md §3.3): each half's own tensors under "half.even." / "half.odd.",
 # and a "halves" field in the header's metadata.
 HALF_PREFIX = "half."
@@ -75,9 +74,6 @@ def half_prompts_of(info: Mapping[str, Any]) -> tuple[int, int] | None:
     n_even, n_odd = halves["n_prompts"]
     return int(n_even), int(n_odd)
 
-
-class LensFileError(ValueError):
-    """A file that cannot be read as a lens: not a lens, truncated, or for another model."""
 
 
 def check_made_for(lens: FittedLens, model: LensModel, *, what: str, made: str, remedy: str) -> None:
@@ -292,7 +288,8 @@ def storage_dtype(dtype: str | torch.dtype, matrices: Iterable[torch.Tensor]) ->
 
 def read_lens_safetensors(path: Path, format_name: str, not_ours: str, *, prefix: str = "",
                           key: Callable[[str], _K]) -> tuple[dict[str, Any], dict[_K, torch.Tensor]]:
-    """The JSON metadata of a lens file and its tensors whose names start with ``prefix`` (named by ``key``).
+    """The JSON metadata of a lens file (its header: :func:`~jlens_core.lenses.header.read_header`) and its tensors
+    whose names start with ``prefix`` (named by ``key``).
 
     Raises:
         LensFileError: the header's format is not ``format_name`` (the message: ``path`` then ``not_ours``),
@@ -300,15 +297,13 @@ def read_lens_safetensors(path: Path, format_name: str, not_ours: str, *, prefix
     """
     from safetensors import safe_open
 
+    header = read_header(path)
+    if header.metadata.get("format") != format_name:
+        raise LensFileError(f"{str(path)!r} {not_ours}")
+    info = header.fresh_info()
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != format_name or "jlens" not in meta:
-                raise LensFileError(f"{str(path)!r} {not_ours}")
-            info = json.loads(meta["jlens"])
             tensors = {key(k): f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118
-    except LensFileError:
-        raise
     except Exception as exc:  # safetensors raises its own error types for bad headers
         raise LensFileError(f"{str(path)!r} is not a readable lens file (truncated or not safetensors): "
                             f"{exc}") from exc
@@ -331,8 +326,8 @@ def checked_rules(path: Path, info: dict[str, Any], *, what: str, version: int) 
     return rules
 
 
-def check_mergeable(first: JacobianLens | ExpertLens, other: JacobianLens | ExpertLens) -> None:
-    """Raise ``ValueError`` unless both lenses were fitted with the same result settings on one model."""
+def check_mergeable(first: MatrixTransportMixin, other: MatrixTransportMixin) -> None:
+    """Raise ``ValueError`` unless both fitted lenses (Jacobian or expert lenses) were fitted with the same result settings on one model."""
     for key in RESULT_SETTINGS:
         if first.settings.get(key) != other.settings.get(key):
             raise ValueError(f"Cannot merge lenses fitted with different {key}: "
@@ -342,8 +337,8 @@ def check_mergeable(first: JacobianLens | ExpertLens, other: JacobianLens | Expe
                          f"{other.model_name!r}).")
 
 
-def merged_prompts(lenses: Sequence[JacobianLens | ExpertLens]) -> tuple[int, dict[str, Any]]:
-    """The prompts lenses fitted on disjoint prompt sets hold together, and their merged settings.
+def merged_prompts(lenses: Sequence[MatrixTransportMixin]) -> tuple[int, dict[str, Any]]:
+    """The prompts fitted lenses (Jacobian or expert lenses) on disjoint prompt sets hold together, and their merged settings.
 
     Raises:
         ValueError: they hold no prompt.
