@@ -27,6 +27,7 @@ self-contained HTML page (:meth:`Study.to_html`).
 
 from __future__ import annotations
 
+import html
 import json
 import logging
 import math
@@ -583,6 +584,12 @@ class Study:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, page, shared=True)
         return page
+
+    def _repr_html_(self) -> str:
+        """In a notebook: the settings line and the summary table (``figure()`` draws the curves)."""
+        cols = ["set", "lens", "kept", "dropped", "units", "ever", "peak", "onset", "onset_low", "onset_high", "end"]
+        head = html.escape(repr(self))
+        return f"<p>{head}</p>" + self.summary[cols].to_html(index=False, na_rep="–", float_format="{:.2f}".format)
 
     def __repr__(self) -> str:
         return (f"Study({len(self.sets)} set(s), {len(self.lenses)} lens(es), k={self.k}, "
