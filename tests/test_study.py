@@ -205,3 +205,16 @@ def test_stop_and_bad_input(model, lenses):
     with pytest.raises(FileNotFoundError, match="No evaluation set"):
         study_sets("no_such_set")
     assert list(study_sets("two_hop")) == ["two_hop"] and len(study_sets("two_hop")["two_hop"]) == 28
+
+
+def test_roles_choose_the_concepts(model, lenses):
+    items = [{"prompt": p, "intermediates": ["cat"], "target": "7"} for p in PROMPTS[:3]]
+    both = study(model, lenses, items, k=K, role="both", answered_only=False, n_boot=20)
+    assert set(zip(both.items["role"], both.items["concept"])) == {("intermediate", "cat"), ("target", "7")}
+    target = study(model, lenses, items, k=K, role="target", answered_only=False, n_boot=20)
+    assert set(target.table["concept"]) == {"7"}
+    seven = model.tokenizer.convert_tokens_to_ids("7")
+    for i, prompt in enumerate(PROMPTS[:3]):  # the target's ranks, by hand, at the readout position
+        ranks = hand_ranks(model, prompt, seven)[:, -1]
+        got = target.table[(target.table["item"] == i) & (target.table["lens"] == "logit")].sort_values("layer")
+        assert got["rank"].tolist() == ranks.tolist()
