@@ -44,3 +44,26 @@ def test_study_page_draws_and_opens_an_item_in_inspect(server, browser, shots):
     _no_exception(inspect)
     inspect.close()
     page.close()
+
+
+def test_the_study_page_file_draws_offline(browser, tmp_path):
+    """``Study.to_html``: every set's figure is drawn from the page alone (a file URL, nothing fetched)."""
+    from helpers import tiny
+
+    from jlens_core import LogitLens, study
+
+    model = tiny()
+    items = [{"name": f"i{n}", "prompt": p, "intermediates": ["capital", "time"]}
+             for n, p in enumerate(["The capital of France is", "Once upon a time there"])]
+    result = study(model, {"logit": LogitLens.for_model(model)}, {"a": items, "b": items[:1]}, k=50,
+                   answered_only=False, n_boot=50)
+    path = tmp_path / "study.html"
+    result.to_html(path)
+    page = _page(browser)
+    page.goto(path.as_uri())
+    page.wait_for_function("document.getElementById('status').textContent === ''", timeout=60_000)
+    assert page.evaluate("document.querySelectorAll('#fig-0 .main-svg, #fig-1 .main-svg').length") >= 2
+    names = page.evaluate("Array.from(document.querySelectorAll('.js-plotly-plot'), g => g.data.filter("
+                          "t => t.mode === 'lines+markers').map(t => t.name))")
+    assert names == [["Logit lens"], ["Logit lens"]] and result.sets == ["a", "b"]
+    page.close()

@@ -179,6 +179,8 @@ def test_study_file_round_trip_and_page(result, tmp_path):
     page = result.to_html(tmp_path / "s.html")
     assert (tmp_path / "s.html").read_text(encoding="utf-8") == page
     assert "plotly-packed" in page and "<h3>items</h3>" in page and "dog" in page
+    names = page.split('<script id="study-names" type="application/json">')[1].split("</script>")[0]
+    assert json.loads(names) == ["items"]  # what the page's script parses (script text is not HTML-decoded)
     assert "<table" in result._repr_html_() and "onset" in result._repr_html_()
     (tmp_path / "bad.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="not a study file"):

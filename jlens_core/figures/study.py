@@ -124,7 +124,7 @@ def study_page(study: Any) -> str:
              f"<h3>Items</h3>{_table(study.item_table())}"]
     return PAGE.format(title=html.escape(f"jlens study · {', '.join(study.sets)}"), header=rows, notes=notes,
                        figures=divs, tables="".join(parts), plotly=packed_plotly_js(), payload=packed,
-                       names=html.escape(json.dumps(study.sets)))
+                       names=json.dumps(study.sets).replace("</", "<\\/"))  # script text is not HTML-decoded
 
 
 PAGE = """<!DOCTYPE html>
