@@ -11,7 +11,8 @@ from .read_directions import (
     read_vector,
     read_vector_norms,
     token_direction,
+    token_directions,
 )
 
 __all__ = ["check_layers", "default_layers", "head_row", "last_source_layer", "mean_head_row", "mean_read_vector",
-           "norm_gain", "read_vector", "read_vector_norms", "token_direction"]
+           "norm_gain", "read_vector", "read_vector_norms", "token_direction", "token_directions"]
