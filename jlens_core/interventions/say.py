@@ -458,8 +458,9 @@ def _message(result: SayResult, grids: dict[str, tuple[float, ...]], ops: list[s
         return f"The model already says {target} here: no edit is needed."
     arm = result.search
     controls = ", ".join(f"{name}: {'found' if a.found else 'none'}" for name, a in result.controls.items())
+    stopped = " (stopped early)" if result.stopped else ""
     if arm.found and arm.minimal is not None:
-        return (f"{len(arm.recipes)} verified recipe{'s' if len(arm.recipes) != 1 else ''}; the minimal one: "
+        return (f"{len(arm.recipes)} verified recipe{'s' if len(arm.recipes) != 1 else ''}{stopped}; the minimal one: "
                 f"{arm.minimal.describe(result.target_text)}" + (f" (controls: {controls})." if controls else "."))
     span = f"{result.layers[0]}..{result.layers[-1]}" if len(result.layers) > 1 else str(result.layers[0])
     tried = "; ".join(f"{op} up to {max(grids[op]):g}" + (" competitors" if op == "ablate" else "") for op in ops)
@@ -468,7 +469,6 @@ def _message(result: SayResult, grids: dict[str, tuple[float, ...]], ops: list[s
     best = max(arm.tried, key=lambda r: r.target_prob, default=None)
     closest = (f"; the closest, {best.describe(result.target_text)}, gave {target} probability "
                f"{best.target_prob:.3g} and the model said {best.next_token!r}") if best else ""
-    stopped = " (stopped early)" if result.stopped else ""
     return (f"No edit made the model say {target}{stopped}: ranked {arm.n_ranked} candidates ({tried}; layers {span}; "
             f"at {where}) and replayed {arm.n_replayed} of them, at most {max_replays}{closest}.")
 
