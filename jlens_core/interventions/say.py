@@ -69,7 +69,8 @@ class SayProgress:
     Attributes:
         stage: ``"rank"``, ``"replay"``, ``"minimise"`` or ``"continuation"``; arm: the search's name (the lens's,
         ``"random"``, ``"logit"``); done, total: forward passes so far and the planned total (an estimate: a
-        search that verifies early spends less); message: one line for a progress bar.
+        search that verifies early spends less); message: one line for a progress bar; result: the
+        :class:`SayResult` so far (filled in as the search goes; keep it to show what a stopped search found).
     """
 
     stage: str
@@ -77,6 +78,7 @@ class SayProgress:
     done: int
     total: int
     message: str
+    result: Any = None
 
 
 @dataclass
@@ -287,6 +289,7 @@ class _Run:
         self.timings: dict[str, float] = {}
         self.replayer: Replayer | None = None
         self.state: Any = None
+        self.result: SayResult | None = None
 
     def clock(self, stage: str, start: float) -> None:
         self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - start
@@ -294,7 +297,8 @@ class _Run:
     def tick(self, stage: str, arm: str, message: str, forwards: int = 1) -> None:
         self.done += forwards
         self.total = max(self.total, self.done)
-        if self.progress is not None and self.progress(SayProgress(stage, arm, self.done, self.total, message)):
+        if self.progress is not None and self.progress(SayProgress(stage, arm, self.done, self.total, message,
+                                                                   self.result)):
             raise _Stop
 
 
@@ -515,6 +519,7 @@ def _execute(model: LensModel, prompt: str, ids: torch.Tensor, spelled: SayTarge
                        clean_margin=math.nan,
                        clean_prob=clean.target_prob, already=clean.verified,
                        search=SaySearch(arms[0].name, arms[0].label))
+    run.result = result
     try:
         run.tick("rank", arms[0].name, "clean run")
         if not clean.verified:
