@@ -41,6 +41,11 @@ _SOURCES = {
     "Steer": ".interventions.lens_edits",
     "Swap": ".interventions.lens_edits",
     "token_direction": ".interventions.read_directions",
+    "SayResult": ".interventions.say",
+    "make_it_say": ".interventions.say",
+    "SaySuccessReport": ".interventions.say_success",
+    "load_say_set": ".interventions.say_success",
+    "say_success": ".interventions.say_success",
     "SwapReport": ".interventions.swap_success",
     "load_swap_set": ".interventions.swap_success",
     "swap_success": ".interventions.swap_success",
@@ -107,6 +112,8 @@ __all__ = [
     "PromptReading",
     "ReadingFile",
     "ReadingFileError",
+    "SayResult",
+    "SaySuccessReport",
     "Steer",
     "Swap",
     "SwapReport",
@@ -135,9 +142,11 @@ __all__ = [
     "load_lens",
     "load_model",
     "load_readings",
+    "load_say_set",
     "load_swap_set",
     "macro_comparison",
     "macro_pass_at_k",
+    "make_it_say",
     "most_common_tokens",
     "pass_at_k",
     "pass_at_k_figure",
@@ -147,6 +156,7 @@ __all__ = [
     "read_prompts",
     "resolve_layers",
     "save_readings",
+    "say_success",
     "split_items",
     "swap_success",
     "swap_success_figure",
@@ -173,6 +183,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .interventions.compare import compare_runs
     from .interventions.lens_edits import Ablate, Steer, Swap
     from .interventions.read_directions import token_direction
+    from .interventions.say import SayResult, make_it_say
+    from .interventions.say_success import SaySuccessReport, load_say_set, say_success
     from .interventions.swap_success import SwapReport, load_swap_set, swap_success
     from .layerspec import resolve_layers
     from .lenses.experts import ExpertLens

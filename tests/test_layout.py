@@ -46,6 +46,7 @@ PUBLIC_NAMES = [
     "pinned_ranks_figure", "swap_success_figure", "write_reading_page",
     "ReadingFile", "ReadingFileError", "load_readings", "save_readings",  # the reading file (issue #33 §3)
     "gap_comparison", "heldout_items", "macro_comparison",  # lenses compared with paired intervals (issues #31 §5, #32 §5)
+    "SayResult", "SaySuccessReport", "load_say_set", "make_it_say", "say_success",  # make it say X (issue #44)
 ]
 
 
