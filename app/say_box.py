@@ -15,8 +15,8 @@ import pandas as pd
 import streamlit as st
 
 import cache
-import charts
 import common
+from jlens_core.figures.heatmaps import heatmap_figure
 from jlens_core.interventions.compare import compare_runs
 from jlens_core.interventions.say import OPS, SayResult, make_it_say
 
@@ -120,7 +120,7 @@ def _apply(ctx: Any, name: str, lens: Any, text: str, recipe: Any, target: str) 
              format_func={"side": "clean above, edited below", "diff": "difference (edited − clean)"}.get)
     stat = ss.get("stat") if isinstance(ss.get("stat"), str) and not str(ss.get("stat")).startswith("rank_") \
         else "top1_prob"
-    fig = charts.heatmap_figure({"clean": clean, "edited": edited}, ss.say_view, stat, pair=("clean", "edited"))
+    fig = heatmap_figure({"clean": clean, "edited": edited}, ss.say_view, stat, pair=("clean", "edited"))
     fig.update_layout(title=f"{recipe.describe(target)} · " + fig.layout.title.text)
     st.plotly_chart(fig, key="say_heatmap", config={"displaylogo": False})
     left, right = st.columns(2)
