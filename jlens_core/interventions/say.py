@@ -59,7 +59,6 @@ CONTROLS = (RANDOM, LOGIT)
 DEFAULT_MAX_REPLAYS = 12
 STRENGTH_BISECTIONS = 3  # the minimal strength to 1/8 of the verified one
 MAX_GRID = {"steer": 4.0, "swap": 16.0, "ablate": 64.0}
-OP_WORDS = {"steer": "steer", "swap": "swap", "ablate": "ablate"}
 
 
 @dataclass
