@@ -27,9 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jlens_core import load_model
+from jlens_core import default_lens, load_model
 from jlens_core.interventions.say import DEFAULT_MAX_REPLAYS, make_it_say
-from jlens_core.lenses.shipped import default_lens
 
 CONTEXT = ("Travel notes. We spent a week moving between cities by train, writing down what we saw each day: the "
            "markets in the morning, the museums after lunch, long dinners and late walks along the rivers. Every "

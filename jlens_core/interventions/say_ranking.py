@@ -329,17 +329,17 @@ def candidates(ranking: Ranking, grids: Mapping[str, Sequence[float]]
     largest) and the stronger ones to escalate to, one after another, when it fails: every second grid step,
     then the largest. The structures predicted to work come first, the smallest edit first (its size: the
     strength as a fraction of the grid's largest, times the layers and positions it touches; a first-order
-    prediction holds best for small edits), then the others, the best predicted first. The ``(op, positions)`` groups take turns,
-    so that every kind of edit is tried within a small replay budget. Structures predicted to lower the margin
-    at every strength come last (a first-order prediction can miss the sign: a budget as large as the queue
-    replays every structure).
+    prediction holds best for small edits, and an edit of one position is smaller than one of many), then the
+    others, the best predicted first. The three edits take turns, so that each is tried within a small replay
+    budget. Structures predicted to lower the margin at every strength come last (a first-order prediction can
+    miss the sign: a budget as large as the queue replays every structure).
     """
-    groups: dict[tuple[str, str], list[tuple[tuple[int, float], Candidate, tuple[Candidate, ...]]]] = {}
+    groups: dict[str, list[tuple[tuple[int, float], Candidate, tuple[Candidate, ...]]]] = {}
     n_ranked = 0
     for (op, mode) in ranking.slopes:
         grid = sorted(float(s) for s in grids[op])
         n_positions = ranking.n_positions.get(mode, 1)
-        rows = []
+        rows: list[tuple[tuple[int, float], Candidate, tuple[Candidate, ...]]] = []
         for band in bands(ranking.layers):
             preds = [ranking.predict(op, band, mode, s) for s in grid]
             n_ranked += len(grid)
@@ -352,9 +352,9 @@ def candidates(ranking: Ranking, grids: Mapping[str, Sequence[float]]
             steps = sorted(set(range(i + 2, len(grid), 2)) | ({len(grid) - 1} if i < len(grid) - 1 else set()))
             rows.append((key, Candidate(op, band, mode, grid[i], preds[i]),
                          tuple(Candidate(op, band, mode, grid[j], preds[j]) for j in steps)))
+        groups.setdefault(op, []).extend(rows)
+    for rows in groups.values():
         rows.sort(key=lambda r: r[0])
-        if rows:
-            groups[(op, mode)] = rows
     order = sorted(groups, key=lambda group: groups[group][0][0])  # the group with the best candidate first
     queue: list[tuple[Candidate, tuple[Candidate, ...]]] = []
     for tier in (0, 1, 2):  # predicted to work, to fall short, to lower the margin: the groups take turns in each
