@@ -349,3 +349,12 @@ def test_cli_say_bad_input_and_set(tiny_dir, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["n_items"] == 2 and [r["arm"] for r in report["summary"]] == ["logit", "random"]
     assert (out / "say_success.csv").is_file() and (out / "say_items.csv").is_file()
+
+
+def test_the_bench_prompt_has_the_length_asked_for(model):
+    from helpers import load_script
+
+    bench = load_script("bench/say_speed.py")
+    for n in (32, 40):
+        text = bench.prompt_of(model, n)
+        assert text.endswith(bench.QUESTION) and int(model.encode(text).shape[1]) == n
