@@ -107,7 +107,7 @@ class Steer(_LensEdit):
     def __init__(self, model: LensModel, lens: Lens, token: str | int, strength: float, *,
                  layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                  on_generated: bool = False, centred: bool = False,
-                 directions: dict[int, torch.Tensor] | None = None) -> None:
+                 directions: dict[int, Float[torch.Tensor, " d_model"]] | None = None) -> None:
         if not isinstance(strength, (int, float)) or not math.isfinite(strength) or abs(strength) > MAX_STRENGTH:
             raise ValueError(f"Steering strength {strength!r} is out of range: give a number in "
                              f"[-{MAX_STRENGTH:g}, {MAX_STRENGTH:g}] (multiples of the residual's norm).")
@@ -137,7 +137,7 @@ class Ablate(_LensEdit):
 
     def __init__(self, model: LensModel, lens: Lens, token: str | int, *, layers: Iterable[int] | None = None,
                  positions: Iterable[int] | None = None, on_generated: bool = False, centred: bool = False,
-                 directions: dict[int, torch.Tensor] | None = None) -> None:
+                 directions: dict[int, Float[torch.Tensor, " d_model"]] | None = None) -> None:
         super().__init__(model, lens, layers, positions, on_generated)
         self.token_id = token_id(model.tokenizer, token, rule="word", vocab_size=model.vocab_size)
         self.token = model.decode([self.token_id])

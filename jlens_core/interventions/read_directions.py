@@ -265,7 +265,7 @@ def _direction_cache(lens: Lens) -> dict[tuple[int, int, int, bool], torch.Tenso
 
 
 def token_directions(model: LensModel, lens: Lens, layer: int, token_ids: Sequence[int], *,
-                     centred: bool = False) -> torch.Tensor:
+                     centred: bool = False) -> Float[torch.Tensor, "k d_model"]:
     """The unit read directions ``[k, d_model]`` (fp32, CPU) of ``token_ids`` (vocabulary ids) at ``layer``: the rows
     :func:`token_direction` gives one at a time, from one vector-Jacobian product for all of them. Cached per
     (lens, model, layer, token, centred), like the mean read vector (a lens changed in place keeps old entries).
