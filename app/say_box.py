@@ -162,7 +162,11 @@ def box(ctx: Any, name: str, lens: Any, text: str, layers: tuple[int, int], from
             st.error(f"Cannot search: {stored['error']}")
             return
         result: SayResult = stored["result"]
-        (st.success if result.search.found else st.info)(result.message)
+        if result.stopped and not result.message:  # stopped mid-search: the library had not summed up yet
+            st.warning(f"Stopped after {result.n_replayed} replays: {len(result.recipes)} verified recipe"
+                       f"{'s' if len(result.recipes) != 1 else ''} of the lens so far.")
+        else:
+            (st.success if result.search.found else st.info)(result.message)
         timing = ", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items())
         st.caption(f"{result.n_ranked} candidates ranked, {result.n_replayed} replayed; {timing}.")
         table, recipes = recipe_table(result)

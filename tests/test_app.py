@@ -486,6 +486,14 @@ def test_make_it_say_box(tiny_dir, tiny_model, lens_file):
     at.radio(key="say_view").set_value("diff").run()
     diff = chart(ok(at), "say_heatmap")["data"][0]
     assert diff["zmid"] == 0
+    # Stop: Streamlit ends the run; the partial result the progress callback kept is shown, marked as stopped
+    partial = make_it_say(tiny_model, lens, PROMPT, target, **settings, progress=lambda p: p.done >= 4)
+    assert partial.stopped
+    partial.message = ""  # as it is in the middle of a search
+    at.session_state["_say_partial"] = (at.session_state["say_result"]["key"], partial)
+    at.session_state["_say_stop"] = True
+    at.run()
+    assert f"Stopped after {partial.n_replayed} replays: {len(partial.recipes)} verified" in ok(at).warning[0].value
     # a changed setting asks for a new search
     at.text_input(key="say_target").set_value(target + "x").run()
     assert any(c.value == "Settings changed: Search again." for c in ok(at).caption)
