@@ -141,7 +141,7 @@ class RandomDirections(Directions):
         self.d_model, self.seed = int(d_model), int(seed)
 
     def _make(self, layer: int, tid: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + layer) * 1_000_003 + tid)
+        gen = torch.Generator().manual_seed(((self.seed * 1_000_003 + layer) * 1_000_003 + tid) % 2**63)
         v = torch.randn(self.d_model, generator=gen)
         return v / v.norm()
 
