@@ -58,7 +58,7 @@ LOGIT = "logit"
 CONTROLS = (RANDOM, LOGIT)
 DEFAULT_MAX_REPLAYS = 12
 STRENGTH_BISECTIONS = 3  # the minimal strength to 1/8 of the verified one
-MAX_GRID = {"steer": 4.0, "swap": 16.0, "ablate": 64.0}
+MAX_GRID = {"steer": 4.0, "swap": 16.0, "ablate": 64.0}  # Steer's and Swap's own limits; 64 competitors at most
 
 
 @dataclass
@@ -310,7 +310,8 @@ class _Arm:
     sources_from: Lens
 
 
-def _check_grids(grids: Mapping[str, Sequence[float]] | None, ops: Sequence[str]) -> dict[str, tuple[float, ...]]:
+def _check_grids(grids: Mapping[str, Sequence[float]] | None) -> dict[str, tuple[float, ...]]:
+    """The default grids with ``grids``' replacements, checked (one sentence per bad grid)."""
     out = {op: tuple(float(s) for s in DEFAULT_GRIDS[op]) for op in OPS}
     for op, grid in (grids or {}).items():
         if op not in OPS:
@@ -488,7 +489,7 @@ def check_say_input(model: LensModel, prompt: str, *, ops: Sequence[str], positi
         raise ValueError("The prompt is empty: give the text the model should continue.")
     chosen_ops = _check_choice(ops, OPS, "Edit")
     modes = _check_choice(positions, POSITION_MODES, "Position mode")
-    grid = _check_grids(grids, chosen_ops)
+    grid = _check_grids(grids)
     if isinstance(max_replays, bool) or not isinstance(max_replays, int) or max_replays < 1:
         raise ValueError(f"max_replays={max_replays!r} must be a whole number of at least 1.")
     ids = model.encode(prompt)  # [1, n]
