@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from .interventions.compare import compare_runs
     from .interventions.lens_edits import Ablate, Steer, Swap
     from .interventions.read_directions import token_direction
+    from .interventions.say import SayResult, make_it_say
+    from .interventions.say_success import SaySuccessReport, load_say_set, say_success
     from .interventions.swap_success import SwapReport, load_swap_set, swap_success
     from .layerspec import resolve_layers
     from .lenses.experts import ExpertLens
