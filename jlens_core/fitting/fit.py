@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import torch
+from jaxtyping import Float, Int
 
 from .._atomic import atomic_write
 from ..lenses.experts import Clustering, ExpertLens
@@ -91,21 +92,21 @@ class FitState:
     A prompt's half is the parity of its index in the whole prompt list (``first_prompt + i``).
     """
 
-    jacobian_sum: dict[int, torch.Tensor]
+    jacobian_sum: dict[int, Float[torch.Tensor, "d_model d_model"]]
     n_done: int = 0
     next_idx: int = 0
     n_skipped: int = 0
     diagnostics: list[dict] = field(default_factory=list)
     stop_reason: str | None = None
-    expert_sum: dict[int, torch.Tensor] = field(default_factory=dict)
-    expert_count: dict[int, torch.Tensor] = field(default_factory=dict)
+    expert_sum: dict[int, Float[torch.Tensor, "experts d_model d_model"]] = field(default_factory=dict)
+    expert_count: dict[int, Int[torch.Tensor, " experts"]] = field(default_factory=dict)
     clustering: dict[int, Clustering] = field(default_factory=dict)
-    half_sum: dict[int, torch.Tensor] = field(default_factory=dict)
+    half_sum: dict[int, Float[torch.Tensor, "2 d_model d_model"]] = field(default_factory=dict)
     half_n: list[int] = field(default_factory=lambda: [0, 0])
-    expert_half_sum: dict[int, torch.Tensor] = field(default_factory=dict)
-    expert_half_count: dict[int, torch.Tensor] = field(default_factory=dict)
+    expert_half_sum: dict[int, Float[torch.Tensor, "2 experts d_model d_model"]] = field(default_factory=dict)
+    expert_half_count: dict[int, Float[torch.Tensor, "2 experts"]] = field(default_factory=dict)
 
-    def mean(self, layer: int) -> torch.Tensor:
+    def mean(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         return self.jacobian_sum[layer] / self.n_done
 
 

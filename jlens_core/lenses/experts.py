@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from jaxtyping import Float, Int
 
 from ..models.model import LensModel
 from .header import EXPERTS_FORMAT_NAME, half_prompts_of, header_or_none
@@ -150,10 +151,12 @@ class ExpertLens(MatrixTransportMixin):
             expert lenses of these layers.
     """
 
-    def __init__(self, pooled: dict[int, torch.Tensor], experts: dict[int, torch.Tensor],
-                 counts: dict[int, torch.Tensor], clustering: dict[int, Clustering], n_prompts: int,
+    def __init__(self, pooled: dict[int, Float[torch.Tensor, "d_model d_model"]],
+                 experts: dict[int, Float[torch.Tensor, "experts d_model d_model"]],
+                 counts: dict[int, Int[torch.Tensor, " experts"]], clustering: dict[int, Clustering], n_prompts: int,
                  d_model: int, *, target_layer: int, rules: str = "jacobian",
-                 weights: dict[int, torch.Tensor] | None = None, weight_items: list[str] | None = None,
+                 weights: dict[int, Float[torch.Tensor, " experts"]] | None = None,
+                 weight_items: list[str] | None = None,
                  min_positions: int = MIN_POSITIONS, n_layers: int | None = None, settings: dict | None = None,
                  model_name: str | None = None, model_fingerprint: dict | None = None,
                  diagnostics: list[dict] | None = None, stop_reason: str | None = None,
@@ -227,7 +230,7 @@ class ExpertLens(MatrixTransportMixin):
         if layer not in self.pooled:
             raise KeyError(f"This lens was fitted at layers {self.source_layers}, not at layer {layer}.")
 
-    def expert_matrices(self, layer: int) -> torch.Tensor:
+    def expert_matrices(self, layer: int) -> Float[torch.Tensor, "experts d_model d_model"]:
         """``[E, d, d]`` fp32: ``J_{l,e}``, with the pooled matrix for each expert of < ``min_positions`` positions.
 
         Raises:
@@ -240,11 +243,12 @@ class ExpertLens(MatrixTransportMixin):
             mats = torch.where(few[:, None, None], self.pooled[layer][None], mats)
         return mats
 
-    def uniform_weights(self) -> torch.Tensor:
+    def uniform_weights(self) -> Float[torch.Tensor, " experts"]:
         """``[E]``: all ones, scaled to unit L2 norm (``1 / sqrt(E)`` each)."""
         return torch.full((self.n_experts,), 1.0 / math.sqrt(self.n_experts))
 
-    def combined(self, layer: int, weights: torch.Tensor) -> torch.Tensor:
+    def combined(self, layer: int,
+                 weights: Float[torch.Tensor, " experts"]) -> Float[torch.Tensor, "d_model d_model"]:
         """``sum_e w_e J_{l,e}``: fp32 ``[d, d]`` from ``weights`` ``[E]`` (used as given, not renormalised).
 
         Raises:
@@ -256,12 +260,12 @@ class ExpertLens(MatrixTransportMixin):
             raise ValueError(f"weights has shape {tuple(w.shape)}, expected ({self.n_experts},).")
         return torch.einsum("e,eij->ij", w, self.expert_matrices(layer))
 
-    def layer_weights(self, layer: int) -> torch.Tensor:
+    def layer_weights(self, layer: int) -> Float[torch.Tensor, " experts"]:
         """``[E]``: the learned weights of ``layer``, or the uniform ones when none are learned."""
         self._check_layer(layer)
         return self.weights[layer] if self.weights is not None else self.uniform_weights()
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """``sum_e w_e J_{l,e}`` with the learned (or uniform) weights, fp32 ``[d, d]``; ``I`` at the target.
 
         Raises:
@@ -302,7 +306,8 @@ class ExpertLens(MatrixTransportMixin):
         args.update(changes)
         return ExpertLens(**args)
 
-    def with_weights(self, weights: dict[int, torch.Tensor] | None, items: Sequence[str] = ()) -> ExpertLens:
+    def with_weights(self, weights: dict[int, Float[torch.Tensor, " experts"]] | None,
+                     items: Sequence[str] = ()) -> ExpertLens:
         """A copy that reads with ``weights`` (``{layer: Tensor[E]}``, renormalised to unit L2 norm), learned
         on the labelled ``items`` (their names, recorded in the file); ``None`` goes back to uniform weights.
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
+from jaxtyping import Float
 
 from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
@@ -237,10 +238,11 @@ class MatrixTransportMixin(SourceLayersMixin):
                          diagnostics=tuple(self.diagnostics), stop_reason=self.stop_reason,
                          half_prompts=self.half_prompts)
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         raise NotImplementedError
 
-    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+    def transport(self, h: Float[torch.Tensor, "*batch d_model"],
+                  layer: int) -> Float[torch.Tensor, "*batch d_model"]:
         """``J_l @ h`` over the last axis (``J_l`` = :meth:`matrix`): ``[..., d_model] -> [..., d_model]``,
         in ``h``'s dtype and device.
 
@@ -380,11 +382,12 @@ class LogitLens:
         """Every layer below the target."""
         return list(range(self.target_layer))
 
-    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+    def transport(self, h: Float[torch.Tensor, "*batch d_model"],
+                  layer: int) -> Float[torch.Tensor, "*batch d_model"]:
         """Identity: ``[..., d_model] -> [..., d_model]``."""
         return h
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """``I``, fp32 ``[d_model, d_model]``.
 
         Raises:
@@ -428,7 +431,8 @@ class JacobianLens(MatrixTransportMixin):
             are not two lenses of these layers.
     """
 
-    def __init__(self, jacobians: dict[int, torch.Tensor], n_prompts: int, d_model: int, *,
+    def __init__(self, jacobians: dict[int, Float[torch.Tensor, "d_model d_model"]], n_prompts: int, d_model: int,
+                 *,
                  target_layer: int | None = None, n_layers: int | None = None, settings: dict | None = None,
                  model_name: str | None = None, model_fingerprint: dict | None = None,
                  diagnostics: list[dict] | None = None, shrinkage: float = 0.0, stop_reason: str | None = None,
@@ -467,7 +471,7 @@ class JacobianLens(MatrixTransportMixin):
     def source_layers(self) -> list[int]:
         return sorted(self.jacobians)
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """``J_l`` with shrinkage applied: ``(1 - a) J_l + a I``, fp32 ``[d_model, d_model]``.
 
         Raises:
