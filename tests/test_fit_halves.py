@@ -141,9 +141,12 @@ def test_lens_file_keeps_the_halves_as_extra_tensors(tmp_path):
         meta = json.loads(f.metadata()["jlens"])
         keys = set(f.keys())
     assert meta["halves"] == {"prefix": "half.", "names": ["even", "odd"], "n_prompts": [2, 3]}
+    from jlens_core.lenses.header import read_header
+
+    assert read_header(path).half_prompts == (2, 3)  # said by the header alone, without the tensors
     assert {f"half.odd.J.{layer}" for layer in lens.source_layers} <= keys
     bare = lens.save(tmp_path / "bare.safetensors", halves=False)
-    assert JacobianLens.load(bare).halves() is None
+    assert JacobianLens.load(bare).halves() is None and read_header(bare).half_prompts is None
     ratio = path.stat().st_size / bare.stat().st_size
     assert 2.5 < ratio < 3.1, ratio  # "about 3x": the diagnostics in the header are the rest
     half16 = JacobianLens.load(lens.save(tmp_path / "fp16.safetensors", dtype="float16"))

@@ -27,7 +27,7 @@ import torch
 from jaxtyping import Float, Int
 
 from ..models.model import LensModel
-from .header import EXPERTS_FORMAT_NAME, header_or_none
+from .header import EXPERTS_FORMAT_NAME, half_prompts_of, header_or_none
 from .kinds import expert_kind
 from .lens import (
     HALF_NAMES,
@@ -40,7 +40,6 @@ from .lens import (
     check_mergeable,
     checked_rules,
     extra_tensors,
-    half_prompts_of,
     merged_prompts,
     own_tensors,
     prompt_weighted_mean,
