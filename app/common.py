@@ -1,7 +1,7 @@
 """What every page of the jlens app shares: settings, paths, the loaded :class:`Context`, and :func:`guard`.
 
 Pages stay thin: they read the :class:`Context` that :func:`sidebar.sidebar` builds (the loaded model
-and lenses), call ``jlens_core`` for every number, draw with :mod:`charts`, and wrap what may fail in
+and lenses), call ``jlens_core`` for every number, draw with :mod:`jlens_core.figures`, and wrap what may fail in
 :func:`guard`. The rest of the app's shared code has its own module: :mod:`cache` (cached loaders and
 readings), :mod:`lens_slots` (the lens pickers), :mod:`sidebar`, and :mod:`url_state` (the view kept
 in the URL).
