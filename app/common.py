@@ -22,8 +22,9 @@ from typing import Any
 import streamlit as st
 
 from jlens_core.files import assets_dir, atomic_write
+from jlens_core.lenses.header import LensFileError
 from jlens_core.lenses.kinds import BY_KIND
-from jlens_core.lenses.lens import JacobianLens, LensFileError, LogitLens
+from jlens_core.lenses.lens import JacobianLens, LogitLens
 from jlens_core.models.loading import DEFAULT_MODEL
 from jlens_core.reading.generation import MAX_NEW_TOKENS
 from jlens_core.workspace import Workspace, sanitise_filename

@@ -29,12 +29,11 @@ from jaxtyping import Float, Int
 
 from .._atomic import atomic_write
 from ..models.model import LensModel
-from .header import EXPERTS_FORMAT_NAME, header_or_none
+from .header import EXPERTS_FORMAT_NAME, LensFileError, header_or_none
 from .kinds import expert_kind
 from .lens import (
     LENS_RULES,
     JacobianLens,
-    LensFileError,
     MatrixTransportMixin,
     check_made_for,
     check_mergeable,
