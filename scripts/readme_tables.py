@@ -52,8 +52,11 @@ def per_layer_table(evals: pd.DataFrame, every: int = 4) -> tuple[str, str]:
     for layer in shown:
         cells = [f"{kl.at[layer, key]:.2f}" for key, _ in names] + [f"{ce.at[layer, key]:.2f}" for key, _ in main]
         lines.append(f"| {layer} | " + " | ".join(cells) + " |")
-    means = [f"{kl[key].mean():.2f}" for key, _ in names] + [f"{ce[key].mean():.2f}" for key, _ in main]
-    lines.append(f"| mean {kl.index.min()}-{kl.index.max()} | " + " | ".join(means) + " |")
+    # the mean over the source layers: the output row (every lens is the model there, KL 0) is left out
+    sources = kl.index[kl.index < kl.index.max()]
+    means = [f"{kl.loc[sources, key].mean():.2f}" for key, _ in names] + \
+        [f"{ce.loc[sources, key].mean():.2f}" for key, _ in main]
+    lines.append(f"| mean {sources.min()}-{sources.max()} | " + " | ".join(means) + " |")
     best = kl[[key for key, _ in names]].drop(index=kl.index.max()).idxmin(axis=1).value_counts()
     best_main = kl[[key for key, _ in main]].drop(index=kl.index.max()).idxmin(axis=1).value_counts()
     worse = [int(layer) for layer in kl.index if kl.at[layer, "jacobian"] > kl.at[layer, "logit"]]
