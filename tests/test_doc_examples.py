@@ -870,3 +870,13 @@ def test_python_blocks_run(page, tmp_path, monkeypatch):
             pytest.fail(f"{block.where}: {type(exc).__name__}: {exc}")
     print(f"{page.name}: {time.perf_counter() - started:.1f} s")
     assert os.getcwd() == str(tmp_path)
+
+
+def test_every_lens_option_names_every_form(parser):
+    """``--lens`` of eval, inspect and intervene names the forms that work: shipped variants and the Hub."""
+    subs = _subparsers(parser)
+    for command in ("eval", "inspect", "intervene"):
+        (action,) = [a for a in subs[command]._actions if "--lens" in a.option_strings]
+        for form in ("'default'", "'logit'", "'tuned'", "smollm2-135m:relevance", "smollm2-135m:jpp", "hf://",
+                     "tuned-lens folder"):
+            assert form in action.help, (command, form)

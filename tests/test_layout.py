@@ -20,7 +20,7 @@ PACKAGE = Path(jlens_core.__file__).resolve().parent
 APP = PACKAGE.parent / "app"
 
 # Leaves: top-level modules that import nothing from jlens_core.
-LEAVES = {"_atomic", "_version", "_paths", "corpus", "layerspec", "workspace"}
+LEAVES = {"_atomic", "_extras", "_version", "_paths", "corpus", "layerspec", "workspace"}
 RANKS = {"files": 1, "models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4, "plots": 4,
          "figures": 4, "cli": 5}
 # A result object draws itself (``reading.figure()``, ``evaluation.figure()``, ``reading._repr_html_``): these

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .._atomic import atomic_write, atomic_write_text
 from .main import CLIError, say
-from .model_args import add_model_arguments, model_loading_options
+from .model_args import LENS_HELP, add_model_arguments, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     import pandas as pd
@@ -234,8 +234,7 @@ def register(subparsers) -> None:
                                           "Writes eval.csv, eval.json and eval.png to --out.")
     add_model_arguments(e)
     e.add_argument("--lens", action="append", default=None,
-                   help="a lens file (Jacobian or tuned), a tuned-lens folder, 'default' (the shipped Jacobian lens), "
-                        "'tuned' (the shipped tuned lens) or 'logit'; repeat to compare (default: logit and default)")
+                   help=f"{LENS_HELP}; repeat to compare (default: logit and default)")
     e.add_argument("--corpus", default="stdlib-docs", help="'stdlib-docs', a .txt or .jsonl file, or a HF dataset")
     e.add_argument("--split", choices=["all", "fit", "eval"], default="eval",
                    help="corpus part (default 'eval': disjoint from what `jlens fit` uses by default)")
