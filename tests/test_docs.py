@@ -396,3 +396,41 @@ def test_an_unlisted_module_is_reported(tmp_path):
         "## Layout\n\n| rank | where | what |\n| --- | --- | --- |\n| 0 | `corpus.py` | leaves |\n"
         "| 2 | `lenses/` | `lens` (the lens) |\n\n## Next\n`extra` here does not count\n")
     assert unlisted_modules(tmp_path) == ["lenses/extra.py", "new_leaf.py"]
+
+
+# -- the README's headline figures come from the generated tables ----------------------------------
+
+def _marked_table(page: str, name: str) -> list[list[str]]:
+    body = page.split(f"<!-- readme_tables:{name} -->", 1)[1].split(f"<!-- /readme_tables:{name} -->", 1)[0]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
+            if line.startswith("|") and not line.startswith("| ---")]
+
+
+def headline_figures(results: str) -> dict[str, str]:
+    """The README headline's figures as results.md's generated tables state them (rounded as the README does)."""
+    per_layer = _marked_table(results, "per_layer")
+    head, mean = per_layer[0], next(r for r in per_layer if r[0].startswith("mean"))
+    kl = {label: mean[head.index(f"KL {label}")] for label in ("logit", "Jacobian", "tuned")}
+    comparison = {(r[0], r[1]): float(r[4].split()[0]) for r in _marked_table(results, "lens_comparison")[1:]}
+    swap_rows = _marked_table(results, "swap")
+    raw = swap_rows[1:swap_rows.index(next(r for r in swap_rows[1:] if r[0] == "centred"))]
+    best = {r[1]: round(100 * float(r[6].split()[0])) for r in raw}  # "0.48 at α=1 (...)" -> 48
+    return {
+        "kl": f"Jacobian lens {kl['Jacobian']}, logit lens {kl['logit']}",
+        "kl_tuned": f"reaches {kl['tuned']}",
+        "pass": (f"{comparison[('Jacobian', 'all')]:.2f} for the Jacobian lens, {comparison[('logit', 'all')]:.2f} "
+                 f"logit, {comparison[('tuned', 'all')]:.2f} tuned"),
+        "swap": (f"in {best['Jacobian']} % of eligible items, against {best['logit']} % for the logit lens's "
+                 f"directions and {best['random directions (control)']} % for"),
+        "variants": f"({min(best[k] for k in ('R-lens', 'J++', 'R++'))}-{max(best[k] for k in ('R-lens', 'J++', 'R++'))} %)",
+    }
+
+
+def test_the_readme_headline_states_the_generated_figures():
+    results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    figures = headline_figures(results)
+    missing = {name: text for name, text in figures.items() if text not in readme}
+    assert missing == {}, "README's headline disagrees with docs/results.md's generated tables"
+    changed = results.replace("| mean 0-28 | 19.50 | 11.22 |", "| mean 0-28 | 19.50 | 11.23 |")
+    assert changed != results and headline_figures(changed)["kl"] not in readme  # a changed table fails it
