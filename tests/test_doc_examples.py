@@ -192,9 +192,34 @@ def _import(module: str, name: str) -> Any:
     return getattr(mod, name)
 
 
-def _return_class(func: Any) -> type | None:
-    """The jlens class a function or method returns, when its annotation names exactly one (``X | None``
-    counts as ``X``); else ``None``."""
+def _resolve_annotation_name(name: str, target: Any) -> Any:
+    """The object a name in ``target``'s return annotation stands for (its module's names, the front door, or
+    an import under ``TYPE_CHECKING``), else ``None``."""
+    module = sys.modules.get(getattr(inspect.unwrap(target), "__module__", ""), None)
+    namespace = dict(vars(module)) if module else {}
+    import jlens_core
+
+    for space in (namespace, {n: getattr(jlens_core, n) for n in jlens_core.__all__ if n == name}):
+        try:
+            return eval(name, space)
+        except (NameError, AttributeError, SyntaxError):  # not defined in this namespace: the next
+            continue
+    if module is not None:  # a name imported under TYPE_CHECKING only
+        source = inspect.getsource(module)
+        imported = re.search(rf"from ([\w.]+) import [^\n]*\b{re.escape(name)}\b", source)
+        if imported:
+            base = imported.group(1)
+            if base.startswith("."):
+                package = module.__name__.rsplit(".", 1)[0] if not hasattr(module, "__path__") else module.__name__
+                base = importlib.util.resolve_name(base, package)
+            found = _import(base, name)
+            return None if found is _UNKNOWN else found
+    return None
+
+
+def _return_class(func: Any) -> Any:
+    """The jlens class a function or method returns: one class, a tuple of classes when the annotation names
+    several (``JacobianLens | ExpertLens``; ``None`` left out), or ``None`` when it names anything else."""
     target = func.fget if isinstance(func, property) else func
     try:
         annotation = inspect.signature(target).return_annotation
@@ -205,29 +230,24 @@ def _return_class(func: Any) -> type | None:
     if not isinstance(annotation, str):
         return None
     names = [part.strip() for part in annotation.split("|") if part.strip() not in ("None", "")]
-    if len(names) != 1 or not re.fullmatch(r"[\w.]+", names[0]):
+    if not names or not all(re.fullmatch(r"[\w.]+", n) for n in names):
         return None
-    module = sys.modules.get(getattr(inspect.unwrap(target), "__module__", ""), None)
-    namespace = dict(vars(module)) if module else {}
-    import jlens_core
+    found = [_resolve_annotation_name(n, target) for n in names]
+    if not all(isinstance(f, type) and _is_jlens(f) for f in found):
+        return None
+    return found[0] if len(found) == 1 else tuple(found)
 
-    found = None
-    for space in (namespace, {n: getattr(jlens_core, n) for n in jlens_core.__all__ if n == names[0]}):
-        try:
-            found = eval(names[0], space)
-            break
-        except (NameError, AttributeError, SyntaxError):  # not defined in this namespace: the next
-            found = None
-    if found is None and module is not None:  # a name imported under TYPE_CHECKING only
-        source = inspect.getsource(module)
-        imported = re.search(rf"from ([\w.]+) import [^\n]*\b{re.escape(names[0])}\b", source)
-        if imported:
-            base = imported.group(1)
-            if base.startswith("."):
-                package = module.__name__.rsplit(".", 1)[0] if not hasattr(module, "__path__") else module.__name__
-                base = importlib.util.resolve_name(base, package)
-            found = _import(base, names[0])
-    return found if isinstance(found, type) and _is_jlens(found) else None
+
+def _pick(classes: Any, name: str) -> type | None:
+    """The first of ``classes`` (a class or a tuple of them) whose instances have ``name``, else ``None``."""
+    for cls in classes if isinstance(classes, tuple) else (classes,):
+        if _has_attribute(cls, name):
+            return cls
+    return None
+
+
+def _names(classes: Any) -> str:
+    return " | ".join(c.__name__ for c in (classes if isinstance(classes, tuple) else (classes,)))
 
 
 def _has_attribute(cls: type, name: str) -> bool:
@@ -280,7 +300,7 @@ class _CallChecker(ast.NodeVisitor):
 
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}    # name -> the jlens module, class or function it is bound to
-        self.instances: dict[str, type] = {}  # variable -> the jlens class of its value
+        self.instances: dict[str, Any] = {}  # variable -> the jlens class (or classes) of its value
         self.problems: list[tuple[int, str]] = []
 
     # imports
@@ -301,7 +321,7 @@ class _CallChecker(ast.NodeVisitor):
                     module if alias.asname else importlib.import_module("jlens_core"))
 
     # what a call or expression gives
-    def value_of(self, node: ast.AST) -> tuple[Any, type | None]:
+    def value_of(self, node: ast.AST) -> tuple[Any, Any]:
         """(the jlens object an expression names, the jlens class of the value it computes)."""
         if isinstance(node, ast.Name):
             if node.id in self.objects:
@@ -318,10 +338,11 @@ class _CallChecker(ast.NodeVisitor):
                     return None, None
                 return (attr, None) if _is_jlens(attr) or inspect.isclass(obj) else (None, None)
             if cls is not None:
-                if not _has_attribute(cls, node.attr):
-                    self.problems.append((node.lineno, f"{cls.__name__} has no attribute {node.attr!r}"))
+                owner = _pick(cls, node.attr)
+                if owner is None:
+                    self.problems.append((node.lineno, f"{_names(cls)} has no attribute {node.attr!r}"))
                     return None, None
-                attr = inspect.getattr_static(cls, node.attr, None)
+                attr = inspect.getattr_static(owner, node.attr, None)
                 if isinstance(attr, property):
                     return None, _return_class(attr)
                 return None, None
@@ -330,7 +351,7 @@ class _CallChecker(ast.NodeVisitor):
             return None, self.check_call(node)
         return None, None
 
-    def check_call(self, node: ast.Call) -> type | None:
+    def check_call(self, node: ast.Call) -> Any:
         """Check one call; the jlens class it returns, if known."""
         for arg in [*node.args, *[k.value for k in node.keywords]]:
             self.visit(arg)
@@ -346,9 +367,11 @@ class _CallChecker(ast.NodeVisitor):
                     return None
                 what = f"{getattr(obj, '__name__', obj)}.{func.attr}"
             elif cls is not None:
-                if not _has_attribute(cls, func.attr):
-                    self.problems.append((node.lineno, f"{cls.__name__} has no attribute {func.attr!r}"))
+                owner = _pick(cls, func.attr)
+                if owner is None:
+                    self.problems.append((node.lineno, f"{_names(cls)} has no attribute {func.attr!r}"))
                     return None
+                cls = owner
                 static = inspect.getattr_static(cls, func.attr, None)
                 if not inspect.isfunction(static):
                     target = getattr(cls, func.attr, None)  # a classmethod or staticmethod binds as called
