@@ -270,8 +270,23 @@ def _has_attribute(cls: type, name: str) -> bool:
     return False
 
 
+def typed_keywords(func: Any, sig: inspect.Signature) -> set[str] | None:
+    """The keywords a ``**keywords: Unpack[SomeTypedDict]`` parameter takes (the TypedDict's keys), or ``None``
+    when ``func`` has no such parameter (a plain ``**kwargs`` takes anything)."""
+    for param in sig.parameters.values():
+        if param.kind is param.VAR_KEYWORD:
+            match = re.fullmatch(r"Unpack\[([\w.]+)\]", str(param.annotation).strip("'\""))
+            if not match:
+                return None
+            typed = _resolve_annotation_name(match.group(1), func)
+            keys = set(getattr(typed, "__annotations__", {}))
+            return keys or None
+    return None
+
+
 def _bind(func: Any, call: ast.Call, what: str, drop_first: bool = False) -> str | None:
-    """``None`` when ``call``'s arguments bind to ``func``'s signature, else the reason."""
+    """``None`` when ``call``'s arguments bind to ``func``'s signature, else the reason. A ``**keywords:
+    Unpack[TypedDict]`` parameter takes only the TypedDict's keys."""
     try:
         sig = inspect.signature(func)
     except (TypeError, ValueError):
@@ -279,6 +294,12 @@ def _bind(func: Any, call: ast.Call, what: str, drop_first: bool = False) -> str
     if drop_first:
         params = list(sig.parameters.values())[1:]
         sig = sig.replace(parameters=params)
+    typed = typed_keywords(func, sig)
+    if typed is not None:
+        named = {p.name for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        unknown = [k.arg for k in call.keywords if k.arg is not None and k.arg not in named | typed]
+        if unknown:
+            return f"{what} has no parameter {unknown[0]!r} (nor a keyword of its **keywords)"
     starred = any(isinstance(a, ast.Starred) for a in call.args)
     double = any(k.arg is None for k in call.keywords)
     keywords = [k.arg for k in call.keywords if k.arg is not None]
@@ -495,8 +516,9 @@ def signature_problems(text: str) -> list[str]:
         declared = not elided and ("*" in params or ":" in params or returns
                                     or re.search(r"(^|,)\s*\.\.\.\s*(,|$)", params))
         if isinstance(call, ast.Call) and not declared:
-            unknown = [k.arg for k in call.keywords if k.arg and k.arg not in real_params]
-            if unknown and not any(p.kind is p.VAR_KEYWORD for p in real_params.values()):
+            typed = typed_keywords(obj, real) or set()
+            unknown = [k.arg for k in call.keywords if k.arg and k.arg not in real_params and k.arg not in typed]
+            if unknown and (typed or not any(p.kind is p.VAR_KEYWORD for p in real_params.values())):
                 bad.append(f"`{span}`: {name} has no parameter {unknown[0]!r}")
             elif not elided:
                 try:
@@ -795,10 +817,11 @@ def test_every_replace_directive_matches_its_block():
 PAGE = """# A page
 
 ```python
-from jlens_core import load_model, read_prompt, default_lens
+from jlens_core import load_model, read_prompt, default_lens, fit
 model = load_model()
 lens = default_lens(model)
 r = read_prompt(model, lens, "Paris is", topk=5)
+fit(model, ["a text"], max_seq_len=64, max_seq_lenn=64)
 r.grid("kl_bits")
 r.no_such_method()
 ```
@@ -818,20 +841,22 @@ def test_a_renamed_keyword_a_missing_method_and_an_undefined_name_fail(tmp_path)
     blocks = python_blocks(page)
     assert [b.replace for b in blocks] == [[], [("n=20", "n=1")]]
     calls = call_problems(blocks)
-    assert len(calls) == 3, calls
+    assert len(calls) == 4, calls
     assert "read_prompt" in calls[0] and "'topk'" in calls[0] and calls[0].startswith("page.md:7:")
-    assert "PromptReading has no attribute 'no_such_method'" in calls[1] and calls[1].startswith("page.md:9:")
-    assert "no name 'no_such_name'" in calls[2]
+    assert "fit has no parameter 'max_seq_lenn'" in calls[1] and calls[1].startswith("page.md:8:")  # **keywords
+    assert "PromptReading has no attribute 'no_such_method'" in calls[2] and calls[2].startswith("page.md:10:")
+    assert "no name 'no_such_name'" in calls[3]
     names = undefined_names(blocks)
     assert len(names) == 1 and "undefined_thing" in names[0] and names[0].endswith(
-        "F821 Undefined name `undefined_thing`") and ":15:" in names[0]
+        "F821 Undefined name `undefined_thing`") and ":16:" in names[0]
     with pytest.raises(ValueError, match="matches nothing"):
         blocks[1].runnable_text()
 
 
 def test_the_real_keywords_pass(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text(PAGE.split("<!--")[0].replace("topk=5", "top_k=5").replace("r.no_such_method()\n", ""))
+    page.write_text(PAGE.split("<!--")[0].replace("topk=5", "top_k=5").replace("r.no_such_method()\n", "")
+                    .replace("max_seq_lenn", "dim_batch"))
     assert call_problems(python_blocks(page)) == []
     assert undefined_names(python_blocks(page)) == []
 

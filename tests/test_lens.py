@@ -100,7 +100,8 @@ def test_save_load_round_trip_fp32_is_exact(tmp_path):
     assert back.diagnostics == lens.diagnostics and len(back.diagnostics) == 2 * 3
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["jlens"])
-        assert sorted(f.keys()) == ["J.0", "J.1", "J.2"]
+        # the lens's own matrices, and its split halves under their prefix (docs/method.md §3.3)
+        assert sorted(f.keys()) == ["J.0", "J.1", "J.2", *[f"half.{h}.J.{k}" for h in ("even", "odd") for k in range(3)]]
     assert meta["format"] == "jlens" and meta["format_version"] == 1
     assert meta["source_layers"] == [0, 1, 2] and meta["target_layer"] == 3
     JacobianLens.load(path, model=tiny())  # its own model is accepted

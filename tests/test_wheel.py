@@ -125,8 +125,10 @@ def test_the_wheel_carries_its_assets_app_and_license(venv):
     size = venv["wheel"].stat().st_size
     assert size < 100e6, f"the wheel is {size / 1e6:.1f} MB: PyPI refuses wheels over 100 MB (ship fp16 one-matrix lenses only)"
     names = zipfile.ZipFile(venv["wheel"]).namelist()
-    for needed in ("jlens_assets/lenses/smollm2-135m.safetensors", "jlens_assets/evaluations/two_hop.json",
-                   "jlens_assets/example_prompts.json", "jlens_app/main.py", "jlens_app/views/inspect.py"):
+    for needed in ("jlens_assets/lenses/smollm2-135m.safetensors", "jlens_assets/lenses/smollm2-135m.relevance.safetensors",
+                   "jlens_assets/evaluations/two_hop.json",
+                   "jlens_assets/example_prompts.json", "jlens_app/main.py", "jlens_app/views/inspect.py",
+                   "jlens_core/evaluation/passk.py"):
         assert needed in names
     licence = [n for n in names if re.search(r"\.dist-info/(licenses/)?LICENSE$", n)]
     assert licence, "LICENSE is not in the wheel's dist-info"

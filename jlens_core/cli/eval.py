@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .._atomic import atomic_write, atomic_write_text
 from .main import CLIError, say
-from .model_args import LENS_HELP, add_model_arguments, model_loading_options
+from .model_args import LENS_HELP, add_corpus_arguments, add_model_arguments, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     import pandas as pd
@@ -33,11 +33,12 @@ def resolve_lenses(specs: list[str], model: LensModel, shrinkage: list[float] | 
     ``tuned`` (the shipped tuned lens), a lens file (Jacobian or tuned) or a tuned-lens folder.
 
     A lens is named by its kind (``jacobian``, ``relevance``, ``tuned``, ``jacobian++`` for a combined J++
-    file, :func:`~jlens_core.lenses.shipped.lens_kind`) unless two of a kind are given, then by its file name.
+    file, :func:`~jlens_core.lenses.kinds.lens_kind`) unless two of a kind are given, then by its file name.
     Each Jacobian lens also appears shrunk, ``(1 - a) J + a I``, once per ``shrinkage`` value.
     """
+    from ..lenses.kinds import lens_kind
     from ..lenses.lens import JacobianLens, LogitLens
-    from ..lenses.shipped import default_lens, default_tuned_lens, lens_kind, load_lens
+    from ..lenses.loading import default_lens, default_tuned_lens, load_lens
 
     loaded: list[tuple[str, str, Lens]] = []
     for spec in specs:
@@ -65,7 +66,7 @@ def resolve_lenses(specs: list[str], model: LensModel, shrinkage: list[float] | 
 
 
 def _plot(frame, out: Path, title: str) -> Path | None:
-    from ..plots import plot_eval_curves
+    from ..figures.png_plots import plot_eval_curves
 
     try:
         return plot_eval_curves(frame, out, title)
@@ -76,7 +77,7 @@ def _plot(frame, out: Path, title: str) -> Path | None:
 def _run_per_layer(model: LensModel, lenses: dict[str, Lens], texts: list[str], args: argparse.Namespace,
                    out: Path) -> pd.DataFrame:
     """Per-layer KL / cross-entropy of every lens on ``texts``, written to ``eval.csv``."""
-    from ..reading.evaluation import evaluate
+    from ..evaluation.by_layer import evaluate
 
     bar = _bar(len(texts) * len(lenses), "eval", args.no_progress)
     frame = evaluate(model, lenses, texts, max_seq_len=args.max_seq_len,
@@ -93,7 +94,7 @@ def _run_pass_at_k(model: LensModel, lenses: dict[str, Lens], eval_sets: list[tu
     the per-item detail to ``pass_at_k_detail.csv``."""
     import pandas as pd
 
-    from ..reading.passk import macro_mean, pass_at_k
+    from ..evaluation.passk import macro_mean, pass_at_k
 
     tables, details = [], []
     for name, items in eval_sets:
@@ -159,9 +160,9 @@ def _print_tables(frame: pd.DataFrame | None, passes: pd.DataFrame | None, swaps
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from ..corpus import load_corpus
+    from ..evaluation.passk import decoy_items, load_eval_set
     from ..interventions.swap_success import load_swap_set
     from ..models.loading import load_model
-    from ..reading.passk import decoy_items, load_eval_set
 
     readout = parse_readout(args.readout)
     eval_sets = [(name, load_eval_set(name)) for name in args.pass_at_k or []]  # bad files fail before loading
@@ -208,7 +209,7 @@ def parse_readout(value: str | None):
         return None
     if value.startswith("before:"):
         return {"before": value[len("before:"):]}
-    from ..reading.passk import check_readout
+    from ..evaluation.passk import check_readout
 
     return check_readout(value, "--readout")
 
@@ -235,12 +236,9 @@ def register(subparsers) -> None:
     add_model_arguments(e)
     e.add_argument("--lens", action="append", default=None,
                    help=f"{LENS_HELP}; repeat to compare (default: logit and default)")
-    e.add_argument("--corpus", default="stdlib-docs", help="'stdlib-docs', a .txt or .jsonl file, or a HF dataset")
-    e.add_argument("--split", choices=["all", "fit", "eval"], default="eval",
-                   help="corpus part (default 'eval': disjoint from what `jlens fit` uses by default)")
-    e.add_argument("--n-texts", type=int, default=100,
-                   help="texts to evaluate on (default 100; 0 skips the evaluation by layer)")
-    e.add_argument("--min-chars", type=int, default=400, help="skip texts shorter than this (default 400)")
+    add_corpus_arguments(e, split="eval", split_help="corpus part (default 'eval': disjoint from what `jlens fit` uses "
+                                                     "by default)",
+                         n_texts=100, n_texts_help="texts to evaluate on (default 100; 0 skips the evaluation by layer)")
     e.add_argument("--max-seq-len", type=int, default=128, help="truncate texts to this many tokens (default 128)")
     e.add_argument("--shrinkage", type=float, action="append", default=None,
                    help="also evaluate each Jacobian lens shrunk as (1-a) J + a I; repeat for several a")

@@ -42,9 +42,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from jaxtyping import Bool, Float, Int
 
-from ..layerspec import resolve_layers  # re-exported: its old home, imported by others
-from ..models.model import LensModel
+from ..layerspec import resolve_layers
+from ..models.model import LensModel, kv_cache_problem
 from ..models.recorder import ActivationRecorder
 from .fused import (
     FusedMismatchError,
@@ -80,16 +81,16 @@ class PromptJacobian:
         layer_major: the fused method's order, when a memory budget chose it; else ``None``.
     """
 
-    jacobians: dict[int, torch.Tensor]
+    jacobians: dict[int, Float[torch.Tensor, "d_model d_model"]]
     seq_len: int
     n_valid: int
-    expert_sums: dict[int, torch.Tensor] | None = None
-    expert_counts: dict[int, torch.Tensor] | None = None
+    expert_sums: dict[int, Float[torch.Tensor, "experts d_model d_model"]] | None = None
+    expert_counts: dict[int, Int[torch.Tensor, " experts"]] | None = None
     dim_batch: int | None = None
     layer_major: bool | None = None
 
 
-def valid_position_mask(seq_len: int, skip_first: int = 16) -> torch.Tensor:
+def valid_position_mask(seq_len: int, skip_first: int = 16) -> Bool[torch.Tensor, " seq"]:
     """``BoolTensor[seq_len]``, true on ``V = [skip_first, seq_len - 1)``.
 
     Raises:
@@ -152,24 +153,9 @@ def _one_hot_cotangents(rows: range, batch: int, n_valid: int, d_model: int, lik
     return cot
 
 
-# Cache layers holding plain attention keys/values: a prefix run once and continued is exact.
-_PLAIN_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
-
-
 # fp32 noise of an exact cached run is ~3e-7 relative; a family above this (Gemma 4: ~3e-6, which
 # moves the Jacobian by ~1e-4) runs the whole prompt instead.
 _PROBE_RTOL = 1e-6
-
-
-def _plain_kv_cache(cache) -> str | None:
-    """Why ``cache`` is not plain attention keys/values (``None`` when it is)."""
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        return f"its cache is a {type(cache).__name__}, not a layered key/value cache"
-    other = sorted({type(layer).__name__ for layer in layers} - set(_PLAIN_CACHE_LAYERS))
-    if other:
-        return f"its cache holds {', '.join(other)} (recurrent, convolutional or indexer state)"
-    return None
 
 
 def _prefix_cache_usable(model: LensModel, ids: torch.Tensor, target: int, skip_first: int) -> bool:
@@ -196,7 +182,7 @@ def _prefix_cache_usable(model: LensModel, ids: torch.Tensor, target: int, skip_
             cache = None
             if skip_first > 0:
                 cache = model.run_with_cache(ids[:, :skip_first], use_cache=True)
-                reason = _plain_kv_cache(cache)
+                reason = kv_cache_problem(cache)
             if reason is None:
                 with ActivationRecorder(model.layers, [target], stop_after=target) as rec:
                     model.run_with_cache(ids[:, skip_first: seq_len - 1], cache=cache)
@@ -269,7 +255,8 @@ def _remember(model: LensModel, attr: str, value: bool) -> None:
         pass
 
 
-def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Tensor, *, source_layers: Iterable[int] | None = None,
+def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | Int[torch.Tensor, "*shape"], *,
+                        source_layers: Iterable[int] | None = None,
                         target_layer: int | None = None, dim_batch: int | str = 8, max_seq_len: int = 128,
                         skip_first: int = 16, method: str = "auto", rules: str = "jacobian",
                         clustering: Mapping[int, Clustering] | None = None,

@@ -1,7 +1,8 @@
 """Expert lenses (J++ and R++): one Jacobian per cluster of source residuals (docs/method.md §9.1, experts).
 
 Per source layer ``l`` the fit's kept positions are clustered by their layer-``l`` residual
-(:class:`Clustering`: unit length, centred, top-``k`` principal components, k-means with ``E``
+(:class:`Clustering`, made by :func:`jlens_core.fitting.expert_clusters.fit_clustering`: unit length, centred,
+top-``k`` principal components, k-means with ``E``
 centroids); each source position's row block of the Jacobian is averaged into its own cluster's
 matrix ``J_{l,e}``. :class:`ExpertLens` holds the pooled lens, the ``E`` expert matrices, their
 position counts and the clustering, and reads with one matrix per layer,
@@ -13,7 +14,6 @@ matrices, which reads at a J lens's cost.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import operator
@@ -24,10 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from jaxtyping import Float, Int
 
-from .._atomic import atomic_write
 from ..models.model import LensModel
+from .header import EXPERTS_FORMAT_NAME, header_or_none
+from .kinds import expert_kind
 from .lens import (
+    HALF_NAMES,
+    HALF_PREFIX,
     LENS_RULES,
     JacobianLens,
     LensFileError,
@@ -35,10 +39,13 @@ from .lens import (
     check_made_for,
     check_mergeable,
     checked_rules,
+    extra_tensors,
+    half_prompts_of,
     merged_prompts,
+    own_tensors,
     prompt_weighted_mean,
     read_lens_safetensors,
-    storage_dtype,
+    write_lens_file,
 )
 
 if TYPE_CHECKING:
@@ -46,11 +53,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EXPERTS_FORMAT_NAME = "jlens-experts"
 EXPERTS_FORMAT_VERSION = 1
 # Below this many positions an expert's own mean is too noisy: it reads with the pooled matrix instead.
 MIN_POSITIONS = 50
-_UNIT_EPS = 1e-12  # a residual of norm below this is scaled as if of this norm (avoids 0 / 0)
+UNIT_EPS = 1e-12  # a residual of norm below this is scaled as if of this norm (avoids 0 / 0)
 
 
 @dataclass
@@ -87,7 +93,7 @@ class Clustering:
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """``[..., d] -> [..., k]``: scaled to unit length, centred, projected (fp32, on ``h``'s device)."""
         x = h.float()
-        x = x / x.norm(dim=-1, keepdim=True).clamp_min(_UNIT_EPS)
+        x = x / x.norm(dim=-1, keepdim=True).clamp_min(UNIT_EPS)
         return (x - self.mean.to(x.device)) @ self.components.to(x.device).T
 
     def assign(self, h: torch.Tensor) -> torch.Tensor:
@@ -107,101 +113,6 @@ class Clustering:
         """Whether both hold the same tensors (exactly)."""
         return all(a.shape == b.shape and torch.equal(a, b) for a, b in
                    ((self.mean, other.mean), (self.components, other.components), (self.centroids, other.centroids)))
-
-
-def _kmeans_pp(z: torch.Tensor, experts: int, gen: torch.Generator) -> torch.Tensor:
-    """k-means++ seeding of ``z`` [n, k] (fp64): ``[E, k]`` centroids drawn from the points."""
-    n = z.shape[0]
-    first = int(torch.randint(n, (1,), generator=gen))
-    centroids = [z[first]]
-    closest = (z - z[first]).pow(2).sum(-1)  # [n] squared distance to the nearest chosen centroid
-    for _ in range(1, experts):
-        total = float(closest.sum())
-        if total > 0:
-            pick = int(torch.multinomial(closest / total, 1, generator=gen))
-        else:  # every point sits on a chosen centroid: any point will do
-            pick = int(torch.randint(n, (1,), generator=gen))
-        centroids.append(z[pick])
-        closest = torch.minimum(closest, (z - z[pick]).pow(2).sum(-1))
-    return torch.stack(centroids)
-
-
-def _squared_distances(z: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """``[n, E]`` squared distances of points ``z`` [n, k] to ``centroids`` [E, k]."""
-    return (z.pow(2).sum(-1, keepdim=True) - 2 * z @ centroids.T + centroids.pow(2).sum(-1)).clamp_min(0)
-
-
-def kmeans(z: torch.Tensor, experts: int, *, seed: int = 0, max_iter: int = 100, tol: float = 1e-6) -> torch.Tensor:
-    """Lloyd's k-means on ``z`` [n, k] from a seeded k-means++ start: ``[E, k]`` centroids (fp64).
-
-    Each iteration assigns every point to its nearest centroid and moves each centroid to the mean of
-    its points; a cluster left empty is re-seeded at the point farthest from its own centroid (that
-    point then leaves its cluster). Stops after ``max_iter`` iterations or once no centroid moved by
-    more than ``tol`` (Euclidean, in ``z``'s units).
-    """
-    z = z.double()
-    gen = torch.Generator().manual_seed(int(seed))
-    centroids = _kmeans_pp(z, experts, gen)
-    for _ in range(max_iter):
-        dist = _squared_distances(z, centroids)  # [n, E]
-        labels = dist.argmin(-1)
-        counts = torch.bincount(labels, minlength=experts)
-        for e in torch.nonzero(counts == 0).flatten().tolist():  # re-seed an empty cluster at the farthest point
-            own = dist.gather(1, labels[:, None])[:, 0]
-            far = int(own.argmax())
-            labels[far] = e
-            dist[far] = 0.0  # taken: the next empty cluster gets another point
-            counts = torch.bincount(labels, minlength=experts)
-        new = torch.zeros_like(centroids).index_add_(0, labels, z) / counts[:, None].clamp_min(1).to(z.dtype)
-        shift = float((new - centroids).norm(dim=-1).max())
-        centroids = new
-        if shift <= tol:
-            break
-    return centroids
-
-
-def fit_clustering(residuals: torch.Tensor, experts: int = 8, components: int = 64, *, seed: int = 0,
-                   max_iter: int = 100, tol: float = 1e-6, layer: int | None = None) -> Clustering:
-    """Cluster one source layer's residuals (docs/method.md §9.1, experts).
-
-    Each residual is scaled to unit length; the mean of those is subtracted; the result is projected
-    onto its top ``min(components, d, n)`` principal components (SVD, fp64; each component's sign
-    makes its largest-magnitude entry positive); :func:`kmeans` then finds ``experts`` centroids there.
-
-    Args:
-        residuals: ``[n, d]``, one row per kept position (any float dtype, any device).
-        experts: ``E``, the number of clusters (>= 1).
-        components: ``k``, the principal components kept (>= 1).
-        seed: seeds the k-means++ start.
-        max_iter, tol: k-means stopping rules (:func:`kmeans`).
-        layer: the source layer, named in errors.
-
-    Raises:
-        ValueError: fewer positions than ``experts``, ``experts < 1``, ``components < 1`` or a
-            residual array that is not ``[n, d]``.
-    """
-    where = "" if layer is None else f" of layer {layer}"
-    if experts < 1:
-        raise ValueError(f"experts={experts} must be >= 1.")
-    if components < 1:
-        raise ValueError(f"components={components} must be >= 1.")
-    if residuals.dim() != 2:
-        raise ValueError(f"The residuals{where} must be [n, d], got shape {tuple(residuals.shape)}.")
-    n, d = residuals.shape
-    if n < experts:
-        raise ValueError(f"The clustering{where} saw {n} positions, fewer than experts={experts}: give more "
-                         "cluster prompts (cluster_prompts, --cluster-prompts) or ask for fewer experts.")
-    x = residuals.detach().double().cpu()
-    x = x / x.norm(dim=-1, keepdim=True).clamp_min(_UNIT_EPS)
-    mean = x.mean(0)
-    centred = x - mean
-    _u, _s, vh = torch.linalg.svd(centred, full_matrices=False)  # vh: [min(n, d), d]
-    k = min(components, d, n)
-    comps = vh[:k]
-    signs = torch.sign(comps.gather(1, comps.abs().argmax(1, keepdim=True)))  # [k, 1]
-    comps = comps * torch.where(signs == 0, torch.ones_like(signs), signs)
-    centroids = kmeans(centred @ comps.T, experts, seed=seed, max_iter=max_iter, tol=tol)
-    return Clustering(mean=mean.float(), components=comps.float(), centroids=centroids.float())
 
 
 def _unit(weights: torch.Tensor, what: str) -> torch.Tensor:
@@ -232,19 +143,25 @@ class ExpertLens(MatrixTransportMixin):
         weight_items: the labelled items the weights were learned on.
         min_positions: experts with fewer positions fall back to the pooled matrix.
         n_layers, settings, model_name, model_fingerprint, diagnostics, stop_reason: as in :class:`JacobianLens`.
+        halves: the split halves ``(even, odd)`` (docs/method.md §3.3): two expert lenses of the same layers and
+            clustering, without weights (:meth:`halves` reads them with this lens's weights), or ``None``.
 
     Raises:
         ValueError: a layer missing from one of the dicts, a shape that is not as above, different
-            ``E`` across layers, unknown ``rules``, or weights without their items.
+            ``E`` across layers, unknown ``rules``, weights without their items, or halves that are not two
+            expert lenses of these layers.
     """
 
-    def __init__(self, pooled: dict[int, torch.Tensor], experts: dict[int, torch.Tensor],
-                 counts: dict[int, torch.Tensor], clustering: dict[int, Clustering], n_prompts: int,
+    def __init__(self, pooled: dict[int, Float[torch.Tensor, "d_model d_model"]],
+                 experts: dict[int, Float[torch.Tensor, "experts d_model d_model"]],
+                 counts: dict[int, Int[torch.Tensor, " experts"]], clustering: dict[int, Clustering], n_prompts: int,
                  d_model: int, *, target_layer: int, rules: str = "jacobian",
-                 weights: dict[int, torch.Tensor] | None = None, weight_items: list[str] | None = None,
+                 weights: dict[int, Float[torch.Tensor, " experts"]] | None = None,
+                 weight_items: list[str] | None = None,
                  min_positions: int = MIN_POSITIONS, n_layers: int | None = None, settings: dict | None = None,
                  model_name: str | None = None, model_fingerprint: dict | None = None,
-                 diagnostics: list[dict] | None = None, stop_reason: str | None = None) -> None:
+                 diagnostics: list[dict] | None = None, stop_reason: str | None = None,
+                 halves: tuple[ExpertLens, ExpertLens] | None = None) -> None:
         if not pooled:
             raise ValueError("An ExpertLens needs at least one layer's matrices.")
         if rules not in LENS_RULES:
@@ -284,6 +201,7 @@ class ExpertLens(MatrixTransportMixin):
         self._set_fit_record(n_prompts, target_layer, n_layers, settings, model_name, model_fingerprint,
                              diagnostics, stop_reason)
         self._matrix_cache: dict[int, torch.Tensor] = {}
+        self._set_halves(halves)
 
     def _checked_weights(self, w: torch.Tensor, layer: int) -> torch.Tensor:
         w = torch.as_tensor(w, dtype=torch.float32).cpu()
@@ -297,7 +215,7 @@ class ExpertLens(MatrixTransportMixin):
     def kind(self) -> str:
         """``"jacobian-experts"`` / ``"relevance-experts"`` (uniform weights), ``"jacobian++"`` / ``"relevance++"``
         (learned weights: the J++ and R++ lenses)."""
-        return f"{self.rules}++" if self.weights is not None else f"{self.rules}-experts"
+        return expert_kind(self.rules, weighted=self.weights is not None)
 
     @property
     def source_layers(self) -> list[int]:
@@ -313,7 +231,7 @@ class ExpertLens(MatrixTransportMixin):
         if layer not in self.pooled:
             raise KeyError(f"This lens was fitted at layers {self.source_layers}, not at layer {layer}.")
 
-    def expert_matrices(self, layer: int) -> torch.Tensor:
+    def expert_matrices(self, layer: int) -> Float[torch.Tensor, "experts d_model d_model"]:
         """``[E, d, d]`` fp32: ``J_{l,e}``, with the pooled matrix for each expert of < ``min_positions`` positions.
 
         Raises:
@@ -326,11 +244,12 @@ class ExpertLens(MatrixTransportMixin):
             mats = torch.where(few[:, None, None], self.pooled[layer][None], mats)
         return mats
 
-    def uniform_weights(self) -> torch.Tensor:
+    def uniform_weights(self) -> Float[torch.Tensor, " experts"]:
         """``[E]``: all ones, scaled to unit L2 norm (``1 / sqrt(E)`` each)."""
         return torch.full((self.n_experts,), 1.0 / math.sqrt(self.n_experts))
 
-    def combined(self, layer: int, weights: torch.Tensor) -> torch.Tensor:
+    def combined(self, layer: int,
+                 weights: Float[torch.Tensor, " experts"]) -> Float[torch.Tensor, "d_model d_model"]:
         """``sum_e w_e J_{l,e}``: fp32 ``[d, d]`` from ``weights`` ``[E]`` (used as given, not renormalised).
 
         Raises:
@@ -342,12 +261,12 @@ class ExpertLens(MatrixTransportMixin):
             raise ValueError(f"weights has shape {tuple(w.shape)}, expected ({self.n_experts},).")
         return torch.einsum("e,eij->ij", w, self.expert_matrices(layer))
 
-    def layer_weights(self, layer: int) -> torch.Tensor:
+    def layer_weights(self, layer: int) -> Float[torch.Tensor, " experts"]:
         """``[E]``: the learned weights of ``layer``, or the uniform ones when none are learned."""
         self._check_layer(layer)
         return self.weights[layer] if self.weights is not None else self.uniform_weights()
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """``sum_e w_e J_{l,e}`` with the learned (or uniform) weights, fp32 ``[d, d]``; ``I`` at the target.
 
         Raises:
@@ -359,6 +278,17 @@ class ExpertLens(MatrixTransportMixin):
         if mat is None:
             mat = self._matrix_cache[layer] = self.combined(layer, self.layer_weights(layer))
         return mat
+
+    def halves(self) -> tuple[ExpertLens, ExpertLens] | None:
+        """The split halves (docs/method.md §3.3) as :meth:`MatrixTransportMixin.halves` says, reading with this
+        lens's learned weights (when it has them) and ``min_positions``."""
+        base = super().halves()
+        if base is None:
+            return None
+        return (self._weighted_half(base[0]), self._weighted_half(base[1]))
+
+    def _weighted_half(self, half: ExpertLens) -> ExpertLens:
+        return half._copy(weights=self.weights, weight_items=self.weight_items, min_positions=self.min_positions)
 
     def check_model(self, model: LensModel) -> None:
         """Raise :class:`LensFileError` if this lens was fitted for another model than ``model``."""
@@ -373,11 +303,12 @@ class ExpertLens(MatrixTransportMixin):
             "rules": self.rules, "weights": self.weights, "weight_items": self.weight_items,
             "min_positions": self.min_positions, "n_layers": self.n_layers, "settings": self.settings,
             "model_name": self.model_name, "model_fingerprint": self.model_fingerprint,
-            "diagnostics": self.diagnostics, "stop_reason": self.stop_reason}
+            "diagnostics": self.diagnostics, "stop_reason": self.stop_reason, "halves": self.raw_halves}
         args.update(changes)
         return ExpertLens(**args)
 
-    def with_weights(self, weights: dict[int, torch.Tensor] | None, items: Sequence[str] = ()) -> ExpertLens:
+    def with_weights(self, weights: dict[int, Float[torch.Tensor, " experts"]] | None,
+                     items: Sequence[str] = ()) -> ExpertLens:
         """A copy that reads with ``weights`` (``{layer: Tensor[E]}``, renormalised to unit L2 norm), learned
         on the labelled ``items`` (their names, recorded in the file); ``None`` goes back to uniform weights.
 
@@ -398,10 +329,13 @@ class ExpertLens(MatrixTransportMixin):
                                         for layer in self.source_layers},
                         weight_items=list(self.weight_items), min_positions=self.min_positions,
                         expert_counts={str(layer): self.counts[layer].tolist() for layer in self.source_layers})
+        raw = self.raw_halves
+        halves = None if raw is None else tuple(self._weighted_half(h).to_jacobian_lens() for h in raw)
         return JacobianLens({layer: self.matrix(layer) for layer in self.source_layers}, self.n_prompts,
                             self.d_model, target_layer=self.target_layer, n_layers=self.n_layers,
                             settings=settings, model_name=self.model_name, model_fingerprint=self.model_fingerprint,
-                            diagnostics=self.diagnostics, stop_reason=self.stop_reason, rules=self.rules)
+                            diagnostics=self.diagnostics, stop_reason=self.stop_reason, rules=self.rules,
+                            halves=halves)  # type: ignore[arg-type]
 
     def pooled_lens(self) -> JacobianLens:
         """The plain lens of the same fit (the per-prompt mean of docs/method.md §3), as a :class:`JacobianLens`.
@@ -409,10 +343,12 @@ class ExpertLens(MatrixTransportMixin):
         Its settings are the fit's without ``experts`` and ``cluster_prompts``: it is the lens a fit without
         experts gives, and a reader of those keys would take it for a combination of experts."""
         settings = {key: value for key, value in self.settings.items() if key not in ("experts", "cluster_prompts")}
+        raw = self.raw_halves
         return JacobianLens(self.pooled, self.n_prompts, self.d_model, target_layer=self.target_layer,
                             n_layers=self.n_layers, settings=settings, model_name=self.model_name,
                             model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
-                            stop_reason=self.stop_reason, rules=self.rules)
+                            stop_reason=self.stop_reason, rules=self.rules,
+                            halves=None if raw is None else (raw[0].pooled_lens(), raw[1].pooled_lens()))
 
     # -- files ---------------------------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:
@@ -424,31 +360,36 @@ class ExpertLens(MatrixTransportMixin):
                 "weighted": self.weights is not None, "weight_items": self.weight_items,
                 "stop_reason": self.stop_reason, "diagnostics": self.diagnostics}
 
-    def save(self, path: str | os.PathLike, *, dtype: str | torch.dtype = "float32") -> Path:
+    def _file_tensors(self, store: torch.dtype, *, for_half: bool = False) -> dict[str, torch.Tensor]:
+        # clone: layers may share one clustering or counts tensor, which safetensors refuses to store
+        tensors: dict[str, torch.Tensor] = {}
+        for layer in self.source_layers:
+            tensors[f"J.{layer}"] = self.pooled[layer].to(store).contiguous().clone()
+            tensors[f"experts.{layer}"] = self.experts[layer].to(store).contiguous().clone()
+            tensors[f"counts.{layer}"] = self.counts[layer].contiguous().clone()
+            if for_half:  # a half shares the lens's clustering and reads with its weights
+                continue
+            clus = self.clustering[layer]
+            tensors[f"clustering.mean.{layer}"] = clus.mean.contiguous().clone()
+            tensors[f"clustering.components.{layer}"] = clus.components.contiguous().clone()
+            tensors[f"clustering.centroids.{layer}"] = clus.centroids.contiguous().clone()
+            if self.weights is not None:
+                tensors[f"weights.{layer}"] = self.weights[layer].contiguous().clone()
+        return tensors
+
+    def save(self, path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", halves: bool = True) -> Path:
         """Write the lens as safetensors, atomically; returns the path written (docs/method.md §4.1).
 
         Tensors per source layer ``l``: ``J.l`` (pooled, ``[d, d]``), ``experts.l`` (``[E, d, d]``) in
         ``dtype`` (``float32`` or ``float16``; fp16 refuses values beyond its range: warns, stores fp32);
         ``counts.l`` (int64 ``[E]``); ``clustering.mean.l`` (``[d]``), ``clustering.components.l``
         (``[k, d]``), ``clustering.centroids.l`` (``[E, k]``) and ``weights.l`` (``[E]``, when learned), fp32.
+        ``halves`` (default) also writes the split halves when the lens keeps them: each half's ``J``, ``experts``
+        and ``counts`` under ``half.even.`` / ``half.odd.`` (docs/method.md §3.3), about 3x the size.
         """
-        from safetensors.torch import save_file
-
-        store = storage_dtype(dtype, [*self.pooled.values(), *self.experts.values()])
-        tensors: dict[str, torch.Tensor] = {}
-        for layer in self.source_layers:
-            clus = self.clustering[layer]
-            tensors[f"J.{layer}"] = self.pooled[layer].to(store).contiguous().clone()
-            tensors[f"experts.{layer}"] = self.experts[layer].to(store).contiguous().clone()
-            tensors[f"counts.{layer}"] = self.counts[layer].contiguous().clone()
-            tensors[f"clustering.mean.{layer}"] = clus.mean.contiguous().clone()
-            tensors[f"clustering.components.{layer}"] = clus.components.contiguous().clone()
-            tensors[f"clustering.centroids.{layer}"] = clus.centroids.contiguous().clone()
-            if self.weights is not None:
-                tensors[f"weights.{layer}"] = self.weights[layer].contiguous().clone()
-        # clone: layers may share one clustering or counts tensor, which safetensors refuses to store
-        meta = {"format": EXPERTS_FORMAT_NAME, "jlens": json.dumps(self.metadata())}
-        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), shared=True)
+        write_lens_file(path, EXPERTS_FORMAT_NAME, self.metadata(), self, dtype,
+                        [*self.pooled.values(), *self.experts.values()], halves)
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, model: LensModel | None = None) -> ExpertLens:
@@ -466,6 +407,8 @@ class ExpertLens(MatrixTransportMixin):
                                               f"no {EXPERTS_FORMAT_NAME!r} metadata): load it with JacobianLens.load "
                                               "or load_lens.", key=str)
         rules = checked_rules(path, info, what="expert lens", version=EXPERTS_FORMAT_VERSION)
+        every = tensors
+        tensors = own_tensors(every)
         layers = [int(layer) for layer in info.get("source_layers", [])]
         if not layers:
             raise LensFileError(f"{str(path)!r} names no source layer.")
@@ -481,6 +424,11 @@ class ExpertLens(MatrixTransportMixin):
             raise LensFileError(f"{str(path)!r} says it has learned weights but lacks some: learn them again "
                                 "(jlens weigh).")
         try:
+            halves = None
+            half_prompts = half_prompts_of(info)
+            if half_prompts is not None:
+                halves = tuple(cls._half_from_file(extra_tensors(every, f"{HALF_PREFIX}{name}."), layers, n, tensors,
+                                                   info, rules) for name, n in zip(HALF_NAMES, half_prompts))
             lens = cls({layer: tensors[f"J.{layer}"] for layer in layers},
                        {layer: tensors[f"experts.{layer}"] for layer in layers},
                        {layer: tensors[f"counts.{layer}"] for layer in layers},
@@ -492,12 +440,26 @@ class ExpertLens(MatrixTransportMixin):
                        weight_items=info.get("weight_items"), min_positions=info.get("min_positions", MIN_POSITIONS),
                        n_layers=info.get("n_layers"), settings=info.get("settings"),
                        model_name=info.get("model_name"), model_fingerprint=info.get("model_fingerprint"),
-                       diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"))
+                       diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"),
+                       halves=halves)  # type: ignore[arg-type]
         except (ValueError, KeyError) as exc:
             raise LensFileError(f"{str(path)!r} is not a consistent expert lens: {exc}") from exc
         if model is not None:
             lens.check_model(model)
         return lens
+
+    @classmethod
+    def _half_from_file(cls, half: dict[str, torch.Tensor], layers: list[int], n_prompts: int,
+                        tensors: dict[str, torch.Tensor], info: dict[str, Any], rules: str) -> ExpertLens:
+        """One half from its tensors in a file (``J``, ``experts``, ``counts``), with the lens's clustering."""
+        return cls({layer: half[f"J.{layer}"] for layer in layers},
+                   {layer: half[f"experts.{layer}"] for layer in layers},
+                   {layer: half[f"counts.{layer}"] for layer in layers},
+                   {layer: Clustering(tensors[f"clustering.mean.{layer}"], tensors[f"clustering.components.{layer}"],
+                                      tensors[f"clustering.centroids.{layer}"]) for layer in layers},
+                   n_prompts, info["d_model"], target_layer=info["target_layer"], rules=rules,
+                   n_layers=info.get("n_layers"), settings=info.get("settings"), model_name=info.get("model_name"),
+                   model_fingerprint=info.get("model_fingerprint"))
 
     # -- combining -----------------------------------------------------------------------------
     @classmethod
@@ -530,17 +492,31 @@ class ExpertLens(MatrixTransportMixin):
             if bad:
                 raise ValueError(f"Cannot merge expert lenses with different clusterings (layers {bad}): fit the "
                                  "shards with the same cluster_prompts, so they compute the same clustering.")
-        total, settings = merged_prompts(lenses)
-        pooled, experts, counts = {}, {}, {}
-        for layer in first.source_layers:
-            pooled[layer] = prompt_weighted_mean([(lens.pooled[layer], lens.n_prompts) for lens in lenses], total)
-            count = functools.reduce(operator.add, [lens.counts[layer] for lens in lenses])  # [E]
-            sums = functools.reduce(operator.add, [lens.experts[layer].double()
-                                                   * lens.counts[layer].double()[:, None, None] for lens in lenses])
-            experts[layer] = (sums / count.clamp_min(1).double()[:, None, None]).float()
-            counts[layer] = count
-        return first._copy(pooled=pooled, experts=experts, counts=counts, n_prompts=total, settings=settings,
-                           diagnostics=[rec for lens in lenses for rec in lens.diagnostics], stop_reason=None)
+        _total, settings = merged_prompts(lenses)
+        halves = None
+        if all(lens.raw_halves is not None for lens in lenses):  # the halves add up like the lens (§3.3)
+            halves = tuple(_merged(first.raw_halves[h], [lens.raw_halves[h] for lens in lenses],  # type: ignore[index]
+                                   settings=settings, diagnostics=[]) for h in (0, 1))
+        elif any(lens.raw_halves is not None for lens in lenses):
+            log.info("Merged without split halves: some of the lenses keep none.")
+        return _merged(first, lenses, settings=settings, diagnostics=[rec for lens in lenses for rec in lens.diagnostics],
+                       halves=halves)
+
+
+def _merged(first: ExpertLens, lenses: Sequence[ExpertLens], **changes: Any) -> ExpertLens:
+    """``first`` with the pooled matrices' ``n_prompts``-weighted mean of ``lenses`` and their experts' position sums
+    and counts added (float64); zeros where none holds a prompt (a merged half may)."""
+    total = sum(lens.n_prompts for lens in lenses)
+    pooled, experts, counts = {}, {}, {}
+    for layer in first.source_layers:
+        pooled[layer] = prompt_weighted_mean([(lens.pooled[layer], lens.n_prompts) for lens in lenses], max(total, 1))
+        count = functools.reduce(operator.add, [lens.counts[layer] for lens in lenses])  # [E]
+        sums = functools.reduce(operator.add, [lens.experts[layer].double()
+                                               * lens.counts[layer].double()[:, None, None] for lens in lenses])
+        experts[layer] = (sums / count.clamp_min(1).double()[:, None, None]).float()
+        counts[layer] = count
+    return first._copy(pooled=pooled, experts=experts, counts=counts, n_prompts=total, stop_reason=None,
+                       **{"halves": None, **changes})
 
 
 def is_expert_lens_file(path: str | os.PathLike) -> bool:
@@ -548,17 +524,12 @@ def is_expert_lens_file(path: str | os.PathLike) -> bool:
     path = Path(path)
     if not path.is_file() or path.suffix != ".safetensors":
         return False
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("format") == EXPERTS_FORMAT_NAME
-    except Exception:  # noqa: BLE001 - not readable as safetensors: not an expert lens file
-        return False
+    header = header_or_none(path)  # not readable as a jlens lens: not an expert lens file
+    return header is not None and header.is_expert
 
 
 if TYPE_CHECKING:  # mypy checks here that the expert lens implements the protocol
     _expert_is_a_fitted_lens: type[FittedLens] = ExpertLens
 
 
-__all__ = ["MIN_POSITIONS", "Clustering", "ExpertLens", "fit_clustering", "is_expert_lens_file", "kmeans"]
+__all__ = ["MIN_POSITIONS", "UNIT_EPS", "Clustering", "ExpertLens", "is_expert_lens_file"]

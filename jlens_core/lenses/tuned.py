@@ -26,17 +26,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from jaxtyping import Float
 
 from .._atomic import atomic_write
 from ..models.model import LensModel
-from .lens import LensFileError, SourceLayersMixin, cached_on_device, check_made_for
+from .header import TUNED_FORMAT_NAME, ForeignFileError, LensFileError, read_header
+from .lens import SourceLayersMixin, cached_on_device, check_made_for
 
 if TYPE_CHECKING:
     from .protocol import FittedLens
 
 log = logging.getLogger(__name__)
 
-FORMAT_NAME = "jlens-tuned"
+FORMAT_NAME = TUNED_FORMAT_NAME
 FORMAT_VERSION = 1
 
 
@@ -55,7 +57,9 @@ class TunedLens(SourceLayersMixin):
 
     kind = "tuned"
 
-    def __init__(self, translators: dict[int, tuple[torch.Tensor, torch.Tensor]], d_model: int, *,
+    def __init__(self,
+                 translators: dict[int, tuple[Float[torch.Tensor, "d_model d_model"], Float[torch.Tensor, " d_model"]]],
+                 d_model: int, *,
                  target_layer: int, n_layers: int | None = None, model_name: str = "",
                  model_fingerprint: dict | None = None, settings: dict | None = None,
                  metrics: dict | None = None) -> None:
@@ -97,12 +101,13 @@ class TunedLens(SourceLayersMixin):
     def source_layers(self) -> list[int]:
         return sorted(self.translators)
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """``I + A_layer`` (fp32): the linear part of the transport."""
         a, _ = self.translators[int(layer)]
         return torch.eye(self.d_model) + a
 
-    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+    def transport(self, h: Float[torch.Tensor, "*batch d_model"],
+                  layer: int) -> Float[torch.Tensor, "*batch d_model"]:
         """``h + h A^T + b`` over the last axis (identity at the target layer).
 
         Raises:
@@ -180,14 +185,17 @@ class TunedLens(SourceLayersMixin):
         from safetensors import safe_open
 
         try:
+            header = read_header(path)
+        except ForeignFileError:
+            raise LensFileError(f"{str(path)!r} is not a tuned lens file (format None).") from None
+        except LensFileError as exc:
+            raise LensFileError(f"{str(path)!r} cannot be read as a tuned lens ({exc}).") from None
+        info = header.fresh_info()
+        if info.get("format") != FORMAT_NAME:
+            raise LensFileError(f"{str(path)!r} is not a tuned lens file (format {info.get('format')!r}).")
+        try:
             with safe_open(str(path), framework="pt") as f:
-                header = (f.metadata() or {}).get("jlens")
-                info = json.loads(header) if header else {}
-                if info.get("format") != FORMAT_NAME:
-                    raise LensFileError(f"{str(path)!r} is not a tuned lens file (format {info.get('format')!r}).")
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
-        except LensFileError:
-            raise
         except Exception as exc:  # noqa: BLE001 - safetensors raises several kinds on a bad file
             raise LensFileError(f"{str(path)!r} cannot be read as a tuned lens ({type(exc).__name__}: {exc}).") from None
         translators = {}

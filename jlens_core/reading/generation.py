@@ -4,7 +4,7 @@
 greedy at ``temperature=0`` (the same tokens as ``hf_model.generate(do_sample=False)``), else
 sampling from ``softmax(logits / temperature)`` with a seeded generator (reproducible). Residual
 edits (:mod:`jlens_core.reading.edit_hooks`) can be applied while it writes. The result,
-a :class:`Generation`, goes straight into :func:`~jlens_core.reading.readings.read_prompt`, which
+a :class:`Generation`, goes straight into :func:`~jlens_core.reading.reader.read_prompt`, which
 reads prompt and continuation in one pass and marks each position ``prompt`` or ``generated``.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from jaxtyping import Int
 
 from ..models.model import LensModel
 from .edit_hooks import EditRunner
@@ -157,7 +158,8 @@ class _Stepper:
         return out.logits[0, -1]
 
 
-def generate(model: LensModel, prompt: str | Iterable[int] | torch.Tensor, *, max_new_tokens: int = 32,
+def generate(model: LensModel, prompt: str | Iterable[int] | Int[torch.Tensor, "*shape"], *,
+             max_new_tokens: int = 32,
              temperature: float = 0.0, seed: int | None = None, chat: bool = False, stop_at_eos: bool = True,
              top_k: int = 10, edits: Iterable[Any] | None = None,
              progress: Callable[[GenerationProgress], bool | None] | None = None) -> Generation:

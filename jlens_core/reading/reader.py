@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from jaxtyping import Int
 
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
@@ -64,7 +65,8 @@ def _resolve_pinned(model: LensModel, display: TokenDisplay, pinned: Iterable[st
 
 
 
-def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | torch.Tensor | Generation, *, top_k: int = 10,
+def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | Int[torch.Tensor, "*shape"] | Generation, *,
+                top_k: int = 10,
                 layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                 pinned: Iterable[str | int] = (), show_whitespace: bool = False,
                 max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
@@ -112,7 +114,8 @@ def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | torch.
                         word_like=word_like, n_prompt=n_prompt, edits=edits, vocab=vocab)["lens"]
 
 
-def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens, text: str | Sequence[int] | torch.Tensor | Generation,
+def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
+                 text: str | Sequence[int] | Int[torch.Tensor, "*shape"] | Generation,
                  *, top_k: int = 10, layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                  pinned: Iterable[str | int] = (), show_whitespace: bool = False,
                  max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
