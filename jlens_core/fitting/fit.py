@@ -101,10 +101,10 @@ class FitState:
     expert_sum: dict[int, Float[torch.Tensor, "experts d_model d_model"]] = field(default_factory=dict)
     expert_count: dict[int, Int[torch.Tensor, " experts"]] = field(default_factory=dict)
     clustering: dict[int, Clustering] = field(default_factory=dict)
-    half_sum: dict[int, torch.Tensor] = field(default_factory=dict)
+    half_sum: dict[int, Float[torch.Tensor, "2 d_model d_model"]] = field(default_factory=dict)
     half_n: list[int] = field(default_factory=lambda: [0, 0])
-    expert_half_sum: dict[int, torch.Tensor] = field(default_factory=dict)
-    expert_half_count: dict[int, torch.Tensor] = field(default_factory=dict)
+    expert_half_sum: dict[int, Float[torch.Tensor, "2 experts d_model d_model"]] = field(default_factory=dict)
+    expert_half_count: dict[int, Float[torch.Tensor, "2 experts"]] = field(default_factory=dict)
 
     def mean(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         return self.jacobian_sum[layer] / self.n_done
