@@ -349,3 +349,88 @@ def test_names_the_docs_import_exist():
                 have = _top_level_names(source) if source.is_file() else set()
             missing += [f"{page.relative_to(ROOT)}: {module}.{n}" for n in sorted(wanted - have)]
     assert missing == []
+
+
+# -- the module table ------------------------------------------------------------------------------
+
+def _layout_table(text: str) -> dict[str, str]:
+    """``{package folder or '': the row's text}`` of docs/development.md's layout table."""
+    rows = {}
+    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and re.fullmatch(r"\d+", cells[0]):
+            for where in re.findall(r"`([\w/.]+)`", cells[1]):
+                rows[where.rstrip("/") if where.endswith("/") else ""] = rows.get(
+                    where.rstrip("/") if where.endswith("/") else "", "") + " " + " ".join(cells[1:])
+    return rows
+
+
+def unlisted_modules(root: Path = ROOT) -> list[str]:
+    """Modules of ``jlens_core`` that docs/development.md's layout table does not name in their package's row
+    (a top-level module: in any row)."""
+    rows = _layout_table((root / "docs" / "development.md").read_text(encoding="utf-8"))
+    missing = []
+    for path in sorted((root / "jlens_core").rglob("*.py")):
+        rel = path.relative_to(root / "jlens_core")
+        if path.stem in ("__init__", "__main__"):
+            continue
+        package = rel.parts[0] if len(rel.parts) > 1 else ""
+        row = rows.get(package, "") if package else " ".join(rows.values())
+        if not re.search(rf"`{re.escape(path.stem)}(\.py)?`", row):
+            missing.append(str(rel))
+    return missing
+
+
+def test_the_module_table_names_every_module():
+    assert unlisted_modules() == [], "add them to docs/development.md's layout table"
+
+
+def test_an_unlisted_module_is_reported(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "jlens_core" / "lenses").mkdir(parents=True)
+    for name in ("jlens_core/__init__.py", "jlens_core/corpus.py", "jlens_core/lenses/lens.py",
+                 "jlens_core/lenses/extra.py", "jlens_core/new_leaf.py"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "docs" / "development.md").write_text(
+        "## Layout\n\n| rank | where | what |\n| --- | --- | --- |\n| 0 | `corpus.py` | leaves |\n"
+        "| 2 | `lenses/` | `lens` (the lens) |\n\n## Next\n`extra` here does not count\n")
+    assert unlisted_modules(tmp_path) == ["lenses/extra.py", "new_leaf.py"]
+
+
+# -- the README's headline figures come from the generated tables ----------------------------------
+
+def _marked_table(page: str, name: str) -> list[list[str]]:
+    body = page.split(f"<!-- readme_tables:{name} -->", 1)[1].split(f"<!-- /readme_tables:{name} -->", 1)[0]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
+            if line.startswith("|") and not line.startswith("| ---")]
+
+
+def headline_figures(results: str) -> dict[str, str]:
+    """The README headline's figures as results.md's generated tables state them (rounded as the README does)."""
+    per_layer = _marked_table(results, "per_layer")
+    head, mean = per_layer[0], next(r for r in per_layer if r[0].startswith("mean"))
+    kl = {label: mean[head.index(f"KL {label}")] for label in ("logit", "Jacobian", "tuned")}
+    comparison = {(r[0], r[1]): float(r[4].split()[0]) for r in _marked_table(results, "lens_comparison")[1:]}
+    swap_rows = _marked_table(results, "swap")
+    raw = swap_rows[1:swap_rows.index(next(r for r in swap_rows[1:] if r[0] == "centred"))]
+    best = {r[1]: round(100 * float(r[6].split()[0])) for r in raw}  # "0.48 at α=1 (...)" -> 48
+    return {
+        "kl": f"Jacobian lens {kl['Jacobian']}, logit lens {kl['logit']}",
+        "kl_tuned": f"reaches {kl['tuned']}",
+        "pass": (f"{comparison[('Jacobian', 'all')]:.2f} for the Jacobian lens, {comparison[('logit', 'all')]:.2f} "
+                 f"logit, {comparison[('tuned', 'all')]:.2f} tuned"),
+        "swap": (f"in {best['Jacobian']} % of eligible items, against {best['logit']} % for the logit lens's "
+                 f"directions and {best['random directions (control)']} % for"),
+        "variants": f"({min(best[k] for k in ('R-lens', 'J++', 'R++'))}-{max(best[k] for k in ('R-lens', 'J++', 'R++'))} %)",
+    }
+
+
+def test_the_readme_headline_states_the_generated_figures():
+    results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    figures = headline_figures(results)
+    missing = {name: text for name, text in figures.items() if text not in readme}
+    assert missing == {}, "README's headline disagrees with docs/results.md's generated tables"
+    changed = results.replace("| mean 0-28 | 19.50 | 11.22 |", "| mean 0-28 | 19.50 | 11.23 |")
+    assert changed != results and headline_figures(changed)["kl"] not in readme  # a changed table fails it

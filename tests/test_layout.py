@@ -21,7 +21,7 @@ PACKAGE = Path(jlens_core.__file__).resolve().parent
 APP = PACKAGE.parent / "app"
 
 # Leaves: top-level modules that import nothing from jlens_core.
-LEAVES = {"_atomic", "_deprecated", "_version", "_paths", "corpus", "layerspec", "workspace"}
+LEAVES = {"_atomic", "_deprecated", "_extras", "_version", "_paths", "corpus", "layerspec", "workspace"}
 RANKS = {"files": 1, "models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4,
          "figures": 4, "evaluation": 5, "cli": 6}
 # Old paths of moved modules that were documented in 0.1.0: each warns once and forwards (jlens_core/_deprecated.py)

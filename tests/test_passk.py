@@ -134,6 +134,10 @@ def test_pass_at_k_against_hand_ranks(model):
     assert not rows.loc[("newline", "dog"), "scored"] and not rows.loc[("unscored", "dog"), "scored"]
     assert np.isnan(rows.loc[("unscored", "dog"), "best_rank"])
     assert rows.loc[("last", "cat"), "role"] == "target"  # looked up, never scored in pass@k
+    # the detail names its set first, as pass_at_k_detail.csv does, so macro_comparison takes it as it is
+    assert detail.columns[0] == "set" and set(detail["set"]) == {"items"}
+    _, named = pass_at_k(model, lens, items[:1], k=1, return_detail=True, set_name="mine")
+    assert set(named["set"]) == {"mine"}
     # unscored words leave the denominators: 3 items of 4 are scored, 3 words of 5
     for k in (1, 5, 20):
         got = summary[summary.k == k].iloc[0]
@@ -200,7 +204,7 @@ def test_pass_at_k_first_token_rule_frames_and_values(llama):
     lenses = {"logit": LogitLens.for_model(llama), "jac": identity_lens(llama, layers=[1])}
     summary, detail = pass_at_k(llama, lenses, ITEMS, k=(1, 5, 50, 300), return_detail=True, spelling="first_token")
     assert list(summary.columns) == list(PASS_COLUMNS)
-    assert list(detail.columns) == list(DETAIL_COLUMNS)
+    assert list(detail.columns) == ["set", *DETAIL_COLUMNS]
     assert summary[["lens", "k"]].values.tolist() == [[n, k] for n in ("logit", "jac") for k in (1, 5, 50, 300)]
     assert (summary["n_items"] == 3).all() and (summary["n_words"] == 4).all() and (summary["words_scored"] == 4).all()
     assert len(detail) == 2 * (4 + 3)

@@ -15,7 +15,6 @@ stops within 2 s when this command dies, SIGKILL included.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import ipaddress
 import logging
 import os
@@ -25,6 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .._extras import require_extra
 from .._paths import APP_DIR
 from ..workspace import DEFAULT_WORKSPACE, ENV_ALLOW_ANY_PATH, ENV_EXTRA_PATHS, ENV_WORKSPACE, looks_like_path
 from .main import CLIError
@@ -187,8 +187,7 @@ def _announce(address: str, port: str, token: str | None, no_token: bool, genera
 
 
 def cmd_app(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("streamlit") is None or importlib.util.find_spec("plotly") is None:
-        raise CLIError("The app needs Streamlit and Plotly: pip install -e '.[app]'.")
+    require_extra("app", "jlens app")
     cmd = streamlit_command(args)
     address = cmd[cmd.index("--server.address") + 1]
     generated = not (args.token or os.environ.get(ENV_TOKEN))

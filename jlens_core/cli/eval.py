@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .._atomic import atomic_write, atomic_write_text
 from .main import CLIError, say
-from .model_args import add_corpus_arguments, add_model_arguments, model_loading_options
+from .model_args import LENS_HELP, add_corpus_arguments, add_model_arguments, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     import pandas as pd
@@ -235,8 +235,7 @@ def register(subparsers) -> None:
                                           "Writes eval.csv, eval.json and eval.png to --out.")
     add_model_arguments(e)
     e.add_argument("--lens", action="append", default=None,
-                   help="a lens file (Jacobian or tuned), a tuned-lens folder, 'default' (the shipped Jacobian lens), "
-                        "'tuned' (the shipped tuned lens) or 'logit'; repeat to compare (default: logit and default)")
+                   help=f"{LENS_HELP}; repeat to compare (default: logit and default)")
     add_corpus_arguments(e, split="eval", split_help="corpus part (default 'eval': disjoint from what `jlens fit` uses "
                                                      "by default)",
                          n_texts=100, n_texts_help="texts to evaluate on (default 100; 0 skips the evaluation by layer)")

@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from .main import CLIError, say
-from .model_args import add_model_arguments, model_loading_options
+from .model_args import LENS_HELP, add_model_arguments, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     from ..reading.generation import Generation
@@ -135,8 +135,8 @@ def register(subparsers) -> None:
                                           "that reopens without the model.")
     add_model_arguments(i)
     i.add_argument("--lens", action="append", default=None,
-                   help="a lens file, 'default' (the shipped lens), 'tuned' or 'logit' (default); repeat, or give "
-                        "'a,b', to read several (one table each; a 'lens' column in json/csv; side by side in --html)")
+                   help=f"{LENS_HELP} (default: logit); repeat, or give 'a,b', to read several (one table each; a "
+                        "'lens' column in json/csv; side by side in --html)")
     i.add_argument("--prompt", required=True, help="the text to read")
     i.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     i.add_argument("--layers", default=None, help="layers to show: '0,4,8', '0:12', '::2' (default all)")

@@ -7,7 +7,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from .main import CLIError, say
-from .model_args import add_model_arguments, model_loading_options
+from .model_args import LENS_HELP, add_model_arguments, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     from ..interventions import Ablate, Steer, Swap
@@ -93,7 +93,7 @@ def register(subparsers) -> None:
         description="Edit the residual stream along the directions a lens reads as tokens and compare the "
                     "model's next-token top-10 and greedy continuation with and without the edit.")
     add_model_arguments(p)
-    p.add_argument("--lens", default="default", help="a lens file, 'default' (the shipped lens) or 'logit'")
+    p.add_argument("--lens", default="default", help=f"{LENS_HELP} (default: default)")
     p.add_argument("--prompt", required=True, help="the text the model continues")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--swap", action="append", metavar="A:B", help="swap the read coordinates of A and B")

@@ -12,6 +12,9 @@ import importlib
 import logging
 import sys
 
+from .._extras import MissingExtraError
+from .._version import __version__
+
 log = logging.getLogger("jlens")
 
 SUBCOMMAND_MODULES = ("fit", "tune", "weigh", "eval", "study", "inspect", "intervene", "say", "dump", "app")
@@ -30,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jlens", description="Fit, inspect and evaluate Jacobian lenses.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"jlens {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
         try:
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jlens: interrupted.", file=sys.stderr)
         return 130
-    except (CLIError, ValueError, FileNotFoundError, KeyError, OSError) as exc:
+    except (CLIError, MissingExtraError, ValueError, FileNotFoundError, KeyError, OSError) as exc:
         if args.debug:
             raise
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)

@@ -14,6 +14,12 @@ DTYPE_HELP = "float32, bfloat16, float16 (default fp32 on CPU, bf16 on GPU)"
 DEVICE_MAP_HELP = ("spread a large model over devices: auto (or balanced, balanced_low_0, sequential), or a JSON "
                    "object of module names to devices, e.g. '{\"model.layers.0\": \"cuda:0\", \"lm_head\": \"disk\"}'")
 MAX_MEMORY_HELP = "memory per device for --device-map auto, e.g. 0:20GiB,cpu:64GiB (implies --device-map auto)"
+# the forms every --lens of eval, inspect and intervene takes (jlens_core.lenses.shipped.load_lens and the
+# 'default' / 'tuned' / 'logit' names)
+LENS_HELP = ("'default' (the model's shipped Jacobian lens), 'tuned' (its shipped tuned lens), 'logit', a shipped "
+             "variant as <model>:<variant> (e.g. smollm2-135m:relevance, smollm2-135m:jpp, smollm2-135m:rpp), a lens "
+             "file (Jacobian, expert, combined J++/R++ or tuned), a tuned-lens folder, or "
+             "hf://owner/repo[@revision]/path from the Hugging Face Hub")
 OFFLOAD_FOLDER_HELP = "folder for weights offloaded to disk (implies --device-map auto unless one is given)"
 CORPUS_HELP = "'stdlib-docs' (built-in), a .txt (paragraphs) or .jsonl (text field) file, or a HF dataset"
 SPLITS = ("all", "fit", "eval")

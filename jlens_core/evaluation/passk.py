@@ -556,7 +556,8 @@ def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapp
               k: Sequence[int] | int = (1, 5, 10), layers: Iterable[int] | None = None, readout: Any = None,
               spelling: str = "whole", synonyms: str | None = None, n_boot: int = N_BOOT, seed: int = 0,
               progress: Progress | None = None, return_detail: bool = False, vocab: str = "all",
-              exclude_copied: bool = False) -> pd.DataFrame | tuple[pd.DataFrame, pd.DataFrame]:
+              exclude_copied: bool = False, set_name: str | None = None
+              ) -> pd.DataFrame | tuple[pd.DataFrame, pd.DataFrame]:
     """pass@k of latent intermediate steps, per lens, with the protocol of the module docstring.
 
     Args:
@@ -566,11 +567,15 @@ def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapp
         readout, spelling, synonyms: see :func:`pass_at_k_detail` (default: the set's own).
         n_boot, seed: the bootstrap of the interval over items.
         progress: called as ``progress(items_done, n_items)``.
-        return_detail: also return the per-word table of :func:`pass_at_k_detail`.
+        return_detail: also return the per-word table of :func:`pass_at_k_detail`, with a ``set`` column
+            first (``set_name``), as ``pass_at_k_detail.csv`` has it: ``macro_comparison`` and
+            ``gap_comparison`` take it as it is.
         vocab: ``"all"`` (default) or ``"word"``: the readout (:func:`pass_at_k_detail`); the table's
             ``vocab`` column says which.
         exclude_copied: leave intermediates that appear in the prompt out of the score and coverage
             (:func:`summarize_pass_at_k`); the ``copied`` column counts them either way.
+        set_name: the detail's ``set`` (default: the set's file stem when ``items`` names one, else
+            ``"items"``); give the real set's name to a decoy run so that the two pair up.
 
     Returns:
         DataFrame with columns :data:`PASS_COLUMNS` (one row per lens x k); with ``return_detail``,
@@ -582,7 +587,9 @@ def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapp
     detail = pass_at_k_detail(model, lenses, items, layers=layers, readout=readout, spelling=spelling,
                               synonyms=synonyms, progress=progress, vocab=vocab)
     summary = summarize_pass_at_k(detail, ks, n_boot=n_boot, seed=seed, exclude_copied=exclude_copied)
-    return (summary, detail) if return_detail else summary
+    if set_name is None:
+        set_name = Path(items).stem if isinstance(items, str) else "items"
+    return (summary, detail.assign(set=set_name)[["set", *detail.columns]]) if return_detail else summary
 
 
 def macro_mean(per_set: pd.DataFrame) -> pd.DataFrame:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-try:
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-except ImportError as exc:  # pragma: no cover - plotly is in the app and dev extras
-    raise ImportError("jlens's figures need plotly: pip install jlens[app] (or pip install plotly).") from exc
+from .._extras import require_extra
+
+require_extra("app", "jlens's figures (Plotly)")
+import plotly.graph_objects as go  # after the check that names the extra
+from plotly.subplots import make_subplots
 
 __all__ = ["go", "make_subplots"]

@@ -13,17 +13,17 @@ from pathlib import Path
 import pandas as pd
 
 from .._atomic import atomic_write
+from .._extras import require_extra
 from ..fitting.diagnostics import convergence_frame, diagnostics_frame, norm_matrix, one_over_n_guide
 
 
 def _pyplot():
-    try:
-        import matplotlib
+    require_extra("plot", "PNG plots")
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("Plots need matplotlib: pip install matplotlib (or jlens[plot]).") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     return plt
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .._extras import require_extra
 from .device_maps import (
     DeviceMap,
     MaxMemory,
@@ -148,6 +149,7 @@ def convert_gguf(gguf: Path, folder: Path, progress: Callable[[str], None] | Non
     Written into a temporary sibling folder, then renamed, with a completion marker listing file
     sizes: a conversion killed half-way never looks complete and is redone.
     """
+    require_extra("gguf", f"Reading {gguf.name} (a GGUF file: the default model is one)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     say = progress or (lambda message: None)
