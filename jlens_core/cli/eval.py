@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .._atomic import atomic_write, atomic_write_text
 from .main import CLIError, say
-from .model_args import LENS_HELP, add_corpus_arguments, add_model_arguments, model_loading_options
+from .model_args import LENS_HELP, add_corpus_arguments, add_model_command, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     import pandas as pd
@@ -229,11 +229,10 @@ def _advance(bar, done: int, total: int) -> None:
 
 
 def register(subparsers) -> None:
-    e = subparsers.add_parser("eval", help="per-layer KL and cross-entropy of lenses on a corpus",
-                              description="Mean KL(final || lens) and next-token cross-entropy (bits) per layer and "
-                                          "lens on texts not used for fitting; optional pass@k on evaluation sets. "
-                                          "Writes eval.csv, eval.json and eval.png to --out.")
-    add_model_arguments(e)
+    e = add_model_command(subparsers, "eval", help="per-layer KL and cross-entropy of lenses on a corpus",
+                          description="Mean KL(final || lens) and next-token cross-entropy (bits) per layer and "
+                                      "lens on texts not used for fitting; optional pass@k on evaluation sets. "
+                                      "Writes eval.csv, eval.json and eval.png to --out.")
     e.add_argument("--lens", action="append", default=None,
                    help=f"{LENS_HELP}; repeat to compare (default: logit and default)")
     add_corpus_arguments(e, split="eval", split_help="corpus part (default 'eval': disjoint from what `jlens fit` uses "

@@ -25,7 +25,7 @@ from ..lenses.fit_settings import FitPlan, FitSettings, add_fit_arguments
 from .main import CLIError, say
 from .model_args import (
     add_corpus_arguments,
-    add_model_arguments,
+    add_model_command,
     add_save_dtype_argument,
     model_loading_options,
     placement_requested,
@@ -270,10 +270,10 @@ def _size(path: Path, lens, kept: bool = True) -> str:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("fit", help="fit a Jacobian lens on a corpus",
-                              description="Fit a Jacobian lens: d_model backward passes per prompt, averaged over "
-                                          "the corpus. Resumable; under torchrun, sharded over ranks.")
-    add_model_arguments(p, device_help="cuda, cuda:1, mps, cpu, or auto (spread over GPUs); default: best")
+    p = add_model_command(subparsers, "fit", help="fit a Jacobian lens on a corpus",
+                          description="Fit a Jacobian lens: d_model backward passes per prompt, averaged over "
+                                      "the corpus. Resumable; under torchrun, sharded over ranks.",
+                          device_help="cuda, cuda:1, mps, cpu, or auto (spread over GPUs); default: best")
     add_corpus_arguments(p, split="fit", split_help="corpus part: 'fit' (default; disjoint from 'eval'), 'eval' or 'all'")
     p.add_argument("--out", required=True, help="lens file to write (safetensors), e.g. lens.safetensors")
     p.add_argument("--n-prompts", type=int, default=None, help="use N texts of the corpus from --first-prompt on (default all)")

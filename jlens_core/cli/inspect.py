@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from .main import CLIError, say
-from .model_args import LENS_HELP, add_model_arguments, model_loading_options
+from .model_args import LENS_HELP, add_model_command, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     from ..reading.generation import Generation
@@ -128,12 +128,11 @@ def print_grid(reading: PromptReading, name: str, last: int | None, width: int) 
 
 
 def register(subparsers) -> None:
-    i = subparsers.add_parser("inspect", help="print a layer x position grid of top-1 tokens",
-                              description="Read one prompt through lenses and print the top-1 token of every "
-                                          "layer (rows; 'out' is the model's output) at every position (columns), "
-                                          "or the whole grid as JSON or CSV records; --save writes a reading file "
-                                          "that reopens without the model.")
-    add_model_arguments(i)
+    i = add_model_command(subparsers, "inspect", help="print a layer x position grid of top-1 tokens",
+                          description="Read one prompt through lenses and print the top-1 token of every "
+                                      "layer (rows; 'out' is the model's output) at every position (columns), "
+                                      "or the whole grid as JSON or CSV records; --save writes a reading file "
+                                      "that reopens without the model.")
     i.add_argument("--lens", action="append", default=None,
                    help=f"{LENS_HELP} (default: logit); repeat, or give 'a,b', to read several (one table each; a "
                         "'lens' column in json/csv; side by side in --html)")

@@ -7,7 +7,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from .main import CLIError, say
-from .model_args import LENS_HELP, add_model_arguments, model_loading_options
+from .model_args import LENS_HELP, add_edit_layers_argument, add_model_command, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     from ..interventions import Ablate, Steer, Swap
@@ -88,19 +88,17 @@ def cmd_intervene(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
+    p = add_model_command(subparsers,
         "intervene", help="steer / ablate / swap along a lens's read directions; compare next token and continuation",
         description="Edit the residual stream along the directions a lens reads as tokens and compare the "
                     "model's next-token top-10 and greedy continuation with and without the edit.")
-    add_model_arguments(p)
     p.add_argument("--lens", default="default", help=f"{LENS_HELP} (default: default)")
     p.add_argument("--prompt", required=True, help="the text the model continues")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--swap", action="append", metavar="A:B", help="swap the read coordinates of A and B")
     p.add_argument("--steer", action="append", metavar="TOKEN:S", help="steer toward TOKEN with strength S in [-4, 4]")
     p.add_argument("--ablate", action="append", metavar="TOKEN", help="remove the read direction of TOKEN")
-    p.add_argument("--layers", default=None,
-                   help="layers to edit, e.g. '10:24' (Python slice); default n_layers//3 .. the lens's last source")
+    add_edit_layers_argument(p, verb="edit", example="10:24")
     p.add_argument("--positions", default=None,
                    help="prompt positions to edit, e.g. '5:' or '3,4' (default: all but the first)")
     p.add_argument("--on-generated", action="store_true", help="also edit the tokens the model generates")

@@ -35,6 +35,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, device_help: str = D
     add_placement_arguments(parser)
 
 
+def add_model_command(subparsers, name: str, *, help: str, description: str, **model_options: str | None,
+                      ) -> argparse.ArgumentParser:
+    """Register the subcommand ``name`` of a command that loads a model: its parser (``help`` in the list of
+    commands, ``description`` on top of its ``--help``) with the model options of :func:`add_model_arguments`
+    (``model_options`` are passed to it) already added. Returns the parser, for the command's own options."""
+    parser = subparsers.add_parser(name, help=help, description=description)
+    add_model_arguments(parser, **model_options)  # type: ignore[arg-type]
+    return parser
+
+
 def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--device-map``, ``--max-memory`` and ``--offload-folder`` to ``parser``."""
     parser.add_argument("--device-map", default=None, metavar="auto|JSON", help=DEVICE_MAP_HELP)
@@ -57,6 +67,14 @@ def add_corpus_arguments(parser: argparse.ArgumentParser, *, split: str, split_h
         parser.add_argument("--n-texts", type=int, default=n_texts, help=n_texts_help)
     parser.add_argument("--min-chars", type=int, default=min_chars,
                         help=f"skip corpus texts shorter than this (default {min_chars})")
+
+
+def add_edit_layers_argument(parser: argparse.ArgumentParser, *, verb: str, example: str) -> None:
+    """Add ``--layers`` of a command that edits along a lens's read directions (``intervene``, ``say``): a Python
+    slice of the layers to ``verb`` (e.g. ``example``), by default ``n_layers//3`` .. the lens's last source."""
+    parser.add_argument("--layers", default=None,
+                        help=f"layers to {verb}, e.g. '{example}' (Python slice); default n_layers//3 .. the lens's "
+                             "last source")
 
 
 def placement_requested(args: argparse.Namespace) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .main import CLIError, say
-from .model_args import add_model_arguments, model_loading_options
+from .model_args import add_edit_layers_argument, add_model_command, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     from ..interventions.say import SayResult
@@ -160,13 +160,12 @@ def cmd_say(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
+    p = add_model_command(subparsers,
         "say", help="search the edit along a lens's read directions that makes the model say a word",
         description="Make it say X: rank steer / swap / ablate edits along a lens's read directions by their "
                     "first-order effect, replay the best with the real forward pass, bisect the smallest band and "
                     "strength, and run the same search with random directions and the logit lens's (controls). "
                     "With --set: say success over a set of items.")
-    add_model_arguments(p)
     p.add_argument("--lens", action="append", default=None,
                    help="a lens file, 'default' (the shipped lens), 'logit' or '<model>:<variant>' "
                         "(e.g. smollm2-135m:relevance); repeat with --set to compare lenses")
@@ -176,8 +175,7 @@ def register(subparsers) -> None:
                    help="say success over a set: 'say' (shipped) or a .jsonl file of {prompt, answer, target}")
     p.add_argument("--n-items", type=int, default=0, help="with --set: only the first N items (0: all)")
     p.add_argument("--out", default=None, help="with --set: a folder for say_success.csv and say_items.csv")
-    p.add_argument("--layers", default=None,
-                   help="layers to search, e.g. '10:29' (Python slice); default n_layers//3 .. the lens's last source")
+    add_edit_layers_argument(p, verb="search", example="10:29")
     p.add_argument("--ops", default="steer,swap,ablate", help="edits to try (comma-separated; default all three)")
     p.add_argument("--positions", default="readout,from",
                    help="readout (the last prompt position), from (every position from --from-position), or both")

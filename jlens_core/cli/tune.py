@@ -10,7 +10,7 @@ from .fit import _interruptible
 from .main import CLIError, say
 from .model_args import (
     add_corpus_arguments,
-    add_model_arguments,
+    add_model_command,
     add_save_dtype_argument,
     model_loading_options,
 )
@@ -71,12 +71,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("tune", help="train a tuned lens (affine translators) for comparison",
-                              description="Train a tuned lens: per layer an affine translator read as unembed(h + A h "
-                                          "+ b), minimising KL(final || lens) over corpus tokens with the model frozen. "
-                                          "Checkpoints next to --out; rerun the same command to resume; Ctrl-C keeps "
-                                          "the checkpoint.")
-    add_model_arguments(p)
+    p = add_model_command(subparsers, "tune", help="train a tuned lens (affine translators) for comparison",
+                          description="Train a tuned lens: per layer an affine translator read as unembed(h + A h "
+                                      "+ b), minimising KL(final || lens) over corpus tokens with the model frozen. "
+                                      "Checkpoints next to --out; rerun the same command to resume; Ctrl-C keeps "
+                                      "the checkpoint.")
     add_corpus_arguments(p, split="fit", split_help="corpus part to train on (default fit)", n_texts=200,
                          n_texts_help="training texts (default 200)", min_chars=600)
     p.add_argument("--heldout-texts", type=int, default=8,

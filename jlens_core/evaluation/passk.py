@@ -241,6 +241,16 @@ def _check_synonyms(value: Any) -> str | None:
     return str(value)
 
 
+def _check_readout_options(readout: Any, synonyms: Any, vocab: Any) -> tuple[Any, str | None]:
+    """The call-wide ``readout`` rule, ``synonyms`` set and ``vocab`` of :func:`pass_at_k` and the study, checked
+    in that order; returns ``(readout, synonyms)`` normalised. Raises a one-sentence ``ValueError`` on a bad one."""
+    if readout is not None:
+        readout = check_readout(readout)
+    synonyms = _check_synonyms(synonyms)
+    check_vocab(vocab)
+    return readout, synonyms
+
+
 def _check_items(items: Any) -> list[dict]:
     if isinstance(items, (str, os.PathLike)):
         return load_eval_set(items)
@@ -450,10 +460,7 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
     if spelling not in SPELLINGS:
         raise ValueError(f"Unknown spelling {spelling!r}: use 'whole' (complete single-token spellings) or "
                          "'first_token'.")
-    if readout is not None:
-        readout = check_readout(readout)
-    synonyms = _check_synonyms(synonyms)
-    check_vocab(vocab)
+    readout, synonyms = _check_readout_options(readout, synonyms, vocab)
     lenses, lens_layers = checked_lenses(model, lenses, layers)
     items = _check_items(items)
     kept_np = kept_ids_mask(TokenDisplay.for_model(model), vocab, model.vocab_size)  # bool[vocab_size] or None

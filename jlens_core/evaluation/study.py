@@ -48,14 +48,13 @@ from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.inputs import checked_lenses, record_residuals
 from ..reading.tokens import TokenDisplay
-from ..reading.word_readout import check_vocab, kept_ids_mask
+from ..reading.word_readout import kept_ids_mask
 from .labelled_items import set_name_of
 from .lens_comparison import _stratified_draws
 from .passk import (
     _best_rank,
     _check_items,
-    _check_synonyms,
-    check_readout,
+    _check_readout_options,
     item_kept_ids,
     item_readout,
     word_spellings,
@@ -199,10 +198,7 @@ def study(model: LensModel, lenses: Mapping[str, Lens] | Lens, items: ItemsSpec,
         raise ValueError(f"k={k!r} must be an integer >= 1 (ranks are 1-based: k=1 is top-1).")
     if role not in ROLES:
         raise ValueError(f"role={role!r} is not a role: use one of {list(ROLES)}.")
-    if readout is not None:
-        readout = check_readout(readout)
-    synonyms = _check_synonyms(synonyms)
-    check_vocab(vocab)
+    readout, synonyms = _check_readout_options(readout, synonyms, vocab)
     lens_map, lens_layers = checked_lenses(model, lenses, layers)
     sets = study_sets(items)
     roles = ("intermediate", "target") if role == "both" else (role,)
