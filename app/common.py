@@ -302,6 +302,20 @@ def show_unexpected(what: str, exc: BaseException) -> None:
 
 
 # -- shared by Inspect and the warm-up ---------------------------------------------------------
+def shown_run(stored: dict | None, session_key: str, again: str, failed: str) -> dict | None:
+    """The stored run of a Run-style button (``{"key", "result"}`` or ``{"key", "error"}``) for the current settings,
+    or ``None`` after saying why there is none: nothing when ``st.session_state[session_key]`` holds no run yet,
+    the caption ``again`` when it holds one for other settings, ``"{failed}: {error}"`` when the run failed."""
+    if stored is None:
+        if st.session_state.get(session_key):
+            st.caption(again)
+        return None
+    if "error" in stored:
+        st.error(f"{failed}: {stored['error']}")
+        return None
+    return stored
+
+
 def view_layers(n_layers: int, band: tuple[int, int], stride: int) -> list[int]:
     """The heatmap's rows: every ``stride``-th layer of ``band``, and always the output layer."""
     lo, hi = (int(x) for x in band)

@@ -221,13 +221,9 @@ def panel(ctx: Any, readings: dict, chat_text: str, n_prompt: int) -> None:
 def _show_run(ctx: Any, chat_text: str) -> None:
     """The last Run's clean-vs-edited comparison (or why there is none)."""
     model = ctx.model
-    stored = current(ctx, chat_text)
+    stored = common.shown_run(current(ctx, chat_text), "iv_result", "Settings changed: Run again to see their effect.",
+                              "Cannot run this edit")
     if stored is None:
-        if ss.get("iv_result"):
-            st.caption("Settings changed: Run again to see their effect.")
-        return
-    if "error" in stored:
-        st.error(f"Cannot run this edit: {stored['error']}")
         return
     result = stored["result"]
     for edit in stored["edits"]:

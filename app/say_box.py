@@ -153,13 +153,8 @@ def box(ctx: Any, name: str, lens: Any, text: str, layers: tuple[int, int], from
                 ss.say_result = {"key": key, "error": "The target is empty: type the word the model should say."}
             else:
                 _search(model, lens, text, band, from_position, key)
-        stored = _stored(key)
+        stored = common.shown_run(_stored(key), "say_result", "Settings changed: Search again.", "Cannot search")
         if stored is None:
-            if ss.get("say_result"):
-                st.caption("Settings changed: Search again.")
-            return
-        if "error" in stored:
-            st.error(f"Cannot search: {stored['error']}")
             return
         result: SayResult = stored["result"]
         if result.stopped and not result.message:  # stopped mid-search: the library had not summed up yet

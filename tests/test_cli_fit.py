@@ -720,6 +720,22 @@ def test_every_subcommand_help_explains_every_option():
         assert option in fit_help
 
 
+def test_every_subcommand_has_a_description_and_docstring_descriptions_are_their_first_paragraph():
+    import importlib
+
+    from jlens_core.cli.main import command_description
+
+    subcommands = _subcommands(build_parser())
+    for name, sub in subcommands.items():
+        assert sub.description and len(sub.description.split()) >= 8, f"jlens {name} has no description"
+    for name in ("study", "tune", "inspect"):  # the modules whose docstring opens with the description
+        doc = importlib.import_module(f"jlens_core.cli.{name}").__doc__
+        first = doc.strip().split("\n\n")[0]
+        assert subcommands[name].description == first == command_description(doc)
+        assert "``jlens " + name + "``" in doc and "``jlens" not in first  # the description, not the docstring's title
+    assert command_description("One.\n\nTwo.") == "One." and command_description(None) == ""
+
+
 def test_python_m_jlens_core_help_lists_the_subcommands():
     proc = run_jlens("--help")
     assert proc.returncode == 0, proc.stderr

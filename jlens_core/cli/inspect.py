@@ -1,4 +1,9 @@
-"""``jlens inspect``: read a prompt through lenses and print the layer x position grid, as a table or as data.
+"""Read one prompt through lenses and print the top-1 token of every layer (rows; 'out' is the model's output) at
+every position (columns), or the whole grid as JSON or CSV records; --save writes a reading file that reopens
+without the model.
+
+``jlens inspect``: read a prompt through lenses and print the layer x position grid, as a table or as data. The
+first paragraph above is the command's ``--help`` description (:func:`~jlens_core.cli.main.command_description`).
 
 ``--format table`` (default) prints the top-1 token of every layer (rows) at the last positions
 (columns); ``--format json|csv`` prints every lens x layer x position record instead
@@ -13,7 +18,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from .main import CLIError, say
+from .main import CLIError, command_description, say
 from .model_args import LENS_HELP, add_model_command, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
@@ -129,10 +134,7 @@ def print_grid(reading: PromptReading, name: str, last: int | None, width: int) 
 
 def register(subparsers) -> None:
     i = add_model_command(subparsers, "inspect", help="print a layer x position grid of top-1 tokens",
-                          description="Read one prompt through lenses and print the top-1 token of every "
-                                      "layer (rows; 'out' is the model's output) at every position (columns), "
-                                      "or the whole grid as JSON or CSV records; --save writes a reading file "
-                                      "that reopens without the model.")
+                          description=command_description(__doc__))
     i.add_argument("--lens", action="append", default=None,
                    help=f"{LENS_HELP} (default: logit); repeat, or give 'a,b', to read several (one table each; a "
                         "'lens' column in json/csv; side by side in --html)")

@@ -1,7 +1,8 @@
 """The ``jlens`` command line: ``jlens fit | merge | tune | weigh | eval | study | inspect | intervene | say | dump | diff | app``.
 
 Each subcommand lives in its own module with ``register(subparsers)``, which adds its parser and
-sets ``func``. Bad input raises :class:`CLIError` (or ``ValueError`` / ``FileNotFoundError``) and is
+sets ``func``; a module whose docstring opens with the command's description passes it through
+:func:`command_description`. Bad input raises :class:`CLIError` (or ``ValueError`` / ``FileNotFoundError``) and is
 shown as one sentence; ``--debug`` shows the traceback.
 """
 
@@ -27,6 +28,12 @@ class CLIError(Exception):
 def say(message: str) -> None:
     """Progress of slow one-off steps (the default model's first conversion), on stderr."""
     print(f"jlens: {message}", file=sys.stderr, flush=True)
+
+
+def command_description(module_doc: str | None) -> str:
+    """The first paragraph of a subcommand module's docstring: the command's ``--help`` description, written
+    once (argparse refolds its lines)."""
+    return (module_doc or "").strip().split("\n\n")[0]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,8 @@
 placement of a model larger than one device, ``--device-map``, ``--max-memory``, ``--offload-folder``
 (docs/models.md, "Sharded and offloaded models"), read by :func:`model_loading_options`; and ``--save-dtype``,
 which every command that writes a lens takes; and the corpus options of the commands that read a corpus
-(``--corpus``, ``--split``, ``--n-texts``, ``--min-chars``: :func:`add_corpus_arguments`)."""
+(``--corpus``, ``--split``, ``--n-texts``, ``--min-chars``: :func:`add_corpus_arguments`). :func:`add_model_command`
+registers a model-loading subcommand with the model options added."""
 
 from __future__ import annotations
 
@@ -35,13 +36,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, device_help: str = D
     add_placement_arguments(parser)
 
 
-def add_model_command(subparsers, name: str, *, help: str, description: str, **model_options: str | None,
-                      ) -> argparse.ArgumentParser:
+def add_model_command(subparsers, name: str, *, help: str, description: str,
+                      device_help: str = DEVICE_HELP) -> argparse.ArgumentParser:
     """Register the subcommand ``name`` of a command that loads a model: its parser (``help`` in the list of
     commands, ``description`` on top of its ``--help``) with the model options of :func:`add_model_arguments`
-    (``model_options`` are passed to it) already added. Returns the parser, for the command's own options."""
+    (``--device`` explained by ``device_help``) already added. Returns the parser, for the command's own options."""
     parser = subparsers.add_parser(name, help=help, description=description)
-    add_model_arguments(parser, **model_options)  # type: ignore[arg-type]
+    add_model_arguments(parser, device_help=device_help)
     return parser
 
 

@@ -1,4 +1,10 @@
-"""``jlens study``: where each item's concepts enter every lens's top k, over item sets (docs/method.md §8.1)."""
+"""For every item, lens and concept: the rank at every layer at the readout position, the first layer in the top k
+and the band per lens (docs/method.md §8.1). Writes table.csv, items.csv, by_layer.csv, summary.csv,
+comparisons.csv, summary.json and study.json to --out.
+
+``jlens study``: where each item's concepts enter every lens's top k, over item sets. The first paragraph above is
+the command's ``--help`` description (:func:`~jlens_core.cli.main.command_description`).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from pathlib import Path
 
 from .._atomic import atomic_write, atomic_write_text
 from .eval import _advance, _bar, parse_readout, resolve_lenses
-from .main import CLIError, say
+from .main import CLIError, command_description, say
 from .model_args import add_model_command, model_loading_options
 
 DEFAULT_LENSES = ("logit", "default", "tuned")
@@ -98,10 +104,7 @@ def cmd_study(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     s = add_model_command(subparsers, "study", help="where concepts enter each lens's top k, over item sets",
-                          description="For every item, lens and concept: the rank at every layer at the "
-                                      "readout position, the first layer in the top k and the band per lens "
-                                      "(docs/method.md §8.1). Writes table.csv, items.csv, by_layer.csv, "
-                                      "summary.csv, comparisons.csv, summary.json and study.json to --out.")
+                          description=command_description(__doc__))
     s.add_argument("--set", action="append", default=None, metavar="NAME",
                    help="a shipped item set (two_hop, antonym_chain, ...); repeatable")
     s.add_argument("--items", action="append", default=None, metavar="FILE",

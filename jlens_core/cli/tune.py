@@ -1,4 +1,10 @@
-"""``jlens tune``: train a tuned lens (the third lens) with a progress bar, checkpoints and resume."""
+"""Train a tuned lens: per layer an affine translator read as unembed(h + A h + b), minimising KL(final || lens)
+over corpus tokens with the model frozen. Checkpoints next to --out; rerun the same command to resume; Ctrl-C keeps
+the checkpoint.
+
+``jlens tune``: train a tuned lens (the third lens) with a progress bar, checkpoints and resume. The first paragraph
+above is the command's ``--help`` description (:func:`~jlens_core.cli.main.command_description`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .fit import _interruptible
-from .main import CLIError, say
+from .main import CLIError, command_description, say
 from .model_args import (
     add_corpus_arguments,
     add_model_command,
@@ -72,10 +78,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = add_model_command(subparsers, "tune", help="train a tuned lens (affine translators) for comparison",
-                          description="Train a tuned lens: per layer an affine translator read as unembed(h + A h "
-                                      "+ b), minimising KL(final || lens) over corpus tokens with the model frozen. "
-                                      "Checkpoints next to --out; rerun the same command to resume; Ctrl-C keeps "
-                                      "the checkpoint.")
+                          description=command_description(__doc__))
     add_corpus_arguments(p, split="fit", split_help="corpus part to train on (default fit)", n_texts=200,
                          n_texts_help="training texts (default 200)", min_chars=600)
     p.add_argument("--heldout-texts", type=int, default=8,
