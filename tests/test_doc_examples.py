@@ -583,6 +583,11 @@ def dotted_problems(text: str) -> list[str]:
                 obj = importlib.import_module(".".join(parts[:i]))
             except ModuleNotFoundError:
                 continue
+            forwards = getattr(obj, "__getattr__", None)
+            if "moved_module" in getattr(forwards, "__qualname__", ""):  # an old path that warns and forwards
+                bad.append(f"`{span}`: {'.'.join(parts[:i])} is a deprecated path (name the module it moved to)")
+                obj = True
+                break
             for attr in parts[i:]:
                 obj = getattr(obj, attr, _UNKNOWN)
                 if obj is _UNKNOWN:
@@ -765,10 +770,10 @@ def test_module_paths_in_the_prose_exist(page):
 
 
 def test_a_moved_module_path_fails():
-    text = ("`jlens_core.reading.passk.pass_at_k` `jlens_core.fitting` `jlens_core/fitting/fit.py`\n"
-            "`jlens_core.reading.no_such_module` `jlens_core.reading.passk.no_such_name(x)` `jlens_core/gone.py`")
+    text = ("`jlens_core.evaluation.passk.pass_at_k` `jlens_core.fitting` `jlens_core/fitting/fit.py`\n"
+            "`jlens_core.reading.no_such_module` `jlens_core.evaluation.passk.no_such_name(x)` `jlens_core/gone.py`")
     assert [p.split(":")[0] for p in dotted_problems(text)] == [
-        "`jlens_core.reading.no_such_module`", "`jlens_core.reading.passk.no_such_name(x)`", "`jlens_core/gone.py`"]
+        "`jlens_core.reading.no_such_module`", "`jlens_core.evaluation.passk.no_such_name(x)`", "`jlens_core/gone.py`"]
 
 
 def test_a_wrong_signature_in_the_prose_fails():
@@ -928,3 +933,18 @@ def test_every_lens_option_names_every_form(parser):
         for form in ("'default'", "'logit'", "'tuned'", "smollm2-135m:relevance", "smollm2-135m:jpp", "hf://",
                      "tuned-lens folder"):
             assert form in action.help, (command, form)
+
+
+def test_a_deprecated_module_path_fails():
+    import types
+
+    from jlens_core import _deprecated
+
+    shim = types.ModuleType("jlens_core._doc_test_old_path")
+    shim.__getattr__, shim.__dir__ = _deprecated.moved_module(shim.__name__, "jlens_core.corpus", removed_in="9.9")
+    sys.modules[shim.__name__] = shim
+    try:
+        problems = dotted_problems("`jlens_core._doc_test_old_path.load_corpus` `jlens_core.corpus.load_corpus`")
+    finally:
+        del sys.modules[shim.__name__]
+    assert len(problems) == 1 and "is a deprecated path" in problems[0]
