@@ -1,7 +1,7 @@
 """What every page of the jlens app shares: settings, paths, the loaded :class:`Context`, and :func:`guard`.
 
 Pages stay thin: they read the :class:`Context` that :func:`sidebar.sidebar` builds (the loaded model
-and lenses), call ``jlens_core`` for every number, draw with :mod:`charts`, and wrap what may fail in
+and lenses), call ``jlens_core`` for every number, draw with :mod:`jlens_core.figures`, and wrap what may fail in
 :func:`guard`. The rest of the app's shared code has its own module: :mod:`cache` (cached loaders and
 readings), :mod:`lens_slots` (the lens pickers), :mod:`sidebar`, and :mod:`url_state` (the view kept
 in the URL).
@@ -22,8 +22,9 @@ from typing import Any
 import streamlit as st
 
 from jlens_core.files import assets_dir, atomic_write
+from jlens_core.lenses.header import LensFileError
 from jlens_core.lenses.kinds import BY_KIND
-from jlens_core.lenses.lens import JacobianLens, LensFileError, LogitLens
+from jlens_core.lenses.lens import JacobianLens, LogitLens
 from jlens_core.models.loading import DEFAULT_MODEL
 from jlens_core.reading.generation import MAX_NEW_TOKENS
 from jlens_core.workspace import Workspace, sanitise_filename
@@ -61,7 +62,7 @@ PERSISTENT_KEYS = ("prompt", "mode", "stat", "chat", "top_k", "pinned", "stride"
                    "eval_source", "eval_n", "fit_run", "gen_n", "gen_temp", "gen_seed", "band",
                    "mc_word_like", "iv_op", "iv_token", "iv_replacement", "iv_strength", "iv_alpha", "iv_layers",
                    "iv_pos_mode", "iv_pos_range", "iv_on_generated", "iv_new", "iv_edited_heatmap", "iv_centred", "iv_lens",
-                   "pair_a", "pair_b", "fit_rules")
+                   "pair_a", "pair_b", "fit_rules", "st_sets", "st_k", "st_n", "st_filter", "st_path")
 # (the lens slots' path boxes are kept too: url_state adds them, one per slot)
 # A rerun dims the last run's elements with a 1 s opacity fade (from 0.5 s in), and expanders fade their
 # borders: Chromium without a GPU repaints the page every frame of it, on the cores the run's matrix
@@ -70,6 +71,7 @@ STALE_CSS = """<style>
 .stElementContainer[data-stale="true"] { transition: opacity 0s linear 1s !important; }
 [data-testid="stExpander"] details, [data-testid="stExpander"] summary { transition-duration: 0s !important; }
 </style>"""
+STUDY_URL_KEYS = ("sets", "set_path", "k", "n", "filter")  # the Study page's part of the URL (url_state)
 READING_ONLY = "Opened from a reading file: load the model to read new prompts."  # what is disabled, and why
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, LensFileError, KeyError, OSError)
 ENV_MAX_FITS = "JLENS_APP_MAX_FITS"  # fits running at once, at most (`jlens app --max-fits`)

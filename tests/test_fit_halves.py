@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny
+from helpers import cli_fit_cache, tiny
 from safetensors import safe_open
 from test_cli_fit import REPO, fit_args, make_texts, sub_env, torchrun_cmd, write_corpus
 from test_fit import PROMPTS, SETTINGS, per_prompt, uninterrupted
@@ -250,18 +250,7 @@ def work(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(work):
     """One uninterrupted in-process CLI fit per prompt count: ``reference(n) -> JacobianLens``."""
-    from jlens_core.cli.main import main
-
-    cache: dict[int, JacobianLens] = {}
-
-    def get(n: int) -> JacobianLens:
-        if n not in cache:
-            out = work["root"] / f"reference-{n}.safetensors"
-            assert main(fit_args(work, out, "--n-prompts", str(n))) == 0
-            cache[n] = JacobianLens.load(out)
-        return cache[n]
-
-    return get
+    return cli_fit_cache(work, fit_args)
 
 
 def test_cli_slices_merged_have_the_halves_of_one_cli_fit(work, reference, tmp_path, capsys):

@@ -27,14 +27,13 @@ import torch
 from jaxtyping import Float, Int
 
 from ..models.model import LensModel
-from .header import EXPERTS_FORMAT_NAME, half_prompts_of, header_or_none
+from .header import EXPERTS_FORMAT_NAME, LensFileError, half_prompts_of, header_or_none
 from .kinds import expert_kind
 from .lens import (
     HALF_NAMES,
     HALF_PREFIX,
     LENS_RULES,
     JacobianLens,
-    LensFileError,
     MatrixTransportMixin,
     check_made_for,
     check_mergeable,
