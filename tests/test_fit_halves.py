@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny
+from helpers import cli_fit_cache, tiny
 from safetensors import safe_open
 from test_cli_fit import REPO, fit_args, make_texts, sub_env, torchrun_cmd, write_corpus
 from test_fit import PROMPTS, SETTINGS, per_prompt, uninterrupted
@@ -141,9 +141,12 @@ def test_lens_file_keeps_the_halves_as_extra_tensors(tmp_path):
         meta = json.loads(f.metadata()["jlens"])
         keys = set(f.keys())
     assert meta["halves"] == {"prefix": "half.", "names": ["even", "odd"], "n_prompts": [2, 3]}
+    from jlens_core.lenses.header import read_header
+
+    assert read_header(path).half_prompts == (2, 3)  # said by the header alone, without the tensors
     assert {f"half.odd.J.{layer}" for layer in lens.source_layers} <= keys
     bare = lens.save(tmp_path / "bare.safetensors", halves=False)
-    assert JacobianLens.load(bare).halves() is None
+    assert JacobianLens.load(bare).halves() is None and read_header(bare).half_prompts is None
     ratio = path.stat().st_size / bare.stat().st_size
     assert 2.5 < ratio < 3.1, ratio  # "about 3x": the diagnostics in the header are the rest
     half16 = JacobianLens.load(lens.save(tmp_path / "fp16.safetensors", dtype="float16"))
@@ -247,18 +250,7 @@ def work(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(work):
     """One uninterrupted in-process CLI fit per prompt count: ``reference(n) -> JacobianLens``."""
-    from jlens_core.cli.main import main
-
-    cache: dict[int, JacobianLens] = {}
-
-    def get(n: int) -> JacobianLens:
-        if n not in cache:
-            out = work["root"] / f"reference-{n}.safetensors"
-            assert main(fit_args(work, out, "--n-prompts", str(n))) == 0
-            cache[n] = JacobianLens.load(out)
-        return cache[n]
-
-    return get
+    return cli_fit_cache(work, fit_args)
 
 
 def test_cli_slices_merged_have_the_halves_of_one_cli_fit(work, reference, tmp_path, capsys):
