@@ -1,0 +1,182 @@
+"""Stability marks in readings (docs/method.md §6.2): ranks of the shown token under two half lenses."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+import pytest
+import torch
+from conftest import LONG_TEXT
+from helpers import random_lens, tiny
+
+from jlens_core import LogitLens, fit, read_prompt, read_prompts
+from jlens_core.reading.reading_file import load_readings, save_readings
+
+PROMPTS = [
+    LONG_TEXT,
+    "The capital of Italy is Rome. Water boils at one hundred degrees, and numbers like 12 appear.",
+    "def add(a, b):\n    return a + b\n# Once upon a time there was a small model that read every layer.",
+    "Numbers like 12, 345 and 6789 appear in text; so do symbols: #, @, %, & and *. The end.",
+]
+SETTINGS = {"skip_first": 2, "max_seq_len": 16, "dim_batch": 16}
+TEXT = "The capital of France is Paris. Water boils at one hundred degrees."
+ARRAYS = ("top_ids", "top_probs", "entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank",
+          "final_top1_ids")
+
+
+@functools.cache
+def lenses():
+    """(full, even, odd): fitted on all prompts, the even ones and the odd ones."""
+    model = tiny()
+    return fit(model, PROMPTS, **SETTINGS), fit(model, PROMPTS[0::2], **SETTINGS), fit(model, PROMPTS[1::2], **SETTINGS)
+
+
+def noisy_halves():
+    """Halves apart (noise 0.1 around the identity): some cells are stable under them, some not."""
+    model = tiny()
+    return (random_lens(model, seed=1, noise=0.1), random_lens(model, seed=2, noise=0.1))
+
+
+def reference_ranks(model, lens, half, text, shown):
+    """The shown token's rank under ``half`` at every (layer, position), from HF's hidden states."""
+    ids = model.encode(text)
+    with torch.no_grad():
+        hidden = model.hf_model(ids, output_hidden_states=True).hidden_states  # [n_layers + 1] x [1, seq, d]
+        out = np.zeros(shown.shape, dtype=np.int64)
+        for li, layer in enumerate(lens.layers):
+            if layer == model.n_layers - 1:
+                z = model.hf_model(ids).logits[0].double()  # the model's own output
+            else:
+                z = model.unembed(half.transport(hidden[layer + 1][0], layer)).double()  # [seq, vocab]
+            picked = z.gather(-1, torch.as_tensor(shown[li])[:, None])
+            out[li] = ((z > picked).sum(-1) + 1).numpy()
+    return out
+
+
+def test_marks_match_an_independent_computation():
+    model, (full, *_) = tiny(), lenses()
+    even, odd = noisy_halves()
+    reading = read_prompt(model, full, TEXT, halves=(even, odd), top_k=5)
+    shown = reading.top_ids[:, :, 0]
+    want_even = reference_ranks(model, full, even, TEXT, shown)
+    want_odd = reference_ranks(model, full, odd, TEXT, shown)
+    marks = reading.stability
+    # fp32 logits here vs float64 there: a near tie may differ by a rank
+    assert np.abs(marks.half_rank_even - want_even).max() <= 1
+    assert np.abs(marks.half_rank_odd - want_odd).max() <= 1
+    assert (marks.half_rank_even == want_even).mean() > 0.95
+    np.testing.assert_array_equal(marks.stable, (marks.half_rank_even <= 10) & (marks.half_rank_odd <= 10))
+    assert not marks.stable.all() and marks.stable[:-1].any()  # the noisy halves make some cells unstable
+    assert marks.stable[-1].all()  # the output row is the model's own: every half reads it the same
+
+
+def test_same_lens_twice_is_stable_everywhere():
+    model, (full, *_) = tiny(), lenses()
+    reading = read_prompt(model, full, TEXT, halves=(full, full), stability_k=1)
+    assert (reading.stability.half_rank_even == 1).all() and reading.stability.half_top1_agree.all()
+    assert reading.stability.stable.all()
+
+
+def test_reading_without_stability_is_unchanged():
+    model, (full, even, odd) = tiny(), lenses()
+    plain = read_prompt(model, full, TEXT, pinned=[" Paris"])
+    marked = read_prompt(model, full, TEXT, pinned=[" Paris"], halves=(even, odd))
+    assert plain.stability is None and plain.stability_note == ""
+    for name in ARRAYS:
+        np.testing.assert_array_equal(getattr(plain, name), getattr(marked, name))
+    assert list(marked.frame.columns) == list(plain.frame.columns) + ["half_top1_agree", "half_rank_even",
+                                                                       "half_rank_odd", "stable"]
+
+
+def test_stability_k_one_is_the_strict_rule():
+    model, (full, *_) = tiny(), lenses()
+    wide = read_prompt(model, full, TEXT, halves=noisy_halves(), stability_k=10)
+    strict = read_prompt(model, full, TEXT, halves=noisy_halves(), stability_k=1)
+    np.testing.assert_array_equal(strict.stability.half_rank_even, wide.stability.half_rank_even)
+    np.testing.assert_array_equal(strict.stability.stable, (wide.stability.half_rank_even == 1)
+                                  & (wide.stability.half_rank_odd == 1))
+    assert strict.stability.stable.sum() < wide.stability.stable.sum()
+    with pytest.raises(ValueError, match="stability_k=0"):
+        read_prompt(model, full, TEXT, stability=True, stability_k=0)
+
+
+def test_stability_by_layer_counts_fitted_cells():
+    model, (full, *_) = tiny(), lenses()
+    reading = read_prompt(model, full, TEXT, halves=noisy_halves())
+    table = reading.stability_by_layer()
+    fitted = reading.fitted
+    assert table["layer"].tolist() == reading.layers
+    assert (table["n_cells"] == fitted.sum()).all()
+    np.testing.assert_array_equal(table["n_stable"], reading.stability.stable[:, fitted].sum(axis=1))
+    np.testing.assert_allclose(table["stable_fraction"], reading.stability.stable[:, fitted].mean(axis=1))
+    every = reading.stability_by_layer(fitted_only=False)
+    assert (every["n_cells"] == reading.n_positions).all()
+
+
+def test_frame_and_cell_carry_the_marks():
+    model, (full, *_) = tiny(), lenses()
+    reading = read_prompt(model, full, TEXT, halves=noisy_halves())
+    frame = reading.frame
+    np.testing.assert_array_equal(frame["half_rank_odd"].to_numpy(), reading.stability.half_rank_odd.reshape(-1))
+    np.testing.assert_array_equal(frame["stable"].to_numpy(), reading.stability.stable.reshape(-1))
+    cell = reading.cell(1, 4)
+    li, pi = reading.layer_index(1), reading.position_index(4)
+    assert cell["half_rank_even"] == reading.stability.half_rank_even[li, pi]
+    assert cell["stable"] == bool(reading.stability.stable[li, pi])
+
+
+def test_lens_without_halves_reads_without_marks(caplog):
+    model, (full, *_) = tiny(), lenses()
+    with caplog.at_level(logging.WARNING, logger="jlens_core.reading.stability"):
+        reading = read_prompt(model, full, TEXT, stability=True)
+    assert reading.stability is None
+    assert "keeps no split halves" in reading.stability_note and "jlens fit" in reading.stability_note
+    assert any("keeps no split halves" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="keeps no split halves"):
+        reading.stability_by_layer()
+    logit = read_prompt(model, LogitLens.for_model(model), TEXT, stability=True)
+    assert logit.stability is None and "logit lens fits nothing" in logit.stability_note
+
+
+def test_several_lenses_take_halves_by_name():
+    model, (full, even, odd) = tiny(), lenses()
+    both = read_prompts(model, {"logit": LogitLens.for_model(model), "j": full}, TEXT, halves={"j": (even, odd)})
+    assert both["logit"].stability is None and both["j"].stability is not None
+    alone = read_prompt(model, full, TEXT, halves=(even, odd))
+    np.testing.assert_array_equal(both["j"].stability.half_rank_even, alone.stability.half_rank_even)
+    with pytest.raises(ValueError, match="ambiguous"):
+        read_prompts(model, {"logit": LogitLens.for_model(model), "j": full}, TEXT, halves=(even, odd))
+    with pytest.raises(ValueError, match="lacks layers"):
+        read_prompt(model, full, TEXT, halves=(random_lens(model, layers=[0]), odd))
+
+
+def test_reading_file_keeps_the_marks(tmp_path):
+    model, (full, even, odd) = tiny(), lenses()
+    readings = read_prompts(model, {"logit": LogitLens.for_model(model), "j": full}, TEXT,
+                            halves={"j": (even, odd)}, stability=True, stability_k=3)
+    path = save_readings(tmp_path / "r.jlens.json", readings, model=model)
+    loaded = load_readings(path).readings
+    marks = loaded["j"].stability
+    assert marks.stability_k == 3
+    for name in ("half_rank_even", "half_rank_odd", "half_top1_agree"):
+        np.testing.assert_array_equal(getattr(marks, name), getattr(readings["j"].stability, name))
+    assert loaded["logit"].stability is None and loaded["logit"].stability_note == readings["logit"].stability_note
+    assert loaded["j"].frame.equals(readings["j"].frame)
+
+
+def test_version_one_files_still_load(tmp_path):
+    import json
+
+    model, (full, *_) = tiny(), lenses()
+    reading = read_prompt(model, full, TEXT)
+    path = reading.save(tmp_path / "r.jlens.json", model=model)
+    data = json.loads(path.read_text())
+    assert data["version"] == 2 and data["readings"]["jacobian"]["stability"] is None
+    data["version"] = 1  # what a version 1 writer wrote: no stability field
+    del data["readings"]["jacobian"]["stability"]
+    path.write_text(json.dumps(data))
+    opened = load_readings(path)
+    assert opened.version == 1 and opened.readings["jacobian"].stability is None
+    assert opened.readings["jacobian"].frame.equals(reading.frame)
