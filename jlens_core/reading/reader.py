@@ -39,7 +39,15 @@ from .generation import Generation
 from .inputs import checked_lenses, encode_prompt, model_vocab_size, record_residuals, resolve_positions
 from .prompt_reading import PromptReading, lens_skip_first
 from .row_arrays import ReadingArrays, RowGroupReader, RowLayout, Targets, read_rows
-from .stability import STABILITY_K, HalvesArg, Stability, check_halves, check_stability_k, half_marks, resolve_halves
+from .stability import (
+    STABILITY_K,
+    HalvesArg,
+    Stability,
+    check_halves,
+    check_stability_k,
+    half_marks,
+    resolve_halves,
+)
 from .tokens import TokenDisplay, display_ids, encode_plain, token_id
 from .word_readout import check_vocab, kept_ids_mask
 
