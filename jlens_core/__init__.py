@@ -50,6 +50,8 @@ _SOURCES = {
     "split_items": ".fitting.expert_weights",
     "read_labelled_items": ".reading.labelled_items",
     "ExpertLens": ".lenses.experts",
+    "CheckResult": ".lenses.canary",
+    "check_lens": ".lenses.canary",
     "JacobianLens": ".lenses.lens",
     "LensFileError": ".lenses.lens",
     "LogitLens": ".lenses.lens",
@@ -92,6 +94,7 @@ __all__ = [
     "LAYOUTS",
     "Ablate",
     "ActivationRecorder",
+    "CheckResult",
     "ExpertLens",
     "FitProgress",
     "FitState",
@@ -111,6 +114,7 @@ __all__ = [
     "Swap",
     "SwapReport",
     "TunedLens",
+    "check_lens",
     "compare_readings",
     "compare_runs",
     "comparison_figure",
@@ -175,6 +179,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .interventions.read_directions import token_direction
     from .interventions.swap_success import SwapReport, load_swap_set, swap_success
     from .layerspec import resolve_layers
+    from .lenses.canary import CheckResult, check_lens
     from .lenses.experts import ExpertLens
     from .lenses.lens import JacobianLens, LensFileError, LogitLens
     from .lenses.protocol import Lens

@@ -41,6 +41,7 @@ PUBLIC_NAMES = [
     "most_common_tokens", "swap_success", "token_direction", "train_tuned_lens",
     "ExpertLens",  # expert lenses, J++ (issue #32 §1)
     "learn_expert_weights", "macro_pass_at_k", "read_labelled_items", "split_items",  # expert weights (#32 §3)
+    "CheckResult", "check_lens",  # the lens check (issue #42 §3)
     # the figures, in the library (issue #33 §1, §2)
     "comparison_figure", "eval_curves_figure", "fit_figures", "heatmap_figure", "pass_at_k_figure",
     "pinned_ranks_figure", "swap_success_figure", "write_reading_page",

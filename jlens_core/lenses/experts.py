@@ -375,7 +375,9 @@ class ExpertLens(MatrixTransportMixin):
             "model_name": self.model_name, "model_fingerprint": self.model_fingerprint,
             "diagnostics": self.diagnostics, "stop_reason": self.stop_reason}
         args.update(changes)
-        return ExpertLens(**args)
+        copy = ExpertLens(**args)
+        copy.canary = self.canary  # the same model: the same canary (docs/method.md §4.2)
+        return copy
 
     def with_weights(self, weights: dict[int, torch.Tensor] | None, items: Sequence[str] = ()) -> ExpertLens:
         """A copy that reads with ``weights`` (``{layer: Tensor[E]}``, renormalised to unit L2 norm), learned
@@ -398,10 +400,12 @@ class ExpertLens(MatrixTransportMixin):
                                         for layer in self.source_layers},
                         weight_items=list(self.weight_items), min_positions=self.min_positions,
                         expert_counts={str(layer): self.counts[layer].tolist() for layer in self.source_layers})
-        return JacobianLens({layer: self.matrix(layer) for layer in self.source_layers}, self.n_prompts,
+        lens = JacobianLens({layer: self.matrix(layer) for layer in self.source_layers}, self.n_prompts,
                             self.d_model, target_layer=self.target_layer, n_layers=self.n_layers,
                             settings=settings, model_name=self.model_name, model_fingerprint=self.model_fingerprint,
                             diagnostics=self.diagnostics, stop_reason=self.stop_reason, rules=self.rules)
+        lens.canary = self.canary
+        return lens
 
     def pooled_lens(self) -> JacobianLens:
         """The plain lens of the same fit (the per-prompt mean of docs/method.md §3), as a :class:`JacobianLens`.
@@ -409,10 +413,12 @@ class ExpertLens(MatrixTransportMixin):
         Its settings are the fit's without ``experts`` and ``cluster_prompts``: it is the lens a fit without
         experts gives, and a reader of those keys would take it for a combination of experts."""
         settings = {key: value for key, value in self.settings.items() if key not in ("experts", "cluster_prompts")}
-        return JacobianLens(self.pooled, self.n_prompts, self.d_model, target_layer=self.target_layer,
+        lens = JacobianLens(self.pooled, self.n_prompts, self.d_model, target_layer=self.target_layer,
                             n_layers=self.n_layers, settings=settings, model_name=self.model_name,
                             model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
                             stop_reason=self.stop_reason, rules=self.rules)
+        lens.canary = self.canary
+        return lens
 
     # -- files ---------------------------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:
@@ -448,6 +454,11 @@ class ExpertLens(MatrixTransportMixin):
                 tensors[f"weights.{layer}"] = self.weights[layer].contiguous().clone()
         # clone: layers may share one clustering or counts tensor, which safetensors refuses to store
         meta = {"format": EXPERTS_FORMAT_NAME, "jlens": json.dumps(self.metadata())}
+        from .canary import canary_file_parts
+
+        extra_tensors, extra_meta = canary_file_parts(self)  # the lens check's canary, when it has one (§4.2)
+        tensors.update(extra_tensors)
+        meta.update(extra_meta)
         return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), shared=True)
 
     @classmethod
@@ -495,6 +506,9 @@ class ExpertLens(MatrixTransportMixin):
                        diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"))
         except (ValueError, KeyError) as exc:
             raise LensFileError(f"{str(path)!r} is not a consistent expert lens: {exc}") from exc
+        from .canary import read_canary
+
+        lens.canary = read_canary(path)
         if model is not None:
             lens.check_model(model)
         return lens

@@ -19,6 +19,7 @@ from ..models.model import LensModel, same_fingerprint
 from .protocol import FittedLens, Lens
 
 if TYPE_CHECKING:
+    from .canary import Canary
     from .experts import ExpertLens
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class MatrixTransportMixin(SourceLayersMixin):
         self.diagnostics = list(diagnostics or [])
         self.stop_reason = stop_reason
         self._device_cache = {}
+        self.canary: Canary | None = None  # the forward canary of the lens check (docs/method.md §4.2), set by fit
 
     def matrix(self, layer: int) -> torch.Tensor:
         raise NotImplementedError
@@ -350,10 +352,12 @@ class JacobianLens(MatrixTransportMixin):
         """A copy whose :meth:`transport` uses ``(1 - alpha) J + alpha I`` (``0 <= alpha <= 1``)."""
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"shrinkage alpha={alpha} must lie in [0, 1].")
-        return JacobianLens(self.jacobians, self.n_prompts, self.d_model, target_layer=self.target_layer,
+        copy = JacobianLens(self.jacobians, self.n_prompts, self.d_model, target_layer=self.target_layer,
                             n_layers=self.n_layers, settings=self.settings, model_name=self.model_name,
                             model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
                             shrinkage=alpha, stop_reason=self.stop_reason, rules=self.rules)
+        copy.canary = self.canary  # the same model: the same canary
+        return copy
 
     def check_model(self, model: LensModel) -> None:
         """Raise :class:`LensFileError` if this lens was fitted for another model than ``model``."""
@@ -379,9 +383,14 @@ class JacobianLens(MatrixTransportMixin):
         """
         from safetensors.torch import save_file
 
+        from .canary import canary_file_parts
+
         store = storage_dtype(dtype, self.jacobians.values())
         tensors = {f"J.{layer}": mat.to(store).contiguous() for layer, mat in self.jacobians.items()}
         meta = {"format": FORMAT_NAME, "jlens": json.dumps(self.metadata())}
+        extra_tensors, extra_meta = canary_file_parts(self)  # the lens check's canary, when it has one (§4.2)
+        tensors.update(extra_tensors)
+        meta.update(extra_meta)
         return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), shared=True)
 
     @classmethod
@@ -446,6 +455,8 @@ class JacobianLens(MatrixTransportMixin):
 
     @classmethod
     def _load_safetensors(cls, path: Path) -> JacobianLens:
+        from .canary import read_canary
+
         info, tensors = read_lens_safetensors(path, FORMAT_NAME, "is a safetensors file but not a jlens lens "
                                               "(no jlens metadata in its header).", prefix="J.",
                                               key=lambda k: int(k.split(".", 1)[1]))
@@ -453,10 +464,12 @@ class JacobianLens(MatrixTransportMixin):
         missing = [layer for layer in info.get("source_layers", []) if layer not in tensors]
         if missing or not tensors:
             raise LensFileError(f"{str(path)!r} lacks the matrices of layers {missing or 'all'}.")
-        return cls(tensors, info["n_prompts"], info["d_model"], target_layer=info.get("target_layer"),
+        lens = cls(tensors, info["n_prompts"], info["d_model"], target_layer=info.get("target_layer"),
                    n_layers=info.get("n_layers"), settings=info.get("settings"),
                    model_name=info.get("model_name"), model_fingerprint=info.get("model_fingerprint"),
                    diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"), rules=rules)
+        lens.canary = read_canary(path)
+        return lens
 
     @classmethod
     def _load_reference(cls, path: Path) -> JacobianLens:
