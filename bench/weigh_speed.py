@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jlens_core import load_model
+from jlens_core.evaluation.labelled_items import read_labelled_items
 from jlens_core.fitting import expert_weights
 from jlens_core.fitting.expert_weights import (
     BASIS_BUDGET_BYTES,
@@ -49,7 +50,6 @@ from jlens_core.fitting.expert_weights import (
 from jlens_core.lenses.experts import Clustering, ExpertLens
 from jlens_core.lenses.shipped import default_lens
 from jlens_core.models.device_maps import parse_size
-from jlens_core.reading.labelled_items import read_labelled_items
 
 
 def synthetic_experts(model, n_experts: int, noise: float, seed: int) -> ExpertLens:

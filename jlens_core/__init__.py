@@ -48,7 +48,7 @@ _SOURCES = {
     "learn_expert_weights": ".fitting.expert_weights",
     "macro_pass_at_k": ".fitting.expert_weights",
     "split_items": ".fitting.expert_weights",
-    "read_labelled_items": ".reading.labelled_items",
+    "read_labelled_items": ".evaluation.labelled_items",
     "ExpertLens": ".lenses.experts",
     "CheckResult": ".lenses.canary",
     "check_lens": ".lenses.canary",
@@ -66,16 +66,16 @@ _SOURCES = {
     "HFLensModel": ".models.model",
     "LensModel": ".models.model",
     "ActivationRecorder": ".models.recorder",
-    "evaluate": ".reading.evaluation",
+    "evaluate": ".evaluation.by_layer",
     "Generation": ".reading.generation",
     "generate": ".reading.generation",
-    "EVAL_SETS": ".reading.passk",
-    "load_eval_set": ".reading.passk",
-    "pass_at_k": ".reading.passk",
-    "decoy_items": ".reading.passk",
-    "gap_comparison": ".reading.lens_comparison",
-    "heldout_items": ".reading.lens_comparison",
-    "macro_comparison": ".reading.lens_comparison",
+    "EVAL_SETS": ".evaluation.passk",
+    "load_eval_set": ".evaluation.passk",
+    "pass_at_k": ".evaluation.passk",
+    "decoy_items": ".evaluation.passk",
+    "gap_comparison": ".evaluation.lens_comparison",
+    "heldout_items": ".evaluation.lens_comparison",
+    "macro_comparison": ".evaluation.lens_comparison",
     "PromptReading": ".reading.prompt_reading",
     "read_prompt": ".reading.reader",
     "read_prompts": ".reading.reader",
@@ -164,6 +164,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .corpus import load_corpus
     from .debugging.diff import diff_dumps, divergence_curve
     from .debugging.dump import dump_hidden_states
+    from .evaluation.by_layer import evaluate
+    from .evaluation.labelled_items import read_labelled_items
+    from .evaluation.lens_comparison import gap_comparison, heldout_items, macro_comparison
+    from .evaluation.passk import EVAL_SETS, decoy_items, load_eval_set, pass_at_k
     from .figures.evaluation import eval_curves_figure, pass_at_k_figure
     from .figures.fitting import fit_figures
     from .figures.heatmaps import heatmap_figure
@@ -189,11 +193,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .models.loading import DEFAULT_MODEL, load_model
     from .models.model import HFLensModel, LensModel
     from .models.recorder import ActivationRecorder
-    from .reading.evaluation import evaluate
     from .reading.generation import Generation, generate
-    from .reading.labelled_items import read_labelled_items
-    from .reading.lens_comparison import gap_comparison, heldout_items, macro_comparison
-    from .reading.passk import EVAL_SETS, decoy_items, load_eval_set, pass_at_k
     from .reading.prompt_reading import PromptReading
     from .reading.reader import read_prompt, read_prompts
     from .reading.reading_file import ReadingFile, ReadingFileError, load_readings, save_readings

@@ -13,11 +13,11 @@ the stack's pooled lens and its uniform-weight combination. Writes under ``--out
   ``fold<i>.detail.csv`` its sets' detail (a rerun after a crash reads the groups already done);
 * ``pass_at_k_detail.csv``: per word and lens, as ``jlens eval`` writes it (the learned lens of each set's
   group under one name, ``<kind> (other sets)``);
-* ``comparison.csv``: :func:`~jlens_core.reading.lens_comparison.macro_comparison` of that detail (macro
+* ``comparison.csv``: :func:`~jlens_core.evaluation.lens_comparison.macro_comparison` of that detail (macro
   pass@1/5/10, paired bootstrap intervals against the J lens) and prints it;
 * ``decoy/pass_at_k_detail.csv``: the same lenses on the decoy control (each item scored on another item's
   intermediates at its own prompt, docs/method.md §8; ``fold<i>.decoy.csv`` per group), and prints
-  :func:`~jlens_core.reading.lens_comparison.gap_comparison`: whether weights that never saw a set read its
+  :func:`~jlens_core.evaluation.lens_comparison.gap_comparison`: whether weights that never saw a set read its
   particular steps better than the J lens, or only favour the kind of answer it asks for.
 
 A script, not a test: about ``--folds`` times a ``jlens weigh`` run (the basis of all the other sets'
@@ -39,13 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jlens_core import load_model
+from jlens_core.evaluation.labelled_items import read_labelled_items
+from jlens_core.evaluation.lens_comparison import gap_comparison, macro_comparison
+from jlens_core.evaluation.passk import decoy_items, load_eval_set, pass_at_k_detail, shipped_sets
 from jlens_core.fitting.expert_weights import STEPS, learn_expert_weights
 from jlens_core.lenses.experts import ExpertLens
 from jlens_core.lenses.shipped import default_lens, load_lens_file
 from jlens_core.models.device_maps import parse_size
-from jlens_core.reading.labelled_items import read_labelled_items
-from jlens_core.reading.lens_comparison import gap_comparison, macro_comparison
-from jlens_core.reading.passk import decoy_items, load_eval_set, pass_at_k_detail, shipped_sets
 
 
 def deal(sets: list[str], folds: int) -> list[list[str]]:

@@ -103,7 +103,7 @@ def merge_folders(base: Path, added: Path) -> list[Path]:
         summary.write_text(json.dumps(result, indent=1, default=float), encoding="utf-8")
         written.append(summary)
         if sub == "" and "per_layer" in result:
-            from jlens_core.plots import plot_eval_curves
+            from jlens_core.figures.png_plots import plot_eval_curves
 
             title = f"{result['model']}: {result['n_texts']} texts of {result['corpus']} ({result['split']})"
             written.append(plot_eval_curves(pd.read_csv(base / "eval.csv"), base / "eval.png", title))

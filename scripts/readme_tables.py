@@ -65,7 +65,7 @@ def per_layer_table(evals: pd.DataFrame, every: int = 4) -> tuple[str, str]:
 def excluding_copied(detail: pd.DataFrame, k: int = 10) -> pd.DataFrame:
     """pass@``k`` per set x lens with the copied intermediates left out (``set, lens, pass_rate``), and the
     macro mean over sets, from a ``pass_at_k_detail.csv`` frame."""
-    from jlens_core.reading.passk import summarize_pass_at_k
+    from jlens_core.evaluation.passk import summarize_pass_at_k
 
     parts = [summarize_pass_at_k(part, k, exclude_copied=True, n_boot=1).assign(set=name)
              for name, part in detail.groupby("set", sort=False)]
@@ -165,8 +165,8 @@ def _difference(row) -> str:
 
 def comparison_table(detail: pd.DataFrame, *, keep=None, n_boot: int = 2000) -> tuple[str, str]:
     """Macro pass@k per lens x readout with paired intervals against the J lens (``all`` readout), the
-    copied intermediates left out at k=10 beside it (jlens_core.reading.lens_comparison), and a summary."""
-    from jlens_core.reading.lens_comparison import macro_comparison
+    copied intermediates left out at k=10 beside it (jlens_core.evaluation.lens_comparison), and a summary."""
+    from jlens_core.evaluation.lens_comparison import macro_comparison
 
     table = macro_comparison(detail, (1, 5, 10), keep=keep, n_boot=n_boot)
     clean = macro_comparison(detail, 10, keep=keep, exclude_copied=True, n_boot=n_boot).set_index(["lens", "vocab"])
@@ -204,7 +204,7 @@ def ablation_steps_table(detail: pd.DataFrame, *, keep=None, n_boot: int = 2000)
     """Each :data:`ABLATION_PATHS` step's change in macro pass@10 against the step before it (a paired
     bootstrap on the same items, ``keep``), and the path's total against the J lens: where a gain comes from.
     Paths whose lenses are not all in ``detail`` are left out."""
-    from jlens_core.reading.lens_comparison import macro_comparison
+    from jlens_core.evaluation.lens_comparison import macro_comparison
 
     present = set(zip(detail["lens"], detail["vocab"]))
     lines = ["| path | step adds | lens | readout | pass@10 | Δ@10 vs the step before (95 %, paired) | verdict |",
@@ -229,8 +229,8 @@ def decoy_table(real: pd.DataFrame, decoy: pd.DataFrame, *, keep=None, n_boot: i
     """Per lens (``all`` readout): macro pass@10 of the real intermediates and of the decoys (another item's
     intermediates at the same prompt, docs/method.md §8), real - decoy with a paired interval (how much of a
     lens's score is reading the step rather than favouring its kind of word) and that gap's difference to the J
-    lens's gap, paired on the same items (jlens_core.reading.lens_comparison.gap_comparison)."""
-    from jlens_core.reading.lens_comparison import gap_comparison
+    lens's gap, paired on the same items (jlens_core.evaluation.lens_comparison.gap_comparison)."""
+    from jlens_core.evaluation.lens_comparison import gap_comparison
 
     labels = dict(LENSES)
     lines = ["| lens | pass@10 real | pass@10 decoys | real − decoys (95 %, paired) | gap − the J lens's gap (95 %, paired) |",
@@ -252,7 +252,7 @@ def across_sets_table(details: dict[str, pd.DataFrame], *, n_boot: int = 2000) -
     """Per stack (``across_sets_<stack>/``, scripts/expert_weights_across_sets.py): macro pass@1/5/10 of the J
     lens, the stack's pooled lens, its uniform weights and its weights learned on the *other* sets, with the
     paired comparison against the J lens (every set read by weights that never saw it)."""
-    from jlens_core.reading.lens_comparison import macro_comparison
+    from jlens_core.evaluation.lens_comparison import macro_comparison
 
     lines = [("| experts | lens | pass@1 (95 %) | pass@5 (95 %) | pass@10 (95 %) | Δ@10 vs J (95 %, paired) | "
               "ratio @10 | verdict |"), "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -269,8 +269,8 @@ def across_sets_decoy_table(reals: dict[str, pd.DataFrame], decoys: dict[str, pd
                             n_boot: int = 2000) -> str:
     """Per stack: the decoy control of the across-sets comparison (``across_sets_<stack>/decoy/``): macro pass@10 on
     the real intermediates and on the decoys, the gap, and the gap minus the J lens's gap, paired
-    (jlens_core.reading.lens_comparison.gap_comparison)."""
-    from jlens_core.reading.lens_comparison import gap_comparison
+    (jlens_core.evaluation.lens_comparison.gap_comparison)."""
+    from jlens_core.evaluation.lens_comparison import gap_comparison
 
     lines = [("| experts | lens | pass@10 real | pass@10 decoys | real − decoys (95 %, paired) | "
              "gap − the J lens's gap (95 %, paired) | verdict |"), "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
@@ -288,7 +288,7 @@ def across_sets_decoy_table(reals: dict[str, pd.DataFrame], decoys: dict[str, pd
 def weights_heldout(detail: pd.DataFrame):
     """The items of ``detail``'s sets that the shipped weights never saw (the weigh split's held-out half): learned
     weights are scored on these only."""
-    from jlens_core.reading.lens_comparison import heldout_items
+    from jlens_core.evaluation.lens_comparison import heldout_items
 
     return heldout_items(sorted(detail["set"].unique()), HELDOUT_FRACTION, seed=SPLIT_SEED)
 

@@ -20,7 +20,7 @@ fi
 "$PY" - "$RUN" <<'PYEOF'
 import sys
 from jlens_core import JacobianLens
-from jlens_core.plots import plot_convergence
+from jlens_core.figures.png_plots import plot_convergence
 lens = JacobianLens.load(f"{sys.argv[1]}/smollm2-135m.safetensors")
 lens.save("assets/lenses/smollm2-135m.safetensors", dtype="float16")
 plot_convergence(lens.diagnostics, "assets/lenses/smollm2-135m.convergence.png",

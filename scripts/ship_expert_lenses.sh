@@ -44,7 +44,7 @@ import sys
 
 import pandas as pd
 
-from jlens_core.reading.lens_comparison import heldout_items, macro_comparison
+from jlens_core.evaluation.lens_comparison import heldout_items, macro_comparison
 
 root = "assets/lenses/smollm2-135m.eval"
 detail = pd.read_csv(f"{root}/pass_at_k_detail.csv")

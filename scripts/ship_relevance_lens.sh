@@ -17,7 +17,7 @@ source "$(dirname "$0")/_common.sh" runs/rexp
 "$PY" - "$RUN" <<'PYEOF'
 import sys
 from jlens_core.lenses.experts import ExpertLens
-from jlens_core.plots import plot_convergence
+from jlens_core.figures.png_plots import plot_convergence
 experts = ExpertLens.load(f"{sys.argv[1]}/smollm2-135m.rexp.safetensors")
 lens = experts.pooled_lens()
 lens.save("assets/lenses/smollm2-135m.relevance.safetensors", dtype="float16")

@@ -12,7 +12,7 @@ def across_sets():
 
 
 def test_groups_are_sorted_sets_dealt_round_robin_each_set_once(across_sets):
-    from jlens_core.reading.passk import shipped_sets
+    from jlens_core.evaluation.passk import shipped_sets
 
     sets = sorted(shipped_sets(), reverse=True)
     groups = across_sets.deal(sets, 3)

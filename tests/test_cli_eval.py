@@ -12,9 +12,9 @@ from conftest import CORPUS, save_tiny
 
 from jlens_core import JacobianLens, LogitLens, evaluate, fit, load_lens, load_model
 from jlens_core.cli.main import main
+from jlens_core.figures.png_plots import plot_convergence
 from jlens_core.fitting.diagnostics import convergence_frame, diagnostics_frame
 from jlens_core.lenses.shipped import default_lens, shipped_lens_path
-from jlens_core.plots import plot_convergence
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from test_expert_weights import expert_lens, write_sets
 
 from jlens_core import JacobianLens, load_model
 from jlens_core.cli.main import main
+from jlens_core.evaluation.labelled_items import read_labelled_items
 from jlens_core.fitting.expert_weights import macro_pass_at_k, split_items
 from jlens_core.lenses.experts import ExpertLens
-from jlens_core.reading.labelled_items import read_labelled_items
 
 
 @pytest.fixture(scope="module")

@@ -196,7 +196,7 @@ def test_lens_comparison_table_rows_are_macro_comparison_numbers(tmp_path):
 
     import pandas as pd
 
-    from jlens_core.reading.lens_comparison import macro_comparison
+    from jlens_core.evaluation.lens_comparison import macro_comparison
 
     rt = _readme_tables()
     folder = tmp_path / "eval"

@@ -1,4 +1,4 @@
-"""reading/evaluation: evaluate (per-layer KL / CE over a corpus), against HF's own hidden states."""
+"""evaluation/by_layer: evaluate (per-layer KL / CE over a corpus), against HF's own hidden states."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conftest import LONG_TEXT, make_tiny
 from helpers import identity_lens, reference_logits
 
 from jlens_core import LensFileError, LogitLens
-from jlens_core.reading.evaluation import EVALUATE_COLUMNS, evaluate
+from jlens_core.evaluation.by_layer import EVALUATE_COLUMNS, evaluate
 
 TEXTS = [LONG_TEXT, "Once upon a time there was a small model that read every layer of itself.",
          "def add(a, b):\n    return a + b\n\nprint(add(12, 345))"]

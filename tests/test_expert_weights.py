@@ -1,5 +1,5 @@
 """Expert weights learned from labelled items (docs/method.md §9.1; jlens_core.fitting.expert_weights and
-jlens_core.reading.labelled_items) on the tiny llama with an expert lens built from random matrices: the
+jlens_core.evaluation.labelled_items) on the tiny llama with an expert lens built from random matrices: the
 surrogate against a computation from HF's own hidden states, the exact macro against pass@k of the combined
 lens read through passk, unit norms, the kept iterate, the split and the errors; the fast path (the logit
 basis) against unembed on llama (RMSNorm), gpt2 (LayerNorm with a bias) and gemma2 (1 + w gain, soft-cap),
@@ -19,6 +19,8 @@ import torch
 from conftest import make_tiny
 from torch import nn
 
+from jlens_core.evaluation.labelled_items import read_labelled_items
+from jlens_core.evaluation.passk import macro_mean, pass_at_k
 from jlens_core.fitting.expert_weights import (
     STARTS,
     ItemBatch,
@@ -34,8 +36,6 @@ from jlens_core.fitting.expert_weights import (
     surrogate_terms,
 )
 from jlens_core.lenses.experts import Clustering, ExpertLens
-from jlens_core.reading.labelled_items import read_labelled_items
-from jlens_core.reading.passk import macro_mean, pass_at_k
 
 N_EXPERTS = 4
 # single tokens of the test tokenizer (conftest.CORPUS), so scorable; "zebra" is not: unscored

@@ -14,7 +14,7 @@ from test_word_readout import char_model
 
 from jlens_core import LogitLens, TunedLens, load_model, pass_at_k, read_prompt, read_prompts
 from jlens_core.cli.main import main
-from jlens_core.reading.passk import appears_in_prompt, pass_at_k_detail, summarize_pass_at_k
+from jlens_core.evaluation.passk import appears_in_prompt, pass_at_k_detail, summarize_pass_at_k
 
 
 @pytest.mark.parametrize(("prompt", "word", "synonyms", "expected"), [

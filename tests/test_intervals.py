@@ -8,13 +8,13 @@ import math
 
 import pytest
 
+from jlens_core.evaluation.passk import bootstrap_interval
 from jlens_core.interventions.intervals import (
     beta_quantile,
     clopper_pearson_interval,
     regularized_incomplete_beta,
     wilson_interval,
 )
-from jlens_core.reading.passk import bootstrap_interval
 
 
 @pytest.mark.parametrize("k, n, low, high", [

@@ -20,9 +20,14 @@ PACKAGE = Path(jlens_core.__file__).resolve().parent
 APP = PACKAGE.parent / "app"
 
 # Leaves: top-level modules that import nothing from jlens_core.
-LEAVES = {"_atomic", "_version", "_paths", "corpus", "layerspec", "workspace"}
-RANKS = {"files": 1, "models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4, "plots": 4,
-         "figures": 4, "cli": 5}
+LEAVES = {"_atomic", "_deprecated", "_version", "_paths", "corpus", "layerspec", "workspace"}
+RANKS = {"files": 1, "models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4,
+         "figures": 4, "evaluation": 5, "cli": 6}
+# Old paths of moved modules that were documented in 0.1.0: each warns once and forwards (jlens_core/_deprecated.py)
+# until the version named, when test_deprecated_paths_go_when_their_version_comes fails.
+DEPRECATED_PATHS = {"jlens_core.reading.passk": ("jlens_core.evaluation.passk", "0.3.0"),
+                    "jlens_core.reading.lens_comparison": ("jlens_core.evaluation.lens_comparison", "0.3.0"),
+                    "jlens_core.reading.labelled_items": ("jlens_core.evaluation.labelled_items", "0.3.0")}
 # A result object draws itself (``reading.figure()``, ``evaluation.figure()``, ``reading._repr_html_``): these
 # methods import ``jlens_core.figures`` inside their body, lazily, the one upward import the layout allows.
 FIGURE_HOOKS = {"figure", "to_html", "_repr_html_", "_repr_mimebundle_"}
@@ -203,6 +208,33 @@ def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
     with pytest.raises(AssertionError) as caught:
         test_dependencies_point_one_way()
     assert "drawn.py" not in str(caught.value)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
+
+
+def test_deprecated_paths_warn_once_and_go_when_their_version_comes():
+    """A moved module's old path forwards every name with one DeprecationWarning; at its version it must go."""
+    import subprocess
+    import sys
+
+    current = version_tuple(jlens_core.__version__)
+    for old, (new, removed_in) in DEPRECATED_PATHS.items():
+        path = PACKAGE.parent / (old.replace(".", "/") + ".py")
+        assert current < version_tuple(removed_in), (
+            f"jlens is {jlens_core.__version__}: delete the deprecated shim {path.name} ({old} -> {new}), "
+            f"due in {removed_in}, and its entry in DEPRECATED_PATHS")
+        assert path.is_file(), f"{old} is listed as deprecated but has no shim"
+        code = (f"import warnings, {new} as new; warnings.simplefilter('always')\n"
+                f"with warnings.catch_warnings(record=True) as seen:\n"
+                f"    import {old} as old\n"
+                f"    names = [n for n in new.__all__]\n"
+                f"    same = all(getattr(old, n) is getattr(new, n) for n in names)\n"
+                f"print(same, len(names), sum(issubclass(w.category, DeprecationWarning) for w in seen))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+        assert out[0] == "True" and int(out[1]) > 0 and out[2] == "1", (old, out)
+    assert version_tuple("0.3.0") > version_tuple("0.2.9") and version_tuple("0.10.0") > version_tuple("0.3.0")
 
 
 def test_public_names_are_unchanged():

@@ -1,5 +1,5 @@
-"""Lenses compared under one protocol (jlens_core/reading/lens_comparison.py): macro pass@k against the
-per-set summaries of jlens_core/reading/passk.py, paired intervals, held-out items and bad input."""
+"""Lenses compared under one protocol (jlens_core/evaluation/lens_comparison.py): macro pass@k against the
+per-set summaries of jlens_core/evaluation/passk.py, paired intervals, held-out items and bad input."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from jlens_core.reading.lens_comparison import gap_comparison, heldout_items, macro_comparison
-from jlens_core.reading.passk import load_eval_set, macro_mean, summarize_pass_at_k
+from jlens_core.evaluation.lens_comparison import gap_comparison, heldout_items, macro_comparison
+from jlens_core.evaluation.passk import load_eval_set, macro_mean, summarize_pass_at_k
 
 
 def synthetic_detail(seed: int = 0, lenses=("jacobian", "logit", "relevance"), vocab: str = "all") -> pd.DataFrame:

@@ -13,7 +13,7 @@ import torch
 from helpers import identity_lens, reference_logits
 
 from jlens_core import HFLensModel, LensFileError, LogitLens
-from jlens_core.reading.passk import (
+from jlens_core.evaluation.passk import (
     DETAIL_COLUMNS,
     EVAL_DIR,
     EVAL_SETS,

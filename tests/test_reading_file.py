@@ -31,7 +31,7 @@ from jlens_core import (
 )
 from jlens_core.cli.main import main
 from jlens_core.reading.grid_export import grid_records
-from jlens_core.reading.reading_file import FORMAT_VERSION, READING_ARRAYS
+from jlens_core.reading.file_format import FORMAT_VERSION, READING_ARRAYS
 
 PROMPT = "def add(a, b):\n    return a + b"
 

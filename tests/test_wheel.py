@@ -67,7 +67,7 @@ def test_the_wheel_carries_its_assets_and_app(installed):
     for needed in ("jlens_assets/lenses/smollm2-135m.safetensors", "jlens_assets/lenses/smollm2-135m.relevance.safetensors",
                    "jlens_assets/evaluations/two_hop.json",
                    "jlens_assets/example_prompts.json", "jlens_app/main.py", "jlens_app/views/inspect.py",
-                   "jlens_core/reading/passk.py"):
+                   "jlens_core/evaluation/passk.py"):
         assert needed in names
     code = "import jlens_core, jlens_core._paths as p; print(jlens_core.__file__); print(p.ASSETS_DIR); print(p.APP_DIR)"
     where = subprocess.run([str(installed["python"]), "-c", code],

@@ -11,7 +11,7 @@ from conftest import make_tokenizer
 from helpers import reference_logits
 
 from jlens_core import HFLensModel, LogitLens, most_common_tokens, pass_at_k, read_prompt
-from jlens_core.reading.passk import pass_at_k_detail
+from jlens_core.evaluation.passk import pass_at_k_detail
 from jlens_core.reading.tokens import TokenDisplay
 from jlens_core.reading.word_readout import kept_ids_mask, word_mask
 

@@ -15,8 +15,8 @@ import charts
 import common
 import lens_slots
 from jlens_core.corpus import BUILTIN_CORPUS, load_corpus
-from jlens_core.reading.evaluation import evaluate
-from jlens_core.reading.passk import EVAL_SETS, load_eval_set, macro_mean, pass_at_k
+from jlens_core.evaluation.by_layer import evaluate
+from jlens_core.evaluation.passk import EVAL_SETS, load_eval_set, macro_mean, pass_at_k
 from jlens_core.workspace import sanitise_filename
 
 ss = st.session_state

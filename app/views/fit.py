@@ -219,8 +219,8 @@ def show_run(folder_or_run, shown_state: str) -> None:
 
 def weights_section(run: runs.Run) -> None:
     """"Learn weights" for a finished expert fit: ``jlens weigh`` as its own process, followed until it is done."""
+    from jlens_core.evaluation.passk import shipped_sets
     from jlens_core.lenses.experts import is_expert_lens_file
-    from jlens_core.reading.passk import shipped_sets
 
     if run.followed or run.state != "done" or not run.lens_path.is_file() or not is_expert_lens_file(run.lens_path):
         return

@@ -65,7 +65,7 @@ def resolve_lenses(specs: list[str], model: LensModel, shrinkage: list[float] | 
 
 
 def _plot(frame, out: Path, title: str) -> Path | None:
-    from ..plots import plot_eval_curves
+    from ..figures.png_plots import plot_eval_curves
 
     try:
         return plot_eval_curves(frame, out, title)
@@ -76,7 +76,7 @@ def _plot(frame, out: Path, title: str) -> Path | None:
 def _run_per_layer(model: LensModel, lenses: dict[str, Lens], texts: list[str], args: argparse.Namespace,
                    out: Path) -> pd.DataFrame:
     """Per-layer KL / cross-entropy of every lens on ``texts``, written to ``eval.csv``."""
-    from ..reading.evaluation import evaluate
+    from ..evaluation.by_layer import evaluate
 
     bar = _bar(len(texts) * len(lenses), "eval", args.no_progress)
     frame = evaluate(model, lenses, texts, max_seq_len=args.max_seq_len,
@@ -93,7 +93,7 @@ def _run_pass_at_k(model: LensModel, lenses: dict[str, Lens], eval_sets: list[tu
     the per-item detail to ``pass_at_k_detail.csv``."""
     import pandas as pd
 
-    from ..reading.passk import macro_mean, pass_at_k
+    from ..evaluation.passk import macro_mean, pass_at_k
 
     tables, details = [], []
     for name, items in eval_sets:
@@ -159,9 +159,9 @@ def _print_tables(frame: pd.DataFrame | None, passes: pd.DataFrame | None, swaps
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from ..corpus import load_corpus
+    from ..evaluation.passk import decoy_items, load_eval_set
     from ..interventions.swap_success import load_swap_set
     from ..models.loading import load_model
-    from ..reading.passk import decoy_items, load_eval_set
 
     readout = parse_readout(args.readout)
     eval_sets = [(name, load_eval_set(name)) for name in args.pass_at_k or []]  # bad files fail before loading
@@ -208,7 +208,7 @@ def parse_readout(value: str | None):
         return None
     if value.startswith("before:"):
         return {"before": value[len("before:"):]}
-    from ..reading.passk import check_readout
+    from ..evaluation.passk import check_readout
 
     return check_readout(value, "--readout")
 

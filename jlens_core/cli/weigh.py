@@ -30,12 +30,12 @@ def _check_out(path: str, option: str) -> Path:
 def cmd_weigh(args: argparse.Namespace) -> int:
     import torch
 
+    from ..evaluation.labelled_items import read_labelled_items
+    from ..evaluation.passk import load_eval_set
     from ..fitting.expert_weights import REPORT_KS, learn_expert_weights, macro_pass_at_k, split_items
     from ..lenses.experts import ExpertLens, is_expert_lens_file
     from ..models.device_maps import parse_size
     from ..models.loading import load_model
-    from ..reading.labelled_items import read_labelled_items
-    from ..reading.passk import load_eval_set
 
     out = _check_out(args.out, "--out")
     combined_out = _check_out(args.combined, "--combined") if args.combined else None

@@ -12,7 +12,7 @@ def eval_curves_figure(frame: pd.DataFrame) -> go.Figure:
     """Per-layer mean KL to final and next-token CE, per lens, with ±1 standard-error bars.
 
     Args:
-        frame: :func:`~jlens_core.reading.evaluation.evaluate`'s table (``lens, layer, kl_bits, ce_bits, kl_se,
+        frame: :func:`~jlens_core.evaluation.by_layer.evaluate`'s table (``lens, layer, kl_bits, ce_bits, kl_se,
             ce_se``).
     """
     fig = make_subplots(rows=1, cols=2, subplot_titles=("KL(final ‖ lens), bits", "next-token cross-entropy, bits"))
@@ -35,7 +35,7 @@ def pass_at_k_figure(frame: pd.DataFrame) -> go.Figure:
     """pass@k per evaluation set and lens (grouped bars, one panel per k).
 
     Args:
-        frame: :func:`~jlens_core.reading.passk.pass_at_k`'s table (``lens, set, k, pass_rate``).
+        frame: :func:`~jlens_core.evaluation.passk.pass_at_k`'s table (``lens, set, k, pass_rate``).
     """
     ks = sorted(frame["k"].unique())
     fig = make_subplots(rows=1, cols=len(ks), subplot_titles=[f"pass@{k}" for k in ks], shared_yaxes=True)

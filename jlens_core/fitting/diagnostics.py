@@ -97,7 +97,7 @@ def one_over_n_guide(convergence: pd.DataFrame) -> pd.DataFrame:
     records times 2, as the CLI's PNG once drew) is offset from the settled curves by however
     unusual those prompts were. Anchoring where the curves have settled makes a gap between curve
     and guide mean what it should: the fit has not settled yet, or falls slower than ``1/n``. The
-    app's chart and :func:`jlens_core.plots.plot_convergence` both draw this guide.
+    app's chart and :func:`jlens_core.figures.png_plots.plot_convergence` both draw this guide.
 
     Returns:
         DataFrame ``n_prompts, rel_change`` (two points, first and last prompt), empty when there

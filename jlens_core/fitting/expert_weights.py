@@ -2,7 +2,7 @@
 
 Per source layer ``l`` an :class:`~jlens_core.lenses.experts.ExpertLens` reads with one matrix
 ``J_l = sum_e w_e J_{l,e}`` (``w`` signed, unit L2 norm). This module learns ``w`` from labelled
-pass@k items read once (:func:`~jlens_core.reading.labelled_items.read_labelled_items`): each item
+pass@k items read once (:func:`~jlens_core.evaluation.labelled_items.read_labelled_items`): each item
 holds its source residuals ``h_l`` at its readout position, so ``J_{l,e} h_l`` is computed once per
 expert and every step only combines them and unembeds, ``unembed(sum_e w_e J_{l,e} h_l)``.
 
@@ -83,7 +83,7 @@ SELF_CHECK_RTOL = 1e-4
 
 
 class LabelledItem(Protocol):
-    """What learning needs of one labelled item (:class:`~jlens_core.reading.labelled_items.LabelledReadout`)."""
+    """What learning needs of one labelled item (:class:`~jlens_core.evaluation.labelled_items.LabelledReadout`)."""
 
     @property
     def set_name(self) -> str: ...
@@ -591,7 +591,7 @@ def macro_pass_at_k(model: LensModel, matrices: Mapping[int, torch.Tensor], item
     Returns:
         ``{k: score}``: the mean over sets of the mean over scored items of the fraction of scored
         intermediates whose best rank over the layers is ``<= k`` (the same number as
-        :func:`~jlens_core.reading.passk.pass_at_k` and ``macro_mean`` give for the combined lens).
+        :func:`~jlens_core.evaluation.passk.pass_at_k` and ``macro_mean`` give for the combined lens).
     """
     device = model.device
     batch = ItemBatch.build(matrices, items, device)

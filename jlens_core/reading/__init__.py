@@ -8,8 +8,8 @@
   re-exports their public names;
 * ``summaries``: most common tokens, two readings compared;
 * ``generation``, ``edit_hooks``: continuations, and the edits a reading can run under;
-* ``evaluation`` (per-layer KL / CE over a corpus), ``passk`` (pass@k);
 * ``singular_directions``: singular directions of ``J_l`` decoded into tokens.
 
-Imports :mod:`jlens_core.models`, :mod:`jlens_core.lenses` and the leaves; never :mod:`jlens_core.fitting`.
+Set-level evaluation (per-layer KL / CE over a corpus, pass@k, lenses compared) is
+:mod:`jlens_core.evaluation`. Imports :mod:`jlens_core.models`, :mod:`jlens_core.lenses` and the leaves; never :mod:`jlens_core.fitting`.
 """

@@ -1,7 +1,7 @@
 """What a reading reads: its lenses, layers, positions, prompt ids and residuals (docs/method.md §6).
 
-Shared by :func:`~jlens_core.reading.reader.read_prompts`, :mod:`~jlens_core.reading.evaluation` and
-:mod:`~jlens_core.reading.passk`: each checks its lenses, picks the readable layers, encodes the
+Shared by :func:`~jlens_core.reading.reader.read_prompts`, :mod:`~jlens_core.evaluation.by_layer` and
+:mod:`~jlens_core.evaluation.passk`: each checks its lenses, picks the readable layers, encodes the
 prompt and records the residuals the same way.
 """
 

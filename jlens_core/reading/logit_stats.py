@@ -6,8 +6,8 @@ computed from fp32 logits (cast from the model's dtype).
 
 Memory: a reading computes logits for a chunk of positions and a group of layers at a time (at most
 ``CHUNK_ELEMENTS`` logits per array); the statistics then pass over ``STATS_BLOCK_ELEMENTS`` of them
-at a time, a block that stays in the CPU's cache. Used by readings, :mod:`~jlens_core.reading.evaluation`
-and :mod:`~jlens_core.reading.passk`.
+at a time, a block that stays in the CPU's cache. Used by readings, :mod:`~jlens_core.evaluation.by_layer`
+and :mod:`~jlens_core.evaluation.passk`.
 """
 
 from __future__ import annotations

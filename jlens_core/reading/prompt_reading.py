@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from ..lenses.protocol import Lens
+from .file_format import pick_reading, read_file, write_readings
 from .stability import STABILITY_COLUMNS, Stability, stability_by_layer
 from .tokens import TokenDisplay, display_ids
 from .word_readout import word_mask
@@ -347,11 +348,9 @@ class PromptReading:
         Several readings (two lenses, an edited run, a generation, a comparison) go in one file with
         :func:`~jlens_core.reading.reading_file.save_readings`.
         """
-        from .reading_file import save_readings
-
         key = name or self.lens_kind
-        return save_readings(path, {key: self}, model=model, lenses={key: lens} if lens is not None else None,
-                             origins={key: origin} if origin is not None else None)
+        return write_readings(path, {key: self}, model=model, lenses={key: lens} if lens is not None else None,
+                              origins={key: origin} if origin is not None else None)
 
     @classmethod
     def load(cls, path: str | os.PathLike, name: str | None = None) -> PromptReading:
@@ -362,9 +361,7 @@ class PromptReading:
             ReadingFileError: not a reading file, another format version, a missing field, no reading
                 ``name``, or several readings and no ``name`` (one sentence).
         """
-        from .reading_file import load_reading
-
-        return load_reading(path, name)
+        return pick_reading(path, read_file(path, cls)["readings"], name)
 
     def __repr__(self) -> str:
         return (f"PromptReading(model={self.model_name!r}, lens={self.lens_kind!r}, layers={self.layers}, "

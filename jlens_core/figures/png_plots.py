@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ._atomic import atomic_write
-from .fitting.diagnostics import convergence_frame, diagnostics_frame, norm_matrix, one_over_n_guide
+from .._atomic import atomic_write
+from ..fitting.diagnostics import convergence_frame, diagnostics_frame, norm_matrix, one_over_n_guide
 
 
 def _pyplot():
@@ -31,7 +31,7 @@ def plot_eval_curves(frame: pd.DataFrame, out: str | Path, title: str = "") -> P
     """Per-layer KL(final || lens) and next-token cross-entropy (bits), one line per lens, ±2 SE bands.
 
     Args:
-        frame: the output of :func:`jlens_core.reading.evaluation.evaluate` (``lens, layer, kl_bits, ce_bits``
+        frame: the output of :func:`jlens_core.evaluation.by_layer.evaluate` (``lens, layer, kl_bits, ce_bits``
             and optionally ``kl_se, ce_se``).
     """
     plt = _pyplot()

@@ -3,7 +3,7 @@
 :func:`evaluate` - for each lens and readable layer, the mean over a corpus's tokens of
 ``KL(model final || lens)`` and of the cross-entropy of the actual next token (bits). pass@k of
 latent intermediate steps and the shipped sets (``pass_at_k``, ``load_eval_set``, ``EVAL_SETS``)
-live in :mod:`jlens_core.reading.passk`.
+live in :mod:`jlens_core.evaluation.passk`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
-from .inputs import checked_lenses, encode_prompt, model_vocab_size, record_residuals
-from .logit_stats import centred_logit_stats, chunk_size, final_distribution
+from ..reading.inputs import checked_lenses, encode_prompt, model_vocab_size, record_residuals
+from ..reading.logit_stats import centred_logit_stats, chunk_size, final_distribution
 
 log = logging.getLogger(__name__)
 

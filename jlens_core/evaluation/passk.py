@@ -1,0 +1,610 @@
+"""pass@k of latent intermediate steps, with the field's protocol (docs/method.md §8).
+
+An item ``{"name"?, "prompt", "target"?, "intermediates": [...]}`` holds a prompt whose answer needs
+steps the prompt never states. A lens finds a step when the word is among its top ``k`` at some
+layer, at one **readout** position:
+
+* ``"last"`` (default): the prompt's last token (for a prompt that stops where ``target`` begins,
+  the token right before the target; the target itself is never scored);
+* ``"last_newline"``: the last token that contains a newline (couplets: the end of line 1);
+* an integer position (negatives count from the end), or ``{"before": "text"}``: the last token
+  that ends before the first occurrence of ``text`` in the prompt.
+
+An intermediate's rank at a layer is its best 1-based full-vocabulary rank over its **complete
+single-token spellings**: the word as written, lower-cased and capitalised, each with and without a
+leading space, kept only when one token stands for exactly that string
+(:func:`~jlens_core.reading.tokens.spellings`). A word with no such spelling is
+**unscored**: left out of every denominator and counted in the coverage columns, never scored by a
+prefix. ``spelling="first_token"`` keeps the older rule (the first token of the word, with and
+without a leading space; every word scored). ``synonyms="numbers_ops"`` also accepts digits <->
+number words and operation names <-> symbols and verbs (plus, +, add, ...): the rank is the best
+over them.
+
+pass@k of an item is the fraction of its scored intermediates whose best rank over the chosen layers
+is ``<= k``; a set's score is the mean over items with at least one scored intermediate, with a
+bootstrap 95 % interval over those items.
+
+``vocab="word"`` (the word-token readout, docs/method.md §9.1) ranks among the tokens whose text has
+a letter or digit, plus every candidate spelling of the item's words (never excluded). An
+intermediate is **copied** when the word, or one of its synonyms, occurs in the prompt text
+(:func:`appears_in_prompt`); the summary counts the copied scored intermediates, and
+``exclude_copied=True`` leaves them out of the score and the coverage (docs/method.md §8).
+
+Sets are JSON files in the reference format ``{"items": [...], "readout"?, "synonyms"?,
+"description"?}`` or JSON Lines of items (our older format); an item may carry its own ``readout``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .._paths import ASSETS_DIR
+from ..layerspec import wrap_index
+from ..lenses.protocol import Lens
+from ..models.model import LensModel
+from ..reading.inputs import checked_lenses, encode_prompt, record_residuals
+from ..reading.logit_stats import rank_of
+from ..reading.tokens import TokenDisplay, spellings
+from ..reading.word_readout import check_vocab, kept_ids_mask
+
+log = logging.getLogger(__name__)
+
+EVAL_DIR = ASSETS_DIR / "evaluations"
+READOUT_RULES = ("last", "last_newline")
+SPELLINGS = ("whole", "first_token")
+SYNONYM_SETS = ("numbers_ops",)
+PASS_COLUMNS = ("lens", "vocab", "k", "pass_rate", "ci_low", "ci_high", "items_scored", "n_items", "words_scored",
+                "n_words", "copied", "copied_excluded")
+DETAIL_COLUMNS = ("item", "name", "lens", "role", "word", "scored", "copied", "spellings", "token_ids", "position",
+                  "readout_token", "best_rank", "best_layer", "final_rank", "vocab")
+N_BOOT = 2000
+
+Progress = Callable[[int, int], None]
+
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+                "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty")
+TENS = {30: "thirty", 40: "forty", 50: "fifty", 60: "sixty", 70: "seventy", 80: "eighty", 90: "ninety",
+        100: "hundred"}
+OPERATION_GROUPS = (
+    ("plus", "+", "add", "added", "adding", "sum"),
+    ("minus", "-", "−", "subtract", "subtracted", "subtracting", "difference"),
+    ("times", "*", "×", "multiply", "multiplied", "multiplying", "product"),
+    ("divided", "/", "÷", "divide", "dividing", "quotient"),
+)
+
+
+# -- the set files -----------------------------------------------------------------------------------
+def shipped_sets() -> dict[str, str]:
+    """``{name: description}`` of the sets in ``assets/evaluations/`` (``.json`` files)."""
+    out = {}
+    for path in sorted(EVAL_DIR.glob("*.json")):
+        try:
+            out[path.stem] = str(json.loads(path.read_text(encoding="utf-8")).get("description", ""))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+EVAL_SETS: dict[str, str] = shipped_sets()  # {name: description} of assets/evaluations/*.json, read at import
+
+
+def _resolve_path(spec: str | os.PathLike) -> Path:
+    text = str(spec)
+    for candidate in (EVAL_DIR / f"{text}.json", EVAL_DIR / f"{text}.jsonl"):
+        if "/" not in text and candidate.is_file():
+            return candidate
+    path = Path(spec)
+    if path.is_file():
+        return path
+    raise FileNotFoundError(f"No evaluation set {text!r}: give a .json or .jsonl file, or one of "
+                            f"{sorted(shipped_sets())}.")
+
+
+def check_readout(rule: Any, where: str = "readout") -> Any:
+    """The rule itself when valid; else a one-sentence ``ValueError``."""
+    if rule in READOUT_RULES or (isinstance(rule, int) and not isinstance(rule, bool)):
+        return rule
+    if isinstance(rule, str) and re.fullmatch(r"-?\d+", rule.strip()):
+        return int(rule)
+    if isinstance(rule, Mapping) and set(rule) == {"before"} and isinstance(rule["before"], str) and rule["before"]:
+        return {"before": rule["before"]}
+    raise ValueError(f"{where}: unknown readout rule {rule!r}; use 'last', 'last_newline', a token position, "
+                     "or {'before': 'text'}.")
+
+
+def check_item(item: Any, where: str) -> dict:
+    """An item with ``intermediates`` as a list, checked; other fields kept.
+
+    Raises:
+        ValueError: not an object, no ``prompt`` or no ``intermediates`` (names the item), or a bad
+            per-item readout.
+    """
+    if not isinstance(item, Mapping):
+        raise ValueError(f"{where}: expected an object with 'prompt' and 'intermediates', "  # noqa: TRY004
+                         f"got {type(item).__name__}.")
+    missing = [key for key in ("prompt", "intermediates") if key not in item]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {missing}; each item needs 'prompt' and 'intermediates' "
+                         "('target' is optional).")
+    prompt, inter = item["prompt"], item["intermediates"]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}.")
+    if isinstance(inter, str):
+        inter = [inter]
+    if not isinstance(inter, (list, tuple)) or not inter or not all(isinstance(w, str) and w.strip() for w in inter):
+        raise ValueError(f"{where}: 'intermediates' must be a list of non-empty strings, got {inter!r}.")
+    target = item.get("target")
+    if target is not None and (not isinstance(target, str) or not target.strip()):
+        raise ValueError(f"{where}: 'target' must be a non-empty string when given, got {target!r}.")
+    out = {**dict(item), "prompt": prompt, "intermediates": list(inter)}
+    if "readout" in item:
+        out["readout"] = check_readout(item["readout"], where)
+    return out
+
+
+def load_eval_set(spec: str | os.PathLike) -> list[dict]:
+    """Items of an evaluation set: a shipped name, a ``.json`` file (``{"items": [...]}``, the
+    reference's format) or a ``.jsonl`` file (one item per line).
+
+    The set's own ``readout`` and ``synonyms`` (JSON files) are copied into every item that does not
+    set its own, so the list carries the protocol with it.
+
+    Raises:
+        FileNotFoundError: no such set or file (the message lists the shipped names).
+        ValueError: a file that is not JSON, has no ``items``, or an item without ``prompt`` or
+            ``intermediates`` (the message names file and item).
+    """
+    path = _resolve_path(spec)
+    text = path.read_text(encoding="utf-8")
+    defaults: dict[str, Any] = {}
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno}).") from None
+        if not isinstance(data, Mapping) or not isinstance(data.get("items"), list):
+            raise ValueError(f"{path} has no 'items' list: an evaluation set is {{\"items\": [{{\"prompt\", "
+                             "\"intermediates\", ...}, ...]}.")
+        raw = list(enumerate(data["items"], 1))
+        if "readout" in data and data["readout"] is not None:
+            defaults["readout"] = check_readout(data["readout"], f"{path}")
+        if data.get("synonyms"):
+            defaults["synonyms"] = _check_synonyms(data["synonyms"])
+        where = "item"
+    else:
+        raw = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                raw.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg}).") from None
+        where = "line"
+    if not raw:
+        raise ValueError(f"{path} holds no items.")
+    items = []
+    for n, obj in raw:
+        label = f"{path}:{n}" if where == "line" else f"{path} item {n}" + (
+            f" ({obj.get('name')})" if isinstance(obj, Mapping) and obj.get("name") else "")
+        items.append({**defaults, **check_item(obj, label)})
+    return items
+
+
+def decoy_items(items: Sequence[Mapping]) -> list[dict]:
+    """The decoy control of pass@k (docs/method.md §8): each item with its intermediates replaced by those of
+    another item of the same list, words of the same kind that are not this prompt's latent step.
+
+    A lens that ranks a kind of word high everywhere (numbers, say) finds decoys as often as the real steps;
+    one that reads the step finds the real ones more often. The decoy of item ``i`` is the intermediates of
+    the first item after it (cyclically) none of whose intermediates is one of item ``i``'s intermediates or
+    its target, nor appears in its prompt (:func:`appears_in_prompt`); an item without one is left out.
+    Each decoy item keeps its prompt, target, readout and position in the list (``index``, so results pair
+    with the real items') and records ``decoy_of`` (the other item's name, else its index).
+
+    Returns:
+        The decoy items, in order (fewer than ``items`` where some had no decoy).
+    """
+    decoys = []
+    n = len(items)
+    for i, item in enumerate(items):
+        synonyms = item.get("synonyms")
+        own = {str(w).strip().lower() for w in [*item["intermediates"], item.get("target") or ""]}
+        for step in range(1, n):
+            other = items[(i + step) % n]
+            words = [str(w) for w in other["intermediates"]]
+            if any(w.strip().lower() in own or appears_in_prompt(item["prompt"], w, synonyms=synonyms) for w in words):
+                continue
+            decoys.append({**item, "intermediates": words, "index": item.get("index", i),
+                           "decoy_of": other.get("name") or (i + step) % n})
+            break
+    return decoys
+
+
+def _check_synonyms(value: Any) -> str | None:
+    if value in (None, "", "none"):
+        return None
+    if value not in SYNONYM_SETS:
+        raise ValueError(f"Unknown synonyms {value!r}: use one of {list(SYNONYM_SETS)} or none.")
+    return str(value)
+
+
+def _check_items(items: Any) -> list[dict]:
+    if isinstance(items, (str, os.PathLike)):
+        return load_eval_set(items)
+    items = list(items)
+    if not items:
+        raise ValueError("items is empty: give at least one {'prompt', 'intermediates'} item.")
+    return [check_item(item, f"item {i}") for i, item in enumerate(items)]
+
+
+# -- words -----------------------------------------------------------------------------------------------
+def number_synonyms(word: str) -> list[str]:
+    """Digits <-> number words (0-20, the tens, hundred) and operation names <-> symbols and verbs."""
+    w = word.strip()
+    low = w.lower()
+    out = [w]
+    if w.isdigit():
+        n = int(w)
+        if n < len(NUMBER_WORDS):
+            out.append(NUMBER_WORDS[n])
+        elif n in TENS:
+            out.append(TENS[n])
+    elif low in NUMBER_WORDS:
+        out.append(str(NUMBER_WORDS.index(low)))
+    elif low in TENS.values():
+        out.append(str(next(k for k, v in TENS.items() if v == low)))
+    for group in OPERATION_GROUPS:
+        if low in group:
+            out.extend(g for g in group if g != low)
+    return list(dict.fromkeys(out))
+
+
+def word_spellings(tokenizer: Any, word: str, *, spelling: str = "whole", synonyms: str | None = None,
+                   vocab_size: int | None = None) -> dict[str, int]:
+    """``{spelling: token id}`` a word is scored by (empty: unscored).
+
+    ``spelling="whole"``: the complete single-token spellings of the word (and of its synonyms);
+    ``"first_token"``: the first token of the word with and without a leading space.
+    """
+    words = number_synonyms(word) if synonyms == "numbers_ops" else [word]
+    out: dict[str, int] = {}
+    rule = "first" if spelling == "first_token" else "exact"
+    for w in words:
+        for text, tid in spellings(tokenizer, w, rule=rule, vocab_size=vocab_size).items():
+            out.setdefault(text, tid)
+    return out
+
+
+def appears_in_prompt(prompt: str, word: str, *, synonyms: str | None = None) -> bool:
+    """Whether ``word`` (or, with ``synonyms="numbers_ops"``, one of its synonyms) is in ``prompt``: copied.
+
+    Each form, stripped of surrounding whitespace, is searched case-insensitively; an end of the form
+    that is a letter, digit or underscore must not touch another one in the prompt (a whole word:
+    "Paris" is not in "Parisian"; "+" is in "3+4"). Tokenisation plays no part.
+    """
+    forms = number_synonyms(word) if synonyms == "numbers_ops" else [word]
+    for form in forms:
+        core = form.strip()
+        if not core:
+            continue
+        left = r"(?<!\w)" if re.match(r"\w", core[0]) else ""
+        right = r"(?!\w)" if re.match(r"\w", core[-1]) else ""
+        if re.search(left + re.escape(core) + right, prompt, flags=re.IGNORECASE):
+            return True
+    return False
+
+
+# -- readout positions ---------------------------------------------------------------------------------
+def readout_position(model: LensModel, prompt: str, ids: torch.Tensor, rule: Any) -> int:
+    """The index into ``ids [1, seq]`` (the encoded ``prompt``) where the lens is read.
+
+    Raises:
+        ValueError: an unknown rule, no newline for ``"last_newline"``, a substring not in the prompt
+            or with no token before it, a position out of range.
+    """
+    rule = check_readout(rule)
+    seq = int(ids.shape[1])
+    if rule == "last":
+        return seq - 1
+    if isinstance(rule, int):
+        return wrap_index(rule, seq, f"readout position {rule}", what="tokens", owner="the prompt")
+    display = TokenDisplay.for_model(model)
+    row = ids[0].tolist()
+    if rule == "last_newline":
+        hits = [i for i, t in enumerate(row) if t < display.vocab_size and "\n" in display.texts[t]]
+        if not hits:
+            raise ValueError("readout 'last_newline': the prompt has no token with a newline.")
+        return hits[-1]
+    text = rule["before"]
+    start = prompt.find(text)
+    if start < 0:
+        raise ValueError(f"readout {{'before': {text!r}}}: {text!r} is not in the prompt.")
+    # the encoded prefix up to the substring: its last token ends before it
+    prefix: list[int] = model.encode(prompt[:start])[0].tolist() if prompt[:start] else []
+    n = len(prefix)
+    # merges can differ at the cut: step back until the prefix matches the full encoding
+    while n > 0 and row[:n] != prefix[:n]:
+        n -= 1
+    if n == 0:
+        raise ValueError(f"readout {{'before': {text!r}}}: no token of the prompt comes before {text!r}.")
+    return n - 1
+
+
+# -- one item's protocol ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ItemReadout:
+    """What pass@k reads of one item (docs/method.md §8), before any lens: its words, their candidate
+    spellings, where the lens is read.
+
+    Attributes:
+        name: the item's ``name``, else its 0-based index in the set (as a string).
+        words: ``(role, word)`` pairs: the intermediates (``"intermediate"``), then the target (``"target"``).
+        spellings: per word, ``{spelling: token id}`` it is ranked by (empty: unscored).
+        copied: ``{word: whether the prompt already holds it}`` (:func:`appears_in_prompt`).
+        ids: ``LongTensor[1, seq]``, the encoded prompt.
+        position: the readout position, an index into ``ids[0]``.
+    """
+
+    name: str
+    words: list[tuple[str, str]]
+    spellings: list[dict[str, int]]
+    copied: dict[str, bool]
+    ids: torch.Tensor
+    position: int
+
+
+def item_readout(model: LensModel, item: Mapping, index: int, *, readout: Any = None, spelling: str = "whole",
+                 synonyms: str | None = None) -> ItemReadout:
+    """The protocol of one checked item (:func:`check_item`): words, spellings, copied flags, readout position.
+
+    ``readout`` / ``synonyms`` override the item's own (``None``: the item's, else ``"last"`` / none).
+
+    Raises:
+        ValueError: a readout rule that does not fit the prompt (the message names the item).
+    """
+    name = str(item.get("name", index))
+    words = [("intermediate", w) for w in item["intermediates"]]
+    if item.get("target"):
+        words.append(("target", item["target"]))
+    item_synonyms = synonyms if synonyms is not None else item.get("synonyms")
+    spelled = [word_spellings(model.tokenizer, w, spelling=spelling, synonyms=item_synonyms,
+                              vocab_size=model.vocab_size) for _, w in words]
+    copied = {w: appears_in_prompt(item["prompt"], w, synonyms=item_synonyms) for _, w in words}
+    ids = encode_prompt(model, item["prompt"], None)  # [1, seq]
+    rule = readout if readout is not None else item.get("readout", "last")
+    try:
+        position = readout_position(model, item["prompt"], ids, rule)
+    except ValueError as exc:
+        raise ValueError(f"item {name}: {exc}") from None
+    return ItemReadout(name=name, words=words, spellings=spelled, copied=copied, ids=ids, position=position)
+
+
+def item_kept_ids(kept_np: np.ndarray | None, spellings: Sequence[Mapping[str, int]],
+                  device: torch.device) -> torch.Tensor | None:
+    """``[vocab]`` 0/1 fp32 on ``device``: the ids an item's ranks count (``None`` under ``vocab="all"``).
+
+    ``kept_np`` is the readout's mask (:func:`~jlens_core.reading.word_readout.kept_ids_mask`); every
+    candidate spelling of the item's words is added to it (never excluded, docs/method.md §8).
+    """
+    if kept_np is None:
+        return None
+    kept = torch.tensor(kept_np, dtype=torch.float32, device=device)  # [vocab_size]
+    for spelled in spellings:
+        kept[list(spelled.values())] = 1.0
+    return kept
+
+
+# -- pass@k ------------------------------------------------------------------------------------------------
+def _best_rank(logits: torch.Tensor, candidates: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """``LongTensor[n]``: per row of ``logits [n, vocab]``, the best 1-based rank among ``candidates``.
+
+    ``kept``: ``[vocab]`` 0/1, the ids counted above a candidate (None: all).
+    """
+    ranks = torch.stack([rank_of(logits, c.expand(logits.shape[0]), kept=kept) for c in candidates],
+                        dim=-1)  # [n, n_cand]
+    return ranks.min(-1).values
+
+
+def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str, *,
+                     layers: Iterable[int] | None = None, readout: Any = None, spelling: str = "whole",
+                     synonyms: str | None = None, progress: Progress | None = None, vocab: str = "all"
+                     ) -> pd.DataFrame:
+    """Best ranks of each item's intermediate and target words, per lens, at the readout position.
+
+    Args:
+        items: items (dicts), or the name / path of a set (:func:`load_eval_set`).
+        layers: layers searched (default: every readable layer of each lens, the output included).
+        readout: a readout rule for every item (overrides the set's and the items'); default: the
+            item's, else the set's, else ``"last"``.
+        spelling: ``"whole"`` (complete single-token spellings) or ``"first_token"``.
+        synonyms: ``"numbers_ops"`` or ``None``; default: the item's (from its set).
+        vocab: ``"all"`` (default) or ``"word"``: rank among the word tokens plus the item's candidate
+            spellings (docs/method.md §9.1).
+
+    Returns:
+        DataFrame, one row per item x lens x word, columns :data:`DETAIL_COLUMNS`: ``scored`` (the
+        word has a spelling), ``copied`` (it appears in the prompt, :func:`appears_in_prompt`),
+        ``spellings`` / ``token_ids`` (what it is ranked by), ``position`` and ``readout_token``
+        (where it was read), ``best_rank`` (best over the layers; NaN unscored), ``best_layer``
+        (lowest layer reaching it), ``final_rank`` (in the model's own output), ``vocab``.
+
+    Raises:
+        ValueError: malformed items, an unknown readout / spelling / synonyms / vocab, a readout
+            substring not in its prompt (the message names the item), no lenses, a ``"word"`` readout
+            that keeps no token.
+        LensFileError: a lens belongs to another model.
+    """
+    if spelling not in SPELLINGS:
+        raise ValueError(f"Unknown spelling {spelling!r}: use 'whole' (complete single-token spellings) or "
+                         "'first_token'.")
+    if readout is not None:
+        readout = check_readout(readout)
+    synonyms = _check_synonyms(synonyms)
+    check_vocab(vocab)
+    lenses, lens_layers = checked_lenses(model, lenses, layers)
+    items = _check_items(items)
+    kept_np = kept_ids_mask(TokenDisplay.for_model(model), vocab, model.vocab_size)  # bool[vocab_size] or None
+    top = model.n_layers - 1
+    all_layers = sorted({layer for ls in lens_layers.values() for layer in ls})
+    display = TokenDisplay.for_model(model)
+    rows = []
+    for index, item in enumerate(items):
+        read = item_readout(model, item, index, readout=readout, spelling=spelling, synonyms=synonyms)
+        name, words, spellings, copied, ids, position = (read.name, read.words, read.spellings, read.copied,
+                                                         read.ids, read.position)
+        resid = record_residuals(model, ids[:, : position + 1], all_layers)  # causal: nothing after is needed
+        device = resid[top].device
+        kept = item_kept_ids(kept_np, spellings, device)
+        with torch.no_grad():
+            final_logits = model.unembed(resid[top][position:position + 1]).float()  # [1, vocab]
+            for lens_name, lens in lenses.items():
+                ls = lens_layers[lens_name]
+                h = torch.stack([lens.transport(resid[layer][position], layer) for layer in ls])  # [n_layers, d]
+                logits = model.unembed(h).float()  # [n_layers, vocab]
+                if top in ls:
+                    logits[ls.index(top)] = final_logits[0]
+                for (role, word), spelled in zip(words, spellings):
+                    row = {"item": int(item.get("index", index)), "name": name, "lens": lens_name, "role": role, "word": word,
+                           "scored": bool(spelled), "copied": copied[word],
+                           "spellings": list(spelled), "token_ids": list(spelled.values()),
+                           "position": position, "readout_token": display.texts[int(ids[0, position])],
+                           "best_rank": math.nan, "best_layer": None, "final_rank": math.nan, "vocab": vocab}
+                    if spelled:
+                        cands = torch.tensor(list(spelled.values()), dtype=torch.long, device=device)
+                        per_layer = _best_rank(logits, cands, kept)  # [n_layers]
+                        best = int(per_layer.min())
+                        row.update(best_rank=best, best_layer=ls[int(torch.argmax((per_layer == best).int()))],
+                                   final_rank=int(_best_rank(final_logits, cands, kept)[0]))
+                    rows.append(row)
+        del resid
+        if progress is not None:
+            progress(index + 1, len(items))
+    return pd.DataFrame(rows, columns=list(DETAIL_COLUMNS))
+
+
+def bootstrap_interval(values: Sequence[float], *, n_boot: int = N_BOOT, seed: int = 0) -> tuple[float, float]:
+    """The 95 % percentile bootstrap interval of the mean of ``values`` (``(nan, nan)`` when empty)."""
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    means = arr[rng.integers(0, arr.size, size=(int(n_boot), arr.size))].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def summarize_pass_at_k(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), *, n_boot: int = N_BOOT,
+                        seed: int = 0, exclude_copied: bool = False) -> pd.DataFrame:
+    """pass@k per lens from a :func:`pass_at_k_detail` frame (see the module docstring).
+
+    Args:
+        detail: a :func:`pass_at_k_detail` frame; one without ``copied`` / ``vocab`` columns (an
+            older CSV) counts no word as copied and its readout as ``"all"``.
+        exclude_copied: leave the copied intermediates out of the score and the coverage.
+
+    Returns:
+        DataFrame, one row per lens x k, columns :data:`PASS_COLUMNS`: ``vocab`` (the readout),
+        ``pass_rate`` (mean over scored items of the fraction of their scored intermediates found),
+        its bootstrap ``ci_low``/``ci_high``, ``items_scored``/``n_items`` and
+        ``words_scored``/``n_words`` (coverage; with ``exclude_copied`` the copied words are not
+        scored), ``copied`` (scored intermediates that appear in the prompt, excluded or not) and
+        ``copied_excluded`` (``exclude_copied``).
+
+    Raises:
+        ValueError: a ``k`` below 1, or an empty ``k``.
+    """
+    ks = [k] if isinstance(k, int) else [int(x) for x in k]
+    if not ks or any(x < 1 for x in ks):
+        raise ValueError(f"k={k} must be one or more integers >= 1 (ranks are 1-based: k=1 is top-1).")
+    inter = detail[detail["role"] == "intermediate"]
+    copied_col = (inter["copied"].astype(bool) if "copied" in inter
+                  else pd.Series(False, index=inter.index))  # [n_intermediate_rows]
+    rows = []
+    for name in dict.fromkeys(detail["lens"]):
+        sub = inter[inter["lens"] == name]
+        scored = sub[sub["scored"].astype(bool)]
+        n_copied = int(copied_col[scored.index].sum())
+        if exclude_copied:
+            scored = scored[~copied_col[scored.index]]
+        lens_rows = detail[detail["lens"] == name]
+        vocab = str(lens_rows["vocab"].iloc[0]) if "vocab" in detail and len(lens_rows) else "all"
+        n_items = int(lens_rows["item"].nunique())
+        for kk in ks:
+            per_item = (scored["best_rank"] <= kk).groupby(scored["item"]).mean()  # [items_scored]
+            low, high = bootstrap_interval(per_item.to_numpy(), n_boot=n_boot, seed=seed)
+            rows.append({"lens": name, "vocab": vocab, "k": kk,
+                         "pass_rate": float(per_item.mean()) if len(per_item) else math.nan,
+                         "ci_low": low, "ci_high": high, "items_scored": len(per_item), "n_items": n_items,
+                         "words_scored": len(scored), "n_words": len(sub), "copied": n_copied,
+                         "copied_excluded": bool(exclude_copied)})
+    return pd.DataFrame(rows, columns=list(PASS_COLUMNS))
+
+
+def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str, *,
+              k: Sequence[int] | int = (1, 5, 10), layers: Iterable[int] | None = None, readout: Any = None,
+              spelling: str = "whole", synonyms: str | None = None, n_boot: int = N_BOOT, seed: int = 0,
+              progress: Progress | None = None, return_detail: bool = False, vocab: str = "all",
+              exclude_copied: bool = False) -> pd.DataFrame | tuple[pd.DataFrame, pd.DataFrame]:
+    """pass@k of latent intermediate steps, per lens, with the protocol of the module docstring.
+
+    Args:
+        items: the items, or the name of a shipped set or a ``.json`` / ``.jsonl`` path.
+        k: one or more cut-offs.
+        layers: layers searched (default: every readable layer of each lens).
+        readout, spelling, synonyms: see :func:`pass_at_k_detail` (default: the set's own).
+        n_boot, seed: the bootstrap of the interval over items.
+        progress: called as ``progress(items_done, n_items)``.
+        return_detail: also return the per-word table of :func:`pass_at_k_detail`.
+        vocab: ``"all"`` (default) or ``"word"``: the readout (:func:`pass_at_k_detail`); the table's
+            ``vocab`` column says which.
+        exclude_copied: leave intermediates that appear in the prompt out of the score and coverage
+            (:func:`summarize_pass_at_k`); the ``copied`` column counts them either way.
+
+    Returns:
+        DataFrame with columns :data:`PASS_COLUMNS` (one row per lens x k); with ``return_detail``,
+        the pair ``(summary, detail)``.
+    """
+    ks = [k] if isinstance(k, int) else list(k)
+    if not ks or any(int(x) < 1 for x in ks):
+        raise ValueError(f"k={k} must be one or more integers >= 1 (ranks are 1-based: k=1 is top-1).")
+    detail = pass_at_k_detail(model, lenses, items, layers=layers, readout=readout, spelling=spelling,
+                              synonyms=synonyms, progress=progress, vocab=vocab)
+    summary = summarize_pass_at_k(detail, ks, n_boot=n_boot, seed=seed, exclude_copied=exclude_copied)
+    return (summary, detail) if return_detail else summary
+
+
+def macro_mean(per_set: pd.DataFrame) -> pd.DataFrame:
+    """The macro mean over sets of a ``set, lens, k, pass_rate, ...`` frame: one row per lens x k,
+    ``set = "macro mean"``, ``pass_rate`` the unweighted mean of the sets' scores (NaN sets left out)."""
+    rows = []
+    for (lens, kk), part in per_set.groupby(["lens", "k"], sort=False):
+        row = {"set": "macro mean", "lens": lens, "k": kk, "pass_rate": float(part["pass_rate"].mean()),
+               "items_scored": int(part["items_scored"].sum()), "n_items": int(part["n_items"].sum()),
+               "words_scored": int(part["words_scored"].sum()), "n_words": int(part["n_words"].sum())}
+        for column in ("vocab", "copied_excluded"):  # one readout per table: carried, not averaged
+            if column in part:
+                row[column] = part[column].iloc[0]
+        if "copied" in part:
+            row["copied"] = int(part["copied"].sum())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+__all__ = ["DETAIL_COLUMNS", "EVAL_DIR", "EVAL_SETS", "PASS_COLUMNS", "READOUT_RULES", "SPELLINGS", "SYNONYM_SETS",
+           "ItemReadout", "appears_in_prompt", "bootstrap_interval", "check_item", "check_readout", "decoy_items",
+           "item_kept_ids",
+           "item_readout", "load_eval_set", "macro_mean", "number_synonyms",
+           "pass_at_k", "pass_at_k_detail", "readout_position", "shipped_sets", "summarize_pass_at_k",
+           "word_spellings"]
