@@ -134,12 +134,12 @@ def resolve_halves(lenses: Mapping[str, Lens], *, stability: bool, halves: Halve
         for name, lens in lenses.items():
             if name in chosen:
                 continue
-            pair = lens_halves(lens)
-            if pair is None:
+            own = lens_halves(lens)
+            if own is None:
                 notes[name] = no_halves_note(lens)
                 log.log(logging.INFO if str(lens.kind) == "logit" else logging.WARNING, "%s: %s", name, notes[name])
             else:
-                chosen[name] = pair
+                chosen[name] = own
     return chosen, notes
 
 
