@@ -180,3 +180,34 @@ def test_version_one_files_still_load(tmp_path):
     opened = load_readings(path)
     assert opened.version == 1 and opened.readings["jacobian"].stability is None
     assert opened.readings["jacobian"].frame.equals(reading.frame)
+
+
+def test_inspect_table_marks_unstable_cells(capsys):
+    from jlens_core.cli.inspect import print_grid
+
+    model, (full, *_) = tiny(), lenses()
+    reading = read_prompt(model, full, TEXT, halves=noisy_halves())
+    print_grid(reading, "jacobian", 6, 9)
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.split() and line.split()[0] in {"0", "1", "2", "out"}]
+    by_layer = reading.stability_by_layer()["stable_fraction"].tolist()
+    cols = list(range(reading.n_positions))[-6:]
+    for i, row in enumerate(rows):
+        assert row.rstrip().endswith(f"{by_layer[i]:.0%}")
+        cells = [row[7 + j * 10: 7 + j * 10 + 9] for j in range(6)]
+        assert [c.rstrip().endswith("?") for c in cells] == [not reading.stability.stable[i, c] for c in cols]
+
+
+def test_cli_inspect_stability_without_halves_says_so(tmp_path, capsys):
+    from conftest import save_tiny
+
+    from jlens_core.cli.main import main
+
+    folder = save_tiny(tmp_path / "tiny")
+    path = lenses()[0].save(tmp_path / "lens.safetensors")
+    code = main(["inspect", "--model", folder, "--lens", str(path), "--prompt", TEXT, "--stability", "--last", "3"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "keeps no split halves" in captured.err and "jlens fit" in captured.err
+    assert "?: unstable" not in captured.out and "%" not in captured.out  # the table without marks
+    assert main(["inspect", "--model", folder, "--lens", str(path), "--prompt", TEXT, "--stability-k", "0"]) == 2
