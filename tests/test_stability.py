@@ -211,3 +211,43 @@ def test_cli_inspect_stability_without_halves_says_so(tmp_path, capsys):
     assert "keeps no split halves" in captured.err and "jlens fit" in captured.err
     assert "?: unstable" not in captured.out and "%" not in captured.out  # the table without marks
     assert main(["inspect", "--model", folder, "--lens", str(path), "--prompt", TEXT, "--stability-k", "0"]) == 2
+
+
+def test_heatmap_marks_unstable_cells_hover_and_strip():
+    from jlens_core.figures.heatmaps import heatmap_figure
+
+    model, (full, *_) = tiny(), lenses()
+    readings = read_prompts(model, {"logit": LogitLens.for_model(model), "jacobian": full}, TEXT,
+                            halves={"jacobian": noisy_halves()})
+    reading = readings["jacobian"]
+    fig = heatmap_figure(readings, "jacobian", "top1_prob")
+    fades = [t for t in fig.data if t.type == "scatter" and t.legendgroup == "unstable"]
+    assert len(fades) == 2 and fades[0].showlegend and "not top 10 under both halves" in fades[0].name
+    layers = reading.layers
+    drawn = {(int(y), int(x)) for x, y in zip(fades[0].x, fades[0].y)}
+    want = {(row, int(p)) for row in range(len(layers)) for pi, p in enumerate(reading.positions)
+            if not reading.stability.stable[row, pi]}
+    assert drawn == want
+    strip = next(t for t in fig.data if t.type == "heatmap" and t.name == "stable %")
+    np.testing.assert_allclose([row[0] for row in strip.z], reading.stability_by_layer()["stable_fraction"])
+    assert "stable %" in fig.layout.xaxis.ticktext
+    cells = next(t for t in fig.data if t.type == "scatter" and t.name.endswith("cells"))
+    li, pi = 1, 5
+    hover = cells.hovertext[li * reading.n_positions + pi]
+    assert (f"halves: rank {reading.stability.half_rank_even[li, pi]} / rank "
+            f"{reading.stability.half_rank_odd[li, pi]}") in hover
+    off = heatmap_figure(readings, "jacobian", "top1_prob", stability=False)
+    assert not [t for t in off.data if t.legendgroup == "unstable" or t.name == "stable %"]
+    assert "halves:" not in next(t for t in off.data if t.type == "scatter").hovertext[0]
+    side = heatmap_figure(readings, "side", "top1_prob", pair=("logit", "jacobian"))
+    assert len([t for t in side.data if t.name == "stable %"]) == 1  # the logit panel has no marks
+    assert "stable %" in side.layout.xaxis2.ticktext
+
+
+def test_heatmap_of_a_reading_without_marks_is_unchanged():
+    from jlens_core.figures.heatmaps import heatmap_figure
+
+    model, (full, *_) = tiny(), lenses()
+    plain = read_prompts(model, {"logit": LogitLens.for_model(model), "jacobian": full}, TEXT)
+    assert heatmap_figure(plain, "side", "kl_bits").to_json() == \
+        heatmap_figure(plain, "side", "kl_bits", stability=False).to_json()
