@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 
 import numpy as np
@@ -251,3 +252,27 @@ def test_heatmap_of_a_reading_without_marks_is_unchanged():
     plain = read_prompts(model, {"logit": LogitLens.for_model(model), "jacobian": full}, TEXT)
     assert heatmap_figure(plain, "side", "kl_bits").to_json() == \
         heatmap_figure(plain, "side", "kl_bits", stability=False).to_json()
+
+
+def test_html_page_carries_the_marks():
+    import base64
+    import gzip
+    import re
+
+    from jlens_core.figures.html_page import detail_data, reading_page
+
+    model, (full, *_) = tiny(), lenses()
+    readings = read_prompts(model, {"logit": LogitLens.for_model(model), "jacobian": full}, TEXT,
+                            halves={"jacobian": noisy_halves()})
+    detail = detail_data(readings)
+    marks = readings["jacobian"].stability
+    assert detail["lenses"]["logit"]["halves"] is None
+    halves = detail["lenses"]["jacobian"]["halves"]
+    assert halves["even"] == marks.half_rank_even.ravel().tolist() and halves["k"] == 10
+    assert halves["stable"] == marks.stable.ravel().astype(int).tolist()
+    page = reading_page(readings)
+    text = re.search(r'<script id="reading-packed" type="application/octet-stream">(.*?)</script>', page,
+                     re.DOTALL).group(1)
+    figure = json.loads(gzip.decompress(base64.b64decode(text)))["figure"]
+    assert any(t.get("name") == "stable %" for t in figure["data"])
+    assert "halves: rank" in page  # the click detail's line (the script)
