@@ -7,6 +7,7 @@ import json
 import logging
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from conftest import LONG_TEXT
@@ -276,3 +277,75 @@ def test_html_page_carries_the_marks():
     figure = json.loads(gzip.decompress(base64.b64decode(text)))["figure"]
     assert any(t.get("name") == "stable %" for t in figure["data"])
     assert "halves: rank" in page  # the click detail's line (the script)
+
+
+ITEMS = [{"prompt": "The capital of France is", "intermediates": ["Paris", "capital"], "target": "Paris"},
+         {"prompt": "Water boils at one hundred", "intermediates": ["degrees", "Water"]},
+         {"prompt": "Once upon a time there was a small", "intermediates": ["model", "time"]}]
+
+
+def test_pass_at_k_found_by_both_halves():
+    from jlens_core import pass_at_k
+    from jlens_core.evaluation.passk import PASS_COLUMNS, pass_at_k_detail
+
+    model, (full, *_) = tiny(), lenses()
+    even, odd = noisy_halves()
+    plain_summary, plain = pass_at_k(model, {"j": full}, ITEMS, k=(1, 10), return_detail=True)
+    summary, detail = pass_at_k(model, {"logit": LogitLens.for_model(model), "j": full}, ITEMS, k=(1, 10),
+                                return_detail=True, halves={"j": (even, odd)})
+    assert list(plain_summary.columns) == list(PASS_COLUMNS) and "best_rank_even" not in plain
+    j = detail[detail["lens"] == "j"].reset_index(drop=True)
+    pd.testing.assert_frame_equal(j[list(plain.columns)], plain)  # the lens's own ranks are unchanged
+    assert detail[detail["lens"] == "logit"]["best_rank_even"].isna().all()
+    # independent: each half read alone as a lens gives the same best ranks
+    for which, half in (("even", even), ("odd", odd)):
+        alone = pass_at_k_detail(model, {"j": half}, ITEMS)
+        np.testing.assert_array_equal(j[f"best_rank_{which}"].to_numpy(), alone["best_rank"].to_numpy())
+    inter = j[(j["role"] == "intermediate") & j["scored"]]
+    for k in (1, 10):
+        both = ((inter["best_rank_even"] <= k) & (inter["best_rank_odd"] <= k)).groupby(inter["item"]).mean().mean()
+        row = summary[(summary["lens"] == "j") & (summary["k"] == k)].iloc[0]
+        assert row["found_by_both_halves"] == pytest.approx(both)
+        assert row["both_ci_low"] <= row["found_by_both_halves"] <= row["both_ci_high"]
+    assert np.isnan(summary[summary["lens"] == "logit"]["found_by_both_halves"]).all()
+
+
+def test_lens_comparison_reports_both_halves():
+    from jlens_core import macro_comparison
+    from jlens_core.evaluation.lens_comparison import COMPARISON_COLUMNS
+    from jlens_core.evaluation.passk import pass_at_k_detail
+
+    model, (full, *_) = tiny(), lenses()
+    lenses_read = {"logit": LogitLens.for_model(model), "jacobian": full}
+    marked = pass_at_k_detail(model, lenses_read, ITEMS, halves={"jacobian": noisy_halves()}).assign(set="s")
+    plain = pass_at_k_detail(model, lenses_read, ITEMS).assign(set="s")
+    without = macro_comparison(plain, k=10, n_boot=200)
+    table = macro_comparison(marked, k=10, n_boot=200)
+    assert list(without.columns) == list(COMPARISON_COLUMNS)
+    pd.testing.assert_frame_equal(table[list(COMPARISON_COLUMNS)], without)  # the comparison itself unchanged
+    row = table.set_index("lens").loc["jacobian"]
+    inter = marked[(marked["lens"] == "jacobian") & (marked["role"] == "intermediate") & marked["scored"]]
+    want = ((inter["best_rank_even"] <= 10) & (inter["best_rank_odd"] <= 10)).groupby(inter["item"]).mean().mean()
+    assert row["both_halves"] == pytest.approx(want)  # one set: the macro is the mean over items
+    assert row["both_low"] <= row["both_halves"] <= row["both_high"]
+    assert np.isnan(table.set_index("lens").loc["logit", "both_halves"])
+
+
+def test_cli_eval_stability(tmp_path, capsys):
+    from conftest import save_tiny
+
+    from jlens_core.cli.main import main
+
+    folder = save_tiny(tmp_path / "tiny")
+    path = lenses()[0].save(tmp_path / "lens.safetensors")
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
+    out = tmp_path / "eval"
+    code = main(["eval", "--model", folder, "--lens", str(path), "--pass-at-k", str(items), "--stability",
+                 "--k", "10", "--out", str(out), "--no-progress"])
+    assert code == 0
+    detail = pd.read_csv(out / "pass_at_k_detail.csv")
+    summary = pd.read_csv(out / "pass_at_k.csv")
+    assert {"best_rank_even", "best_rank_odd"} <= set(detail.columns) and detail["best_rank_even"].isna().all()
+    assert "found_by_both_halves" in summary.columns  # NaN: the lens keeps no halves (a sentence was logged)
+    assert "found_by_both_halves" in capsys.readouterr().out
