@@ -349,3 +349,40 @@ def test_cli_eval_stability(tmp_path, capsys):
     assert {"best_rank_even", "best_rank_odd"} <= set(detail.columns) and detail["best_rank_even"].isna().all()
     assert "found_by_both_halves" in summary.columns  # NaN: the lens keeps no halves (a sentence was logged)
     assert "found_by_both_halves" in capsys.readouterr().out
+
+
+def test_stability_figures_script(tmp_path, capsys):
+    from conftest import save_tiny
+    from helpers import load_script
+
+    script = load_script("scripts/stability_figures.py")
+    model, (full, even, odd) = tiny(), lenses()
+    texts = PROMPTS[:3]
+    halves = noisy_halves()
+    per_layer, summary = script.stability_figures(model, full, texts, halves=halves, max_seq_len=16)
+    cells = unstable = agree_unstable = 0
+    by_layer = {}
+    for text in texts:  # the counts, from readings taken here
+        r = read_prompt(model, full, text, halves=halves, max_seq_len=16)
+        fitted = r.fitted
+        for li, layer in enumerate(r.layers[:-1]):
+            s = r.stability.stable[li, fitted]
+            a = r.top_ids[li, fitted, 0] == r.final_top1_ids[fitted]
+            by_layer.setdefault(layer, []).append((~s).sum())
+            cells, unstable, agree_unstable = cells + len(s), unstable + (~s).sum(), agree_unstable + (a & ~s).sum()
+    assert per_layer["layer"].tolist() == sorted(by_layer)
+    assert per_layer["n_unstable"].tolist() == [sum(v) for _, v in sorted(by_layer.items())]
+    assert summary["n_cells"] == cells and summary["n_unstable"] == unstable
+    assert summary["agree_unstable"] == pytest.approx(agree_unstable / unstable)
+    with pytest.raises(ValueError, match="keeps no split halves"):
+        script.stability_figures(model, full, texts)
+    folder = save_tiny(tmp_path / "tiny")
+    paths = [str(lens.save(tmp_path / f"{name}.safetensors")) for name, lens in
+             (("full", full), ("even", even), ("odd", odd))]
+    out = tmp_path / "out"
+    assert script.main(["--model", folder, "--lens", paths[0], "--halves", *paths[1:], "--n-texts", "2",
+                        "--max-seq-len", "24", "--out", str(out)]) == 0
+    written = json.loads((out / "stability_summary.json").read_text())
+    assert written["split"] == "eval" and written["n_texts"] == 2
+    assert len(pd.read_csv(out / "stability_by_layer.csv")) == 3  # the tiny lens's source layers
+    assert "unstable" in capsys.readouterr().out
