@@ -119,9 +119,9 @@ def print_grid(reading: PromptReading, name: str, last: int | None, width: int) 
 
     grid = reading.top1_grid()
     cols = [reading.position_index(p) for p in positions]
-    marks = reading.stability
-    if marks is not None:  # docs/method.md §6.2: '?' after a token the half lenses do not both rank in their top k
-        unstable = ~marks.stable
+    halves = reading.stability
+    if halves is not None:  # docs/method.md §6.2: '?' after a token the half lenses do not both rank in their top k
+        unstable = ~halves.stable
         by_layer = reading.stability_by_layer()["stable_fraction"].tolist()
     fitted = reading.fitted
     lens = f"{reading.lens_kind} lens" if name == reading.lens_kind else f"{name} ({reading.lens_kind} lens)"
@@ -129,8 +129,8 @@ def print_grid(reading: PromptReading, name: str, last: int | None, width: int) 
           "(columns)")
     if not fitted[cols].all():
         print(f"(unfit): positions before the lens's skip_first={reading.skip_first}, where it was never fitted")
-    if marks is not None:
-        print(f"?: unstable, the token is not in the top {marks.stability_k} under both half lenses; right: the "
+    if halves is not None:
+        print(f"?: unstable, the token is not in the top {halves.stability_k} under both half lenses; right: the "
               "layer's stable % over its fitted positions")
     print("layer ".rjust(7) + " ".join(cell(reading.tokens[c]) for c in cols))
     if reading.n_generated or not fitted[cols].all():
@@ -139,8 +139,8 @@ def print_grid(reading: PromptReading, name: str, last: int | None, width: int) 
     print("-" * (7 + (width + 1) * len(cols)))
     for i, layer in enumerate(reading.layers):
         label = "out" if layer == reading.output_layer else str(layer)
-        stable = "" if marks is None else f"  {by_layer[i]:4.0%}" if by_layer[i] == by_layer[i] else "     -"
-        print(f"{label:>6} " + " ".join(cell(grid[i][c], "?" if marks is not None and unstable[i, c] else "")
+        stable = "" if halves is None else f"  {by_layer[i]:4.0%}" if by_layer[i] == by_layer[i] else "     -"
+        print(f"{label:>6} " + " ".join(cell(grid[i][c], "?" if halves is not None and unstable[i, c] else "")
                                         for c in cols) + stable)
 
 
