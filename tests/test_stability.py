@@ -193,6 +193,8 @@ def test_inspect_table_marks_unstable_cells(capsys):
     lines = capsys.readouterr().out.splitlines()
     print_grid(reading, "jacobian", 0, 9)  # every position: the unfitted ones get their own mark row
     assert "(unfit)" in capsys.readouterr().out
+    print_grid(read_prompt(model, full, TEXT), "jacobian", 0, 9)  # no marks, unfitted columns
+    assert "(unfit)" in capsys.readouterr().out
     rows = [line for line in lines if line.split() and line.split()[0] in {"0", "1", "2", "out"}]
     by_layer = reading.stability_by_layer()["stable_fraction"].tolist()
     cols = list(range(reading.n_positions))[-6:]
