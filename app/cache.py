@@ -34,9 +34,9 @@ def load_model_cached(spec: str, device: str, dtype: str, device_map: str = "", 
 
 @st.cache_resource(show_spinner=False, max_entries=12)
 def load_any_lens_cached(path: str, mtime: float, size: int):
-    """:func:`jlens_core.lenses.shipped.load_lens_file`: a Jacobian lens (a combined J++ / R++ file among them)
+    """:func:`jlens_core.lenses.loading.load_lens_file`: a Jacobian lens (a combined J++ / R++ file among them)
     or an expert lens, whatever the file holds, once per file version (path, mtime, size)."""
-    from jlens_core.lenses.shipped import load_lens_file
+    from jlens_core.lenses.loading import load_lens_file
 
     return load_lens_file(path)
 
@@ -86,7 +86,7 @@ def lens_check_cached(key: str, model_id: int, _model: Any, _lens: Any) -> Any:
 class ReadingStore:
     """Prompt readings kept per lens (the least recently used dropped past ``capacity``).
 
-    A page reads the lenses it draws together (:func:`jlens_core.reading.readings.read_prompts`: one
+    A page reads the lenses it draws together (:func:`jlens_core.reading.reader.read_prompts`: one
     forward pass, the shared final distribution), but keeps each lens's reading under its own key, so
     a later view of any one of them (another mode, the cell detail) finds it. A reading being
     computed in another thread (the server's warm-up, another session) is waited for, not redone.
@@ -144,14 +144,14 @@ def readings_cached(model, model_key: str, lenses: dict[str, tuple[Any, str]], t
                     pinned: tuple, show_ws: bool, word_like: bool, layers: tuple | None, positions: tuple | None,
                     max_seq_len: int, n_prompt: int | None = None, edits_key: str = "", edits=None,
                     vocab: str = "all", stability: bool = False) -> dict[str, Any]:
-    """:func:`jlens_core.reading.readings.read_prompts` of ``lenses`` (``{name: (lens, lens key)}``), cached per lens.
+    """:func:`jlens_core.reading.reader.read_prompts` of ``lenses`` (``{name: (lens, lens key)}``), cached per lens.
 
     ``text`` is the prompt, or a tuple of token ids (a generation: the first ``n_prompt`` are the prompt);
     ``edits`` are residual edits to read under (named by ``edits_key``); ``vocab`` is the readout (``"all"``,
     or ``"word"``: word tokens only in top-k lists and ranks); ``stability`` adds the stability marks of the
     lenses that keep halves (docs/method.md §6.2). Returns ``{name: PromptReading}``.
     """
-    from jlens_core.reading.readings import read_prompts
+    from jlens_core.reading.reader import read_prompts
 
     settings = (text, top_k, pinned, show_ws, word_like, layers, positions, max_seq_len, n_prompt, edits_key, vocab,
                 stability)

@@ -22,6 +22,7 @@ from typing import Any
 import streamlit as st
 
 from jlens_core.files import assets_dir, atomic_write
+from jlens_core.lenses.kinds import BY_KIND
 from jlens_core.lenses.lens import JacobianLens, LensFileError, LogitLens
 from jlens_core.models.loading import DEFAULT_MODEL
 from jlens_core.reading.generation import MAX_NEW_TOKENS
@@ -38,10 +39,10 @@ ENV_RUNS = "JLENS_RUNS_DIR"  # where the Fit page keeps its runs
 # Inspect's lens modes: one lens, two of them (side by side, difference: the pair picked) or every loaded lens
 # ("three": the name a shared URL keeps; its label counts the lenses)
 # (a lens loaded by name, e.g. "J++" or an added file's lens, is a mode of its own too)
-MODES = {"logit": "Logit lens", "jacobian": "Jacobian lens", "relevance": "R-lens", "tuned": "Tuned lens",
-         "side": "Side by side", "diff": "Difference", "three": "All lenses"}
 # the built-in slots' lens names in Context.lenses(), in panel order (expert and added lenses follow, by name)
 LENS_KINDS = ("logit", "jacobian", "relevance", "tuned")
+MODES = {kind: BY_KIND[kind].label for kind in LENS_KINDS} | {"side": "Side by side", "diff": "Difference",
+                                                              "three": "All lenses"}
 VOCABS = {"all": "every token", "word": "word tokens only"}  # the readout (jlens_core.reading.word_readout)
 STATS = {"top1_prob": "Top-1 probability", "entropy_bits": "Entropy (bits)", "kl_bits": "KL to final (bits)",
          "ce_bits": "Cross-entropy of the next token (bits)", "next_token_rank": "Rank of the next token",
@@ -240,9 +241,9 @@ class Context:
 def lens_label(name: str) -> str:
     """A lens's name as pages and figures show it: ``"Jacobian lens"`` for ``"jacobian"``; an expert or added
     lens's name is its label (``"J++"``, ``"my-lens (R)"``)."""
-    import charts
+    from jlens_core.figures.labels import LENS_NAMES
 
-    return charts.LENS_NAMES.get(name, name)
+    return LENS_NAMES.get(name, name)
 
 
 def default_pair(ctx: Context) -> tuple[str, str]:

@@ -11,8 +11,8 @@ from typing import Any
 
 import streamlit as st
 
-import charts
 import common
+from jlens_core.figures.interventions import comparison_figure
 from jlens_core.interventions import Ablate, Steer, Swap
 from jlens_core.interventions.compare import compare_runs
 from jlens_core.interventions.read_directions import default_layers
@@ -225,7 +225,7 @@ def panel(ctx: Any, readings: dict, chat_text: str, n_prompt: int) -> None:
     for edit in stored["edits"]:
         skipped = getattr(edit, "skipped_layers", [])
         st.caption(f"Edit: `{edit!r}`" + (f"; layers {skipped} skipped (|cos(v_A, v_B)| > 0.999)" if skipped else ""))
-    st.plotly_chart(charts.comparison_figure(result, k=10), key="iv_bars", config={"displaylogo": False})
+    st.plotly_chart(comparison_figure(result, k=10), key="iv_bars", config={"displaylogo": False})
     left, right = st.columns(2)
     first = result.first_difference
     left.markdown("**Clean continuation**")

@@ -24,18 +24,18 @@ import streamlit as st
 
 import cache
 import common
-from common import ASSETS, ENV_LENS, LoadedLens
+from common import ENV_LENS, LoadedLens
 from jlens_core.lenses.experts import is_expert_lens_file
+from jlens_core.lenses.header import header_or_none
+from jlens_core.lenses.kinds import BY_KIND, KINDS, lens_kind
 from jlens_core.lenses.lens import JacobianLens
-from jlens_core.lenses.shipped import KIND_NAMES, is_tuned_lens_file, lens_kind
+from jlens_core.lenses.shipped import KIND_NAMES, is_tuned_lens_file
 
-LENS_DIR = ASSETS / "lenses"
 SHIPPED, NONE, FILE, UPLOAD, RUN = "shipped", "none", "file", "upload", "run:"
 EXTRA_PARAM = "extra"  # the URL parameter of the lenses added from files: their paths, comma-separated
 EXTRAS = "extra_lenses"  # their session key: [path or hf:// spec]
-# A lens's kind (jlens_core.lenses.shipped.lens_kind) in a few letters: an expert lens's name, an added lens's tag
-KIND_LABELS = {"jacobian": "J", "relevance": "R", "jacobian++": "J++", "relevance++": "R++",
-               "jacobian-experts": "J-experts (uniform)", "relevance-experts": "R-experts (uniform)", "tuned": "tuned"}
+# A lens's kind (jlens_core.lenses.kinds.lens_kind) in a few letters: an expert lens's name, an added lens's tag
+KIND_LABELS = {k.kind: k.tag for k in KINDS}
 
 
 @dataclass(frozen=True)
@@ -186,23 +186,9 @@ def refusal(slot: LensSlot, kind: str) -> str:
 
 # -- the Jacobian lens -----------------------------------------------------------------------------------
 def shipped_lens_path(model: Any) -> Path | None:
-    """The lens shipped in ``assets/lenses/`` for ``model`` (by its name), or ``None``.
-
-    Asks :func:`jlens_core.lenses.shipped.shipped_lens_path` (the default model's lens), then looks for
-    ``assets/lenses/<model name>.safetensors``.
-    """
-    from jlens_core.lenses.shipped import shipped_lens_path as core_shipped
-
-    name = str(getattr(model, "name", "") or "")
-    found = core_shipped(name)
-    if found is not None:
-        return Path(found)
-    for candidate in dict.fromkeys([name, Path(name).name, name.replace("/", "--")]):
-        if candidate:
-            path = LENS_DIR / f"{candidate}.safetensors"
-            if path.is_file():
-                return path
-    return None
+    """The lens shipped in ``assets/lenses/`` for ``model`` (by its name), or ``None``
+    (:func:`jlens_core.lenses.shipped.shipped_lens_path`)."""
+    return shipped_variant_path(model, None)
 
 
 def finished_runs(model: Any, spec: str, rules: str = "jacobian", experts: bool = False) -> list[dict]:
@@ -234,21 +220,6 @@ def _jacobian_sources(model: Any, spec: str) -> list[Source]:
     return found + _fitted_here(model, spec, "jacobian")
 
 
-def file_rules(path: str | Path) -> str | None:
-    """The ``rules`` a jlens lens file records (``"jacobian"`` for files from before rules), read from its
-    header alone; ``None`` for a file that is not a readable jlens lens (a .pt, a foreign file)."""
-    import json
-
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            info = json.loads((f.metadata() or {}).get("jlens") or "null")
-    except Exception:  # noqa: BLE001 - not a safetensors lens: the slot's own load says why, if picked
-        return None
-    return str(info.get("rules", "jacobian")) if isinstance(info, dict) else None
-
-
 def slot_for_rules(rules: str | None, experts: bool = False) -> LensSlot:
     """The slot a Jacobian lens fitted with ``rules`` loads into (the R-lens slot for ``"relevance"``); with
     ``experts``, the slot of an expert lens fitted so (J++ or R++)."""
@@ -259,43 +230,21 @@ def slot_for_rules(rules: str | None, experts: bool = False) -> LensSlot:
 
 def slot_for_file(path: str | Path, rules: str | None = None) -> LensSlot:
     """The slot the lens file at ``path`` loads into: by the rules its header records (else ``rules``), and
-    whether it holds experts (a full expert lens file, or a combined one-matrix file)."""
-    expert = is_expert_lens_file(path) or bool(file_info(path).get("settings", {}).get("expert_kind"))
-    return slot_for_rules(file_rules(path) or rules, experts=expert)
-
-
-def file_info(path: str | Path) -> dict:
-    """The ``jlens`` JSON of a lens file's header (``{}`` for a file without one)."""
-    import json
-
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            info = json.loads((f.metadata() or {}).get("jlens") or "null")
-    except Exception:  # noqa: BLE001 - not a safetensors lens
-        return {}
-    return info if isinstance(info, dict) else {}
+    whether it holds experts (a full expert lens file, or a combined one-matrix file). The header is read once
+    per file version (:func:`jlens_core.lenses.header.read_header`); a file it cannot read goes by ``rules``."""
+    header = header_or_none(path)
+    if header is None:  # not a readable jlens lens: the slot's own load says why, if picked
+        return slot_for_rules(rules)
+    return slot_for_rules(header.rules or rules, experts=header.is_expert or bool(header.settings.get("expert_kind")))
 
 
 # -- the R-lens ------------------------------------------------------------------------------------------
-def shipped_variant_path(model: Any, variant: str) -> Path | None:
+def shipped_variant_path(model: Any, variant: str | None) -> Path | None:
     """A lens shipped for ``model`` beside its J lens: ``assets/lenses/<model>.<variant>.safetensors`` (``variant``:
-    ``relevance``, ``jpp`` or ``rpp``, :data:`jlens_core.lenses.shipped.VARIANTS`)."""
+    ``relevance``, ``jpp`` or ``rpp``, :data:`jlens_core.lenses.shipped.VARIANTS`; None: the J lens)."""
     from jlens_core.lenses.shipped import shipped_lens_path as core_shipped
 
-    name = str(getattr(model, "name", "") or "")
-    found = core_shipped(name, variant)
-    if found is not None:
-        return Path(found)
-    jacobian = shipped_lens_path(model)
-    names = [jacobian.name.removesuffix(".safetensors")] if jacobian is not None else []
-    names += [name, Path(name).name, name.replace("/", "--")]
-    for candidate in dict.fromkeys(n for n in names if n and n not in (".", "..")):
-        path = LENS_DIR / f"{candidate}.{variant}.safetensors"
-        if path.is_file():
-            return path
-    return None
+    return core_shipped(str(getattr(model, "name", "") or ""), variant)
 
 
 def shipped_relevance_path(model: Any) -> Path | None:
@@ -333,7 +282,7 @@ def lens_summary(lens: Any) -> str:
     # a one-matrix file is a combination of experts only when it says so (ExpertLens.to_jacobian_lens)
     experts = getattr(lens, "n_experts", None) or (s.get("experts") if s.get("expert_kind") else None)
     if experts:
-        weighted = lens_kind(lens).endswith("++")
+        weighted = BY_KIND[lens_kind(lens)].weighted
         parts.append(f"{experts} experts, {'learned' if weighted else 'uniform'} weights"
                      + (", combined into one matrix" if isinstance(lens, JacobianLens) else ""))
     for key in ("max_seq_len", "skip_first", "corpus"):
@@ -435,7 +384,7 @@ def _expert_slot(key: str, rules: str, short: str) -> LensSlot:
         picker_help=f"The {short} lens: one Jacobian per cluster of residuals, combined with learned weights "
                     f"(docs/method.md §9.1, experts); without learned weights it shows as "
                     f"{KIND_LABELS[rules + '-experts']}. Fit one on the Fit page (experts).",
-        kinds=(f"{rules}++", f"{rules}-experts"), named=True)
+        kinds=tuple(k.kind for k in KINDS if k.experts and k.rules == rules), named=True)
 
 
 JPP = _expert_slot("jpp", "jacobian", "J++")

@@ -16,8 +16,11 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-import charts
 import common
+from jlens_core.figures.heatmaps import cell_from_point, heatmap_figure
+from jlens_core.figures.labels import row_labels
+from jlens_core.figures.ranks import pinned_ranks_figure
+from jlens_core.figures.tokens import topk_bars
 
 PARAM = "reading"  # the URL's parameter: the file's path
 
@@ -136,9 +139,9 @@ def render(ctx: common.Context) -> None:
     pair = (ss.pair_a, ss.pair_b)
     layers, positions = list(base.layers), [int(p) for p in base.positions]
     _select_cell(layers, positions)
-    fig = charts.heatmap_figure(readings, ss.mode, ss.stat, layers=layers, pair=pair,
-                                selected=(int(ss.cell_layer), int(ss.cell_pos)),
-                                stability=True)  # the marks a file carries are drawn (docs/method.md §6.2)
+    fig = heatmap_figure(readings, ss.mode, ss.stat, layers=layers, pair=pair,
+                         selected=(int(ss.cell_layer), int(ss.cell_pos)),
+                         stability=True)  # the marks a file carries are drawn (docs/method.md §6.2)
     st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points", config={"displaylogo": False})
     _cell_detail(readings, base, layers, positions)
     st.button("Intervene", disabled=True, help=common.READING_ONLY, key="reading_intervene")
@@ -151,7 +154,7 @@ def _select_cell(layers: list[int], positions: list[int]) -> None:
         signature = json.dumps({k: points[0].get(k) for k in ("x", "y", "curve_number")}, default=str)
         if signature != ss.get("_last_point"):
             ss._last_point = signature
-            cell = charts.cell_from_point(points[0], layers)
+            cell = cell_from_point(points[0], layers)
             if cell is not None and cell[1] in positions:
                 ss.cell_layer, ss.cell_pos = cell
     if ss.get("cell_layer") not in layers:
@@ -164,7 +167,7 @@ def _cell_detail(readings: dict, base: Any, layers: list[int], positions: list[i
     """The selected cell through every reading of the file: top-k bars, statistics, pinned ranks."""
     ss = st.session_state
     st.subheader("Cell detail")
-    labels = dict(zip(layers, charts.row_labels(layers, base.output_layer)))
+    labels = dict(zip(layers, row_labels(layers, base.output_layer)))
     p1, p2, p3 = st.columns([1, 2, 3])
     p1.selectbox("Layer", layers, key="cell_layer", format_func=labels.get)
     p2.selectbox("Position", positions, key="cell_pos", format_func=lambda p: f"{p}: {base.tokens[positions.index(p)]}")
@@ -173,7 +176,7 @@ def _cell_detail(readings: dict, base: Any, layers: list[int], positions: list[i
     first = next(iter(cells.values()))
     p3.markdown(f"Token **`{first['token']}`** at position {position}"
                 + (f", next token **`{first['next_token']}`**" if first.get("next_token") else ""))
-    st.plotly_chart(charts.topk_bars(cells, k=int(base.top_k)), key="cell_bars", config={"displaylogo": False})
+    st.plotly_chart(topk_bars(cells, k=int(base.top_k)), key="cell_bars", config={"displaylogo": False})
     rows = [{"lens": common.lens_label(name), "top-1": c["top_tokens"][0], "p(top-1)": c["top_probs"][0],
              "entropy (bits)": c["entropy_bits"], "KL to final (bits)": c["kl_bits"],
              "next-token CE (bits)": c["ce_bits"], "next-token rank": c["next_token_rank"],
@@ -181,6 +184,6 @@ def _cell_detail(readings: dict, base: Any, layers: list[int], positions: list[i
                                                            if k.startswith("rank_")}}
             for name, c in cells.items()]
     st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
-    pinned_fig = charts.pinned_ranks_figure(readings, position)
+    pinned_fig = pinned_ranks_figure(readings, position)
     if pinned_fig is not None:
         st.plotly_chart(pinned_fig, key="pinned_ranks", config={"displaylogo": False})

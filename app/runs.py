@@ -34,8 +34,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from jlens_core.fitting.runfiles import diagnostics_path, status_path
+from jlens_core.lenses.fit_settings import FitPlan, FitSettings
 
 RUN_FILE = "run.json"
 LENS_FILE = "lens.safetensors"
@@ -208,19 +210,21 @@ def new_name(model_spec: str) -> str:
     return f"{short}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def fit_arguments(*, model: str, corpus: str, out: Path, n_prompts: int | None = None, max_seq_len: int = 128,
-                  dim_batch: int = 8, min_chars: int = 400, split: str = "fit", layers: str | None = None,
-                  target_layer: int = -1, checkpoint: str | None = None, stop_at_delta: float | None = None,
-                  device: str | None = None, dtype: str | None = None, skip_first: int | None = None,
-                  rules: str = "jacobian", experts: int = 0, cluster_prompts: int | None = None) -> list[str]:
-    """The ``jlens fit`` command-line arguments for these settings (see ``jlens fit --help``)."""
-    args = ["--model", model, "--corpus", corpus, "--out", str(out), "--max-seq-len", str(int(max_seq_len)),
-            "--dim-batch", str(int(dim_batch)), "--min-chars", str(int(min_chars)), "--split", split,
-            "--target-layer", str(int(target_layer)), "--no-progress"]
+def fit_arguments(*, model: str, corpus: str, out: Path, settings: FitSettings | None = None,
+                  plan: FitPlan | None = None, n_prompts: int | None = None, min_chars: int = 400, split: str = "fit",
+                  checkpoint: str | None = None, stop_at_delta: float | None = None, device: str | None = None,
+                  dtype: str | None = None) -> list[str]:
+    """The ``jlens fit`` command-line arguments for these settings (see ``jlens fit --help``).
+
+    ``settings`` / ``plan`` (defaults when ``None``) give their own flags (:meth:`FitSettings.cli_arguments`: those
+    that differ from the flag's default); the rest are the run's: corpus, prompts, checkpoint, stop, model loading.
+    """
+    settings = settings if settings is not None else FitSettings()
+    plan = plan if plan is not None else FitPlan()
+    args = ["--model", model, "--corpus", corpus, "--out", str(out), "--min-chars", str(int(min_chars)),
+            "--split", split, "--no-progress", *settings.cli_arguments(), *plan.cli_arguments()]
     if n_prompts:
         args += ["--n-prompts", str(int(n_prompts))]
-    if layers and layers.strip() and layers.strip() != "all":
-        args += ["--layers", layers.strip()]
     if checkpoint:
         args += ["--checkpoint", str(checkpoint)]
     if stop_at_delta:
@@ -229,14 +233,6 @@ def fit_arguments(*, model: str, corpus: str, out: Path, n_prompts: int | None =
         args += ["--device", device]
     if dtype and dtype != "auto":
         args += ["--dtype", dtype]
-    if skip_first is not None:
-        args += ["--skip-first", str(int(skip_first))]
-    if rules != "jacobian":  # the R-lens: the same average under relevance rules (docs/method.md §9.1)
-        args += ["--rules", rules]
-    if experts:  # expert Jacobians in the same backward passes (J++ / R++; docs/fitting.md)
-        args += ["--experts", str(int(experts))]
-        if cluster_prompts:
-            args += ["--cluster-prompts", str(int(cluster_prompts))]
     return args
 
 
@@ -305,8 +301,9 @@ def active_names(root: str | os.PathLike) -> list[str]:
     return found
 
 
-def start(root: str | os.PathLike, name: str, *, model: str, max_active: int | None = None, **settings) -> Run:
-    """Launch ``jlens fit`` for a new run ``name`` under ``root`` (settings: :func:`fit_arguments`).
+def start(root: str | os.PathLike, name: str, *, model: str, max_active: int | None = None, **settings: Any) -> Run:
+    """Launch ``jlens fit`` for a new run ``name`` under ``root`` (settings: :func:`fit_arguments`'s keywords,
+    ``settings=`` a :class:`FitSettings` and ``plan=`` a :class:`FitPlan` among them).
 
     ``max_active``: refuse when that many fits under ``root`` are active already (``None``: no limit).
 
@@ -321,7 +318,10 @@ def start(root: str | os.PathLike, name: str, *, model: str, max_active: int | N
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / LENS_FILE
     args = fit_arguments(model=model, out=out, **settings)
-    info = {"name": name, "model": model, "out": str(out), "args": args, "settings": settings,
+    # run.json keeps the settings flat, as JSON: the fit's and the plan's fields, then the run's own
+    fit_settings, plan = settings.pop("settings", None) or FitSettings(), settings.pop("plan", None) or FitPlan()
+    recorded = {**fit_settings.to_dict(), **plan.to_dict(), **settings}
+    info = {"name": name, "model": model, "out": str(out), "args": args, "settings": recorded,
             "created": time.time()}
     (folder / RUN_FILE).write_text(json.dumps(info, indent=1))
     info["pid"] = _launch(folder, args)

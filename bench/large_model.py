@@ -191,7 +191,7 @@ def multi_device_main(args) -> dict:
     from jlens_core.fitting.estimator import _fused_usable, jacobian_for_prompt
     from jlens_core.lenses.lens import LogitLens
     from jlens_core.models.placement import execution_device
-    from jlens_core.reading.readings import read_prompts
+    from jlens_core.reading.reader import read_prompts
 
     on_gpu = args.device.startswith("cuda")
     device_map = resolve_device_map(args.device_map, args)
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from jlens_core.fitting import fused
     from jlens_core.lenses.lens import JacobianLens, LogitLens
-    from jlens_core.reading.readings import read_prompt, read_prompts
+    from jlens_core.reading.reader import read_prompt, read_prompts
 
     rows = []
 

@@ -48,7 +48,7 @@ from jlens_core.fitting.expert_weights import (
     learn_expert_weights,
 )
 from jlens_core.lenses.experts import Clustering, ExpertLens
-from jlens_core.lenses.shipped import default_lens
+from jlens_core.lenses.loading import default_lens
 from jlens_core.models.device_maps import parse_size
 
 

@@ -15,152 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
 
-# public name -> the module that defines it (every name the README and docs/ import)
-_SOURCES = {
-    "load_corpus": ".corpus",
-    "diff_dumps": ".debugging.diff",
-    "divergence_curve": ".debugging.diff",
-    "dump_hidden_states": ".debugging.dump",
-    "eval_curves_figure": ".figures.evaluation",
-    "pass_at_k_figure": ".figures.evaluation",
-    "fit_figures": ".figures.fitting",
-    "heatmap_figure": ".figures.heatmaps",
-    "write_reading_page": ".figures.html_page",
-    "comparison_figure": ".figures.interventions",
-    "swap_success_figure": ".figures.interventions",
-    "pinned_ranks_figure": ".figures.ranks",
-    "PromptJacobian": ".fitting.estimator",
-    "jacobian_for_prompt": ".fitting.estimator",
-    "valid_position_mask": ".fitting.estimator",
-    "FitProgress": ".fitting.fit",
-    "FitState": ".fitting.fit",
-    "fit": ".fitting.fit",
-    "train_tuned_lens": ".fitting.tuning",
-    "compare_runs": ".interventions.compare",
-    "Ablate": ".interventions.lens_edits",
-    "Steer": ".interventions.lens_edits",
-    "Swap": ".interventions.lens_edits",
-    "token_direction": ".interventions.read_directions",
-    "SwapReport": ".interventions.swap_success",
-    "load_swap_set": ".interventions.swap_success",
-    "swap_success": ".interventions.swap_success",
-    "resolve_layers": ".layerspec",
-    "learn_expert_weights": ".fitting.expert_weights",
-    "macro_pass_at_k": ".fitting.expert_weights",
-    "split_items": ".fitting.expert_weights",
-    "read_labelled_items": ".evaluation.labelled_items",
-    "ExpertLens": ".lenses.experts",
-    "CheckResult": ".lenses.canary",
-    "check_lens": ".lenses.canary",
-    "JacobianLens": ".lenses.lens",
-    "LensFileError": ".lenses.lens",
-    "LogitLens": ".lenses.lens",
-    "Lens": ".lenses.protocol",
-    "default_lens": ".lenses.shipped",
-    "load_lens": ".lenses.shipped",
-    "TunedLens": ".lenses.tuned",
-    "LAYOUTS": ".models.layouts",
-    "ModelLayout": ".models.layouts",
-    "DEFAULT_MODEL": ".models.loading",
-    "load_model": ".models.loading",
-    "HFLensModel": ".models.model",
-    "LensModel": ".models.model",
-    "ActivationRecorder": ".models.recorder",
-    "evaluate": ".evaluation.by_layer",
-    "Generation": ".reading.generation",
-    "generate": ".reading.generation",
-    "EVAL_SETS": ".evaluation.passk",
-    "load_eval_set": ".evaluation.passk",
-    "pass_at_k": ".evaluation.passk",
-    "decoy_items": ".evaluation.passk",
-    "gap_comparison": ".evaluation.lens_comparison",
-    "heldout_items": ".evaluation.lens_comparison",
-    "macro_comparison": ".evaluation.lens_comparison",
-    "PromptReading": ".reading.prompt_reading",
-    "read_prompt": ".reading.reader",
-    "read_prompts": ".reading.reader",
-    "ReadingFile": ".reading.reading_file",
-    "ReadingFileError": ".reading.reading_file",
-    "load_readings": ".reading.reading_file",
-    "save_readings": ".reading.reading_file",
-    "compare_readings": ".reading.summaries",
-    "difference": ".reading.summaries",
-    "most_common_tokens": ".reading.summaries",
-}
-
-__all__ = [
-    "DEFAULT_MODEL",
-    "EVAL_SETS",
-    "LAYOUTS",
-    "Ablate",
-    "ActivationRecorder",
-    "CheckResult",
-    "ExpertLens",
-    "FitProgress",
-    "FitState",
-    "Generation",
-    "HFLensModel",
-    "JacobianLens",
-    "Lens",
-    "LensFileError",
-    "LensModel",
-    "LogitLens",
-    "ModelLayout",
-    "PromptJacobian",
-    "PromptReading",
-    "ReadingFile",
-    "ReadingFileError",
-    "Steer",
-    "Swap",
-    "SwapReport",
-    "TunedLens",
-    "check_lens",
-    "compare_readings",
-    "compare_runs",
-    "comparison_figure",
-    "decoy_items",
-    "default_lens",
-    "diff_dumps",
-    "difference",
-    "divergence_curve",
-    "dump_hidden_states",
-    "eval_curves_figure",
-    "evaluate",
-    "fit",
-    "fit_figures",
-    "gap_comparison",
-    "generate",
-    "heatmap_figure",
-    "heldout_items",
-    "jacobian_for_prompt",
-    "learn_expert_weights",
-    "load_corpus",
-    "load_eval_set",
-    "load_lens",
-    "load_model",
-    "load_readings",
-    "load_swap_set",
-    "macro_comparison",
-    "macro_pass_at_k",
-    "most_common_tokens",
-    "pass_at_k",
-    "pass_at_k_figure",
-    "pinned_ranks_figure",
-    "read_labelled_items",
-    "read_prompt",
-    "read_prompts",
-    "resolve_layers",
-    "save_readings",
-    "split_items",
-    "swap_success",
-    "swap_success_figure",
-    "token_direction",
-    "train_tuned_lens",
-    "valid_position_mask",
-    "write_reading_page",
-]
-
-if TYPE_CHECKING:  # what type checkers and IDEs see
+# The one list of public names: what type checkers and IDEs see; __all__ and the lazy imports are read from it.
+if TYPE_CHECKING:
     from .corpus import load_corpus
     from .debugging.diff import diff_dumps, divergence_curve
     from .debugging.dump import dump_hidden_states
@@ -185,19 +41,37 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .layerspec import resolve_layers
     from .lenses.canary import CheckResult, check_lens
     from .lenses.experts import ExpertLens
-    from .lenses.lens import JacobianLens, LensFileError, LogitLens
+    from .lenses.fit_settings import FitPlan, FitRecord, FitSettings
+    from .lenses.header import LensFileError
+    from .lenses.lens import JacobianLens, LogitLens
+    from .lenses.loading import default_lens, load_lens
     from .lenses.protocol import Lens
-    from .lenses.shipped import default_lens, load_lens
     from .lenses.tuned import TunedLens
     from .models.layouts import LAYOUTS, ModelLayout
     from .models.loading import DEFAULT_MODEL, load_model
     from .models.model import HFLensModel, LensModel
     from .models.recorder import ActivationRecorder
+    from .reading.file_format import ReadingFileError
     from .reading.generation import Generation, generate
     from .reading.prompt_reading import PromptReading
     from .reading.reader import read_prompt, read_prompts
-    from .reading.reading_file import ReadingFile, ReadingFileError, load_readings, save_readings
+    from .reading.reading_file import ReadingFile, load_readings, save_readings
     from .reading.summaries import compare_readings, difference, most_common_tokens
+
+
+def _public_names() -> dict[str, str]:
+    """``{public name: defining module}``, read from the ``TYPE_CHECKING`` imports above (the one list of them)."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    guarded = next(node for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test))
+    return {alias.name: "." + str(node.module) for node in guarded.body if isinstance(node, ast.ImportFrom)
+            for alias in node.names}
+
+
+_SOURCES = _public_names()
+__all__ = sorted(_SOURCES)  # noqa: PLE0605 - derived from the one list above
 
 
 def __getattr__(name: str) -> Any:

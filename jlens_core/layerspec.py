@@ -196,3 +196,19 @@ def parse_layer_spec(spec: str, n_layers: int) -> list[int]:
                              "(a slice's stop is excluded: '2:5' is layers 2, 3, 4).")
         chosen.update(selected)
     return sorted(chosen)
+
+
+def fit_source_layers(spec: str | None, n_layers: int, target_layer: int = -1) -> list[int] | None:
+    """The source layers a fit's layer ``spec`` names (``jlens fit --layers``, the app's Fit page) for a model of
+    ``n_layers`` layers, without the target itself (a spec such as ``"0:"`` names it); ``None`` (every layer below
+    the target) for no spec. A spec that names only the target is kept, so the fit refuses it in one sentence.
+
+    Raises:
+        ValueError: a bad spec (:func:`parse_layer_spec`).
+    """
+    if spec is None or not spec.strip():
+        return None
+    sources = parse_layer_spec(spec, n_layers)
+    target = target_layer % n_layers
+    return [s for s in sources if s != target] or sources
+

@@ -44,7 +44,7 @@ from jlens_core.evaluation.lens_comparison import gap_comparison, macro_comparis
 from jlens_core.evaluation.passk import decoy_items, load_eval_set, pass_at_k_detail, shipped_sets
 from jlens_core.fitting.expert_weights import STEPS, learn_expert_weights
 from jlens_core.lenses.experts import ExpertLens
-from jlens_core.lenses.shipped import default_lens, load_lens_file
+from jlens_core.lenses.loading import default_lens, load_lens_file
 from jlens_core.models.device_maps import parse_size
 
 

@@ -29,7 +29,7 @@ import pandas as pd
 
 from jlens_core import load_corpus, load_model, read_prompt
 from jlens_core.interventions.intervals import wilson_interval
-from jlens_core.lenses.shipped import load_lens
+from jlens_core.lenses.loading import load_lens
 from jlens_core.reading.stability import STABILITY_K, lens_halves
 
 COLUMNS = ("layer", "n_cells", "n_unstable", "unstable_fraction", "agree_stable", "agree_stable_low",

@@ -312,15 +312,16 @@ def test_inspect_generates_and_reads_the_continuation(tiny_dir, tiny_model, lens
     assert params["gen"] == "6" and params["band"] == "1-2" and "temp" not in params
 
     # the most common tokens of the band (the Jacobian reading's layers 1-2); a click pins the first
-    from jlens_core.reading.readings import most_common_tokens, read_prompt
-    from jlens_core.reading.tokens import token_id_for
+    from jlens_core.reading.reader import read_prompt
+    from jlens_core.reading.summaries import most_common_tokens
+    from jlens_core.reading.tokens import token_id
 
     lens = JacobianLens.load(lens_file)
     reading = read_prompt(tiny_model, lens, expected, layers=[1, 2, 3], top_k=10)
     top = most_common_tokens(reading, layers=[1, 2], top_n=1)
     at.button(key="mc_pin_jacobian_0").click().run()
     pinned = ok(at).session_state["pinned"]
-    assert token_id_for(tiny_model.tokenizer, pinned) == int(top["token_id"][0])
+    assert token_id(tiny_model.tokenizer, pinned, rule="first") == int(top["token_id"][0])
     assert f"Rank of pinned {pinned!r}" in at.selectbox(key="stat").options
 
     # sampled: reproducible with the seed, in the URL
@@ -509,7 +510,7 @@ def test_lens_slots_share_one_rule_for_what_the_url_asks(tiny_dir):
 def test_side_by_side_reads_an_undrawn_lens_at_the_selected_position_only(tiny_dir, tiny_model, lens_file, tmp_path,
                                                                             monkeypatch):
     from jlens_core.lenses.tuned import TunedLens
-    from jlens_core.reading import readings as readings_mod
+    from jlens_core.reading import reader as readings_mod
 
     torch.manual_seed(3)
     tuned = TunedLens.zeros(tiny_model)
@@ -543,7 +544,7 @@ def test_side_by_side_reads_an_undrawn_lens_at_the_selected_position_only(tiny_d
 
 
 def test_the_r_lens_slot_side_by_side_with_any_lens(tiny_dir, tiny_model, lens_file, rlens_file):
-    from jlens_core.reading.readings import read_prompt
+    from jlens_core.reading.reader import read_prompt
 
     at = ok(make_app(model=tiny_dir, lens=lens_file, rlens=rlens_file, prompt=PROMPT).run())
     assert at.session_state["rlens_choice"] == "file"
@@ -638,7 +639,7 @@ def test_any_number_of_lenses_expert_slots_and_lenses_added_from_files(tiny_dir,
     pair pickers, stacked, compared by Evaluate and usable by Intervene, each under a unique name; the URL keeps it."""
     from jlens_core import ExpertLens
     from jlens_core.interventions import Swap
-    from jlens_core.reading.readings import read_prompt
+    from jlens_core.reading.reader import read_prompt
 
     extra = f"{rlens_file},{expert_files['uniform']}"
     at = ok(make_app(model=tiny_dir, lens=lens_file, jpp=expert_files["jpp"], extra=extra, prompt=PROMPT).run())
@@ -732,7 +733,7 @@ def test_expert_slots_take_their_kind_and_lenses_are_added_and_removed(tiny_dir,
 
 
 def test_word_tokens_only_reads_with_the_word_readout(tiny_dir, tiny_model, lens_file):
-    from jlens_core.reading.readings import read_prompt
+    from jlens_core.reading.reader import read_prompt
     from jlens_core.reading.word_readout import word_mask
 
     at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="jacobian").run())
@@ -1159,7 +1160,7 @@ def test_warm_up_fills_the_caches_the_first_inspect_run_reads(tiny_dir, lens_fil
     sys.path.insert(0, str(APP.parent))
     from warm_up import warm_up
 
-    from jlens_core.reading import readings as readings_mod
+    from jlens_core.reading import reader as readings_mod
 
     monkeypatch.setenv("JLENS_APP_MODEL", tiny_dir)
     monkeypatch.setenv("JLENS_APP_LENS", lens_file)

@@ -14,7 +14,8 @@ from jlens_core import JacobianLens, LogitLens, evaluate, fit, load_lens, load_m
 from jlens_core.cli.main import main
 from jlens_core.figures.png_plots import plot_convergence
 from jlens_core.fitting.diagnostics import convergence_frame, diagnostics_frame
-from jlens_core.lenses.shipped import default_lens, shipped_lens_path
+from jlens_core.lenses.loading import default_lens
+from jlens_core.lenses.shipped import shipped_lens_path
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from jlens_core import ExpertLens, JacobianLens, LensFileError
-from jlens_core.lenses.experts import Clustering, _kmeans_pp, fit_clustering, kmeans
+from jlens_core.fitting.expert_clusters import _kmeans_pp, fit_clustering, kmeans
+from jlens_core.lenses.experts import Clustering
 
 
 def _blobs(seed: int = 0, n_per: int = 40, d: int = 6) -> tuple[torch.Tensor, torch.Tensor]:

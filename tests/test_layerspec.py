@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from jlens_core.fitting.estimator import resolve_layers as estimator_resolve_layers
 from jlens_core.layerspec import check_layer_spec, normalise_layers, parse_layer_spec, resolve_layers
 
 # -- normalise_layers ------------------------------------------------------------------------------
@@ -50,7 +49,6 @@ def test_resolve_layers_defaults_and_errors():
         resolve_layers(4, None, 0)
     with pytest.raises(ValueError, match=r"target_layer=4 is out of range"):
         resolve_layers(4, [0], 4)
-    assert estimator_resolve_layers is resolve_layers  # the old import path still works
 
 
 # -- layer specs -----------------------------------------------------------------------------------

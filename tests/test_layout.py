@@ -34,27 +34,6 @@ FIGURE_HOOKS = {"figure", "to_html", "_repr_html_", "_repr_mimebundle_"}
 # The package's front door re-exports from everywhere; `python -m jlens_core` starts the CLI.
 EXEMPT = {"__init__", "__main__"}
 
-PUBLIC_NAMES = [
-    "DEFAULT_MODEL", "EVAL_SETS", "LAYOUTS", "ActivationRecorder", "FitProgress", "FitState", "HFLensModel",
-    "JacobianLens", "LensFileError", "LensModel", "LogitLens", "ModelLayout", "PromptJacobian", "PromptReading",
-    "decoy_items", "default_lens", "evaluate", "fit", "jacobian_for_prompt", "load_corpus", "load_eval_set", "load_lens",
-    "load_model", "pass_at_k", "read_prompt", "read_prompts", "resolve_layers", "valid_position_mask",
-    "Lens",  # the lens protocol (issue #29 §4)
-    # the front door for what the docs import (issue #29 §5)
-    "Ablate", "Generation", "Steer", "Swap", "SwapReport", "TunedLens", "compare_readings", "compare_runs",
-    "diff_dumps", "difference", "divergence_curve", "dump_hidden_states", "generate", "load_swap_set",
-    "most_common_tokens", "swap_success", "token_direction", "train_tuned_lens",
-    "ExpertLens",  # expert lenses, J++ (issue #32 §1)
-    "learn_expert_weights", "macro_pass_at_k", "read_labelled_items", "split_items",  # expert weights (#32 §3)
-    "CheckResult", "check_lens",  # the lens check (issue #42 §3)
-    # the figures, in the library (issue #33 §1, §2)
-    "comparison_figure", "eval_curves_figure", "fit_figures", "heatmap_figure", "pass_at_k_figure",
-    "pinned_ranks_figure", "swap_success_figure", "write_reading_page",
-    "ReadingFile", "ReadingFileError", "load_readings", "save_readings",  # the reading file (issue #33 §3)
-    "gap_comparison", "heldout_items", "macro_comparison",  # lenses compared with paired intervals (issues #31 §5, #32 §5)
-]
-
-
 def module_name(path: Path) -> str:
     """``jlens_core.fitting.fit`` for ``.../jlens_core/fitting/fit.py`` (packages end in ``__init__``)."""
     rel = path.relative_to(PACKAGE.parent).with_suffix("")
@@ -185,6 +164,73 @@ def test_dependencies_point_one_way():
     assert not problems, "\n".join(problems)
 
 
+def import_graph() -> dict[str, set[str]]:
+    """``{module: the jlens_core modules it imports}``, every import counted: module level, inside functions and
+    under ``TYPE_CHECKING`` (a circle through a type hint is still a circle to the reader). The front door
+    (``jlens_core/__init__.py``, which names everything) is left out."""
+    modules = {module_name(path): path for path in all_modules()}
+    modules = {(name.removesuffix(".__init__")): path for name, path in modules.items()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        if name == "jlens_core":
+            continue
+        targets = set()
+        for _, target in imported_modules(path):
+            while target not in modules and "." in target:  # `from .x import Name`: the module x
+                target = target.rsplit(".", 1)[0]
+            if target in modules and target not in (name, "jlens_core"):
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted: the import circles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or around a longer loop (counting every import)."""
+    found = circles(import_graph())
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(group) for group in found)
+
+
+def test_the_circle_finder_finds_circles():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+    assert circles({"x": {"y"}, "y": {"x"}, "p": {"q"}, "q": {"p"}}) == [["p", "q"], ["x", "y"]]
+
+
 def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
     """The rule itself: a lenses module importing reading is reported (guards the test above)."""
     fake = tmp_path / "jlens_core"
@@ -237,10 +283,14 @@ def test_deprecated_paths_warn_once_and_go_when_their_version_comes():
     assert version_tuple("0.3.0") > version_tuple("0.2.9") and version_tuple("0.10.0") > version_tuple("0.3.0")
 
 
-def test_public_names_are_unchanged():
-    assert sorted(jlens_core.__all__) == sorted(PUBLIC_NAMES)
-    for name in PUBLIC_NAMES:
-        assert getattr(jlens_core, name) is not None
+def test_public_names_come_from_one_list():
+    """``__all__`` and the lazy table are read from the ``TYPE_CHECKING`` imports of ``__init__.py`` (one list)."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    guarded = next(node for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test))
+    listed = [alias.name for node in guarded.body for alias in node.names]
+    assert len(listed) == len(set(listed)) >= 60
+    assert jlens_core.__all__ == sorted(listed)
+    assert {"fit", "read_prompt", "JacobianLens", "load_lens", "pass_at_k", "evaluate"} <= set(jlens_core.__all__)
 
 
 def test_cli_subcommands_are_all_found():
@@ -268,10 +318,10 @@ def test_every_lazy_name_resolves_to_its_defining_module():
         module = jlens_core._SOURCES[name]
         assert getattr(importlib.import_module(module, "jlens_core"), name) is value
     assert set(jlens_core.__all__) == set(jlens_core._SOURCES) and set(dir(jlens_core)) >= set(jlens_core.__all__)
-    # the TYPE_CHECKING imports (what type checkers see) name the same modules as the lazy table
-    tree = ast.parse((PACKAGE / "__init__.py").read_text())
-    guarded = next(node for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test))
-    seen = {alias.name: "." + node.module for node in guarded.body for alias in node.names}
-    assert seen == jlens_core._SOURCES
+    # each name is listed at the module that defines it (one address): a function or class is not re-exported
+    for name, module in jlens_core._SOURCES.items():
+        value = getattr(jlens_core, name)
+        if isinstance(value, type) or callable(value) and hasattr(value, "__module__"):
+            assert value.__module__ == "jlens_core" + module, f"{name} is defined in {value.__module__}, not {module}"
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         jlens_core.no_such_name  # noqa: B018

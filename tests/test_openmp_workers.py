@@ -8,7 +8,7 @@ import torch
 from jlens_core import LogitLens
 from jlens_core.reading import logit_stats, openmp_workers
 from jlens_core.reading.openmp_workers import reading_workers, run_in_workers
-from jlens_core.reading.readings import read_prompts
+from jlens_core.reading.reader import read_prompts
 
 TEXT = "The capital of France is Paris. Water boils at one hundred degrees."
 

@@ -30,8 +30,8 @@ from jlens_core import (
     save_readings,
 )
 from jlens_core.cli.main import main
-from jlens_core.reading.grid_export import grid_records
 from jlens_core.reading.file_format import FORMAT_VERSION, READING_ARRAYS
+from jlens_core.reading.grid_export import grid_records
 
 PROMPT = "def add(a, b):\n    return a + b"
 

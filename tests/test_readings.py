@@ -13,8 +13,10 @@ from helpers import identity_lens, random_lens, reference_logits
 
 from jlens_core import JacobianLens, LensFileError, LogitLens
 from jlens_core.reading import logit_stats, openmp_workers
-from jlens_core.reading.readings import FRAME_COLUMNS, compare_readings, difference, read_prompt
-from jlens_core.reading.tokens import TokenDisplay, is_word_like, token_id_for
+from jlens_core.reading.prompt_reading import FRAME_COLUMNS
+from jlens_core.reading.reader import read_prompt
+from jlens_core.reading.summaries import compare_readings, difference
+from jlens_core.reading.tokens import TokenDisplay, is_word_like, token_id
 
 TEXT = "The capital of France is Paris. Water boils at one hundred degrees."
 
@@ -65,7 +67,7 @@ def test_kl_nonnegative_everywhere(llama, reading):
 def test_ranks_and_topk_agree_with_argsort(llama, reading):
     ids = torch.as_tensor(reading.input_ids)[None]
     seq = ids.shape[1]
-    paris = token_id_for(llama.tokenizer, " Paris")
+    paris = token_id(llama.tokenizer, " Paris", rule="first")
     per_layer = reference_logits(llama, ids)
     final = per_layer[-1].log_softmax(-1)
     for layer, logits in enumerate(per_layer):
@@ -109,7 +111,7 @@ def test_unfitted_layers_are_absent(llama):
 
 @pytest.mark.parametrize("options", [{}, {"word_like": True, "positions": [0, 3, -1], "layers": [0, 1, 3]}])
 def test_read_prompts_equals_each_lens_read_alone(llama, monkeypatch, options):
-    from jlens_core.reading.readings import read_prompts
+    from jlens_core.reading.reader import read_prompts
 
     lenses = {"logit": LogitLens.for_model(llama), "jacobian": random_lens(llama, [0, 2]),
               "other": random_lens(llama, [1, 2], seed=1)}
@@ -140,8 +142,8 @@ def test_read_prompts_equals_each_lens_read_alone(llama, monkeypatch, options):
 
 
 def test_pinned_tokens(llama, reading):
-    assert reading.pinned == {" Paris": token_id_for(llama.tokenizer, " Paris"),
-                              "is": token_id_for(llama.tokenizer, "is")}
+    assert reading.pinned == {" Paris": token_id(llama.tokenizer, " Paris", rule="first"),
+                              "is": token_id(llama.tokenizer, "is", rule="first")}
     raw = llama.tokenizer.convert_ids_to_tokens(reading.pinned["is"])
     by_id = read_prompt(llama, LogitLens.for_model(llama), TEXT, pinned=[reading.pinned["is"], raw])
     np.testing.assert_array_equal(by_id.pinned_ranks[str(reading.pinned["is"])], reading.pinned_ranks["is"])

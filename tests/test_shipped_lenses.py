@@ -9,7 +9,9 @@ from conftest import LONG_TEXT
 
 from jlens_core import ExpertLens, JacobianLens, LensFileError, fit
 from jlens_core.lenses import shipped
-from jlens_core.lenses.shipped import default_lens, lens_kind, load_lens, load_lens_file, shipped_lens_path
+from jlens_core.lenses.kinds import lens_kind
+from jlens_core.lenses.loading import default_lens, load_lens, load_lens_file
+from jlens_core.lenses.shipped import shipped_lens_path
 
 PROMPTS = [LONG_TEXT, LONG_TEXT.upper(), " ".join(reversed(LONG_TEXT.split()))]
 

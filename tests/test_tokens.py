@@ -186,18 +186,6 @@ def test_display_ids_name_ids_beyond_the_strings(tokenizer):
     assert token_id(tokenizer, display_token(display, capital)) == capital  # a display string names its token
 
 
-def test_old_resolver_names_are_the_rules(tokenizer, sp_tokenizer):
-    from jlens_core.reading import tokens
-
-    assert tokens.token_id_for(tokenizer, "capitals") == token_id(tokenizer, "capitals", rule="first")
-    assert tokens.single_token_id(tokenizer, " capital") == token_id(tokenizer, " capital", rule="exact")
-    with pytest.raises(ValueError, match="not a single vocabulary token"):
-        tokens.single_token_id(tokenizer, "capitals")
-    assert tokens.single_token_spellings(tokenizer, "the") == spellings(tokenizer, "the")
-    assert tokens.word_token_ids(sp_tokenizer, "Paris") == list(spellings(sp_tokenizer, "Paris", rule="first").values())
-    assert tokens.first_token_id(sp_tokenizer, "Paris") == sp_tokenizer.convert_tokens_to_ids("▁Paris")
-
-
 # -- plain vocabularies ------------------------------------------------------------------------------
 def test_plain_vocabulary():
     from tokenizers import Tokenizer, models, pre_tokenizers

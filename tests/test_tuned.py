@@ -12,9 +12,9 @@ from conftest import CORPUS, LONG_TEXT, make_tiny
 from jlens_core import LensFileError, LogitLens
 from jlens_core.fitting.tuning import heldout_kl, train_tuned_lens
 from jlens_core.interventions import token_direction
-from jlens_core.lenses.shipped import load_lens
+from jlens_core.lenses.loading import load_lens
 from jlens_core.lenses.tuned import TunedLens
-from jlens_core.reading.readings import read_prompt
+from jlens_core.reading.reader import read_prompt
 
 TEXTS = [s for s in (CORPUS + LONG_TEXT).split(". ") if len(s) > 30] * 2
 HELDOUT = [LONG_TEXT, CORPUS[:300]]

@@ -8,10 +8,10 @@ import json
 import streamlit as st
 
 import cache
-import charts
 import common
 from jlens_core.debugging.diff import diff_dumps, divergence_curve
 from jlens_core.debugging.dump import dump_hidden_states, load_dump
+from jlens_core.figures.debugging import divergence_figure
 
 ss = st.session_state
 ctx = common.context()
@@ -83,6 +83,6 @@ if diff is not None:
     op = st.selectbox("Op", ops, key="cmp_op") if len(ops) > 1 else ops[0]
     curve = divergence_curve(diff, op)
     first = div.layer if div is not None and div.op == op else None
-    st.plotly_chart(charts.divergence_figure(curve, op=op, atol=diff.atol, first_layer=first), key="cmp_chart",
+    st.plotly_chart(divergence_figure(curve, op=op, atol=diff.atol, first_layer=first), key="cmp_chart",
                     config={"displaylogo": False})
     st.dataframe(diff.table, hide_index=True, width="stretch")

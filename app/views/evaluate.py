@@ -11,12 +11,12 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-import charts
 import common
 import lens_slots
 from jlens_core.corpus import BUILTIN_CORPUS, load_corpus
 from jlens_core.evaluation.by_layer import evaluate
 from jlens_core.evaluation.passk import EVAL_SETS, load_eval_set, macro_mean, pass_at_k
+from jlens_core.figures.evaluation import eval_curves_figure, pass_at_k_figure
 from jlens_core.workspace import sanitise_filename
 
 ss = st.session_state
@@ -130,7 +130,7 @@ if not (result and result["key"] == _key(ctx.model_key, LENSES_KEY)):
                 + (f" and with {', '.join(absent)}, which it does not hold." if absent else "."))
 if result and result["key"] == _key(ctx.model_key, LENSES_KEY):
     frame = result["frame"]
-    st.plotly_chart(charts.eval_curves_figure(frame), key="eval_curves", config={"displaylogo": False})
+    st.plotly_chart(eval_curves_figure(frame), key="eval_curves", config={"displaylogo": False})
     st.caption(f"{result['n_texts']} texts, {int(frame['n_tokens'].iloc[0]):,} tokens per layer, "
                f"skip_first {result['skip_first']}; bars are ±1 standard error (tokens taken as independent).")
     wide = frame.pivot_table(index="layer", columns="lens", values=["kl_bits", "ce_bits"])
@@ -192,7 +192,7 @@ if not (pak and pak["key"] == _key(ctx.model_key, LENSES_KEY)) and result and re
     pak = {"key": _key(ctx.model_key, LENSES_KEY), "summary": result["passes"], "detail": pd.DataFrame()}
     st.caption("The stored pass@k of the shipped lenses on the shipped sets; Run pass@k recomputes it.")
 if pak and pak["key"] == _key(ctx.model_key, LENSES_KEY):
-    st.plotly_chart(charts.pass_at_k_figure(pak["summary"]), key="pak_chart", config={"displaylogo": False})
+    st.plotly_chart(pass_at_k_figure(pak["summary"]), key="pak_chart", config={"displaylogo": False})
     st.dataframe(pak["summary"].reindex(columns=["set", "lens", "vocab", "k", "pass_rate", "ci_low", "ci_high",
                                                  "items_scored", "n_items", "words_scored", "n_words", "copied",
                                                  "copied_excluded"]),

@@ -6,11 +6,11 @@ import time
 
 import streamlit as st
 
-import charts
 import common
 import lens_slots
 import runs
 from jlens_core.corpus import BUILTIN_CORPUS
+from jlens_core.figures.fitting import convergence_figure, norm_heatmap
 from jlens_core.fitting.diagnostics import (
     convergence_frame,
     diagnostics_frame,
@@ -18,6 +18,8 @@ from jlens_core.fitting.diagnostics import (
     one_over_n_guide,
     read_diagnostics,
 )
+from jlens_core.layerspec import fit_source_layers
+from jlens_core.lenses.fit_settings import FitPlan, FitSettings
 
 REFRESH_SECONDS = 1.5
 RULES = {"jacobian": "Jacobian (J lens)", "relevance": "Relevance (R-lens)"}  # `jlens fit --rules`
@@ -99,13 +101,18 @@ with st.expander("New fit", expanded=not runs.list_runs(root)):
                 name = runs.clean_name(ss.fit_name)
                 ckpt = common.confine(checkpoint.strip(), "checkpoint", base=root / name) \
                     if checkpoint.strip() else None
+                # what shapes the lens, and how the fit runs: the same types `jlens fit` builds from its flags
+                sources = None if layers.strip() in ("", "all") else \
+                    fit_source_layers(layers, ctx.model.n_layers, int(target))
+                settings = FitSettings(source_layers=sources, target_layer=int(target), max_seq_len=int(max_seq_len),
+                                       rules=ss.fit_rules, experts=int(n_experts),
+                                       cluster_prompts=int(cluster_prompts))
+                plan = FitPlan(dim_batch=int(dim_batch))
                 run = runs.start(root, name, model=common.confine_spec(spec, "model folder"), corpus=corpus,
-                                 n_prompts=int(n_prompts), max_seq_len=int(max_seq_len), dim_batch=int(dim_batch),
-                                 min_chars=int(min_chars), split=split, layers=layers, target_layer=int(target),
-                                 checkpoint=str(ckpt) if ckpt else None, stop_at_delta=float(stop_delta) or None,
-                                 device=ss.get("device"), dtype=ss.get("dtype"), max_active=limit,
-                                 rules=ss.fit_rules, experts=int(n_experts),
-                                 cluster_prompts=int(cluster_prompts) if n_experts else None)
+                                 settings=settings, plan=plan, n_prompts=int(n_prompts), min_chars=int(min_chars),
+                                 split=split, checkpoint=str(ckpt) if ckpt else None,
+                                 stop_at_delta=float(stop_delta) or None, device=ss.get("device"),
+                                 dtype=ss.get("dtype"), max_active=limit)
                 ss.fit_run = run.name
                 del ss["fit_name"]
                 st.rerun()
@@ -207,9 +214,9 @@ def show_run(folder_or_run, shown_state: str) -> None:
     else:
         conv = convergence_frame(frame)
         g1, g2 = st.columns(2)
-        g1.plotly_chart(charts.convergence_figure(conv, one_over_n_guide(conv)), key="fit_convergence",
+        g1.plotly_chart(convergence_figure(conv, one_over_n_guide(conv)), key="fit_convergence",
                         config={"displaylogo": False})
-        g2.plotly_chart(charts.norm_heatmap(norm_matrix(frame)), key="fit_norms", config={"displaylogo": False})
+        g2.plotly_chart(norm_heatmap(norm_matrix(frame)), key="fit_norms", config={"displaylogo": False})
     if not current.followed:
         with st.expander("Log"):
             st.code(current.log_tail(40) or "(empty)", language="text")

@@ -16,12 +16,15 @@ import pandas as pd
 import streamlit as st
 
 import cache
-import charts
 import common
 import intervene
+from jlens_core.figures.heatmaps import cell_from_point, heatmap_figure
+from jlens_core.figures.labels import LENS_SHORT, row_labels, shown
+from jlens_core.figures.ranks import pinned_ranks_figure
+from jlens_core.figures.tokens import topk_bars
 from jlens_core.reading.generation import generate
-from jlens_core.reading.readings import most_common_tokens
 from jlens_core.reading.stability import lens_halves
+from jlens_core.reading.summaries import most_common_tokens
 from jlens_core.reading.tokens import pin_spec, token_id
 
 MAX_TOKENS = common.MAX_TOKENS
@@ -221,7 +224,7 @@ def lens_controls(ctx: common.Context, pins: list[str]) -> tuple[str, str]:
 
     def mode_label(m: str) -> str:
         if m == "diff":
-            return f"Difference ({charts.LENS_SHORT.get(pair[1], pair[1])} − {pair[0]})"
+            return f"Difference ({LENS_SHORT.get(pair[1], pair[1])} − {pair[0]})"
         if m == "three":
             return f"All {dict(enumerate(('', 'one', 'two', 'three', 'four'))).get(len(available), len(available))}"
         return common.MODES.get(m, m)
@@ -357,8 +360,8 @@ def display_options(model: Any, prompt: str, text: str, full_ids: Any, generatio
                            "same way there): start the band above them to see what the middle layers hold.")
         if n_tokens > 1:
             if ss.get("_pos_for") != (text, n_tokens) or "pos_range" not in ss:
-                shown = common.default_positions(n_tokens)
-                ss.pos_range = (shown[0], shown[-1])
+                positions = common.default_positions(n_tokens)
+                ss.pos_range = (positions[0], positions[-1])
                 ss._pos_for = (text, n_tokens)
             d2.slider("Positions", 0, n_tokens - 1, key="pos_range")
         d3.toggle("Whitespace as glyphs", key="show_ws", help="Show spaces as ·, newlines as ↵, tabs as →.")
@@ -411,8 +414,8 @@ def heatmap(view: View, reader: Reader, edits: list | None) -> tuple[Any, str]:
                 "or train a lens (sidebar, Fit and Tune pages) to compare.")
         mode = "logit"
     _select_cell(view)
-    fig = charts.heatmap_figure(readings, mode, ss.stat, layers=view.layers, pair=pair,
-                                selected=(int(ss.cell_layer), int(ss.cell_pos)), stability=bool(ss.stability))
+    fig = heatmap_figure(readings, mode, ss.stat, layers=view.layers, pair=pair,
+                         selected=(int(ss.cell_layer), int(ss.cell_pos)), stability=bool(ss.stability))
     if ss.stability:
         notes = {readings[n].stability_note for n in shown_now if n in readings and n != "logit"}
         for note in sorted(n for n in notes if n):
@@ -435,7 +438,7 @@ def _select_cell(view: View) -> None:
         signature = json.dumps({k: points[0].get(k) for k in ("x", "y", "curve_number")}, default=str)
         if signature != ss.get("_last_point"):
             ss._last_point = signature
-            cell = charts.cell_from_point(points[0], view.layers)
+            cell = cell_from_point(points[0], view.layers)
             if cell is not None and cell[1] in view.positions:
                 ss.cell_layer, ss.cell_pos = cell
     if ss.get("cell_layer") not in view.layers:
@@ -465,7 +468,7 @@ def most_common_panel(model: Any, view: View, readings: dict, mode: str) -> None
                 continue
             table["by layer"] = [[row["per_layer"].get(layer, 0) for layer in band_rows]
                                  for _, row in table.iterrows()]
-            table["token"] = [charts.shown(token) for token in table["token"]]
+            table["token"] = [shown(token) for token in table["token"]]
             panel.dataframe(table[["token", "count", "n_layers", "by layer"]], hide_index=True, width="stretch",
                             column_config={"token": st.column_config.TextColumn("token"),
                                            "n_layers": st.column_config.NumberColumn("layers"),
@@ -474,7 +477,7 @@ def most_common_panel(model: Any, view: View, readings: dict, mode: str) -> None
             pin_cols = panel.columns(5)
             for i, (_, row) in enumerate(table.head(10).iterrows()):
                 spec = pin_spec(model.tokenizer, int(row["token_id"]), vocab_size=model.vocab_size)
-                pin_cols[i % 5].button(f"{charts.shown(row['token'])}", key=f"mc_pin_{name}_{i}",
+                pin_cols[i % 5].button(f"{shown(row['token'])}", key=f"mc_pin_{name}_{i}",
                                        on_click=_pin, args=(spec,), help=f"Pin {spec!r} ({row['count']} cells)",
                                        width="stretch")
 
@@ -492,7 +495,7 @@ def cell_detail(view: View, reader: Reader) -> tuple[dict, int, int]:
         reader.read(list(reader.ctx.lenses()), into=detail, at=(int(ss.cell_pos),))
     st.subheader("Cell detail")
     n_layers = reader.ctx.model.n_layers
-    labels = dict(zip(view.layers, charts.row_labels(view.layers, n_layers - 1)))
+    labels = dict(zip(view.layers, row_labels(view.layers, n_layers - 1)))
     p1, p2, p3 = st.columns([1, 2, 3])
     p1.selectbox("Layer", view.layers, key="cell_layer", format_func=labels.get)
     p2.selectbox("Position", view.positions, key="cell_pos", format_func=lambda p: f"{p}: {view.tokens[p]}")
@@ -505,11 +508,11 @@ def cell_detail(view: View, reader: Reader) -> tuple[dict, int, int]:
                 + f"; the model's own top-1 is **`{final_top1}`**.")
     if cells.get("jacobian") is None and "jacobian" in detail:
         st.caption(f"The Jacobian lens was not fitted at layer {layer}.")
-    st.plotly_chart(charts.topk_bars({k: v for k, v in cells.items() if v is not None}, k=int(ss.top_k)),
+    st.plotly_chart(topk_bars({k: v for k, v in cells.items() if v is not None}, k=int(ss.top_k)),
                     key="cell_bars", config={"displaylogo": False})
     st.dataframe(pd.DataFrame([_cell_row(name, cell) for name, cell in cells.items() if cell is not None]),
                  hide_index=True, width="stretch")
-    pinned_fig = charts.pinned_ranks_figure(detail, position)
+    pinned_fig = pinned_ranks_figure(detail, position)
     if pinned_fig is not None:
         st.plotly_chart(pinned_fig, key="pinned_ranks", config={"displaylogo": False})
     elif not view.pins:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-import charts
 import common
 import lens_slots
+from jlens_core.figures.fitting import convergence_figure, layer_stats_figure, norm_heatmap, spectrum_figure
+from jlens_core.figures.labels import LENS_NAMES
 from jlens_core.files import atomic_write
 from jlens_core.fitting import diagnostics
 from jlens_core.lenses import spectra
@@ -23,10 +24,10 @@ if not fitted:
             "file in the sidebar, or fit one on the Fit page.")
     st.stop()
 if len(fitted) > 1:
-    st.radio("Lens", fitted, key="jac_lens", format_func=charts.LENS_NAMES.get, horizontal=True)
+    st.radio("Lens", fitted, key="jac_lens", format_func=LENS_NAMES.get, horizontal=True)
 lens_name = ss.get("jac_lens") if ss.get("jac_lens") in fitted else fitted[0]
 lens, lens_key = ctx.loaded[lens_name].lens, ctx.loaded[lens_name].key
-st.caption(f"{charts.LENS_NAMES[lens_name]}: {lens_slots.lens_summary(lens)}. Each J_l is the average Jacobian of "
+st.caption(f"{LENS_NAMES[lens_name]}: {lens_slots.lens_summary(lens)}. Each J_l is the average Jacobian of "
            "the target layer's residual with respect to layer l's residual (d × d)"
            + (", its backward under relevance rules (docs/method.md §9.1)." if lens_name == "relevance" else "."))
 
@@ -69,7 +70,7 @@ def _directions(_model, model_key: str, _lens, lens_key: str, layer: int, n: int
 with st.spinner("Singular values of every layer…"):
     stats, singular_values = _stats_and_spectra(lens, lens_key)
 st.subheader("Per layer")
-st.plotly_chart(charts.layer_stats_figure(stats), key="jac_stats", config={"displaylogo": False})
+st.plotly_chart(layer_stats_figure(stats), key="jac_stats", config={"displaylogo": False})
 with st.expander("Table"):
     st.dataframe(stats, hide_index=True, width="stretch",
                  column_config={"fro_norm": st.column_config.NumberColumn("‖J‖F/√d", format="%.4f"),
@@ -85,7 +86,7 @@ if ss.get("jac_layers") is None or not set(ss.jac_layers) <= set(layers):
     ss.jac_layers = sorted(set(ss.jac_layers))
 st.multiselect("Layers", layers, key="jac_layers", help="spectra to overlay")
 chosen = ss.jac_layers or [layers[-1]]
-st.plotly_chart(charts.spectrum_figure({layer: singular_values[layer] for layer in chosen}),
+st.plotly_chart(spectrum_figure({layer: singular_values[layer] for layer in chosen}),
                 key="jac_spectrum", config={"displaylogo": False})
 
 d1, d2, d3 = st.columns(3)
@@ -112,6 +113,6 @@ if frame.empty:
 else:
     conv = diagnostics.convergence_frame(frame)
     g1, g2 = st.columns(2)
-    g1.plotly_chart(charts.convergence_figure(conv, diagnostics.one_over_n_guide(conv)), key="jac_convergence",
+    g1.plotly_chart(convergence_figure(conv, diagnostics.one_over_n_guide(conv)), key="jac_convergence",
                     config={"displaylogo": False})
-    g2.plotly_chart(charts.norm_heatmap(diagnostics.norm_matrix(frame)), key="jac_norms", config={"displaylogo": False})
+    g2.plotly_chart(norm_heatmap(diagnostics.norm_matrix(frame)), key="jac_norms", config={"displaylogo": False})

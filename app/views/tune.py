@@ -7,10 +7,10 @@ import json
 
 import streamlit as st
 
-import charts
 import common
 import lens_slots
 from jlens_core.corpus import BUILTIN_CORPUS, load_corpus
+from jlens_core.figures.fitting import tune_figure
 from jlens_core.fitting.tuning import train_tuned_lens
 
 ss = st.session_state
@@ -71,7 +71,7 @@ if train:
             history_file.write_text(json.dumps(history))
             bar.progress(p.step / p.steps, text=f"Step {p.step}/{p.steps} · KL {p.train_kl_bits:.3f} bits · "
                                                 f"{p.seconds:.1f} s/step")
-            chart_slot.plotly_chart(charts.tune_figure(history), key=f"tune_chart_{p.step}",
+            chart_slot.plotly_chart(tune_figure(history), key=f"tune_chart_{p.step}",
                                     config={"displaylogo": False})
 
         lens = train_tuned_lens(model, texts, steps=settings["steps"], tokens_per_step=settings["tokens"],
@@ -83,7 +83,7 @@ if train:
         st.success(f"Trained: {out.name}. Pick it in the sidebar (Tuned lens), or use it now.")
 history = _history()
 if history and not train:
-    chart_slot.plotly_chart(charts.tune_figure(history), key="tune_chart", config={"displaylogo": False})
+    chart_slot.plotly_chart(tune_figure(history), key="tune_chart", config={"displaylogo": False})
     done = history[-1]["step"]
     if done < settings["steps"] and not out.is_file():
         st.info(f"Stopped at step {done} of {settings['steps']}: Train goes on from the checkpoint.")

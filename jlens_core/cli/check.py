@@ -28,8 +28,8 @@ def _lens_path(spec: str, model_name: str) -> Path | None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from ..lenses.canary import check_lens, make_canary, write_canary
-    from ..lenses.lens import LensFileError
-    from ..lenses.shipped import load_lens, load_lens_file
+    from ..lenses.header import LensFileError
+    from ..lenses.loading import load_lens, load_lens_file
     from ..models.loading import load_model
 
     model = load_model(args.model, **model_loading_options(args), progress=say)

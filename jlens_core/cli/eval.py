@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .._atomic import atomic_write, atomic_write_text
 from .main import CLIError, say
-from .model_args import add_model_arguments, model_loading_options
+from .model_args import add_corpus_arguments, add_model_arguments, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     import pandas as pd
@@ -33,11 +33,12 @@ def resolve_lenses(specs: list[str], model: LensModel, shrinkage: list[float] | 
     ``tuned`` (the shipped tuned lens), a lens file (Jacobian or tuned) or a tuned-lens folder.
 
     A lens is named by its kind (``jacobian``, ``relevance``, ``tuned``, ``jacobian++`` for a combined J++
-    file, :func:`~jlens_core.lenses.shipped.lens_kind`) unless two of a kind are given, then by its file name.
+    file, :func:`~jlens_core.lenses.kinds.lens_kind`) unless two of a kind are given, then by its file name.
     Each Jacobian lens also appears shrunk, ``(1 - a) J + a I``, once per ``shrinkage`` value.
     """
+    from ..lenses.kinds import lens_kind
     from ..lenses.lens import JacobianLens, LogitLens
-    from ..lenses.shipped import default_lens, default_tuned_lens, lens_kind, load_lens
+    from ..lenses.loading import default_lens, default_tuned_lens, load_lens
 
     loaded: list[tuple[str, str, Lens]] = []
     for spec in specs:
@@ -237,12 +238,9 @@ def register(subparsers) -> None:
     e.add_argument("--lens", action="append", default=None,
                    help="a lens file (Jacobian or tuned), a tuned-lens folder, 'default' (the shipped Jacobian lens), "
                         "'tuned' (the shipped tuned lens) or 'logit'; repeat to compare (default: logit and default)")
-    e.add_argument("--corpus", default="stdlib-docs", help="'stdlib-docs', a .txt or .jsonl file, or a HF dataset")
-    e.add_argument("--split", choices=["all", "fit", "eval"], default="eval",
-                   help="corpus part (default 'eval': disjoint from what `jlens fit` uses by default)")
-    e.add_argument("--n-texts", type=int, default=100,
-                   help="texts to evaluate on (default 100; 0 skips the evaluation by layer)")
-    e.add_argument("--min-chars", type=int, default=400, help="skip texts shorter than this (default 400)")
+    add_corpus_arguments(e, split="eval", split_help="corpus part (default 'eval': disjoint from what `jlens fit` uses "
+                                                     "by default)",
+                         n_texts=100, n_texts_help="texts to evaluate on (default 100; 0 skips the evaluation by layer)")
     e.add_argument("--max-seq-len", type=int, default=128, help="truncate texts to this many tokens (default 128)")
     e.add_argument("--shrinkage", type=float, action="append", default=None,
                    help="also evaluate each Jacobian lens shrunk as (1-a) J + a I; repeat for several a")

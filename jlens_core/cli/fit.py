@@ -20,10 +20,11 @@ import traceback
 from pathlib import Path
 
 from .._atomic import atomic_write_text
-from ..fitting.methods import METHODS, RULES
 from ..fitting.runfiles import sidecar  # the run-file format, shared with the app
+from ..lenses.fit_settings import FitPlan, FitSettings, add_fit_arguments
 from .main import CLIError, say
 from .model_args import (
+    add_corpus_arguments,
     add_model_arguments,
     add_save_dtype_argument,
     model_loading_options,
@@ -104,7 +105,7 @@ def _interruptible() -> None:
 def cmd_fit(args: argparse.Namespace) -> int:
     from ..corpus import load_corpus
     from ..fitting.fit import fit
-    from ..layerspec import check_layer_spec, parse_layer_spec
+    from ..layerspec import check_layer_spec, fit_source_layers
     from ..models.loading import load_model
 
     if args.layers:
@@ -129,14 +130,16 @@ def cmd_fit(args: argparse.Namespace) -> int:
         # a device map places the model itself; otherwise the rank's device (torchrun) or --device
         options = model_loading_options(args) | ({} if placement_requested(args) else {"device": device})
         model = load_model(args.model, **options, progress=say)
-        sources = parse_layer_spec(args.layers, model.n_layers) if args.layers else None
-        if sources is not None:
-            target = args.target_layer % model.n_layers
-            sources = [s for s in sources if s != target] or sources
+        sources = fit_source_layers(args.layers, model.n_layers, args.target_layer)
         checkpoint = Path(args.checkpoint) if args.checkpoint else sidecar(out, "ckpt")
         if rank == 0:
             out.parent.mkdir(parents=True, exist_ok=True)
-        code = _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit)
+        try:
+            settings = FitSettings.from_args(args, source_layers=sources)
+            plan = FitPlan.from_args(args)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
+        code = _run_fit(args, model, prompts, settings, plan, checkpoint, stop, world, out, fit)
         if world is not None:
             world.dist.barrier()  # ranks leave together, once rank 0 has written the lens
             world.dist.destroy_process_group()
@@ -155,7 +158,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
             world.dist.destroy_process_group()
 
 
-def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -> int:
+def _run_fit(args, model, prompts, settings: FitSettings, plan: FitPlan, checkpoint, stop, world, out, fit) -> int:
     rank = world.rank if world is not None else 0
     diag_path, status_path = sidecar(out, "diagnostics.jsonl"), sidecar(out, "status.json")
     status = diag_file = bar = None
@@ -207,12 +210,8 @@ def _run_fit(args, model, prompts, sources, checkpoint, stop, world, out, fit) -
                                 (" (skipped)" if event.skipped else ""), refresh=True)
 
     try:
-        dim_batch = args.dim_batch if args.dim_batch is not None else ("auto" if args.fit_memory else 8)
-        lens = fit(model, prompts, source_layers=sources, target_layer=args.target_layer, dim_batch=dim_batch,
-                   max_seq_len=args.max_seq_len, skip_first=args.skip_first, checkpoint_path=checkpoint,
-                   checkpoint_every=args.checkpoint_every, resume=not args.no_resume, method=args.method,
-                   progress=on_progress if rank == 0 else None, should_stop=stop, world=world, rules=args.rules,
-                   experts=args.experts, cluster_prompts=args.cluster_prompts, max_memory=args.fit_memory)
+        lens = fit(model, prompts, settings, plan, checkpoint_path=checkpoint, resume=not args.no_resume,
+                   progress=on_progress if rank == 0 else None, should_stop=stop, world=world)
     except BaseException as exc:
         from ..fitting.fit import RankFailedError
 
@@ -260,57 +259,18 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dim_batch(value: str):
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer or 'auto'") from None
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser("fit", help="fit a Jacobian lens on a corpus",
                               description="Fit a Jacobian lens: d_model backward passes per prompt, averaged over "
                                           "the corpus. Resumable; under torchrun, sharded over ranks.")
     add_model_arguments(p, device_help="cuda, cuda:1, mps, cpu, or auto (spread over GPUs); default: best")
-    p.add_argument("--corpus", default="stdlib-docs",
-                   help="'stdlib-docs' (built-in), a .txt (paragraphs) or .jsonl (text field) file, or a HF dataset")
+    add_corpus_arguments(p, split="fit", split_help="corpus part: 'fit' (default; disjoint from 'eval'), 'eval' or 'all'")
     p.add_argument("--out", required=True, help="lens file to write (safetensors), e.g. lens.safetensors")
     p.add_argument("--n-prompts", type=int, default=None, help="use N texts of the corpus from --first-prompt on (default all)")
     p.add_argument("--first-prompt", type=int, default=0,
                    help="start at this corpus text (default 0): fit disjoint slices anywhere, then `jlens merge`")
-    p.add_argument("--min-chars", type=int, default=400, help="skip corpus texts shorter than this (default 400)")
-    p.add_argument("--split", choices=["all", "fit", "eval"], default="fit",
-                   help="corpus part: 'fit' (default; disjoint from 'eval'), 'eval' or 'all'")
-    p.add_argument("--max-seq-len", type=int, default=128, help="truncate prompts to this many tokens (default 128)")
-    p.add_argument("--skip-first", type=int, default=16,
-                   help="leading positions left out as attention sinks (default 16)")
-    p.add_argument("--dim-batch", type=_dim_batch, default=None,
-                   help="output dimensions per backward pass: memory, not result (default 8; 'auto' sizes it "
-                        "from free GPU memory, or from --fit-memory; with --fit-memory an integer is the most)")
-    p.add_argument("--fit-memory", default=None, metavar="SIZE",
-                   help="a budget such as 6GiB for one prompt's working memory on each device the layers run on, "
-                        "beyond the weights: dim_batch and the fused order follow from it (default: sized from "
-                        "free memory). Not --max-memory, which places the model's weights")
-    p.add_argument("--method", choices=list(METHODS), default="auto",
-                   help="how the backward passes run, same result: 'fused' (analytic backward; Llama, Mistral, "
-                        "Qwen2, Gemma, Gemma 2, GPT-2, GPT-NeoX, Phi layouts), 'batched' (autograd, cotangents batched), 'replicated' (autograd, prompt "
-                        "replicated) or 'auto' (default: 'fused' where supported, else 'batched')")
-    p.add_argument("--rules", choices=list(RULES), default="jacobian",
-                   help="backward rules: 'jacobian' (default: the J-lens, ordinary gradients) or 'relevance' (the "
-                        "R-lens: norms' denominators constant, identity rule for activations, half rule for gated "
-                        "products; docs/method.md §9.1)")
-    p.add_argument("--experts", type=int, default=0,
-                   help="also fit E expert Jacobians per layer in the same backward passes, one per cluster of "
-                        "the source residuals (the J++ / R++ lens; default 0: none; docs/method.md §9.1)")
-    p.add_argument("--cluster-prompts", type=int, default=64,
-                   help="with --experts: cluster the kept positions of the first N prompts (default 64)")
-    p.add_argument("--layers", default=None, help="source layers: '0,4,8', '0:12', '0:12:2', 'all' (default: all "
-                                                  "below the target)")
-    p.add_argument("--target-layer", type=int, default=-1, help="target layer, negative from the end (default -1)")
+    add_fit_arguments(p)  # the fields of FitSettings and FitPlan: names, defaults and help live there
     p.add_argument("--checkpoint", default=None, help="checkpoint file (default <OUT stem>.ckpt next to --out)")
-    p.add_argument("--checkpoint-every", type=int, default=1, help="write the checkpoint every N prompts (default 1)")
     p.add_argument("--no-resume", action="store_true", help="start over even if the checkpoint exists")
     p.add_argument("--stop-at-delta", type=float, default=None,
                    help="stop once the max relative change of the running mean stays below X")

@@ -1,7 +1,8 @@
 """The model options every model-loading command takes: ``--model``, ``--device``, ``--dtype`` and the
 placement of a model larger than one device, ``--device-map``, ``--max-memory``, ``--offload-folder``
 (docs/models.md, "Sharded and offloaded models"), read by :func:`model_loading_options`; and ``--save-dtype``,
-which every command that writes a lens takes."""
+which every command that writes a lens takes; and the corpus options of the commands that read a corpus
+(``--corpus``, ``--split``, ``--n-texts``, ``--min-chars``: :func:`add_corpus_arguments`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ DEVICE_MAP_HELP = ("spread a large model over devices: auto (or balanced, balanc
                    "object of module names to devices, e.g. '{\"model.layers.0\": \"cuda:0\", \"lm_head\": \"disk\"}'")
 MAX_MEMORY_HELP = "memory per device for --device-map auto, e.g. 0:20GiB,cpu:64GiB (implies --device-map auto)"
 OFFLOAD_FOLDER_HELP = "folder for weights offloaded to disk (implies --device-map auto unless one is given)"
+CORPUS_HELP = "'stdlib-docs' (built-in), a .txt (paragraphs) or .jsonl (text field) file, or a HF dataset"
+SPLITS = ("all", "fit", "eval")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, device_help: str = DEVICE_HELP,
@@ -36,6 +39,18 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
 def add_save_dtype_argument(parser: argparse.ArgumentParser, help: str) -> None:
     """Add ``--save-dtype`` (``float32``, the default, or ``float16``): the storage of the lens files written."""
     parser.add_argument("--save-dtype", choices=["float32", "float16"], default="float32", help=help)
+
+
+def add_corpus_arguments(parser: argparse.ArgumentParser, *, split: str, split_help: str, n_texts: int | None = None,
+                         n_texts_help: str = "", min_chars: int = 400) -> None:
+    """Add ``--corpus`` (default ``stdlib-docs``), ``--split`` (default ``split``), ``--min-chars`` and, when
+    ``n_texts`` is given, ``--n-texts`` (its default; ``n_texts_help`` says what they are for)."""
+    parser.add_argument("--corpus", default="stdlib-docs", help=CORPUS_HELP)
+    parser.add_argument("--split", choices=list(SPLITS), default=split, help=split_help)
+    if n_texts is not None:
+        parser.add_argument("--n-texts", type=int, default=n_texts, help=n_texts_help)
+    parser.add_argument("--min-chars", type=int, default=min_chars,
+                        help=f"skip corpus texts shorter than this (default {min_chars})")
 
 
 def placement_requested(args: argparse.Namespace) -> bool:

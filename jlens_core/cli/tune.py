@@ -8,7 +8,12 @@ from pathlib import Path
 
 from .fit import _interruptible
 from .main import CLIError, say
-from .model_args import add_model_arguments, add_save_dtype_argument, model_loading_options
+from .model_args import (
+    add_corpus_arguments,
+    add_model_arguments,
+    add_save_dtype_argument,
+    model_loading_options,
+)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -72,10 +77,8 @@ def register(subparsers) -> None:
                                           "Checkpoints next to --out; rerun the same command to resume; Ctrl-C keeps "
                                           "the checkpoint.")
     add_model_arguments(p)
-    p.add_argument("--corpus", default="stdlib-docs", help="'stdlib-docs', a .txt or .jsonl file, or a HF dataset")
-    p.add_argument("--split", choices=["all", "fit", "eval"], default="fit", help="corpus part to train on (default fit)")
-    p.add_argument("--n-texts", type=int, default=200, help="training texts (default 200)")
-    p.add_argument("--min-chars", type=int, default=600, help="skip texts shorter than this (default 600)")
+    add_corpus_arguments(p, split="fit", split_help="corpus part to train on (default fit)", n_texts=200,
+                         n_texts_help="training texts (default 200)", min_chars=600)
     p.add_argument("--heldout-texts", type=int, default=8,
                    help="texts of the 'eval' split to measure held-out KL on while training (default 8; 0 = none)")
     p.add_argument("--heldout-every", type=int, default=25, help="steps between held-out measurements (default 25)")

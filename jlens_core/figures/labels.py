@@ -11,14 +11,16 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ..lenses.kinds import KINDS
 from ..reading.tokens import display_ids, visible
 
-# by lens kind, in the order panels and legends list them ("relevance": a Jacobian lens fitted with relevance rules)
-LENS_NAMES = {"logit": "Logit lens", "jacobian": "Jacobian lens", "relevance": "R-lens", "tuned": "Tuned lens"}
-LENS_SHORT = {"logit": "Logit", "jacobian": "Jacobian", "relevance": "R-lens", "tuned": "Tuned"}  # in "B − A"
-LENS_ABBR = {"logit": "logit", "jacobian": "Jac", "relevance": "R", "tuned": "Tuned"}  # the difference's colour bar
-LENS_DASHES = {"logit": "dot", "jacobian": "solid", "relevance": "dash", "tuned": "dashdot"}  # pinned-rank lines
-LENS_COLORS = {"logit": "#6c8ebf", "jacobian": "#d6762b", "relevance": "#8e5bb5", "tuned": "#4c9a5a"}
+# by lens kind (jlens_core.lenses.kinds), in the order panels and legends list them
+LENS_NAMES = {k.kind: k.label for k in KINDS}
+LENS_SHORT = {k.kind: k.short for k in KINDS}  # in "B − A"
+LENS_ABBR = {k.kind: k.abbr for k in KINDS}  # the difference's colour bar
+# the line styles and colours also by the name the app gives a loaded lens of a kind ("J++"): drawn alike
+LENS_DASHES = {k.kind: k.dash for k in KINDS} | {k.tag: k.dash for k in KINDS if k.tag not in LENS_NAMES}
+LENS_COLORS = {k.kind: k.colour for k in KINDS} | {k.tag: k.colour for k in KINDS if k.tag not in LENS_NAMES}
 STAT_LABELS = {"top1_prob": "top-1 probability", "entropy_bits": "entropy (bits)", "kl_bits": "KL to final (bits)",
                "ce_bits": "next-token CE (bits)", "next_token_rank": "rank of next token",
                "final_top1_rank": "rank of final top-1"}

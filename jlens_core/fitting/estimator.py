@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..layerspec import resolve_layers  # re-exported: its old home, imported by others
-from ..models.model import LensModel
+from ..layerspec import resolve_layers
+from ..models.model import LensModel, kv_cache_problem
 from ..models.recorder import ActivationRecorder
 from .fused import (
     FusedMismatchError,
@@ -152,24 +152,9 @@ def _one_hot_cotangents(rows: range, batch: int, n_valid: int, d_model: int, lik
     return cot
 
 
-# Cache layers holding plain attention keys/values: a prefix run once and continued is exact.
-_PLAIN_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
-
-
 # fp32 noise of an exact cached run is ~3e-7 relative; a family above this (Gemma 4: ~3e-6, which
 # moves the Jacobian by ~1e-4) runs the whole prompt instead.
 _PROBE_RTOL = 1e-6
-
-
-def _plain_kv_cache(cache) -> str | None:
-    """Why ``cache`` is not plain attention keys/values (``None`` when it is)."""
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        return f"its cache is a {type(cache).__name__}, not a layered key/value cache"
-    other = sorted({type(layer).__name__ for layer in layers} - set(_PLAIN_CACHE_LAYERS))
-    if other:
-        return f"its cache holds {', '.join(other)} (recurrent, convolutional or indexer state)"
-    return None
 
 
 def _prefix_cache_usable(model: LensModel, ids: torch.Tensor, target: int, skip_first: int) -> bool:
@@ -196,7 +181,7 @@ def _prefix_cache_usable(model: LensModel, ids: torch.Tensor, target: int, skip_
             cache = None
             if skip_first > 0:
                 cache = model.run_with_cache(ids[:, :skip_first], use_cache=True)
-                reason = _plain_kv_cache(cache)
+                reason = kv_cache_problem(cache)
             if reason is None:
                 with ActivationRecorder(model.layers, [target], stop_after=target) as rec:
                     model.run_with_cache(ids[:, skip_first: seq_len - 1], cache=cache)

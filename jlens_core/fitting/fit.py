@@ -10,15 +10,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import torch
 
 from .._atomic import atomic_write
 from ..lenses.experts import Clustering, ExpertLens
+from ..lenses.fit_settings import FitPlan, FitSettings, lens_settings
 from ..lenses.lens import JacobianLens
 from ..models.model import LensModel
-from .estimator import METHODS, jacobian_for_prompt, resolve_layers
+from .estimator import jacobian_for_prompt
 from .expert_clusters import cluster_source_layers, clustering_from_payload, clustering_payload
 from .memory_budget import (
     FitSizes,
@@ -28,20 +29,20 @@ from .memory_budget import (
     plan_memory,
     reset_peak_memory,
 )
-from .methods import check_rules
 from .node_checkpoints import agree_on_checkpoint
 from .relevance import relevance_unsupported_reason, unsupported_message
 from .resume import check_same_settings, prompts_digest
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = "jlens-checkpoint"
 CHECKPOINT_VERSION = 1
-# Settings recorded in a checkpoint that shape the result; resuming with another value is an error.
-CHECKPOINT_SETTINGS = ("source_layers", "target_layer", "skip_first", "max_seq_len", "model_fingerprint", "rules",
-                       "experts", "cluster_prompts")
-# Expert fits (docs/method.md §9.1): the prompts the clustering is made from, by default.
-DEFAULT_CLUSTER_PROMPTS = 64
+# Settings recorded in a checkpoint that shape the result (FitSettings and the model); resuming with another
+# value is an error.
+CHECKPOINT_SETTINGS = (*FitSettings.field_names(), "model_fingerprint")
 
 
 @dataclass
@@ -154,8 +155,14 @@ class World:
         raise RankFailedError(f"Rank {failed} of {self.size} failed: {messages[failed]}", failed, error)
 
 
+def checkpoint_settings(settings: FitSettings, model_name: str | None, model_fingerprint: dict | None) -> dict:
+    """The ``settings`` a checkpoint records: the resolved :class:`FitSettings` and the model's identity."""
+    return {**settings.to_dict(), "model_name": model_name, "model_fingerprint": model_fingerprint}
+
+
 def write_checkpoint(path: str | os.PathLike, state: FitState, settings: dict, digest: str) -> None:
-    """Write the fit state atomically (temp file in the same folder, then rename)."""
+    """Write the fit state atomically (temp file in the same folder, then rename); ``settings`` is
+    :func:`checkpoint_settings`'s dict."""
     payload = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "settings": settings,
                "jacobian_sum": {str(k): v for k, v in state.jacobian_sum.items()}, "n_done": state.n_done,
                "next_idx": state.next_idx, "n_skipped": state.n_skipped, "diagnostics": state.diagnostics,
@@ -180,14 +187,13 @@ def checkpoint_from_lens(lens: JacobianLens, prompts: Sequence, path: str | os.P
     Raises:
         ValueError: ``prompts`` is shorter than what the lens counted.
     """
-    n_skipped = int(lens.settings.get("n_skipped", 0))
+    n_skipped = lens.record.n_skipped
     next_idx = lens.n_prompts + n_skipped
     if next_idx > len(prompts):
         raise ValueError(f"The lens counted {next_idx} prompts (skipped ones included) but only {len(prompts)} "
                          "were given: pass the prompt list of the original fit.")
-    settings = {"source_layers": list(lens.source_layers), "target_layer": lens.target_layer,
-                "skip_first": lens.settings["skip_first"], "max_seq_len": lens.settings["max_seq_len"],
-                "model_name": lens.model_name, "model_fingerprint": lens.model_fingerprint, "rules": lens.rules}
+    # a plain lens, even one made from an expert lens's combination: the checkpoint resumes a fit without experts
+    settings = checkpoint_settings(lens.fit_settings.replace(experts=0), lens.model_name, lens.model_fingerprint)
     state = FitState({layer: lens.jacobians[layer].double() * lens.n_prompts for layer in lens.source_layers},
                      n_done=lens.n_prompts, next_idx=next_idx, n_skipped=n_skipped,
                      diagnostics=list(lens.diagnostics))
@@ -213,8 +219,10 @@ def read_checkpoint(path: str | os.PathLike, data: bytes | None = None) -> dict:
 
 
 def _check_resume(path, payload: dict, settings: dict, prompts: Sequence) -> None:
-    # checkpoints from before rules= are J fits, from before experts= fits without experts
-    saved = {"rules": "jacobian", "experts": 0, "cluster_prompts": 0, **payload["settings"]}
+    """Raise unless the checkpoint was made with ``settings`` (:func:`checkpoint_settings`) on ``prompts``."""
+    # checkpoints from before rules= are J fits, from before experts= fits without experts: FitSettings' defaults
+    saved = {**FitSettings.from_checkpoint(payload["settings"]).to_dict(),
+             "model_fingerprint": payload["settings"].get("model_fingerprint")}
     check_same_settings(path, saved, settings, CHECKPOINT_SETTINGS, run="fit")
     if payload["next_idx"] > len(prompts) or prompts_digest(prompts, payload["next_idx"]) != payload["prompts_digest"]:
         raise ValueError(
@@ -267,19 +275,27 @@ class _FitRun:
     meet every ``checkpoint_every`` steps and at the end. ``world`` is :class:`World` or :class:`_OneProcess`.
     """
 
-    def __init__(self, model: LensModel, prompts: Sequence, settings: dict, estimator: dict, *, world: World | _OneProcess,
-                 checkpoint_path: str | os.PathLike | None, checkpoint_every: int,
+    def __init__(self, model: LensModel, prompts: Sequence, settings: FitSettings, plan: FitPlan, *,
+                 world: World | _OneProcess, checkpoint_path: str | os.PathLike | None,
                  progress: Callable[[FitProgress], None] | None,
                  should_stop: Callable[[FitState], str | None] | None) -> None:
-        self.model, self.prompts, self.settings, self.estimator, self.world = model, prompts, settings, estimator, world
-        self.checkpoint_path, self.checkpoint_every = checkpoint_path, checkpoint_every
+        """``settings``: resolved (:meth:`FitSettings.resolved`) for ``model``."""
+        self.model, self.prompts, self.settings, self.plan, self.world = model, prompts, settings, plan, world
+        self.checkpoint_path, self.checkpoint_every = checkpoint_path, plan.checkpoint_every
         self.progress, self.should_stop = progress, should_stop
-        self.sources: list[int] = settings["source_layers"]
+        self.sources: list[int] = list(settings.source_layers or ())
+        self.target: int = int(settings.target_layer if settings.target_layer is not None else model.n_layers - 1)
+        self.model_fingerprint = model.fingerprint()
+        self.checkpoint_settings = checkpoint_settings(settings, model.name, self.model_fingerprint)
+        # what jacobian_for_prompt takes besides the prompt, the layers and the clustering
+        self.estimator: dict[str, Any] = {"dim_batch": plan.dim_batch, "max_seq_len": settings.max_seq_len,
+                          "skip_first": settings.skip_first, "method": plan.method, "rules": settings.rules,
+                          "max_memory": plan.max_memory}
         d = model.d_model
         self.state = FitState({layer: torch.zeros(d, d, dtype=torch.float64) for layer in self.sources})
         self.pending = _Pending({layer: torch.zeros(d, d, dtype=torch.float64) for layer in self.sources})
         self.steps = 0
-        self.experts: int = settings.get("experts", 0)
+        self.experts: int = settings.experts
         self.memory: dict | None = None  # with a budget: the budget and its plan at max_seq_len (lens settings)
         self.peak_bytes: int | None = None
 
@@ -298,8 +314,8 @@ class _FitRun:
             try:
                 clustering = cluster_source_layers(
                     self.model, self.prompts, self.sources, experts=self.experts,
-                    cluster_prompts=self.settings["cluster_prompts"], skip_first=self.settings["skip_first"],
-                    max_seq_len=self.settings["max_seq_len"])
+                    cluster_prompts=self.settings.cluster_prompts, skip_first=self.settings.skip_first,
+                    max_seq_len=self.settings.max_seq_len)
             except Exception as exc:  # sharded: the others must not wait for a clustering that never comes
                 if self.world.size == 1:
                     raise
@@ -325,14 +341,15 @@ class _FitRun:
             return
         if self.world.size > 1:  # one copy per machine: every rank goes on from the most advanced one
             payload = agree_on_checkpoint(self.world, path, lambda data: read_checkpoint(path, data),
-                                          lambda saved: _check_resume(path, saved, self.settings, self.prompts))
+                                          lambda saved: _check_resume(path, saved, self.checkpoint_settings,
+                                                                      self.prompts))
             if payload is None:
                 return
         elif not Path(path).exists():
             return
         else:
             payload = read_checkpoint(path)
-            _check_resume(path, payload, self.settings, self.prompts)
+            _check_resume(path, payload, self.checkpoint_settings, self.prompts)
         self.state = FitState({int(k): v.double() for k, v in payload["jacobian_sum"].items()},
                               n_done=payload["n_done"], next_idx=payload["next_idx"], n_skipped=payload["n_skipped"],
                               diagnostics=list(payload["diagnostics"]), stop_reason=payload.get("stop_reason"))
@@ -369,7 +386,8 @@ class _FitRun:
         events = self._sync(final=at_end)
         # each machine's local rank 0 writes: every rank holds the same state here
         if self.checkpoint_path is not None and world.local_rank == 0 and (on_schedule or at_end or state.stop_reason):
-            write_checkpoint(self.checkpoint_path, state, self.settings, prompts_digest(self.prompts, state.next_idx))
+            write_checkpoint(self.checkpoint_path, state, self.checkpoint_settings,
+                             prompts_digest(self.prompts, state.next_idx))
         # reported once the checkpoint holds them: a stop after a reported prompt never finds it a prompt behind
         if world.rank == 0 and self.progress is not None:
             for event in events:
@@ -381,7 +399,7 @@ class _FitRun:
         t0 = time.perf_counter()
         try:
             result = jacobian_for_prompt(self.model, self.prompts[idx], source_layers=self.sources,
-                                         target_layer=self.settings["target_layer"], **self.estimator,
+                                         target_layer=self.target, **self.estimator,
                                          clustering=self.state.clustering or None)
         except ValueError as exc:  # too short, or empty: skipped, and said so
             log.warning("Skipping prompt %d: %s", idx, exc)
@@ -447,105 +465,129 @@ class _FitRun:
         Raises:
             ValueError: no prompt counted.
         """
-        state, settings, skip_first = self.state, self.settings, self.settings["skip_first"]
+        state, settings, skip_first = self.state, self.settings, self.settings.skip_first
         if state.n_done == 0:
             raise ValueError(f"No prompt counted: all {len(self.prompts)} prompts were skipped (each needs at least "
                              f"{skip_first + 2} tokens with skip_first={skip_first}). Give longer prompts.")
-        lens_settings = {key: settings[key] for key in ("skip_first", "max_seq_len", "target_layer")}
-        lens_settings.update(dim_batch=self.estimator["dim_batch"], n_skipped=state.n_skipped,
-                             method=self.estimator["method"])
-        if self.memory is not None:
-            lens_settings["memory"] = {**self.memory, "peak_bytes": self.peak_bytes,
-                                       "peak_measure": peak_measure(self.model.device)}
+        memory = None if self.memory is None else {**self.memory, "peak_bytes": self.peak_bytes,
+                                                   "peak_measure": peak_measure(self.model.device)}
+        file_settings = lens_settings(settings, self.plan, n_skipped=state.n_skipped, memory=memory)
         if self.experts:
-            lens_settings.update(experts=self.experts, cluster_prompts=settings["cluster_prompts"])
             return ExpertLens({layer: state.mean(layer).float() for layer in self.sources},
                               {layer: (state.expert_sum[layer] / state.expert_count[layer].clamp_min(1)[:, None, None])
                                .float() for layer in self.sources},
                               {layer: state.expert_count[layer].round().long() for layer in self.sources},
-                              state.clustering, state.n_done, self.model.d_model, target_layer=settings["target_layer"],
-                              rules=settings["rules"], n_layers=self.model.n_layers, settings=lens_settings,
-                              model_name=self.model.name, model_fingerprint=settings["model_fingerprint"],
+                              state.clustering, state.n_done, self.model.d_model, target_layer=self.target,
+                              rules=settings.rules, n_layers=self.model.n_layers, settings=file_settings,
+                              model_name=self.model.name, model_fingerprint=self.model_fingerprint,
                               diagnostics=state.diagnostics, stop_reason=state.stop_reason)
         return JacobianLens({layer: state.mean(layer).float() for layer in self.sources}, state.n_done,
-                            self.model.d_model, target_layer=settings["target_layer"], n_layers=self.model.n_layers,
-                            settings=lens_settings, model_name=self.model.name,
-                            model_fingerprint=settings["model_fingerprint"], diagnostics=state.diagnostics,
-                            stop_reason=state.stop_reason, rules=settings["rules"])
+                            self.model.d_model, target_layer=self.target, n_layers=self.model.n_layers,
+                            settings=file_settings, model_name=self.model.name,
+                            model_fingerprint=self.model_fingerprint, diagnostics=state.diagnostics,
+                            stop_reason=state.stop_reason, rules=settings.rules)
 
 
-def _check_fit_settings(*, checkpoint_every: int, method: str, dim_batch: int | str, skip_first: int,
-                        max_seq_len: int, rules: str = "jacobian") -> None:
-    """Settings errors, raised before any prompt: they must not pass for "prompt too short" (each
-    prompt would be skipped, and recorded so)."""
-    if checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1.")
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is not one of {METHODS}.")
-    check_rules(rules)
-    if dim_batch != "auto" and (not isinstance(dim_batch, int) or dim_batch < 1):
-        raise ValueError(f"dim_batch={dim_batch!r} must be an integer >= 1 or 'auto'.")
-    if skip_first < 0:
-        raise ValueError(f"skip_first={skip_first} must be >= 0.")
-    if max_seq_len < 2:
-        raise ValueError(f"max_seq_len={max_seq_len} must be at least 2.")
-
-
-def _plan_fit_memory(model: LensModel, max_memory: int | str, estimator: dict, sources: list[int], target: int,
-                     experts: int) -> dict:
+def _plan_fit_memory(model: LensModel, settings: FitSettings, plan: FitPlan) -> dict:
     """The budget's plan for the longest prompt (``max_seq_len`` tokens), before any prompt: a budget too small
-    raises here (each prompt would otherwise be skipped for it). Returns the lens settings' ``memory`` part."""
+    raises here (each prompt would otherwise be skipped for it). Returns the lens settings' ``memory`` part.
+    ``settings`` are resolved; ``plan.max_memory`` is set."""
     from .estimator import _fused_usable
 
-    budget = budget_bytes(max_memory)
-    skip_first = estimator["skip_first"]
-    n_valid = max(1, estimator["max_seq_len"] - 1 - skip_first)
-    method = estimator["method"]
+    assert plan.max_memory is not None and settings.source_layers and settings.target_layer is not None
+    budget = budget_bytes(plan.max_memory)
+    skip_first = settings.skip_first
+    n_valid = max(1, settings.max_seq_len - 1 - skip_first)
+    method = plan.method
     if method == "auto":
         method = "fused" if _fused_usable(model) else "batched"
-    sizes = FitSizes.of(model, n_valid=n_valid, layers_backward=target - sources[0], n_sources=len(sources),
-                        skip_first=skip_first, experts=experts)
-    dim_batch = estimator["dim_batch"]
-    plan = plan_memory(sizes, budget, method, None if isinstance(dim_batch, str) else dim_batch)
-    return {"budget_bytes": budget, "method": method, "dim_batch_at_max_seq_len": plan.dim_batch,
-            "layer_major": plan.layer_major, "planned_bytes": plan.planned_bytes}
+    sources = list(settings.source_layers)
+    sizes = FitSizes.of(model, n_valid=n_valid, layers_backward=settings.target_layer - sources[0],
+                        n_sources=len(sources), skip_first=skip_first, experts=settings.experts)
+    dim_batch = plan.dim_batch
+    planned = plan_memory(sizes, budget, method, None if isinstance(dim_batch, str) else dim_batch)
+    return {"budget_bytes": budget, "method": method, "dim_batch_at_max_seq_len": planned.dim_batch,
+            "layer_major": planned.layer_major, "planned_bytes": planned.planned_bytes}
+
+
+class FitKeywords(TypedDict, total=False):
+    """The fields of :class:`FitSettings` and :class:`FitPlan` that :func:`fit` also takes as keywords (as it
+    did before the settings were types); each replaces that field of ``settings`` / ``plan``."""
+
+    source_layers: Sequence[int] | None
+    target_layer: int | None
+    skip_first: int
+    max_seq_len: int
+    rules: str
+    cluster_prompts: int
+    dim_batch: int | str
+    max_memory: int | str | None
+    method: str
+    checkpoint_every: int
+
+
+def fit_settings_and_plan(settings: FitSettings | None = None, plan: FitPlan | None = None,
+                          **keywords: object) -> tuple[FitSettings, FitPlan]:
+    """``settings`` and ``plan`` (defaults when ``None``) with the fields named in ``keywords`` replaced.
+
+    Raises:
+        TypeError: a keyword that is a field of neither (one sentence naming the known ones).
+        ValueError: a bad value (one sentence naming it).
+    """
+    settings = settings if settings is not None else FitSettings()
+    plan = plan if plan is not None else FitPlan()
+    unknown = [key for key in keywords if key not in FitSettings.field_names() and key not in FitPlan.field_names()]
+    if unknown:
+        raise TypeError(f"fit() has no setting {unknown[0]!r}: the known ones are "
+                        f"{', '.join(FitSettings.field_names() + FitPlan.field_names())}.")
+    # the plan first: its errors (checkpoint_every, method, dim_batch) came first before settings were types
+    plan = plan.replace(**{k: v for k, v in keywords.items() if k in FitPlan.field_names()})
+    settings = settings.replace(**{k: v for k, v in keywords.items() if k in FitSettings.field_names()})
+    return settings, plan
 
 
 @overload
-def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | None = None, target_layer: int | None = None,
-        dim_batch: int | str = 8, max_seq_len: int = 128, skip_first: int = 16,
-        checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 1, resume: bool = True,
+def fit(model: LensModel, prompts: Sequence, settings: None = None, plan: FitPlan | None = None, *,
+        experts: Literal[0] | None = None, checkpoint_path: str | os.PathLike | None = None, resume: bool = True,
         progress: Callable[[FitProgress], None] | None = None,
-        should_stop: Callable[[FitState], str | None] | None = None, method: str = "auto",
-        world: World | None = None, rules: str = "jacobian", experts: Literal[0] = 0,
-        cluster_prompts: int = DEFAULT_CLUSTER_PROMPTS, max_memory: int | str | None = None) -> JacobianLens: ...
+        should_stop: Callable[[FitState], str | None] | None = None, world: World | None = None,
+        **keywords: Unpack[FitKeywords]) -> JacobianLens: ...
 
 
 @overload
-def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | None = None, target_layer: int | None = None,
-        dim_batch: int | str = 8, max_seq_len: int = 128, skip_first: int = 16,
-        checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 1, resume: bool = True,
+def fit(model: LensModel, prompts: Sequence, settings: FitSettings | None = None, plan: FitPlan | None = None, *,
+        experts: int | None = None, checkpoint_path: str | os.PathLike | None = None, resume: bool = True,
         progress: Callable[[FitProgress], None] | None = None,
-        should_stop: Callable[[FitState], str | None] | None = None, method: str = "auto",
-        world: World | None = None, rules: str = "jacobian", experts: int,
-        cluster_prompts: int = DEFAULT_CLUSTER_PROMPTS,
-        max_memory: int | str | None = None) -> JacobianLens | ExpertLens: ...
+        should_stop: Callable[[FitState], str | None] | None = None, world: World | None = None,
+        **keywords: Unpack[FitKeywords]) -> JacobianLens | ExpertLens: ...
 
 
-def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | None = None, target_layer: int | None = None,
-        dim_batch: int | str = 8, max_seq_len: int = 128, skip_first: int = 16,
-        checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 1, resume: bool = True,
+def fit(model: LensModel, prompts: Sequence, settings: FitSettings | None = None, plan: FitPlan | None = None, *,
+        experts: int | None = None, checkpoint_path: str | os.PathLike | None = None, resume: bool = True,
         progress: Callable[[FitProgress], None] | None = None,
-        should_stop: Callable[[FitState], str | None] | None = None, method: str = "auto",
-        world: World | None = None, rules: str = "jacobian", experts: int = 0,
-        cluster_prompts: int = DEFAULT_CLUSTER_PROMPTS, max_memory: int | str | None = None) -> JacobianLens | ExpertLens:
+        should_stop: Callable[[FitState], str | None] | None = None, world: World | None = None,
+        **keywords: Unpack[FitKeywords]) -> JacobianLens | ExpertLens:
     """Fit a Jacobian lens: the plain mean of per-prompt ``J_l`` over the prompts with valid positions.
 
     Args:
         model: an :class:`~jlens_core.models.model.HFLensModel`.
         prompts: texts (or token-id sequences), in a fixed order.
-        source_layers, target_layer, dim_batch, max_seq_len, skip_first, method: as in
-            :func:`~jlens_core.fitting.estimator.jacobian_for_prompt`.
+        settings: what shapes the lens (:class:`~jlens_core.lenses.fit_settings.FitSettings`: source and target
+            layers, ``skip_first``, ``max_seq_len``, ``rules``, ``experts``, ``cluster_prompts``); default
+            ``FitSettings()``. ``rules="relevance"`` is the R-lens (the same average with the relevance rules in
+            the backward, docs/method.md §9.1). ``experts=E > 0`` also fits ``E`` expert Jacobians per source
+            layer in the same backward passes (docs/method.md §9.1, experts): the first ``cluster_prompts``
+            prompts' kept positions are clustered per layer first, then every source position's row block is
+            added to its cluster's sum. That holds ``E d^2`` fp64 sums per source layer twice (state and pending)
+            and fp32 once per prompt: ``20 E d^2`` bytes per layer (SmolLM2-135M, E = 8, 29 layers: 1.5 GB).
+        plan: how it runs (:class:`~jlens_core.lenses.fit_settings.FitPlan`: ``dim_batch``, ``method`` as in
+            :func:`~jlens_core.fitting.estimator.jacobian_for_prompt`; ``checkpoint_every``; ``max_memory``, a
+            budget (bytes, or ``"6GiB"``) for one prompt's working memory on each device the layers run on,
+            beyond the model's weights and the fit's running sums (docs/fitting.md, memory budget): ``dim_batch``
+            and the fused order follow from it per prompt, checked before the first prompt at ``max_seq_len``;
+            the lens settings record it, the plan and the peak reached). Default ``FitPlan()``.
+        experts, **keywords: any field of ``settings`` or ``plan`` by name (:class:`FitKeywords`), replacing it:
+            ``fit(model, prompts, skip_first=2, dim_batch=16)`` as before the settings were types.
         checkpoint_path: if given, the running state is written there atomically every
             ``checkpoint_every`` prompts and at the end, and (with ``resume``) read back to go on.
         progress: called once per prompt (on rank 0) with a :class:`FitProgress`.
@@ -553,25 +595,14 @@ def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | N
             string stops the fit early and is recorded as the lens's ``stop_reason``.
         world: a :class:`World` to shard prompts over ``torch.distributed`` ranks (rank ``r`` fits
             prompts ``r, r + K, ...``; sums are all-reduced at each checkpoint and at the end).
-        rules: ``"jacobian"`` (the J-lens) or ``"relevance"`` (the R-lens: the same average with the
-            relevance rules in the backward, docs/method.md §9.1); recorded in the lens and checkpoint.
-        experts: ``E > 0`` also fits ``E`` expert Jacobians per source layer in the same backward passes
-            (docs/method.md §9.1, experts): the first ``cluster_prompts`` prompts' kept positions are
-            clustered per layer first, then every source position's row block is added to its cluster's
-            sum. Holds ``E d^2`` fp64 sums per source layer twice (state and pending) and fp32 once per
-            prompt: ``20 E d^2`` bytes per layer (SmolLM2-135M, E = 8, 29 layers: 1.5 GB).
-        cluster_prompts: how many of the first prompts the clustering is made from (>= 1).
-        max_memory: a budget (bytes, or ``"6GiB"``) for one prompt's working memory on each device the layers
-            run on, beyond the model's weights and the fit's running sums (docs/fitting.md, memory budget):
-            ``dim_batch`` and the fused order follow from it per prompt (an integer ``dim_batch`` is then the
-            most rows per pass; ``"auto"`` lets the budget choose any). Checked before the first prompt at
-            ``max_seq_len``; the lens settings record it, the plan and the peak reached.
 
     Returns:
         The fitted :class:`~jlens_core.lenses.lens.JacobianLens`, with the diagnostics of every prompt x layer;
         with ``experts``, an :class:`~jlens_core.lenses.experts.ExpertLens` (its pooled lens is the same mean).
+        Its ``fit_settings`` are the resolved settings, its ``record`` what the fit recorded.
 
     Raises:
+        TypeError: a keyword that is no setting.
         ValueError: bad layers or settings (unknown ``rules`` included), ``rules="relevance"`` on a model
             the rules do not cover, a checkpoint made with other settings (rules, experts included) or
             prompts, no prompt with a valid position, ``experts < 0``, ``cluster_prompts < 1``, or fewer
@@ -579,30 +610,20 @@ def fit(model: LensModel, prompts: Sequence, *, source_layers: Sequence[int] | N
             row per backward pass (``MemoryBudgetError``, with the bytes needed).
         RankFailedError: sharded, on every rank, once a rank failed on a prompt (with its error).
     """
-    sources, target = resolve_layers(model.n_layers, source_layers, target_layer)
-    _check_fit_settings(checkpoint_every=checkpoint_every, method=method, dim_batch=dim_batch,
-                        skip_first=skip_first, max_seq_len=max_seq_len, rules=rules)
-    if rules == "relevance":  # before any prompt: per prompt it would read as "skipped"
+    if experts is not None:
+        keywords = {**keywords, "experts": experts}  # type: ignore[typeddict-unknown-key]
+    settings, plan = fit_settings_and_plan(settings, plan, **keywords)
+    settings = settings.resolved(model.n_layers)
+    if settings.rules == "relevance":  # before any prompt: per prompt it would read as "skipped"
         reason = relevance_unsupported_reason(model)
         if reason is not None:
             raise ValueError(unsupported_message(model, reason))
-    if not isinstance(experts, int) or experts < 0:
-        raise ValueError(f"experts={experts!r} must be an integer >= 0 (0: no expert lens).")
-    if experts and (not isinstance(cluster_prompts, int) or cluster_prompts < 1):
-        raise ValueError(f"cluster_prompts={cluster_prompts!r} must be an integer >= 1: the clustering needs prompts.")
-    settings = {"source_layers": sources, "target_layer": target, "skip_first": skip_first,
-                "max_seq_len": max_seq_len, "model_name": model.name,
-                "model_fingerprint": model.fingerprint(), "rules": rules, "experts": experts,
-                "cluster_prompts": cluster_prompts if experts else 0}
-    estimator = {"dim_batch": dim_batch, "max_seq_len": max_seq_len, "skip_first": skip_first, "method": method,
-                 "rules": rules}
     memory = None
-    if max_memory is not None:
-        memory = _plan_fit_memory(model, max_memory, estimator, sources, target, experts)
-        estimator["max_memory"] = memory["budget_bytes"]
-    run = _FitRun(model, prompts, settings, estimator, world=world if world is not None else _OneProcess(),
-                  checkpoint_path=checkpoint_path, checkpoint_every=checkpoint_every, progress=progress,
-                  should_stop=should_stop)
+    if plan.max_memory is not None:
+        memory = _plan_fit_memory(model, settings, plan)
+        plan = plan.replace(max_memory=memory["budget_bytes"])
+    run = _FitRun(model, prompts, settings, plan, world=world if world is not None else _OneProcess(),
+                  checkpoint_path=checkpoint_path, progress=progress, should_stop=should_stop)
     if resume:
         run.resume()
     run.memory = memory

@@ -1,19 +1,7 @@
 """The per-prompt Jacobian methods :func:`~jlens_core.fitting.estimator.jacobian_for_prompt` takes
-(``method=``) and the backward rules it applies (``rules=``), in a module without torch, so the CLI
-can offer them without importing it."""
+(``method=``) and the backward rules it applies (``rules=``). Defined with the fit settings
+(:mod:`jlens_core.lenses.fit_settings`, without torch, so the CLI can offer them without importing it)."""
 
-METHODS = ("auto", "fused", "batched", "replicated")
-# "jacobian": ordinary gradients (docs/method.md §2); "relevance": the R-lens's rules (docs/method.md §9.1)
-RULES = ("jacobian", "relevance")
+from ..lenses.fit_settings import METHODS, RULES, check_rules
 
-
-def check_rules(rules: object) -> str:
-    """``rules`` if it is one of :data:`RULES`.
-
-    Raises:
-        ValueError: any other value, in one sentence.
-    """
-    if rules not in RULES:
-        raise ValueError(f"rules={rules!r} is not one of {RULES}: use 'jacobian' (ordinary gradients) or "
-                         "'relevance' (the R-lens's backward rules, docs/method.md §9.1).")
-    return str(rules)
+__all__ = ["METHODS", "RULES", "check_rules"]

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..models.model import LensModel
+from ..models.model import LensModel, kv_cache_problem
 from ..models.placement import execution_device, materialised, own_forward_attribute
 from ..models.recorder import ActivationRecorder
 
@@ -402,14 +402,12 @@ def relevance_unsupported_reason(model: LensModel) -> str | None:
     memo = getattr(model, "_jlens_relevance_reason", False)  # memo set on the object, if any
     if memo is None or isinstance(memo, str):
         return memo
-    from .estimator import _plain_kv_cache
-
     reason: str | None
     try:
         vocab = int(getattr(model.config, "vocab_size", 0) or 2)
         with torch.no_grad():
             cache = model.run_with_cache((torch.arange(4, device=model.device) % vocab)[None], use_cache=True)
-        reason = _plain_kv_cache(cache)
+        reason = kv_cache_problem(cache)
         if reason is None:
             plan, reason = plan_rules(model)
             if reason is None:

@@ -11,7 +11,6 @@ The CLI writes them and the app reads them; both name them through this module.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -42,14 +41,5 @@ def checkpoint_path(out: str | os.PathLike) -> Path:
     return sidecar(out, CHECKPOINT)
 
 
-def read_status(out: str | os.PathLike) -> dict:
-    """The fit's status (``{}`` when the file is missing, unreadable or not a JSON object)."""
-    try:
-        data = json.loads(status_path(out).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-__all__ = ["CHECKPOINT", "DIAGNOSTICS", "STATUS", "checkpoint_path", "diagnostics_path", "read_status",
-           "sidecar", "status_path"]
+__all__ = ["CHECKPOINT", "DIAGNOSTICS", "STATUS", "checkpoint_path", "diagnostics_path", "sidecar",
+           "status_path"]

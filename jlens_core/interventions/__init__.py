@@ -1,7 +1,7 @@
 """Causal tests of what a lens reads (docs/method.md §7): edit the residual stream along a lens's read
 directions and see whether the model's output follows.
 
-``directions`` (:func:`token_direction`: the unit direction a lens reads as a token), ``edits``
+``read_directions`` (:func:`token_direction`: the unit direction a lens reads as a token), ``lens_edits``
 (:class:`Steer`, :class:`Ablate`, :class:`Swap`: residual edits for ``generate`` and
 ``read_prompt``), ``swap_success`` (the swap experiment over a set of items, with controls),
 ``intervals`` (Clopper-Pearson and Wilson intervals of its rates).

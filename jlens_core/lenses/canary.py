@@ -446,7 +446,7 @@ def write_canary(path: str | os.PathLike, canary: Canary) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from .lens import LensFileError
+    from .header import LensFileError
 
     path = Path(path)
     if not path.is_file():

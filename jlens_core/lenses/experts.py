@@ -1,7 +1,8 @@
 """Expert lenses (J++ and R++): one Jacobian per cluster of source residuals (docs/method.md §9.1, experts).
 
 Per source layer ``l`` the fit's kept positions are clustered by their layer-``l`` residual
-(:class:`Clustering`: unit length, centred, top-``k`` principal components, k-means with ``E``
+(:class:`Clustering`, made by :func:`jlens_core.fitting.expert_clusters.fit_clustering`: unit length, centred,
+top-``k`` principal components, k-means with ``E``
 centroids); each source position's row block of the Jacobian is averaged into its own cluster's
 matrix ``J_{l,e}``. :class:`ExpertLens` holds the pooled lens, the ``E`` expert matrices, their
 position counts and the clustering, and reads with one matrix per layer,
@@ -27,6 +28,8 @@ import torch
 
 from .._atomic import atomic_write
 from ..models.model import LensModel
+from .header import EXPERTS_FORMAT_NAME, header_or_none
+from .kinds import expert_kind
 from .lens import (
     LENS_RULES,
     JacobianLens,
@@ -46,11 +49,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EXPERTS_FORMAT_NAME = "jlens-experts"
 EXPERTS_FORMAT_VERSION = 1
 # Below this many positions an expert's own mean is too noisy: it reads with the pooled matrix instead.
 MIN_POSITIONS = 50
-_UNIT_EPS = 1e-12  # a residual of norm below this is scaled as if of this norm (avoids 0 / 0)
+UNIT_EPS = 1e-12  # a residual of norm below this is scaled as if of this norm (avoids 0 / 0)
 
 
 @dataclass
@@ -87,7 +89,7 @@ class Clustering:
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """``[..., d] -> [..., k]``: scaled to unit length, centred, projected (fp32, on ``h``'s device)."""
         x = h.float()
-        x = x / x.norm(dim=-1, keepdim=True).clamp_min(_UNIT_EPS)
+        x = x / x.norm(dim=-1, keepdim=True).clamp_min(UNIT_EPS)
         return (x - self.mean.to(x.device)) @ self.components.to(x.device).T
 
     def assign(self, h: torch.Tensor) -> torch.Tensor:
@@ -107,101 +109,6 @@ class Clustering:
         """Whether both hold the same tensors (exactly)."""
         return all(a.shape == b.shape and torch.equal(a, b) for a, b in
                    ((self.mean, other.mean), (self.components, other.components), (self.centroids, other.centroids)))
-
-
-def _kmeans_pp(z: torch.Tensor, experts: int, gen: torch.Generator) -> torch.Tensor:
-    """k-means++ seeding of ``z`` [n, k] (fp64): ``[E, k]`` centroids drawn from the points."""
-    n = z.shape[0]
-    first = int(torch.randint(n, (1,), generator=gen))
-    centroids = [z[first]]
-    closest = (z - z[first]).pow(2).sum(-1)  # [n] squared distance to the nearest chosen centroid
-    for _ in range(1, experts):
-        total = float(closest.sum())
-        if total > 0:
-            pick = int(torch.multinomial(closest / total, 1, generator=gen))
-        else:  # every point sits on a chosen centroid: any point will do
-            pick = int(torch.randint(n, (1,), generator=gen))
-        centroids.append(z[pick])
-        closest = torch.minimum(closest, (z - z[pick]).pow(2).sum(-1))
-    return torch.stack(centroids)
-
-
-def _squared_distances(z: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """``[n, E]`` squared distances of points ``z`` [n, k] to ``centroids`` [E, k]."""
-    return (z.pow(2).sum(-1, keepdim=True) - 2 * z @ centroids.T + centroids.pow(2).sum(-1)).clamp_min(0)
-
-
-def kmeans(z: torch.Tensor, experts: int, *, seed: int = 0, max_iter: int = 100, tol: float = 1e-6) -> torch.Tensor:
-    """Lloyd's k-means on ``z`` [n, k] from a seeded k-means++ start: ``[E, k]`` centroids (fp64).
-
-    Each iteration assigns every point to its nearest centroid and moves each centroid to the mean of
-    its points; a cluster left empty is re-seeded at the point farthest from its own centroid (that
-    point then leaves its cluster). Stops after ``max_iter`` iterations or once no centroid moved by
-    more than ``tol`` (Euclidean, in ``z``'s units).
-    """
-    z = z.double()
-    gen = torch.Generator().manual_seed(int(seed))
-    centroids = _kmeans_pp(z, experts, gen)
-    for _ in range(max_iter):
-        dist = _squared_distances(z, centroids)  # [n, E]
-        labels = dist.argmin(-1)
-        counts = torch.bincount(labels, minlength=experts)
-        for e in torch.nonzero(counts == 0).flatten().tolist():  # re-seed an empty cluster at the farthest point
-            own = dist.gather(1, labels[:, None])[:, 0]
-            far = int(own.argmax())
-            labels[far] = e
-            dist[far] = 0.0  # taken: the next empty cluster gets another point
-            counts = torch.bincount(labels, minlength=experts)
-        new = torch.zeros_like(centroids).index_add_(0, labels, z) / counts[:, None].clamp_min(1).to(z.dtype)
-        shift = float((new - centroids).norm(dim=-1).max())
-        centroids = new
-        if shift <= tol:
-            break
-    return centroids
-
-
-def fit_clustering(residuals: torch.Tensor, experts: int = 8, components: int = 64, *, seed: int = 0,
-                   max_iter: int = 100, tol: float = 1e-6, layer: int | None = None) -> Clustering:
-    """Cluster one source layer's residuals (docs/method.md §9.1, experts).
-
-    Each residual is scaled to unit length; the mean of those is subtracted; the result is projected
-    onto its top ``min(components, d, n)`` principal components (SVD, fp64; each component's sign
-    makes its largest-magnitude entry positive); :func:`kmeans` then finds ``experts`` centroids there.
-
-    Args:
-        residuals: ``[n, d]``, one row per kept position (any float dtype, any device).
-        experts: ``E``, the number of clusters (>= 1).
-        components: ``k``, the principal components kept (>= 1).
-        seed: seeds the k-means++ start.
-        max_iter, tol: k-means stopping rules (:func:`kmeans`).
-        layer: the source layer, named in errors.
-
-    Raises:
-        ValueError: fewer positions than ``experts``, ``experts < 1``, ``components < 1`` or a
-            residual array that is not ``[n, d]``.
-    """
-    where = "" if layer is None else f" of layer {layer}"
-    if experts < 1:
-        raise ValueError(f"experts={experts} must be >= 1.")
-    if components < 1:
-        raise ValueError(f"components={components} must be >= 1.")
-    if residuals.dim() != 2:
-        raise ValueError(f"The residuals{where} must be [n, d], got shape {tuple(residuals.shape)}.")
-    n, d = residuals.shape
-    if n < experts:
-        raise ValueError(f"The clustering{where} saw {n} positions, fewer than experts={experts}: give more "
-                         "cluster prompts (cluster_prompts, --cluster-prompts) or ask for fewer experts.")
-    x = residuals.detach().double().cpu()
-    x = x / x.norm(dim=-1, keepdim=True).clamp_min(_UNIT_EPS)
-    mean = x.mean(0)
-    centred = x - mean
-    _u, _s, vh = torch.linalg.svd(centred, full_matrices=False)  # vh: [min(n, d), d]
-    k = min(components, d, n)
-    comps = vh[:k]
-    signs = torch.sign(comps.gather(1, comps.abs().argmax(1, keepdim=True)))  # [k, 1]
-    comps = comps * torch.where(signs == 0, torch.ones_like(signs), signs)
-    centroids = kmeans(centred @ comps.T, experts, seed=seed, max_iter=max_iter, tol=tol)
-    return Clustering(mean=mean.float(), components=comps.float(), centroids=centroids.float())
 
 
 def _unit(weights: torch.Tensor, what: str) -> torch.Tensor:
@@ -297,7 +204,7 @@ class ExpertLens(MatrixTransportMixin):
     def kind(self) -> str:
         """``"jacobian-experts"`` / ``"relevance-experts"`` (uniform weights), ``"jacobian++"`` / ``"relevance++"``
         (learned weights: the J++ and R++ lenses)."""
-        return f"{self.rules}++" if self.weights is not None else f"{self.rules}-experts"
+        return expert_kind(self.rules, weighted=self.weights is not None)
 
     @property
     def source_layers(self) -> list[int]:
@@ -562,17 +469,12 @@ def is_expert_lens_file(path: str | os.PathLike) -> bool:
     path = Path(path)
     if not path.is_file() or path.suffix != ".safetensors":
         return False
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("format") == EXPERTS_FORMAT_NAME
-    except Exception:  # noqa: BLE001 - not readable as safetensors: not an expert lens file
-        return False
+    header = header_or_none(path)  # not readable as a jlens lens: not an expert lens file
+    return header is not None and header.is_expert
 
 
 if TYPE_CHECKING:  # mypy checks here that the expert lens implements the protocol
     _expert_is_a_fitted_lens: type[FittedLens] = ExpertLens
 
 
-__all__ = ["MIN_POSITIONS", "Clustering", "ExpertLens", "fit_clustering", "is_expert_lens_file", "kmeans"]
+__all__ = ["MIN_POSITIONS", "UNIT_EPS", "Clustering", "ExpertLens", "is_expert_lens_file"]

@@ -16,25 +16,22 @@ import torch
 
 from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
+from .fit_settings import FitPlan, FitRecord, FitSettings
+from .header import FORMAT_NAME, LensFileError, read_header
+from .kinds import RULES
 from .protocol import FittedLens, Lens
 
 if TYPE_CHECKING:
     from .canary import Canary
-    from .experts import ExpertLens
 
 log = logging.getLogger(__name__)
 
-FORMAT_NAME = "jlens"
 FORMAT_VERSION = 1
 FP16_MAX = 65504.0
 # Fit settings that shape the result: lenses that differ in any of them cannot be merged.
 RESULT_SETTINGS = ("skip_first", "max_seq_len", "target_layer")
 # The backward rules a lens can be fitted with (docs/method.md §9.1): "jacobian" is the J-lens, "relevance" the R-lens.
-LENS_RULES = ("jacobian", "relevance")
-
-
-class LensFileError(ValueError):
-    """A file that cannot be read as a lens: not a lens, truncated, or for another model."""
+LENS_RULES = RULES  # ("jacobian", "relevance"): the rules of the lens kinds' table
 
 
 def check_made_for(lens: FittedLens, model: LensModel, *, what: str, made: str, remedy: str) -> None:
@@ -90,6 +87,7 @@ class MatrixTransportMixin(SourceLayersMixin):
     reading's device and dtype: shared by :class:`JacobianLens` and the expert lens."""
 
     d_model: int
+    rules: str
     _device_cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor]
 
     def _set_fit_record(self, n_prompts: int, target_layer: int, n_layers: int | None, settings: dict | None,
@@ -107,6 +105,25 @@ class MatrixTransportMixin(SourceLayersMixin):
         self.stop_reason = stop_reason
         self._device_cache = {}
         self.canary: Canary | None = None  # the forward canary of the lens check (docs/method.md §4.2), set by fit
+
+    @property
+    def fit_settings(self) -> FitSettings:
+        """What shaped this lens (:class:`~jlens_core.lenses.fit_settings.FitSettings`): its layers and rules, and
+        the ``settings`` its fit recorded (defaults where an old file has none)."""
+        return FitSettings.from_lens(self.source_layers, self.target_layer, self.rules, self.settings)
+
+    @property
+    def fit_plan(self) -> FitPlan:
+        """How its fit ran (:class:`~jlens_core.lenses.fit_settings.FitPlan`), as far as its settings record it."""
+        return FitPlan.from_lens(self.settings)
+
+    @property
+    def record(self) -> FitRecord:
+        """What its fit recorded (:class:`~jlens_core.lenses.fit_settings.FitRecord`): model, prompts counted and
+        skipped, diagnostics, stop reason."""
+        return FitRecord(model_name=self.model_name, model_fingerprint=self.model_fingerprint,
+                         n_prompts=self.n_prompts, n_skipped=int(self.settings.get("n_skipped", 0)),
+                         diagnostics=tuple(self.diagnostics), stop_reason=self.stop_reason)
 
     def matrix(self, layer: int) -> torch.Tensor:
         raise NotImplementedError
@@ -150,7 +167,8 @@ def storage_dtype(dtype: str | torch.dtype, matrices: Iterable[torch.Tensor]) ->
 
 def read_lens_safetensors(path: Path, format_name: str, not_ours: str, *, prefix: str = "",
                           key: Callable[[str], _K]) -> tuple[dict[str, Any], dict[_K, torch.Tensor]]:
-    """The JSON metadata of a lens file and its tensors whose names start with ``prefix`` (named by ``key``).
+    """The JSON metadata of a lens file (its header: :func:`~jlens_core.lenses.header.read_header`) and its tensors
+    whose names start with ``prefix`` (named by ``key``).
 
     Raises:
         LensFileError: the header's format is not ``format_name`` (the message: ``path`` then ``not_ours``),
@@ -158,15 +176,13 @@ def read_lens_safetensors(path: Path, format_name: str, not_ours: str, *, prefix
     """
     from safetensors import safe_open
 
+    header = read_header(path)
+    if header.metadata.get("format") != format_name:
+        raise LensFileError(f"{str(path)!r} {not_ours}")
+    info = header.fresh_info()
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != format_name or "jlens" not in meta:
-                raise LensFileError(f"{str(path)!r} {not_ours}")
-            info = json.loads(meta["jlens"])
             tensors = {key(k): f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118
-    except LensFileError:
-        raise
     except Exception as exc:  # safetensors raises its own error types for bad headers
         raise LensFileError(f"{str(path)!r} is not a readable lens file (truncated or not safetensors): "
                             f"{exc}") from exc
@@ -189,8 +205,8 @@ def checked_rules(path: Path, info: dict[str, Any], *, what: str, version: int) 
     return rules
 
 
-def check_mergeable(first: JacobianLens | ExpertLens, other: JacobianLens | ExpertLens) -> None:
-    """Raise ``ValueError`` unless both lenses were fitted with the same result settings on one model."""
+def check_mergeable(first: MatrixTransportMixin, other: MatrixTransportMixin) -> None:
+    """Raise ``ValueError`` unless both fitted lenses (Jacobian or expert lenses) were fitted with the same result settings on one model."""
     for key in RESULT_SETTINGS:
         if first.settings.get(key) != other.settings.get(key):
             raise ValueError(f"Cannot merge lenses fitted with different {key}: "
@@ -200,8 +216,8 @@ def check_mergeable(first: JacobianLens | ExpertLens, other: JacobianLens | Expe
                          f"{other.model_name!r}).")
 
 
-def merged_prompts(lenses: Sequence[JacobianLens | ExpertLens]) -> tuple[int, dict[str, Any]]:
-    """The prompts lenses fitted on disjoint prompt sets hold together, and their merged settings.
+def merged_prompts(lenses: Sequence[MatrixTransportMixin]) -> tuple[int, dict[str, Any]]:
+    """The prompts fitted lenses (Jacobian or expert lenses) on disjoint prompt sets hold together, and their merged settings.
 
     Raises:
         ValueError: they hold no prompt.

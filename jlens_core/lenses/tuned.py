@@ -29,14 +29,15 @@ import torch
 
 from .._atomic import atomic_write
 from ..models.model import LensModel
-from .lens import LensFileError, SourceLayersMixin, cached_on_device, check_made_for
+from .header import TUNED_FORMAT_NAME, ForeignFileError, LensFileError, read_header
+from .lens import SourceLayersMixin, cached_on_device, check_made_for
 
 if TYPE_CHECKING:
     from .protocol import FittedLens
 
 log = logging.getLogger(__name__)
 
-FORMAT_NAME = "jlens-tuned"
+FORMAT_NAME = TUNED_FORMAT_NAME
 FORMAT_VERSION = 1
 
 
@@ -180,14 +181,17 @@ class TunedLens(SourceLayersMixin):
         from safetensors import safe_open
 
         try:
+            header = read_header(path)
+        except ForeignFileError:
+            raise LensFileError(f"{str(path)!r} is not a tuned lens file (format None).") from None
+        except LensFileError as exc:
+            raise LensFileError(f"{str(path)!r} cannot be read as a tuned lens ({exc}).") from None
+        info = header.fresh_info()
+        if info.get("format") != FORMAT_NAME:
+            raise LensFileError(f"{str(path)!r} is not a tuned lens file (format {info.get('format')!r}).")
+        try:
             with safe_open(str(path), framework="pt") as f:
-                header = (f.metadata() or {}).get("jlens")
-                info = json.loads(header) if header else {}
-                if info.get("format") != FORMAT_NAME:
-                    raise LensFileError(f"{str(path)!r} is not a tuned lens file (format {info.get('format')!r}).")
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
-        except LensFileError:
-            raise
         except Exception as exc:  # noqa: BLE001 - safetensors raises several kinds on a bad file
             raise LensFileError(f"{str(path)!r} cannot be read as a tuned lens ({type(exc).__name__}: {exc}).") from None
         translators = {}

@@ -451,3 +451,20 @@ def same_fingerprint(a: dict | None, b: dict | None, rtol: float = 2e-2) -> bool
 
 if TYPE_CHECKING:  # mypy checks here that the adapter implements the protocol every signature takes
     _implements_lens_model: type[LensModel] = HFLensModel
+
+
+# Cache layers holding plain attention keys/values: a prefix run once and continued is exact.
+_PLAIN_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
+
+
+def kv_cache_problem(cache: Any) -> str | None:
+    """Why ``cache`` (a transformers cache from ``run_with_cache(..., use_cache=True)``) is not plain attention
+    keys/values (``None`` when it is): a prefix run once and continued is then not exact, and the relevance
+    rules do not cover the state it holds."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return f"its cache is a {type(cache).__name__}, not a layered key/value cache"
+    other = sorted({type(layer).__name__ for layer in layers} - set(_PLAIN_CACHE_LAYERS))
+    if other:
+        return f"its cache holds {', '.join(other)} (recurrent, convolutional or indexer state)"
+    return None

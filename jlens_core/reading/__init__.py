@@ -4,8 +4,8 @@
 * ``reader`` (:func:`read_prompt`, :func:`read_prompts`: every layer x position), built from
   ``inputs`` (lenses, layers, positions, residuals), ``logit_stats`` (entropy / KL / CE / rank
   kernels), ``row_arrays`` (the arrays a reading fills, chunk by chunk), ``openmp_workers`` (the
-  per-thread pool) and ``prompt_reading`` (:class:`PromptReading`, the result); ``readings``
-  re-exports their public names;
+  per-thread pool) and ``prompt_reading`` (:class:`PromptReading`, the result);
+* ``reading_file`` (save and load readings) over ``file_format`` (the JSON format), ``json_arrays``;
 * ``summaries``: most common tokens, two readings compared;
 * ``generation``, ``edit_hooks``: continuations, and the edits a reading can run under;
 * ``singular_directions``: singular directions of ``J_l`` decoded into tokens.

@@ -2,7 +2,7 @@
 
 An edit changes the output of chosen decoder layers (the residual stream, docs/method.md §1) at chosen token
 positions, during a forward pass. :func:`~jlens_core.reading.generation.generate` and
-:func:`~jlens_core.reading.readings.read_prompt` take ``edits=[...]``; the concrete edits (steer,
+:func:`~jlens_core.reading.reader.read_prompt` take ``edits=[...]``; the concrete edits (steer,
 ablate, swap along a lens's read directions, docs/method.md §7) live in :mod:`jlens_core.interventions`.
 
 The protocol (:class:`ResidualEdit`) is small:

@@ -4,7 +4,7 @@
 greedy at ``temperature=0`` (the same tokens as ``hf_model.generate(do_sample=False)``), else
 sampling from ``softmax(logits / temperature)`` with a seeded generator (reproducible). Residual
 edits (:mod:`jlens_core.reading.edit_hooks`) can be applied while it writes. The result,
-a :class:`Generation`, goes straight into :func:`~jlens_core.reading.readings.read_prompt`, which
+a :class:`Generation`, goes straight into :func:`~jlens_core.reading.reader.read_prompt`, which
 reads prompt and continuation in one pass and marks each position ``prompt`` or ``generated``.
 """
 

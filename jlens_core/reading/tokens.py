@@ -571,32 +571,6 @@ def display_ids(strings: TokenDisplay | Sequence[str], ids: Iterable[int], *,
     return [display_token(strings, i) for i in ids]
 
 
-# Old names, kept for old imports (one rule each; use token_id / spellings).
-def first_token_id(tokenizer: Any, text: str) -> int:
-    """Deprecated: the first token of ``text``'s encoding; use :func:`token_id` (``rule="first"``)."""
-    return _first_token(tokenizer, text)
-
-
-def token_id_for(tokenizer: Any, token: str | int, *, vocab_size: int | None = None) -> int:
-    """Deprecated: :func:`token_id` with ``rule="first"``."""
-    return token_id(tokenizer, token, rule="first", vocab_size=vocab_size)
-
-
-def single_token_id(tokenizer: Any, token: str | int, *, vocab_size: int | None = None) -> int:
-    """Deprecated: :func:`token_id` with ``rule="exact"``."""
-    return token_id(tokenizer, token, rule="exact", vocab_size=vocab_size)
-
-
-def single_token_spellings(tokenizer: Any, word: str, *, vocab_size: int | None = None) -> dict[str, int]:
-    """Deprecated: :func:`spellings` with ``rule="exact"``."""
-    return spellings(tokenizer, word, rule="exact", vocab_size=vocab_size)
-
-
-def word_token_ids(tokenizer: Any, word: str) -> list[int]:
-    """Deprecated: the ids of :func:`spellings` with ``rule="first"``."""
-    return list(spellings(tokenizer, word, rule="first").values())
-
-
 __all__ = ["KINDS", "TOKEN_RULES", "TokenDisplay", "bytes_to_unicode", "detect_kind", "display_ids", "display_token",
            "encode_plain", "id_label", "is_word_like", "pin_spec", "spelling_variants", "spellings", "token_display", "token_id",
            "visible"]

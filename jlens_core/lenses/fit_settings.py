@@ -1,0 +1,386 @@
+"""Fit settings as types (docs/method.md §3): what shapes a lens, how its fit runs, and what the fit recorded.
+
+* :class:`FitSettings` shapes the result: two fits that differ in any of its fields give different lenses, so a
+  checkpoint refuses to resume under other values and lenses of other values do not merge.
+* :class:`FitPlan` says how the fit runs (rows per backward pass, method, memory budget, checkpoint cadence):
+  the same lens whatever its values.
+* :class:`FitRecord` is what a fit recorded (model, prompts counted and skipped, diagnostics, why it stopped,
+  and, where they exist, its halves and its canary).
+
+Each is a frozen dataclass with its checks in ``__post_init__`` (one sentence per bad value), ``to_dict`` /
+``from_dict`` (JSON-ready; an unknown key is refused naming the known ones) and ``replace``. The fields of
+:class:`FitSettings` and :class:`FitPlan` carry their ``jlens fit`` flag in their metadata: :func:`add_fit_arguments`
+makes the flags from them, ``from_args`` reads them back. A new fit setting is one field here (with its help and
+check) plus the code that uses it.
+
+This module imports neither torch nor anything else heavy: ``jlens --help`` builds its flags from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .kinds import (
+    RULES,  # "jacobian" (docs/method.md §2), "relevance" (the R-lens, §9.1): from the lens kinds
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's own from Python 3.11
+
+# How the backward passes run (jlens_core.fitting.estimator); the same Jacobian whichever.
+METHODS = ("auto", "fused", "batched", "replicated")
+# Expert fits (docs/method.md §9.1): the prompts the clustering is made from, by default.
+DEFAULT_CLUSTER_PROMPTS = 64
+
+
+def _flag(flag: str, help: str, *, dest: str | None = None, type: Callable[[str], Any] | None = None,
+          default: Any = dataclasses.MISSING, choices: tuple[str, ...] | None = None,
+          metavar: str | None = None) -> dict[str, Any]:
+    """A field's ``jlens fit`` flag: its name, ``help`` (verbatim), and the argparse ``dest``, ``type``,
+    ``choices``, ``metavar`` and ``default`` (when the flag's default is not the field's own)."""
+    spec: dict[str, Any] = {"flag": flag, "help": help}
+    for key, value in (("dest", dest), ("type", type), ("choices", choices), ("metavar", metavar)):
+        if value is not None:
+            spec[key] = value
+    if default is not dataclasses.MISSING:
+        spec["default"] = default
+    return {"cli": spec}
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _Fields:
+    """``to_dict`` / ``from_dict`` / ``replace`` / the CLI, shared by the three dataclasses."""
+
+    # what from_dict's error calls one key ("setting", "plan entry", "record entry")
+    _what: ClassVar[str] = "setting"
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The field names, in order."""
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    @classmethod
+    def _check_keys(cls, keys: object) -> None:
+        known = cls.field_names()
+        for key in keys:  # type: ignore[attr-defined]
+            if key not in known:
+                raise ValueError(f"{cls.__name__} has no {cls._what} {key!r}: the known ones are {', '.join(known)}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready (tuples as lists)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """The object of ``data`` (a :meth:`to_dict`, or part of one: missing fields take their defaults).
+
+        Raises:
+            ValueError: a key that is no field (one sentence naming the known ones), or a bad value.
+        """
+        cls._check_keys(data)
+        return cls(**dict(data))
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with ``changes``, checked like a new object.
+
+        Raises:
+            ValueError: a key that is no field, or a bad value.
+        """
+        self._check_keys(changes)
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+    @classmethod
+    def cli_fields(cls) -> list[dataclasses.Field]:
+        """The fields that have a ``jlens fit`` flag, in order."""
+        return [f for f in dataclasses.fields(cls) if "cli" in f.metadata]  # type: ignore[arg-type]
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser | Any) -> None:
+        """Add each field's ``jlens fit`` flag to ``parser`` (name, default and help as the field's metadata says)."""
+        for f in cls.cli_fields():
+            spec = dict(f.metadata["cli"])
+            flag = spec.pop("flag")
+            spec.pop("help")
+            spec.setdefault("default", f.default)
+            parser.add_argument(flag, help=f.metadata["cli"]["help"], **spec)
+
+    @classmethod
+    def cli_dest(cls, name: str) -> str:
+        """The argparse attribute the flag of field ``name`` fills."""
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)  # type: ignore[arg-type]
+        spec = f.metadata["cli"]
+        return str(spec.get("dest") or spec["flag"].lstrip("-").replace("-", "_"))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **given: Any) -> Self:
+        """The object of parsed ``jlens fit`` flags; ``given`` fields are taken as they are instead (those whose
+        flag needs the model to read, e.g. ``source_layers`` from ``--layers``); the rest keep their defaults.
+
+        Raises:
+            ValueError: a bad value (one sentence naming it).
+        """
+        values = dict(given)
+        for f in cls.cli_fields():
+            if f.name not in values:
+                values[f.name] = getattr(args, cls.cli_dest(f.name))
+        return cls.from_dict(values)
+
+    def cli_arguments(self) -> list[str]:
+        """The ``jlens fit`` flags that give this object's values (fields at their flag's default left out;
+        ``source_layers`` as a comma-separated ``--layers`` list)."""
+        out: list[str] = []
+        for f in self.cli_fields():
+            spec = f.metadata["cli"]
+            value = getattr(self, f.name)
+            default = spec.get("default", f.default)
+            if value is None or value == default:
+                continue
+            text = ",".join(str(v) for v in value) if isinstance(value, tuple) else str(value)
+            # "--layers=-2,-1": argparse would take a value that starts with "-" (and is no number) for a flag
+            out += [f"{spec['flag']}={text}"] if text.startswith("-") and "," in text else [spec["flag"], text]
+        return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _dim_batch(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer or 'auto'") from None
+
+
+def check_rules(rules: object) -> str:
+    """``rules`` if it is one of :data:`RULES`.
+
+    Raises:
+        ValueError: any other value, in one sentence.
+    """
+    if rules not in RULES:
+        raise ValueError(f"rules={rules!r} is not one of {RULES}: use 'jacobian' (ordinary gradients) or "
+                         "'relevance' (the R-lens's backward rules, docs/method.md §9.1).")
+    return str(rules)
+
+
+@dataclass(frozen=True)
+class FitSettings(_Fields):
+    """What shapes a fitted lens (docs/method.md §2, §3, §9.1): a checkpoint resumes only under the same values.
+
+    Attributes:
+        source_layers: the layers the lens reads from (``None``: every layer below the target; negatives count
+            from the end). :meth:`resolved` makes them concrete for a model.
+        target_layer: the layer residuals are carried to (``None``: the last; negatives count from the end).
+        skip_first: leading positions left out as attention sinks (>= 0).
+        max_seq_len: prompts are truncated to this many tokens (>= 2).
+        rules: ``"jacobian"`` (the J lens) or ``"relevance"`` (the R-lens).
+        experts: ``E > 0`` also fits ``E`` expert Jacobians per layer (J++ / R++); 0: none.
+        cluster_prompts: with experts, the first prompts the clustering is made from (>= 1); 0 without experts
+            (any value given then is set to 0: it shapes nothing).
+
+    Raises:
+        ValueError: a bad value, in one sentence naming it.
+    """
+
+    source_layers: tuple[int, ...] | None = field(default=None, metadata=_flag(
+        "--layers", "source layers: '0,4,8', '0:12', '0:12:2', 'all' (default: all below the target)",
+        dest="layers"))
+    target_layer: int | None = field(default=None, metadata=_flag(
+        "--target-layer", "target layer, negative from the end (default -1)", type=int, default=-1))
+    skip_first: int = field(default=16, metadata=_flag(
+        "--skip-first", "leading positions left out as attention sinks (default 16)", type=int))
+    max_seq_len: int = field(default=128, metadata=_flag(
+        "--max-seq-len", "truncate prompts to this many tokens (default 128)", type=int))
+    rules: str = field(default="jacobian", metadata=_flag(
+        "--rules", "backward rules: 'jacobian' (default: the J-lens, ordinary gradients) or 'relevance' (the "
+        "R-lens: norms' denominators constant, identity rule for activations, half rule for gated "
+        "products; docs/method.md §9.1)", choices=RULES))
+    experts: int = field(default=0, metadata=_flag(
+        "--experts", "also fit E expert Jacobians per layer in the same backward passes, one per cluster of "
+        "the source residuals (the J++ / R++ lens; default 0: none; docs/method.md §9.1)", type=int))
+    cluster_prompts: int = field(default=DEFAULT_CLUSTER_PROMPTS, metadata=_flag(
+        "--cluster-prompts", "with --experts: cluster the kept positions of the first N prompts (default 64)",
+        type=int))
+
+    def __post_init__(self) -> None:
+        if self.source_layers is not None:
+            if isinstance(self.source_layers, (str, bytes)) or not all(_int(x) for x in self.source_layers):
+                raise ValueError(f"source_layers={self.source_layers!r} must be integer layer indices (or None: "
+                                 "every layer below the target).")
+            object.__setattr__(self, "source_layers", tuple(int(x) for x in self.source_layers))
+        if self.target_layer is not None and not _int(self.target_layer):
+            raise ValueError(f"target_layer={self.target_layer!r} must be an integer layer index (or None: the last).")
+        check_rules(self.rules)
+        if not _int(self.skip_first) or self.skip_first < 0:
+            raise ValueError(f"skip_first={self.skip_first} must be >= 0.")
+        if not _int(self.max_seq_len) or self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len={self.max_seq_len} must be at least 2.")
+        if not _int(self.experts) or self.experts < 0:
+            raise ValueError(f"experts={self.experts!r} must be an integer >= 0 (0: no expert lens).")
+        if not self.experts:
+            object.__setattr__(self, "cluster_prompts", 0)
+        elif not _int(self.cluster_prompts) or self.cluster_prompts < 1:
+            raise ValueError(f"cluster_prompts={self.cluster_prompts!r} must be an integer >= 1: the clustering "
+                             "needs prompts.")
+
+    def resolved(self, n_layers: int) -> FitSettings:
+        """These settings for a model of ``n_layers`` layers: concrete, sorted, non-negative layers.
+
+        Raises:
+            ValueError: a layer out of range or not below the target (:func:`~jlens_core.layerspec.resolve_layers`).
+        """
+        from ..layerspec import resolve_layers
+
+        sources, target = resolve_layers(n_layers, self.source_layers, self.target_layer)
+        return dataclasses.replace(self, source_layers=tuple(sources), target_layer=target)
+
+    @classmethod
+    def from_lens(cls, source_layers: list[int], target_layer: int, rules: str,
+                  settings: Mapping[str, Any]) -> FitSettings:
+        """The settings a lens file records: its layers and rules, and its ``settings`` dict (whose other keys,
+        the plan's and the record's, are ignored). A key missing from an old file takes its default."""
+        experts = int(settings.get("experts") or 0)
+        return cls(source_layers=tuple(source_layers), target_layer=int(target_layer),
+                   skip_first=int(settings.get("skip_first", 16)), max_seq_len=int(settings.get("max_seq_len", 128)),
+                   rules=rules, experts=experts,
+                   cluster_prompts=int(settings.get("cluster_prompts", DEFAULT_CLUSTER_PROMPTS)) if experts else 0)
+
+    @classmethod
+    def from_checkpoint(cls, saved: Mapping[str, Any]) -> FitSettings:
+        """The settings a checkpoint's ``settings`` dict records (its model identity ignored); checkpoints from
+        before ``rules`` are J fits, from before ``experts`` fits without experts."""
+        return cls.from_dict({key: saved[key] for key in cls.field_names() if key in saved})
+
+
+@dataclass(frozen=True)
+class FitPlan(_Fields):
+    """How a fit runs: the same lens whatever these are (docs/fitting.md).
+
+    Attributes:
+        dim_batch: output dimensions per backward pass (an integer >= 1, or ``"auto"``): memory, not result.
+        max_memory: a budget (bytes, or ``"6GiB"``) for one prompt's working memory on each device the layers
+            run on; ``None``: no budget.
+        method: ``"auto"``, ``"fused"``, ``"batched"`` or ``"replicated"`` (same result, speed and memory differ).
+        checkpoint_every: write the checkpoint every N prompts (>= 1).
+
+    Raises:
+        ValueError: a bad value, in one sentence naming it.
+    """
+
+    _what: ClassVar[str] = "plan entry"
+
+    dim_batch: int | str = field(default=8, metadata=_flag(
+        "--dim-batch", "output dimensions per backward pass: memory, not result (default 8; 'auto' sizes it "
+        "from free GPU memory, or from --fit-memory; with --fit-memory an integer is the most)",
+        type=_dim_batch, default=None))
+    max_memory: int | str | None = field(default=None, metadata=_flag(
+        "--fit-memory", "a budget such as 6GiB for one prompt's working memory on each device the layers run on, "
+        "beyond the weights: dim_batch and the fused order follow from it (default: sized from "
+        "free memory). Not --max-memory, which places the model's weights", dest="fit_memory", metavar="SIZE"))
+    method: str = field(default="auto", metadata=_flag(
+        "--method", "how the backward passes run, same result: 'fused' (analytic backward; Llama, Mistral, "
+        "Qwen2, Gemma, Gemma 2, GPT-2, GPT-NeoX, Phi layouts), 'batched' (autograd, cotangents batched), "
+        "'replicated' (autograd, prompt replicated) or 'auto' (default: 'fused' where supported, else 'batched')",
+        choices=METHODS))
+    checkpoint_every: int = field(default=1, metadata=_flag(
+        "--checkpoint-every", "write the checkpoint every N prompts (default 1)", type=int))
+
+    def __post_init__(self) -> None:
+        if not _int(self.checkpoint_every) or self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 1.")
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r} is not one of {METHODS}.")
+        if self.dim_batch != "auto" and (not _int(self.dim_batch) or int(self.dim_batch) < 1):
+            raise ValueError(f"dim_batch={self.dim_batch!r} must be an integer >= 1 or 'auto'.")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **given: Any) -> FitPlan:
+        """As :meth:`_Fields.from_args`; ``--dim-batch`` left out is 8, or ``"auto"`` with ``--fit-memory``."""
+        if "dim_batch" not in given and getattr(args, "dim_batch", None) is None:
+            given["dim_batch"] = "auto" if getattr(args, "fit_memory", None) else 8
+        return super().from_args(args, **given)  # type: ignore[return-value]
+
+    @classmethod
+    def from_lens(cls, settings: Mapping[str, Any]) -> FitPlan:
+        """The plan a lens file's ``settings`` dict records (defaults where an old file has none)."""
+        memory = settings.get("memory")
+        return cls(dim_batch=settings.get("dim_batch", 8), method=settings.get("method", "auto"),
+                   max_memory=memory.get("budget_bytes") if isinstance(memory, Mapping) else None)
+
+
+@dataclass(frozen=True)
+class FitRecord(_Fields):
+    """What a fit recorded: the model it ran on, the prompts, the diagnostics and why it stopped.
+
+    Attributes:
+        model_name: the model's name.
+        model_fingerprint: the model's fingerprint (``HFLensModel.fingerprint``).
+        n_prompts: prompts averaged into the lens.
+        n_skipped: prompts skipped (no valid position).
+        diagnostics: one record per prompt x source layer (docs/method.md §3).
+        stop_reason: why the fit stopped early (``None``: it read every prompt).
+        half_prompts: ``(n_even, n_odd)``, the prompts in each half when the lens keeps its halves
+            (split halves); ``None`` otherwise.
+        canary: the lens check's canary summary, when the lens has one; ``None`` otherwise.
+    """
+
+    _what: ClassVar[str] = "record entry"
+
+    model_name: str | None = None
+    model_fingerprint: dict | None = None
+    n_prompts: int = 0
+    n_skipped: int = 0
+    diagnostics: tuple[dict, ...] = ()
+    stop_reason: str | None = None
+    half_prompts: tuple[int, int] | None = None
+    canary: dict | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("n_prompts", "n_skipped"):
+            value = getattr(self, name)
+            if not _int(value) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an integer >= 0.")
+        object.__setattr__(self, "diagnostics", tuple(self.diagnostics))
+        if self.half_prompts is not None:
+            object.__setattr__(self, "half_prompts", tuple(int(n) for n in self.half_prompts))
+            if len(self.half_prompts) != 2:
+                raise ValueError(f"half_prompts={self.half_prompts!r} must be (n_even, n_odd).")
+
+
+def add_fit_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """Add the flags of :class:`FitSettings` and :class:`FitPlan` to a ``jlens fit`` parser."""
+    FitSettings.add_arguments(parser)
+    FitPlan.add_arguments(parser)
+
+
+def lens_settings(settings: FitSettings, plan: FitPlan, *, n_skipped: int,
+                  memory: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``settings`` dict a fitted lens records in its file (docs/method.md §4.1): the result settings
+    that are not the lens's own fields (its layers and rules are), the plan, ``n_skipped``, the memory plan
+    when a budget was given, and ``experts`` / ``cluster_prompts`` for an expert fit."""
+    out: dict[str, Any] = {"skip_first": settings.skip_first, "max_seq_len": settings.max_seq_len,
+                           "target_layer": settings.target_layer, "dim_batch": plan.dim_batch, "n_skipped": n_skipped,
+                           "method": plan.method}
+    if memory is not None:
+        out["memory"] = dict(memory)
+    if settings.experts:
+        out.update(experts=settings.experts, cluster_prompts=settings.cluster_prompts)
+    return out
+
+
+__all__ = ["DEFAULT_CLUSTER_PROMPTS", "METHODS", "RULES", "FitPlan", "FitRecord", "FitSettings", "add_fit_arguments",
+           "check_rules", "lens_settings"]
