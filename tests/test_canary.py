@@ -165,3 +165,12 @@ def test_cli_check(folders, capsys):
     capsys.readouterr()
     assert main(["check", old, "--model", str(folders / "changed")]) == 1
     assert main(["check", "logit", "--model", str(folders / "same")]) == 2
+
+
+def test_merge_keeps_a_canary():
+    lens = fitted()
+    bare = lens.with_shrinkage(0.0)
+    bare.canary = None  # a slice saved before canaries existed
+    merged = JacobianLens.merge([bare, lens])
+    assert merged.canary is lens.canary
+    assert check_lens(tiny(), merged).status == "same"

@@ -532,9 +532,11 @@ class JacobianLens(MatrixTransportMixin):
         mats = {layer: prompt_weighted_mean([(lens.jacobians[layer], lens.n_prompts) for lens in lenses], total)
                 for layer in first.source_layers}
         diagnostics = [rec for lens in lenses for rec in lens.diagnostics]
-        return cls(mats, total, first.d_model, target_layer=first.target_layer, n_layers=first.n_layers,
-                   settings=settings, model_name=first.model_name, model_fingerprint=first.model_fingerprint,
-                   diagnostics=diagnostics, rules=first.rules)
+        merged = cls(mats, total, first.d_model, target_layer=first.target_layer, n_layers=first.n_layers,
+                     settings=settings, model_name=first.model_name, model_fingerprint=first.model_fingerprint,
+                     diagnostics=diagnostics, rules=first.rules)
+        merged.canary = next((lens.canary for lens in lenses if lens.canary is not None), None)  # one model (§4.2)
+        return merged
 
 
 def lens_layers(lens: Lens, layers: Iterable[int] | None = None) -> list[int]:
