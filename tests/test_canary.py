@@ -174,3 +174,16 @@ def test_merge_keeps_a_canary():
     merged = JacobianLens.merge([bare, lens])
     assert merged.canary is lens.canary
     assert check_lens(tiny(), merged).status == "same"
+
+
+def test_a_parameter_on_one_side_only_is_left_out():
+    import dataclasses
+
+    canary = fitted().canary
+    fewer = dataclasses.replace(canary, param_names=canary.param_names[1:], param_layers=canary.param_layers[1:],
+                                param_norms=canary.param_norms[1:])  # as if offloaded (meta) at fit time
+    lens = fitted().with_shrinkage(0.0)
+    lens.canary = fewer
+    result = check_lens(tiny(), lens)
+    weights = next(p for p in result.parts if p.part == "weights fingerprint")
+    assert result.status == "same" and "1 parameter(s) on one side only" in weights.detail

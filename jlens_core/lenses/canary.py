@@ -305,28 +305,29 @@ def _layered_part(part: str, per_layer: torch.Tensor, tol: float, layer_names: l
 
 
 def _weights_part(canary: Canary, model: LensModel, tol: float) -> PartCheck:
+    """The weights fingerprint compared on the parameters both sides could read (an offloaded parameter, on the
+    meta device, is left out of a fingerprint); no parameter in common is a failure."""
     names, _, norms = _param_fingerprint(model)
     then = dict(zip(canary.param_names, canary.param_norms.tolist()))
     now = dict(zip(names, norms.tolist()))
-    if set(then) != set(now):
-        gone, new = sorted(set(then) - set(now)), sorted(set(now) - set(then))
+    common = [name for name in canary.param_names if name in now]  # model order: the first changed is the lowest
+    if not common:
         return PartCheck("weights fingerprint", False, float("inf"), tol, None,
-                         f"the parameters differ ({len(gone)} gone, e.g. {gone[:2]}; {len(new)} new, e.g. {new[:2]})")
+                         f"no parameter name in common (then e.g. {canary.param_names[:2]}, now e.g. {names[:2]})")
+    uncompared = len(set(then) ^ set(now))
+    note = f"; {uncompared} parameter(s) on one side only, not compared" if uncompared else ""
     layer_of = dict(zip(canary.param_names, canary.param_layers))
-    changed = []
-    for name in canary.param_names:  # model order: the first changed parameter is the lowest
-        rel = abs(now[name] - then[name]) / max(abs(then[name]), 1e-30)
-        if rel > tol:
-            changed.append((name, rel))
-    worst = max((abs(now[n] - then[n]) / max(abs(then[n]), 1e-30) for n in then), default=0.0)
+    relative = {name: abs(now[name] - then[name]) / max(abs(then[name]), 1e-30) for name in common}
+    changed = [(name, rel) for name, rel in relative.items() if rel > tol]
+    worst = max(relative.values())
     if not changed:
-        return PartCheck("weights fingerprint", True, worst, tol)
+        return PartCheck("weights fingerprint", True, worst, tol, None, note.lstrip("; "))
     in_layers = [(n, r) for n, r in changed if layer_of[n] is not None]
     name, rel = min(in_layers, key=lambda nr: layer_of[nr[0]]) if in_layers else changed[0]  # type: ignore[arg-type,return-value]
     layer = layer_of[name]
     where = f" (layer {layer})" if layer is not None else ""
     return PartCheck("weights fingerprint", False, worst, tol, layer,
-                     f"{len(changed)} parameter(s) changed, first {name!r}{where}: its norm by {rel:.2%}")
+                     f"{len(changed)} parameter(s) changed, first {name!r}{where}: its norm by {rel:.2%}{note}")
 
 
 def _format_versions(v: Mapping[str, str]) -> str:
