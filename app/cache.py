@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import streamlit as st
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from jlens_core.models.loading import load_model
 
@@ -69,7 +70,8 @@ def load_versioned(loader: Callable[[str, float, int], Any], path: Path, probe: 
     lens.check_model(model)
     key = f"{prefix}|{path}|{stat.st_mtime}|{stat.st_size}"
     check = lens_check_cached(key, id(model), model, lens)
-    if check.status == "changed":  # a banner above the page: the lens reads this model off (docs/method.md §4.2)
+    if check.status == "changed" and get_script_run_ctx() is not None:  # a page's run (not the warm-up thread):
+        # a banner above the page, the lens reads this model off (docs/method.md §4.2)
         st.warning(f"Lens check failed for `{path.name}`: {check.message}", icon=":material/warning:")
     return lens, key
 
