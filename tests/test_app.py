@@ -899,6 +899,8 @@ def test_fit_page_start_stop_resume_and_use_the_lens(tiny_dir, tmp_path, runs_ro
     conv = chart(again, "fit_convergence")
     assert conv["data"][-1]["name"] == "1/n guide" and conv["layout"]["xaxis"]["type"] == "log"
     assert values(chart(again, "fit_norms")["data"][0]["z"]).shape[0] == 3  # three source layers
+    halves = chart(again, "fit_halves")  # the split halves' agreement by layer (docs/method.md §3.3)
+    assert halves["data"][0]["type"] == "bar" and len(halves["data"][0]["x"]) == 3
     assert f"Fitted here: tiny-fit ({N_FIT} prompts)" in again.selectbox(key="lens_choice").options
     button(again, "Use this lens").click().run()
     assert ok(again).session_state["lens_choice"] == "run:tiny-fit"

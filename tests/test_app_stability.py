@@ -30,6 +30,12 @@ def lens_file(tiny_model, tmp_path_factory) -> str:
     return str(lens.save(tmp_path_factory.mktemp("lens") / "tiny.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def bare_file(tiny_model, tmp_path_factory) -> str:
+    """A lens without split halves (built by hand, like a file fitted before halves existed)."""
+    return str(random_lens(tiny_model).save(tmp_path_factory.mktemp("bare") / "bare.safetensors"))
+
+
 @pytest.fixture(autouse=True)
 def workspace(tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("JLENS_RUNS_DIR", str(tmp_path / "runs"))
@@ -54,7 +60,25 @@ def heatmap(at: AppTest) -> dict:
     return json.loads(found[0].proto.spec)
 
 
-def test_stability_toggle_on_a_lens_without_halves(tiny_dir, lens_file):
+def test_stability_toggle_on_a_lens_with_halves(tiny_dir, tiny_model, lens_file):
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="jacobian").run())
+    assert at.toggle(key="stability").value is True  # a fit keeps its halves: on by default
+    assert "stability" not in at.query_params
+    data = heatmap(at)["data"]
+    reading = read_prompts(tiny_model, {"jacobian": JacobianLens.load(lens_file)}, PROMPT, stability=True)["jacobian"]
+    strip = next(t for t in data if t.get("name") == "stable %")
+    np.testing.assert_allclose([row[0] for row in strip["z"]], reading.stability_by_layer()["stable_fraction"],
+                               equal_nan=True)
+    cells = next(t for t in data if str(t.get("name", "")).endswith("cells"))
+    assert all("halves: rank" in h for h in cells["hovertext"])
+    assert any("halves' ranks" in d.value.columns for d in at.dataframe)  # the cell detail's table
+    at.toggle(key="stability").set_value(False).run()
+    assert not [t for t in heatmap(ok(at))["data"] if t.get("name") == "stable %"]
+    assert at.query_params["stability"] == "0"
+
+
+def test_stability_toggle_on_a_lens_without_halves(tiny_dir, bare_file):
+    lens_file = bare_file
     at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="jacobian").run())
     assert at.toggle(key="stability").value is False  # the lens keeps no halves: off by default
     assert "stability" not in at.query_params

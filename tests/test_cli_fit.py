@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_SEQ, SKIP = 24, 4
 N_LAYERS, D = 4, 32
 SOURCES, TARGET = [0, 1, 2], 3
-RECORD_KEYS = {"prompt_index", "layer", "seq_len", "n_valid", "seconds", "jacobian_norm", "rel_change"}
+RECORD_KEYS = {"prompt_index", "layer", "seq_len", "n_valid", "seconds", "jacobian_norm", "rel_change",
+               "half", "half_rel_diff"}  # the split halves (docs/method.md §3.3): the prompt's half, their difference
 
 
 def make_texts(n: int, seed: int = 0) -> list[str]:
@@ -88,6 +89,13 @@ def read_jsonl(path: Path) -> list[dict]:
 def max_abs_diff(a: JacobianLens, b: JacobianLens) -> float:
     assert a.source_layers == b.source_layers
     return max(float((a.jacobians[layer] - b.jacobians[layer]).abs().max()) for layer in a.source_layers)
+
+
+def assert_same_halves(a: JacobianLens, b: JacobianLens) -> None:
+    """The split halves (docs/method.md §3.3) of two fits of the same prompts agree (to the all-reduce's rounding)."""
+    assert a.half_prompts == b.half_prompts and a.halves() is not None
+    for x, y in zip(a.halves(), b.halves()):
+        assert max_abs_diff(x, y) <= 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -352,6 +360,7 @@ def test_torchrun_two_ranks_equals_a_one_process_fit(work, tmp_path, reference):
     lens = JacobianLens.load(out)
     assert lens.n_prompts == n
     assert max_abs_diff(lens, reference(n)) <= 1e-6
+    assert_same_halves(lens, reference(n))
     assert proc.stderr.count(f"Wrote {out}") == 1  # rank 0 alone writes
     diag_path, status_path, _ = sidecars(out)
     records = read_jsonl(diag_path)
@@ -399,6 +408,7 @@ def test_torchrun_killed_and_resumed_with_the_same_k_equals_one_fit(work, tmp_pa
     lens = JacobianLens.load(out)
     assert lens.n_prompts == n
     assert max_abs_diff(lens, reference(n)) <= 1e-6
+    assert_same_halves(lens, reference(n))  # the checkpoint kept the halves' sums across the kill
     records = read_jsonl(diag_path)
     assert records[: 3 * k] == saved["diagnostics"]  # resumed, not recomputed
     assert [(r["prompt_index"], r["layer"]) for r in records] == [(p, la) for p in range(n) for la in SOURCES]

@@ -117,6 +117,8 @@ def test_fit_with_settings_objects_equals_fit_with_the_old_keywords():
     assert record.model_fingerprint == tiny().fingerprint() and list(record.diagnostics) == by_types.diagnostics
     with pytest.raises(TypeError, match=r"^fit\(\) has no setting 'max_len': the known ones are source_layers"):
         fit(tiny(), PROMPTS, max_len=16)
+    with pytest.raises(TypeError, match=r"^fit\(\)'s settings must be a FitSettings, not a FitPlan"):
+        fit(tiny(), PROMPTS, FitPlan())
 
 
 def test_saved_lens_reads_back_the_same_settings(tmp_path):
@@ -137,7 +139,8 @@ def test_every_shipped_lens_reads_into_the_types(name):
     assert (settings.skip_first, settings.max_seq_len) == (16, 128)
     assert settings.rules == ("relevance" if "relevance" in name or "rpp" in name else "jacobian")
     assert settings.experts == (8 if "pp" in name else 0)
-    assert lens.fit_plan == FitPlan(dim_batch=8, method="auto")
+    assert lens.fit_plan == FitPlan(dim_batch=8, method="auto", halves=False)  # fitted before halves existed
+    assert lens.halves() is None and lens.record.half_prompts is None
     assert lens.record.n_prompts == lens.n_prompts and lens.record.n_skipped == 0
     assert FitSettings.from_dict(settings.to_dict()) == settings
 
@@ -197,7 +200,8 @@ def test_jlens_fit_flags_are_those_of_before():
     add_fit_arguments(parser)
     flags = [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"]
     assert flags == ["--layers", "--target-layer", "--skip-first", "--max-seq-len", "--rules", "--experts",
-                     "--cluster-prompts", "--dim-batch", "--fit-memory", "--method", "--checkpoint-every"]
+                     "--cluster-prompts", "--dim-batch", "--fit-memory", "--method", "--checkpoint-every",
+                     "--first-prompt", "--no-halves"]
 
 
 def test_flags_read_back_into_the_types():

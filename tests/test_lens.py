@@ -100,8 +100,10 @@ def test_save_load_round_trip_fp32_is_exact(tmp_path):
     assert back.diagnostics == lens.diagnostics and len(back.diagnostics) == 2 * 3
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["jlens"])
-        assert sorted(k for k in f.keys() if not k.startswith("canary.")) == ["J.0", "J.1", "J.2"]  # noqa: SIM118
-        assert sorted(k for k in f.keys() if k.startswith("canary.")) == [  # the fit's canary (§4.2)  # noqa: SIM118
+        # the lens's own matrices, its split halves under their prefix (docs/method.md §3.3) and the fit's canary (§4.2)
+        assert sorted(k for k in f.keys() if not k.startswith("canary.")) == [  # noqa: SIM118
+            "J.0", "J.1", "J.2", *[f"half.{h}.J.{k}" for h in ("even", "odd") for k in range(3)]]
+        assert sorted(k for k in f.keys() if k.startswith("canary.")) == [  # noqa: SIM118
             "canary.jacobian", "canary.param_norms", "canary.probes", "canary.residuals"]
     assert meta["format"] == "jlens" and meta["format_version"] == 1
     assert meta["source_layers"] == [0, 1, 2] and meta["target_layer"] == 3

@@ -130,9 +130,9 @@ def test_frame_and_cell_carry_the_marks():
 
 
 def test_lens_without_halves_reads_without_marks(caplog):
-    model, (full, *_) = tiny(), lenses()
+    model, bare = tiny(), random_lens(tiny())  # a lens without halves (built by hand, like a file from before them)
     with caplog.at_level(logging.WARNING, logger="jlens_core.reading.stability"):
-        reading = read_prompt(model, full, TEXT, stability=True)
+        reading = read_prompt(model, bare, TEXT, stability=True)
     assert reading.stability is None
     assert "keeps no split halves" in reading.stability_note and "jlens fit" in reading.stability_note
     assert any("keeps no split halves" in r.getMessage() for r in caplog.records)
@@ -140,6 +140,26 @@ def test_lens_without_halves_reads_without_marks(caplog):
         reading.stability_by_layer()
     logit = read_prompt(model, LogitLens.for_model(model), TEXT, stability=True)
     assert logit.stability is None and "logit lens fits nothing" in logit.stability_note
+
+
+def test_a_fitted_lens_gives_its_own_halves(tmp_path):
+    """The lens-derived path: fit keeps the even and odd prompts' lenses (lens.halves()), in memory and in its file."""
+    from jlens_core import JacobianLens
+
+    model, (full, even, odd) = tiny(), lenses()
+    own = full.halves()
+    assert own is not None and own[0].n_prompts == even.n_prompts and own[1].n_prompts == odd.n_prompts
+    for layer in full.source_layers:  # the fit's halves are the fits of the even and of the odd prompts
+        torch.testing.assert_close(own[0].jacobians[layer], even.jacobians[layer], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(own[1].jacobians[layer], odd.jacobians[layer], rtol=1e-5, atol=1e-6)
+    derived = read_prompt(model, full, TEXT, stability=True, stability_k=1)
+    explicit = read_prompt(model, full, TEXT, halves=(even, odd), stability_k=1)
+    assert derived.stability_note == ""
+    np.testing.assert_array_equal(derived.stability.half_rank_even, explicit.stability.half_rank_even)
+    np.testing.assert_array_equal(derived.stability.half_rank_odd, explicit.stability.half_rank_odd)
+    loaded = JacobianLens.load(full.save(tmp_path / "lens.safetensors"))
+    from_file = read_prompt(model, loaded, TEXT, stability=True, stability_k=1)
+    np.testing.assert_array_equal(from_file.stability.half_rank_even, derived.stability.half_rank_even)
 
 
 def test_several_lenses_take_halves_by_name():
@@ -210,12 +230,19 @@ def test_cli_inspect_stability_without_halves_says_so(tmp_path, capsys):
     from jlens_core.cli.main import main
 
     folder = save_tiny(tmp_path / "tiny")
-    path = lenses()[0].save(tmp_path / "lens.safetensors")
+    path = random_lens(tiny()).save(tmp_path / "lens.safetensors")  # no halves
     code = main(["inspect", "--model", folder, "--lens", str(path), "--prompt", TEXT, "--stability", "--last", "3"])
     captured = capsys.readouterr()
     assert code == 0
     assert "keeps no split halves" in captured.err and "jlens fit" in captured.err
     assert "?: unstable" not in captured.out and "%" not in captured.out  # the table without marks
+    fitted = lenses()[0].save(tmp_path / "fitted.safetensors")  # a fit keeps its halves
+    saved = tmp_path / "r.jlens.json"
+    assert main(["inspect", "--model", folder, "--lens", str(fitted), "--prompt", TEXT, "--stability", "--last", "3",
+                 "--save", str(saved)]) == 0
+    captured = capsys.readouterr()
+    assert "?: unstable" in captured.out and "keeps no split halves" not in captured.err
+    assert load_readings(saved).readings["jacobian"].stability is not None
     assert main(["inspect", "--model", folder, "--lens", str(path), "--prompt", TEXT, "--stability-k", "0"]) == 2
 
 
@@ -341,7 +368,7 @@ def test_cli_eval_stability(tmp_path, capsys):
     from jlens_core.cli.main import main
 
     folder = save_tiny(tmp_path / "tiny")
-    path = lenses()[0].save(tmp_path / "lens.safetensors")
+    path = lenses()[0].save(tmp_path / "lens.safetensors")  # with the fit's halves
     items = tmp_path / "items.jsonl"
     items.write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
     out = tmp_path / "eval"
@@ -350,8 +377,13 @@ def test_cli_eval_stability(tmp_path, capsys):
     assert code == 0
     detail = pd.read_csv(out / "pass_at_k_detail.csv")
     summary = pd.read_csv(out / "pass_at_k.csv")
-    assert {"best_rank_even", "best_rank_odd"} <= set(detail.columns) and detail["best_rank_even"].isna().all()
-    assert "found_by_both_halves" in summary.columns  # NaN: the lens keeps no halves (a sentence was logged)
+    model, (_, even, odd) = tiny(), lenses()
+    from jlens_core.evaluation.passk import pass_at_k_detail
+
+    explicit = pass_at_k_detail(model, {"jacobian": lenses()[0]}, ITEMS, halves={"jacobian": (even, odd)})
+    np.testing.assert_array_equal(detail["best_rank_even"].to_numpy(), explicit["best_rank_even"].to_numpy())
+    assert detail["best_rank_odd"].notna().any()
+    assert summary["found_by_both_halves"].notna().all()
     assert "found_by_both_halves" in capsys.readouterr().out
 
 
@@ -379,7 +411,7 @@ def test_stability_figures_script(tmp_path, capsys):
     assert summary["n_cells"] == cells and summary["n_unstable"] == unstable
     assert summary["agree_unstable"] == pytest.approx(agree_unstable / unstable)
     with pytest.raises(ValueError, match="keeps no split halves"):
-        script.stability_figures(model, full, texts)
+        script.stability_figures(model, random_lens(model), texts)
     folder = save_tiny(tmp_path / "tiny")
     paths = [str(lens.save(tmp_path / f"{name}.safetensors")) for name, lens in
              (("full", full), ("even", even), ("odd", odd))]

@@ -10,10 +10,11 @@ import common
 import lens_slots
 import runs
 from jlens_core.corpus import BUILTIN_CORPUS
-from jlens_core.figures.fitting import convergence_figure, norm_heatmap
+from jlens_core.figures.fitting import convergence_figure, half_agreement_figure, norm_heatmap
 from jlens_core.fitting.diagnostics import (
     convergence_frame,
     diagnostics_frame,
+    half_agreement_frame,
     norm_matrix,
     one_over_n_guide,
     read_diagnostics,
@@ -208,7 +209,8 @@ def show_run(folder_or_run, shown_state: str) -> None:
     elif now_state == "lost":
         st.warning("The fit process is no longer running (killed, or the machine restarted); Resume continues "
                    "from the last checkpoint.")
-    frame = diagnostics_frame(read_diagnostics(current.diagnostics_path))
+    records = read_diagnostics(current.diagnostics_path)
+    frame = diagnostics_frame(records)
     if frame.empty:
         st.caption("The charts appear after the first prompt (a prompt takes d_model backward passes).")
     else:
@@ -217,6 +219,12 @@ def show_run(folder_or_run, shown_state: str) -> None:
         g1.plotly_chart(convergence_figure(conv, one_over_n_guide(conv)), key="fit_convergence",
                         config={"displaylogo": False})
         g2.plotly_chart(norm_heatmap(norm_matrix(frame)), key="fit_norms", config={"displaylogo": False})
+        halves = half_agreement_frame(records)
+        if not halves.empty:  # the split halves (docs/method.md §3.3): which layers read alike from either half
+            st.plotly_chart(half_agreement_figure(halves), key="fit_halves", config={"displaylogo": False})
+            st.caption("Each layer's lens fitted on the even and on the odd prompts apart: the bar is how far they "
+                       "differ, the mark the standard error that predicts for the whole lens (half the bar for "
+                       "equal halves). Layers with large bars are provisional: fit more prompts.")
     if not current.followed:
         with st.expander("Log"):
             st.code(current.log_tail(40) or "(empty)", language="text")

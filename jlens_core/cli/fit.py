@@ -240,8 +240,8 @@ def _run_fit(args, model, prompts, settings: FitSettings, plan: FitPlan, checkpo
         status.write(state="done", n_done=lens.n_prompts, stop_reason=lens.stop_reason, lens=str(out),
                      seconds=time.time() - t_start)
         print(f"Wrote {out}: {lens.n_prompts} prompts, layers {lens.source_layers[0]}..{lens.source_layers[-1]} "
-              f"-> {lens.target_layer}" + (f"; stopped early: {lens.stop_reason}" if lens.stop_reason else ""),
-              file=sys.stderr)
+              f"-> {lens.target_layer}, {_size(out, lens)}"
+              + (f"; stopped early: {lens.stop_reason}" if lens.stop_reason else ""), file=sys.stderr)
     return 0
 
 
@@ -254,9 +254,19 @@ def cmd_merge(args: argparse.Namespace) -> int:
         merged = ExpertLens.merge([ExpertLens.load(path) for path in args.lenses])
     else:
         merged = JacobianLens.merge([JacobianLens.load(path) for path in args.lenses])
-    merged.save(args.out, dtype=args.save_dtype)
-    print(f"Wrote {args.out}: {merged.n_prompts} prompts from {len(args.lenses)} lenses.", file=sys.stderr)
+    merged.save(args.out, dtype=args.save_dtype, halves=not args.no_halves)
+    print(f"Wrote {args.out}: {merged.n_prompts} prompts from {len(args.lenses)} lenses, "
+          f"{_size(Path(args.out), merged, kept=not args.no_halves)}.", file=sys.stderr)
     return 0
+
+
+def _size(path: Path, lens, kept: bool = True) -> str:
+    """The file's size, and whether the split halves (about 2/3 of it) are in it."""
+    size = path.stat().st_size
+    text = f"{size / 2**20:.1f} MB" if size >= 2**20 else f"{size / 2**10:.0f} kB"
+    if lens.raw_halves is not None and kept:
+        return f"{text} with its split halves (about 3x the lens alone; --no-halves leaves them out)"
+    return text
 
 
 def register(subparsers) -> None:
@@ -267,8 +277,6 @@ def register(subparsers) -> None:
     add_corpus_arguments(p, split="fit", split_help="corpus part: 'fit' (default; disjoint from 'eval'), 'eval' or 'all'")
     p.add_argument("--out", required=True, help="lens file to write (safetensors), e.g. lens.safetensors")
     p.add_argument("--n-prompts", type=int, default=None, help="use N texts of the corpus from --first-prompt on (default all)")
-    p.add_argument("--first-prompt", type=int, default=0,
-                   help="start at this corpus text (default 0): fit disjoint slices anywhere, then `jlens merge`")
     add_fit_arguments(p)  # the fields of FitSettings and FitPlan: names, defaults and help live there
     p.add_argument("--checkpoint", default=None, help="checkpoint file (default <OUT stem>.ckpt next to --out)")
     p.add_argument("--no-resume", action="store_true", help="start over even if the checkpoint exists")
@@ -285,5 +293,8 @@ def register(subparsers) -> None:
                                           "settings or models.")
     m.add_argument("lenses", nargs="+", help="lens files to merge")
     m.add_argument("--out", required=True, help="merged lens file to write")
+    m.add_argument("--no-halves", action="store_true",
+                   help="write no split halves, even where every lens keeps them (default: keep them, docs/method.md "
+                        "§3.3, which makes the file about 3x the size)")
     add_save_dtype_argument(m, "storage precision")
     m.set_defaults(func=cmd_merge)

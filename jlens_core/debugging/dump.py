@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from jaxtyping import Int
 
 from .._atomic import atomic_write_text
 from ..layerspec import normalise_layers
@@ -303,7 +304,8 @@ def _run_settings(model: LensModel, ids: torch.Tensor, text: str | None, selecti
     }
 
 
-def dump_hidden_states(model: LensModel, text_or_ids: str | Sequence[int] | torch.Tensor, out_dir: str | Path, *,
+def dump_hidden_states(model: LensModel, text_or_ids: str | Sequence[int] | Int[torch.Tensor, "*shape"],
+                       out_dir: str | Path, *,
                        ops: str | Iterable[str] = ("residual",), layers: Iterable[int] | None = None,
                        ends: bool = True, max_length: int | None = None,
                        extra_settings: dict[str, Any] | None = None, overwrite: bool = False) -> Path:

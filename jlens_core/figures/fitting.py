@@ -71,6 +71,32 @@ def fit_figures(diagnostics: Iterable[dict]) -> tuple[go.Figure, go.Figure]:
     return convergence_figure(conv, one_over_n_guide(conv)), norm_heatmap(norm_matrix(frame))
 
 
+def half_agreement_figure(table: pd.DataFrame) -> go.Figure:
+    """The split halves' agreement by layer (docs/method.md §3.3): bars of ``||e - o||_F / ||m||_F`` and markers of
+    the predicted relative standard error of the full lens, in percent.
+
+    Args:
+        table: ``lens.half_diagnostics()`` or :func:`~jlens_core.fitting.diagnostics.half_agreement_frame`
+            (``layer, n_even, n_odd, half_rel_diff, predicted_rel_se``).
+    """
+    fig = go.Figure()
+    if not table.empty:
+        x = [f"L{layer}" for layer in table["layer"]]
+        n = f"{int(table['n_even'].iloc[0])} + {int(table['n_odd'].iloc[0])} prompts"
+        fig.add_trace(go.Bar(x=x, y=100 * table["half_rel_diff"], name="halves differ (‖e−o‖/‖J‖)",
+                             marker={"color": "#8c96c6"}, hovertemplate="%{x}: %{y:.2f} %<extra>halves</extra>"))
+        fig.add_trace(go.Scatter(x=x, y=100 * table["predicted_rel_se"], mode="markers", name="predicted SE of the lens",
+                                 marker={"color": "black", "symbol": "line-ew-open", "size": 12, "line": {"width": 2}},
+                                 hovertemplate="%{x}: ±%{y:.2f} %<extra>predicted SE</extra>"))
+        fig.update_layout(title=f"Halves agreement by layer ({n})")
+    else:
+        fig.update_layout(title="Halves agreement by layer (none yet)")
+    fig.update_yaxes(title="% of ‖J‖F", rangemode="tozero")
+    fig.update_layout(height=300, margin={"l": 10, "r": 10, "t": 40, "b": 10}, legend={"font": {"size": 9}},
+                      barmode="overlay")
+    return fig
+
+
 def layer_stats_figure(stats: pd.DataFrame) -> go.Figure:
     """Four panels over layers: Frobenius norm / sqrt(d), spectral norm, distance from I, effective rank.
 

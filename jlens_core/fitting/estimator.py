@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from jaxtyping import Bool, Float, Int
 
 from ..layerspec import resolve_layers
 from ..models.model import LensModel, kv_cache_problem
@@ -80,16 +81,16 @@ class PromptJacobian:
         layer_major: the fused method's order, when a memory budget chose it; else ``None``.
     """
 
-    jacobians: dict[int, torch.Tensor]
+    jacobians: dict[int, Float[torch.Tensor, "d_model d_model"]]
     seq_len: int
     n_valid: int
-    expert_sums: dict[int, torch.Tensor] | None = None
-    expert_counts: dict[int, torch.Tensor] | None = None
+    expert_sums: dict[int, Float[torch.Tensor, "experts d_model d_model"]] | None = None
+    expert_counts: dict[int, Int[torch.Tensor, " experts"]] | None = None
     dim_batch: int | None = None
     layer_major: bool | None = None
 
 
-def valid_position_mask(seq_len: int, skip_first: int = 16) -> torch.Tensor:
+def valid_position_mask(seq_len: int, skip_first: int = 16) -> Bool[torch.Tensor, " seq"]:
     """``BoolTensor[seq_len]``, true on ``V = [skip_first, seq_len - 1)``.
 
     Raises:
@@ -254,7 +255,8 @@ def _remember(model: LensModel, attr: str, value: bool) -> None:
         pass
 
 
-def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | torch.Tensor, *, source_layers: Iterable[int] | None = None,
+def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | Int[torch.Tensor, "*shape"], *,
+                        source_layers: Iterable[int] | None = None,
                         target_layer: int | None = None, dim_batch: int | str = 8, max_seq_len: int = 128,
                         skip_first: int = 16, method: str = "auto", rules: str = "jacobian",
                         clustering: Mapping[int, Clustering] | None = None,

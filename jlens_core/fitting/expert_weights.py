@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import torch
+from jaxtyping import Float
 from torch import nn
 
 from ..corpus import check_heldout_fraction, heldout_score
@@ -580,8 +581,9 @@ def _best_ranks(model: LensModel, batch: ItemBatch, weights: Mapping[int, torch.
     return best
 
 
-def macro_pass_at_k(model: LensModel, matrices: Mapping[int, torch.Tensor], items: Sequence[LabelledItem],
-                    weights: Mapping[int, torch.Tensor], k: Sequence[int] = REPORT_KS) -> dict[int, float]:
+def macro_pass_at_k(model: LensModel, matrices: Mapping[int, Float[torch.Tensor, "experts d_model d_model"]],
+                    items: Sequence[LabelledItem], weights: Mapping[int, Float[torch.Tensor, " experts"]],
+                    k: Sequence[int] = REPORT_KS) -> dict[int, float]:
     """Exact macro pass@k of the items read with ``sum_e w_e J_{l,e}`` per layer, the output layer included.
 
     Args:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import torch
+from jaxtyping import Float, Int
 
 from .._atomic import atomic_write
 from ..lenses.experts import Clustering, ExpertLens
@@ -84,19 +85,28 @@ class FitState:
     An expert fit (docs/method.md §9.1) also holds ``expert_sum`` (``{l: Tensor[E, d, d]}`` fp64, the
     row blocks ``G_p`` summed per expert over every counted position), ``expert_count`` (``{l:
     Tensor[E]}`` fp64, positions per expert) and the fixed ``clustering``; all three empty otherwise.
+
+    With halves (docs/method.md §3.3), ``half_sum`` holds ``{l: Tensor[2, d, d]}`` fp64, the sums of the even
+    (``[0]``) and odd (``[1]``) prompts apart, ``half_n`` the prompts in each, and an expert fit also
+    ``expert_half_sum`` (``{l: [2, E, d, d]}``) and ``expert_half_count`` (``{l: [2, E]}``); all empty without.
+    A prompt's half is the parity of its index in the whole prompt list (``first_prompt + i``).
     """
 
-    jacobian_sum: dict[int, torch.Tensor]
+    jacobian_sum: dict[int, Float[torch.Tensor, "d_model d_model"]]
     n_done: int = 0
     next_idx: int = 0
     n_skipped: int = 0
     diagnostics: list[dict] = field(default_factory=list)
     stop_reason: str | None = None
-    expert_sum: dict[int, torch.Tensor] = field(default_factory=dict)
-    expert_count: dict[int, torch.Tensor] = field(default_factory=dict)
+    expert_sum: dict[int, Float[torch.Tensor, "experts d_model d_model"]] = field(default_factory=dict)
+    expert_count: dict[int, Int[torch.Tensor, " experts"]] = field(default_factory=dict)
     clustering: dict[int, Clustering] = field(default_factory=dict)
+    half_sum: dict[int, Float[torch.Tensor, "2 d_model d_model"]] = field(default_factory=dict)
+    half_n: list[int] = field(default_factory=lambda: [0, 0])
+    expert_half_sum: dict[int, Float[torch.Tensor, "2 experts d_model d_model"]] = field(default_factory=dict)
+    expert_half_count: dict[int, Float[torch.Tensor, "2 experts"]] = field(default_factory=dict)
 
-    def mean(self, layer: int) -> torch.Tensor:
+    def mean(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         return self.jacobian_sum[layer] / self.n_done
 
 
@@ -171,6 +181,11 @@ def write_checkpoint(path: str | os.PathLike, state: FitState, settings: dict, d
         payload.update(expert_sum={str(k): v for k, v in state.expert_sum.items()},
                        expert_count={str(k): v for k, v in state.expert_count.items()},
                        clustering=clustering_payload(state.clustering))
+    if state.half_sum:  # the split halves (docs/method.md §3.3); checkpoints without them resume without halves
+        payload.update(half_sum={str(k): v for k, v in state.half_sum.items()}, half_n=list(state.half_n))
+        if state.expert_half_sum:
+            payload.update(expert_half_sum={str(k): v for k, v in state.expert_half_sum.items()},
+                           expert_half_count={str(k): v for k, v in state.expert_half_count.items()})
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
 
@@ -197,6 +212,11 @@ def checkpoint_from_lens(lens: JacobianLens, prompts: Sequence, path: str | os.P
     state = FitState({layer: lens.jacobians[layer].double() * lens.n_prompts for layer in lens.source_layers},
                      n_done=lens.n_prompts, next_idx=next_idx, n_skipped=n_skipped,
                      diagnostics=list(lens.diagnostics))
+    raw = lens.raw_halves
+    if raw is not None:  # its halves' sums too, so the resumed fit keeps them (with the same fp16 caveat)
+        state.half_n = [raw[0].n_prompts, raw[1].n_prompts]
+        state.half_sum = {layer: torch.stack([half.jacobians[layer].double() * half.n_prompts for half in raw])
+                          for layer in lens.source_layers}
     write_checkpoint(path, state, settings, prompts_digest(prompts, next_idx))
     return next_idx
 
@@ -260,11 +280,16 @@ class _Pending:
     events: list[FitProgress] = field(default_factory=list)
     expert_delta: dict[int, torch.Tensor] = field(default_factory=dict)  # {l: [E, d, d]} fp64
     count_delta: dict[int, torch.Tensor] = field(default_factory=dict)  # {l: [E]} fp64
+    half_delta: dict[int, torch.Tensor] = field(default_factory=dict)  # {l: [2, d, d]} fp64: even, odd
+    half_n: list[int] = field(default_factory=lambda: [0, 0])
+    expert_half_delta: dict[int, torch.Tensor] = field(default_factory=dict)  # {l: [2, E, d, d]} fp64
+    count_half_delta: dict[int, torch.Tensor] = field(default_factory=dict)  # {l: [2, E]} fp64
 
     def clear(self) -> None:
-        for matrix in [*self.delta.values(), *self.expert_delta.values(), *self.count_delta.values()]:
+        for matrix in [*self.delta.values(), *self.expert_delta.values(), *self.count_delta.values(),
+                       *self.half_delta.values(), *self.expert_half_delta.values(), *self.count_half_delta.values()]:
             matrix.zero_()
-        self.n, self.skipped, self.records, self.events = 0, 0, [], []
+        self.n, self.skipped, self.records, self.events, self.half_n = 0, 0, [], [], [0, 0]
 
 
 class _FitRun:
@@ -294,14 +319,19 @@ class _FitRun:
         d = model.d_model
         self.state = FitState({layer: torch.zeros(d, d, dtype=torch.float64) for layer in self.sources})
         self.pending = _Pending({layer: torch.zeros(d, d, dtype=torch.float64) for layer in self.sources})
+        self.halves = plan.halves  # off for good once resumed from a checkpoint without them
+        if self.halves:
+            self.state.half_sum = {layer: torch.zeros(2, d, d, dtype=torch.float64) for layer in self.sources}
+            self.pending.half_delta = {layer: torch.zeros(2, d, d, dtype=torch.float64) for layer in self.sources}
         self.steps = 0
         self.experts: int = settings.experts
         self.memory: dict | None = None  # with a budget: the budget and its plan at max_seq_len (lens settings)
         self.peak_bytes: int | None = None
 
-    def _expert_buffers(self) -> dict[int, torch.Tensor]:
+    def _expert_buffers(self, halves: bool = False) -> dict[int, torch.Tensor]:
         d = self.model.d_model
-        return {layer: torch.zeros(self.experts, d, d, dtype=torch.float64) for layer in self.sources}
+        shape = (2, self.experts, d, d) if halves else (self.experts, d, d)
+        return {layer: torch.zeros(*shape, dtype=torch.float64) for layer in self.sources}
 
     def cluster(self) -> None:
         """An expert fit's clustering (docs/method.md §9.1), unless the checkpoint brought one: made on rank 0
@@ -333,6 +363,14 @@ class _FitRun:
             self.state.expert_count = {layer: torch.zeros(self.experts, dtype=torch.float64) for layer in self.sources}
         self.pending.expert_delta = self._expert_buffers()
         self.pending.count_delta = {layer: torch.zeros(self.experts, dtype=torch.float64) for layer in self.sources}
+        if self.halves:
+            if not self.state.expert_half_sum:
+                self.state.expert_half_sum = self._expert_buffers(halves=True)
+                self.state.expert_half_count = {layer: torch.zeros(2, self.experts, dtype=torch.float64)
+                                                for layer in self.sources}
+            self.pending.expert_half_delta = self._expert_buffers(halves=True)
+            self.pending.count_half_delta = {layer: torch.zeros(2, self.experts, dtype=torch.float64)
+                                             for layer in self.sources}
 
     def resume(self) -> None:
         """Go on from the checkpoint (its settings and prompts checked), if there is one."""
@@ -357,8 +395,27 @@ class _FitRun:
             self.state.clustering = clustering_from_payload(payload["clustering"])
             self.state.expert_sum = {int(k): v.double() for k, v in payload["expert_sum"].items()}
             self.state.expert_count = {int(k): v.double() for k, v in payload["expert_count"].items()}
+        self._resume_halves(payload)
         log.info("Resuming from %s: %d prompts counted, going on at prompt %d.", path, self.state.n_done,
                  self.state.next_idx)
+
+    def _resume_halves(self, payload: dict) -> None:
+        """The checkpoint's halves (docs/method.md §3.3); a checkpoint without them (older, or made with
+        ``halves=False``) that counted prompts leaves this fit without halves: they would not be exact."""
+        if not self.halves:
+            return
+        with_halves = "half_sum" in payload and (not self.experts or "expert_half_sum" in payload)
+        if not with_halves:
+            if self.state.n_done > 0:
+                log.info("The checkpoint has no split halves: the lens will have none (docs/method.md §3.3).")
+                self.halves = False
+                self.state.half_sum, self.pending.half_delta = {}, {}
+            return
+        self.state.half_sum = {int(k): v.double() for k, v in payload["half_sum"].items()}
+        self.state.half_n = [int(n) for n in payload["half_n"]]
+        if self.experts:
+            self.state.expert_half_sum = {int(k): v.double() for k, v in payload["expert_half_sum"].items()}
+            self.state.expert_half_count = {int(k): v.double() for k, v in payload["expert_half_count"].items()}
 
     def run(self) -> None:
         """Step until every prompt is read or ``should_stop`` says stop."""
@@ -409,6 +466,9 @@ class _FitRun:
             return
         seconds = time.perf_counter() - t0
         n_before = self.state.n_done + pending.n
+        half = (self.plan.first_prompt + idx) % 2  # parity in the whole prompt list (docs/method.md §3.3)
+        if self.halves:
+            pending.half_n[half] += 1
         records = []
         for layer in self.sources:
             jac = result.jacobians[layer].double()
@@ -420,9 +480,17 @@ class _FitRun:
             if result.expert_sums is not None and result.expert_counts is not None:
                 pending.expert_delta[layer] += result.expert_sums[layer].double()
                 pending.count_delta[layer] += result.expert_counts[layer].double()
-            records.append({"prompt_index": idx, "layer": layer, "seq_len": result.seq_len,
-                            "n_valid": result.n_valid, "seconds": round(seconds, 4),
-                            "jacobian_norm": float(jac.norm() / math.sqrt(d)), "rel_change": rel})
+                if self.halves:
+                    pending.expert_half_delta[layer][half] += result.expert_sums[layer].double()
+                    pending.count_half_delta[layer][half] += result.expert_counts[layer].double()
+            record = {"prompt_index": idx, "layer": layer, "seq_len": result.seq_len,
+                      "n_valid": result.n_valid, "seconds": round(seconds, 4),
+                      "jacobian_norm": float(jac.norm() / math.sqrt(d)), "rel_change": rel}
+            if self.halves:
+                pending.half_delta[layer][half] += jac
+                record["half"] = half
+                record["half_rel_diff"] = self._half_rel_diff(layer)
+            records.append(record)
         pending.n += 1
         pending.records.extend(records)
         rels = [r["rel_change"] for r in records if r["rel_change"] is not None]
@@ -430,6 +498,17 @@ class _FitRun:
         pending.events.append(FitProgress(idx, n_total, 0, 0, records=records,
                                           max_rel_change=max(rels) if rels else None, seconds=seconds,
                                           dim_batch=result.dim_batch, peak_memory_bytes=self.peak_bytes))
+
+    def _half_rel_diff(self, layer: int) -> float | None:
+        """``||e - o||_F / ||m||_F`` of the running means of this rank's view (the state and its pending part),
+        once both halves hold a prompt (docs/method.md §3.3)."""
+        state, pending = self.state, self.pending
+        n = [state.half_n[h] + pending.half_n[h] for h in (0, 1)]
+        if min(n) == 0:
+            return None
+        sums = state.half_sum[layer] + pending.half_delta[layer]  # [2, d, d]
+        full = (sums[0] + sums[1]) / (n[0] + n[1])
+        return float((sums[0] / n[0] - sums[1] / n[1]).norm() / full.norm().clamp_min(1e-300))
 
     def _sync(self, final: bool) -> list[FitProgress]:
         """Fold every rank's pending part into the state and ask ``should_stop``; returns the progress events."""
@@ -439,7 +518,13 @@ class _FitRun:
             if self.experts:  # sums and counts add over ranks like the pooled sums
                 state.expert_sum[layer] += world.all_reduce_sum(pending.expert_delta[layer])
                 state.expert_count[layer] += world.all_reduce_sum(pending.count_delta[layer])
-        counts = world.all_reduce_sum(torch.tensor([pending.n, pending.skipped], dtype=torch.float64))
+            if self.halves:  # and so do the halves'
+                state.half_sum[layer] += world.all_reduce_sum(pending.half_delta[layer])
+                if self.experts:
+                    state.expert_half_sum[layer] += world.all_reduce_sum(pending.expert_half_delta[layer])
+                    state.expert_half_count[layer] += world.all_reduce_sum(pending.count_half_delta[layer])
+        counts = world.all_reduce_sum(torch.tensor([pending.n, pending.skipped, *pending.half_n], dtype=torch.float64))
+        state.half_n = [state.half_n[0] + int(counts[2]), state.half_n[1] + int(counts[3])]
         records = sorted((r for part in world.gather_objects(pending.records) for r in part),
                          key=lambda r: (r["prompt_index"], r["layer"]))
         events = sorted((e for part in world.gather_objects(pending.events) for e in part),
@@ -472,6 +557,7 @@ class _FitRun:
         memory = None if self.memory is None else {**self.memory, "peak_bytes": self.peak_bytes,
                                                    "peak_measure": peak_measure(self.model.device)}
         file_settings = lens_settings(settings, self.plan, n_skipped=state.n_skipped, memory=memory)
+        halves = self._half_lenses(file_settings) if self.halves else None
         if self.experts:
             return ExpertLens({layer: state.mean(layer).float() for layer in self.sources},
                               {layer: (state.expert_sum[layer] / state.expert_count[layer].clamp_min(1)[:, None, None])
@@ -480,12 +566,34 @@ class _FitRun:
                               state.clustering, state.n_done, self.model.d_model, target_layer=self.target,
                               rules=settings.rules, n_layers=self.model.n_layers, settings=file_settings,
                               model_name=self.model.name, model_fingerprint=self.model_fingerprint,
-                              diagnostics=state.diagnostics, stop_reason=state.stop_reason)
+                              diagnostics=state.diagnostics, stop_reason=state.stop_reason, halves=halves)  # type: ignore[arg-type]
         return JacobianLens({layer: state.mean(layer).float() for layer in self.sources}, state.n_done,
                             self.model.d_model, target_layer=self.target, n_layers=self.model.n_layers,
                             settings=file_settings, model_name=self.model.name,
                             model_fingerprint=self.model_fingerprint, diagnostics=state.diagnostics,
-                            stop_reason=state.stop_reason, rules=settings.rules)
+                            stop_reason=state.stop_reason, rules=settings.rules, halves=halves)  # type: ignore[arg-type]
+
+    def _half_lenses(self, file_settings: dict) -> tuple[JacobianLens, JacobianLens] | tuple[ExpertLens, ExpertLens]:
+        """The even and odd halves as lenses of the fit's class (docs/method.md §3.3): the means of their own
+        prompts (zeros for a half without prompts), no diagnostics of their own."""
+        state, d = self.state, self.model.d_model
+        common: dict[str, Any] = {"target_layer": self.target, "n_layers": self.model.n_layers, "settings": file_settings,
+                  "model_name": self.model.name, "model_fingerprint": self.model_fingerprint,
+                  "rules": self.settings.rules}
+
+        def pooled(h: int) -> dict[int, torch.Tensor]:
+            return {layer: (state.half_sum[layer][h] / max(state.half_n[h], 1)).float() for layer in self.sources}
+
+        if self.experts:
+            return tuple(ExpertLens(  # type: ignore[return-value]
+                pooled(h),
+                {layer: (state.expert_half_sum[layer][h]
+                         / state.expert_half_count[layer][h].clamp_min(1)[:, None, None]).float()
+                 for layer in self.sources},
+                {layer: state.expert_half_count[layer][h].round().long() for layer in self.sources},
+                state.clustering, state.half_n[h], d, **common) for h in (0, 1))
+        return tuple(JacobianLens(pooled(h), state.half_n[h], d, **common)  # type: ignore[return-value]
+                     for h in (0, 1))
 
 
 def _plan_fit_memory(model: LensModel, settings: FitSettings, plan: FitPlan) -> dict:
@@ -536,6 +644,10 @@ def fit_settings_and_plan(settings: FitSettings | None = None, plan: FitPlan | N
     """
     settings = settings if settings is not None else FitSettings()
     plan = plan if plan is not None else FitPlan()
+    for value, want, name in ((settings, FitSettings, "settings"), (plan, FitPlan, "plan")):
+        if not isinstance(value, want):
+            raise TypeError(f"fit()'s {name} must be a {want.__name__}, not a {type(value).__name__}: pass "
+                            "FitSettings third (or settings=) and FitPlan fourth (or plan=).")
     unknown = [key for key in keywords if key not in FitSettings.field_names() and key not in FitPlan.field_names()]
     if unknown:
         raise TypeError(f"fit() has no setting {unknown[0]!r}: the known ones are "

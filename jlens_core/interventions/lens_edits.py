@@ -27,6 +27,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 import torch
+from jaxtyping import Bool, Float, Int
 
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
@@ -61,7 +62,7 @@ class _LensEdit:
         self.layers: list[int] = check_layers(model, lens, default_layers(model, lens) if layers is None else layers)
         self.rule = _rule(positions, on_generated)
 
-    def selects(self, positions: torch.Tensor, n_prompt: int) -> torch.Tensor:
+    def selects(self, positions: Int[torch.Tensor, " seq"], n_prompt: int) -> Bool[torch.Tensor, " seq"]:
         return self.rule.selects(positions, n_prompt)
 
     def _where(self, centred: bool = False) -> str:
@@ -91,7 +92,8 @@ class Steer(_LensEdit):
         self.directions = {layer: token_direction(model, lens, layer, self.token_id, centred=self.centred)
                            for layer in self.layers}
 
-    def apply(self, layer: int, h: torch.Tensor, clean: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: int, h: Float[torch.Tensor, "rows d_model"],
+              clean: Float[torch.Tensor, "rows d_model"] | None) -> Float[torch.Tensor, "rows d_model"]:
         if self.strength == 0.0:
             return h
         v = self.directions[layer].to(device=h.device, dtype=torch.float32)  # [d]
@@ -114,7 +116,8 @@ class Ablate(_LensEdit):
         self.directions = {layer: token_direction(model, lens, layer, self.token_id, centred=self.centred)
                            for layer in self.layers}
 
-    def apply(self, layer: int, h: torch.Tensor, clean: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: int, h: Float[torch.Tensor, "rows d_model"],
+              clean: Float[torch.Tensor, "rows d_model"] | None) -> Float[torch.Tensor, "rows d_model"]:
         v = self.directions[layer].to(device=h.device, dtype=torch.float32)  # [d]
         hf = h.float()  # [n, d]
         return hf - (hf @ v)[:, None] * v
@@ -145,7 +148,8 @@ class Swap(_LensEdit):
     def __init__(self, model: LensModel, lens: Lens, source: str | int, replacement: str | int, alpha: float = 1.0, *,
                  layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                  on_generated: bool = False,
-                 directions: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 directions: dict[int, tuple[Float[torch.Tensor, " d_model"],
+                                             Float[torch.Tensor, " d_model"]]] | None = None,
                  centred: bool = False) -> None:
         if not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or not 0 <= alpha <= MAX_ALPHA:
             raise ValueError(f"Swap scale alpha={alpha!r} is out of range: give a number in [0, {MAX_ALPHA:g}] "
@@ -171,7 +175,8 @@ class Swap(_LensEdit):
             basis = torch.stack([va, vb], dim=1).double()  # [d, 2]
             self.bases[layer] = (basis.float(), torch.linalg.pinv(basis).float())
 
-    def apply(self, layer: int, h: torch.Tensor, clean: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: int, h: Float[torch.Tensor, "rows d_model"],
+              clean: Float[torch.Tensor, "rows d_model"] | None) -> Float[torch.Tensor, "rows d_model"]:
         if self.alpha == 0.0 or layer not in self.bases:
             return h
         if clean is None:
@@ -182,7 +187,8 @@ class Swap(_LensEdit):
         hf = h.float()
         return hf + (target - hf @ pinv.T) @ basis.T
 
-    def coordinates(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+    def coordinates(self, layer: int,
+                    h: Float[torch.Tensor, "*batch d_model"]) -> Float[torch.Tensor, "*batch 2"]:
         """``V⁺ h``: the read coordinates ``[n, 2]`` (``A``, ``B``) of residuals ``h [n, d]`` at ``layer``."""
         _, pinv = self.bases[layer]
         return h.float() @ pinv.to(h.device).T
@@ -191,7 +197,9 @@ class Swap(_LensEdit):
         return f"Swap({self.source!r} -> {self.replacement!r}, alpha={self.alpha:g}, {self._where(self.centred)})"
 
 
-def random_directions(layers: Sequence[int], d_model: int, seed: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def random_directions(layers: Sequence[int], d_model: int,
+                      seed: int) -> dict[int, tuple[Float[torch.Tensor, " d_model"],
+                                                    Float[torch.Tensor, " d_model"]]]:
     """Two random unit directions per layer (Gaussian, seeded): the swap's floor control."""
     gen = torch.Generator().manual_seed(int(seed))
     out = {}

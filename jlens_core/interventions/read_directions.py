@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+from jaxtyping import Float
 from torch import nn
 
 from ..layerspec import normalise_layers
@@ -250,7 +251,7 @@ def read_vector_norms(model: LensModel, lens: Lens, layer: int, *, centred: bool
 
 
 def token_direction(model: LensModel, lens: Lens, layer: int, token: str | int, *,
-                    centred: bool = False) -> torch.Tensor:
+                    centred: bool = False) -> Float[torch.Tensor, " d_model"]:
     """The unit read direction ``v̂_t`` ``[d_model]`` (fp32, CPU) of ``token`` at ``layer`` under ``lens``.
 
     Args:

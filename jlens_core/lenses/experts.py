@@ -14,7 +14,6 @@ matrices, which reads at a J lens's cost.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import operator
@@ -25,12 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from jaxtyping import Float, Int
 
-from .._atomic import atomic_write
 from ..models.model import LensModel
 from .header import EXPERTS_FORMAT_NAME, header_or_none
 from .kinds import expert_kind
 from .lens import (
+    HALF_NAMES,
+    HALF_PREFIX,
     LENS_RULES,
     JacobianLens,
     LensFileError,
@@ -38,10 +39,13 @@ from .lens import (
     check_made_for,
     check_mergeable,
     checked_rules,
+    extra_tensors,
+    half_prompts_of,
     merged_prompts,
+    own_tensors,
     prompt_weighted_mean,
     read_lens_safetensors,
-    storage_dtype,
+    write_lens_file,
 )
 
 if TYPE_CHECKING:
@@ -139,19 +143,25 @@ class ExpertLens(MatrixTransportMixin):
         weight_items: the labelled items the weights were learned on.
         min_positions: experts with fewer positions fall back to the pooled matrix.
         n_layers, settings, model_name, model_fingerprint, diagnostics, stop_reason: as in :class:`JacobianLens`.
+        halves: the split halves ``(even, odd)`` (docs/method.md §3.3): two expert lenses of the same layers and
+            clustering, without weights (:meth:`halves` reads them with this lens's weights), or ``None``.
 
     Raises:
         ValueError: a layer missing from one of the dicts, a shape that is not as above, different
-            ``E`` across layers, unknown ``rules``, or weights without their items.
+            ``E`` across layers, unknown ``rules``, weights without their items, or halves that are not two
+            expert lenses of these layers.
     """
 
-    def __init__(self, pooled: dict[int, torch.Tensor], experts: dict[int, torch.Tensor],
-                 counts: dict[int, torch.Tensor], clustering: dict[int, Clustering], n_prompts: int,
+    def __init__(self, pooled: dict[int, Float[torch.Tensor, "d_model d_model"]],
+                 experts: dict[int, Float[torch.Tensor, "experts d_model d_model"]],
+                 counts: dict[int, Int[torch.Tensor, " experts"]], clustering: dict[int, Clustering], n_prompts: int,
                  d_model: int, *, target_layer: int, rules: str = "jacobian",
-                 weights: dict[int, torch.Tensor] | None = None, weight_items: list[str] | None = None,
+                 weights: dict[int, Float[torch.Tensor, " experts"]] | None = None,
+                 weight_items: list[str] | None = None,
                  min_positions: int = MIN_POSITIONS, n_layers: int | None = None, settings: dict | None = None,
                  model_name: str | None = None, model_fingerprint: dict | None = None,
-                 diagnostics: list[dict] | None = None, stop_reason: str | None = None) -> None:
+                 diagnostics: list[dict] | None = None, stop_reason: str | None = None,
+                 halves: tuple[ExpertLens, ExpertLens] | None = None) -> None:
         if not pooled:
             raise ValueError("An ExpertLens needs at least one layer's matrices.")
         if rules not in LENS_RULES:
@@ -191,6 +201,7 @@ class ExpertLens(MatrixTransportMixin):
         self._set_fit_record(n_prompts, target_layer, n_layers, settings, model_name, model_fingerprint,
                              diagnostics, stop_reason)
         self._matrix_cache: dict[int, torch.Tensor] = {}
+        self._set_halves(halves)
 
     def _checked_weights(self, w: torch.Tensor, layer: int) -> torch.Tensor:
         w = torch.as_tensor(w, dtype=torch.float32).cpu()
@@ -220,7 +231,7 @@ class ExpertLens(MatrixTransportMixin):
         if layer not in self.pooled:
             raise KeyError(f"This lens was fitted at layers {self.source_layers}, not at layer {layer}.")
 
-    def expert_matrices(self, layer: int) -> torch.Tensor:
+    def expert_matrices(self, layer: int) -> Float[torch.Tensor, "experts d_model d_model"]:
         """``[E, d, d]`` fp32: ``J_{l,e}``, with the pooled matrix for each expert of < ``min_positions`` positions.
 
         Raises:
@@ -233,11 +244,12 @@ class ExpertLens(MatrixTransportMixin):
             mats = torch.where(few[:, None, None], self.pooled[layer][None], mats)
         return mats
 
-    def uniform_weights(self) -> torch.Tensor:
+    def uniform_weights(self) -> Float[torch.Tensor, " experts"]:
         """``[E]``: all ones, scaled to unit L2 norm (``1 / sqrt(E)`` each)."""
         return torch.full((self.n_experts,), 1.0 / math.sqrt(self.n_experts))
 
-    def combined(self, layer: int, weights: torch.Tensor) -> torch.Tensor:
+    def combined(self, layer: int,
+                 weights: Float[torch.Tensor, " experts"]) -> Float[torch.Tensor, "d_model d_model"]:
         """``sum_e w_e J_{l,e}``: fp32 ``[d, d]`` from ``weights`` ``[E]`` (used as given, not renormalised).
 
         Raises:
@@ -249,12 +261,12 @@ class ExpertLens(MatrixTransportMixin):
             raise ValueError(f"weights has shape {tuple(w.shape)}, expected ({self.n_experts},).")
         return torch.einsum("e,eij->ij", w, self.expert_matrices(layer))
 
-    def layer_weights(self, layer: int) -> torch.Tensor:
+    def layer_weights(self, layer: int) -> Float[torch.Tensor, " experts"]:
         """``[E]``: the learned weights of ``layer``, or the uniform ones when none are learned."""
         self._check_layer(layer)
         return self.weights[layer] if self.weights is not None else self.uniform_weights()
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """``sum_e w_e J_{l,e}`` with the learned (or uniform) weights, fp32 ``[d, d]``; ``I`` at the target.
 
         Raises:
@@ -266,6 +278,17 @@ class ExpertLens(MatrixTransportMixin):
         if mat is None:
             mat = self._matrix_cache[layer] = self.combined(layer, self.layer_weights(layer))
         return mat
+
+    def halves(self) -> tuple[ExpertLens, ExpertLens] | None:
+        """The split halves (docs/method.md §3.3) as :meth:`MatrixTransportMixin.halves` says, reading with this
+        lens's learned weights (when it has them) and ``min_positions``."""
+        base = super().halves()
+        if base is None:
+            return None
+        return (self._weighted_half(base[0]), self._weighted_half(base[1]))
+
+    def _weighted_half(self, half: ExpertLens) -> ExpertLens:
+        return half._copy(weights=self.weights, weight_items=self.weight_items, min_positions=self.min_positions)
 
     def check_model(self, model: LensModel) -> None:
         """Raise :class:`LensFileError` if this lens was fitted for another model than ``model``."""
@@ -280,13 +303,14 @@ class ExpertLens(MatrixTransportMixin):
             "rules": self.rules, "weights": self.weights, "weight_items": self.weight_items,
             "min_positions": self.min_positions, "n_layers": self.n_layers, "settings": self.settings,
             "model_name": self.model_name, "model_fingerprint": self.model_fingerprint,
-            "diagnostics": self.diagnostics, "stop_reason": self.stop_reason}
+            "diagnostics": self.diagnostics, "stop_reason": self.stop_reason, "halves": self.raw_halves}
         args.update(changes)
         copy = ExpertLens(**args)
         copy.canary = self.canary  # the same model: the same canary (docs/method.md §4.2)
         return copy
 
-    def with_weights(self, weights: dict[int, torch.Tensor] | None, items: Sequence[str] = ()) -> ExpertLens:
+    def with_weights(self, weights: dict[int, Float[torch.Tensor, " experts"]] | None,
+                     items: Sequence[str] = ()) -> ExpertLens:
         """A copy that reads with ``weights`` (``{layer: Tensor[E]}``, renormalised to unit L2 norm), learned
         on the labelled ``items`` (their names, recorded in the file); ``None`` goes back to uniform weights.
 
@@ -307,11 +331,14 @@ class ExpertLens(MatrixTransportMixin):
                                         for layer in self.source_layers},
                         weight_items=list(self.weight_items), min_positions=self.min_positions,
                         expert_counts={str(layer): self.counts[layer].tolist() for layer in self.source_layers})
+        raw = self.raw_halves
+        halves = None if raw is None else tuple(self._weighted_half(h).to_jacobian_lens() for h in raw)
         lens = JacobianLens({layer: self.matrix(layer) for layer in self.source_layers}, self.n_prompts,
                             self.d_model, target_layer=self.target_layer, n_layers=self.n_layers,
                             settings=settings, model_name=self.model_name, model_fingerprint=self.model_fingerprint,
-                            diagnostics=self.diagnostics, stop_reason=self.stop_reason, rules=self.rules)
-        lens.canary = self.canary
+                            diagnostics=self.diagnostics, stop_reason=self.stop_reason, rules=self.rules,
+                            halves=halves)  # type: ignore[arg-type]
+        lens.canary = self.canary  # the same model (docs/method.md §4.2)
         return lens
 
     def pooled_lens(self) -> JacobianLens:
@@ -320,11 +347,13 @@ class ExpertLens(MatrixTransportMixin):
         Its settings are the fit's without ``experts`` and ``cluster_prompts``: it is the lens a fit without
         experts gives, and a reader of those keys would take it for a combination of experts."""
         settings = {key: value for key, value in self.settings.items() if key not in ("experts", "cluster_prompts")}
+        raw = self.raw_halves
         lens = JacobianLens(self.pooled, self.n_prompts, self.d_model, target_layer=self.target_layer,
                             n_layers=self.n_layers, settings=settings, model_name=self.model_name,
                             model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
-                            stop_reason=self.stop_reason, rules=self.rules)
-        lens.canary = self.canary
+                            stop_reason=self.stop_reason, rules=self.rules,
+                            halves=None if raw is None else (raw[0].pooled_lens(), raw[1].pooled_lens()))
+        lens.canary = self.canary  # the same model (docs/method.md §4.2)
         return lens
 
     # -- files ---------------------------------------------------------------------------------
@@ -337,36 +366,36 @@ class ExpertLens(MatrixTransportMixin):
                 "weighted": self.weights is not None, "weight_items": self.weight_items,
                 "stop_reason": self.stop_reason, "diagnostics": self.diagnostics}
 
-    def save(self, path: str | os.PathLike, *, dtype: str | torch.dtype = "float32") -> Path:
+    def _file_tensors(self, store: torch.dtype, *, for_half: bool = False) -> dict[str, torch.Tensor]:
+        # clone: layers may share one clustering or counts tensor, which safetensors refuses to store
+        tensors: dict[str, torch.Tensor] = {}
+        for layer in self.source_layers:
+            tensors[f"J.{layer}"] = self.pooled[layer].to(store).contiguous().clone()
+            tensors[f"experts.{layer}"] = self.experts[layer].to(store).contiguous().clone()
+            tensors[f"counts.{layer}"] = self.counts[layer].contiguous().clone()
+            if for_half:  # a half shares the lens's clustering and reads with its weights
+                continue
+            clus = self.clustering[layer]
+            tensors[f"clustering.mean.{layer}"] = clus.mean.contiguous().clone()
+            tensors[f"clustering.components.{layer}"] = clus.components.contiguous().clone()
+            tensors[f"clustering.centroids.{layer}"] = clus.centroids.contiguous().clone()
+            if self.weights is not None:
+                tensors[f"weights.{layer}"] = self.weights[layer].contiguous().clone()
+        return tensors
+
+    def save(self, path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", halves: bool = True) -> Path:
         """Write the lens as safetensors, atomically; returns the path written (docs/method.md §4.1).
 
         Tensors per source layer ``l``: ``J.l`` (pooled, ``[d, d]``), ``experts.l`` (``[E, d, d]``) in
         ``dtype`` (``float32`` or ``float16``; fp16 refuses values beyond its range: warns, stores fp32);
         ``counts.l`` (int64 ``[E]``); ``clustering.mean.l`` (``[d]``), ``clustering.components.l``
         (``[k, d]``), ``clustering.centroids.l`` (``[E, k]``) and ``weights.l`` (``[E]``, when learned), fp32.
+        ``halves`` (default) also writes the split halves when the lens keeps them: each half's ``J``, ``experts``
+        and ``counts`` under ``half.even.`` / ``half.odd.`` (docs/method.md §3.3), about 3x the size.
         """
-        from safetensors.torch import save_file
-
-        store = storage_dtype(dtype, [*self.pooled.values(), *self.experts.values()])
-        tensors: dict[str, torch.Tensor] = {}
-        for layer in self.source_layers:
-            clus = self.clustering[layer]
-            tensors[f"J.{layer}"] = self.pooled[layer].to(store).contiguous().clone()
-            tensors[f"experts.{layer}"] = self.experts[layer].to(store).contiguous().clone()
-            tensors[f"counts.{layer}"] = self.counts[layer].contiguous().clone()
-            tensors[f"clustering.mean.{layer}"] = clus.mean.contiguous().clone()
-            tensors[f"clustering.components.{layer}"] = clus.components.contiguous().clone()
-            tensors[f"clustering.centroids.{layer}"] = clus.centroids.contiguous().clone()
-            if self.weights is not None:
-                tensors[f"weights.{layer}"] = self.weights[layer].contiguous().clone()
-        # clone: layers may share one clustering or counts tensor, which safetensors refuses to store
-        meta = {"format": EXPERTS_FORMAT_NAME, "jlens": json.dumps(self.metadata())}
-        from .canary import canary_file_parts
-
-        extra_tensors, extra_meta = canary_file_parts(self)  # the lens check's canary, when it has one (§4.2)
-        tensors.update(extra_tensors)
-        meta.update(extra_meta)
-        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), shared=True)
+        write_lens_file(path, EXPERTS_FORMAT_NAME, self.metadata(), self, dtype,
+                        [*self.pooled.values(), *self.experts.values()], halves)
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, model: LensModel | None = None) -> ExpertLens:
@@ -384,6 +413,8 @@ class ExpertLens(MatrixTransportMixin):
                                               f"no {EXPERTS_FORMAT_NAME!r} metadata): load it with JacobianLens.load "
                                               "or load_lens.", key=str)
         rules = checked_rules(path, info, what="expert lens", version=EXPERTS_FORMAT_VERSION)
+        every = tensors
+        tensors = own_tensors(every)
         layers = [int(layer) for layer in info.get("source_layers", [])]
         if not layers:
             raise LensFileError(f"{str(path)!r} names no source layer.")
@@ -399,6 +430,11 @@ class ExpertLens(MatrixTransportMixin):
             raise LensFileError(f"{str(path)!r} says it has learned weights but lacks some: learn them again "
                                 "(jlens weigh).")
         try:
+            halves = None
+            half_prompts = half_prompts_of(info)
+            if half_prompts is not None:
+                halves = tuple(cls._half_from_file(extra_tensors(every, f"{HALF_PREFIX}{name}."), layers, n, tensors,
+                                                   info, rules) for name, n in zip(HALF_NAMES, half_prompts))
             lens = cls({layer: tensors[f"J.{layer}"] for layer in layers},
                        {layer: tensors[f"experts.{layer}"] for layer in layers},
                        {layer: tensors[f"counts.{layer}"] for layer in layers},
@@ -410,7 +446,8 @@ class ExpertLens(MatrixTransportMixin):
                        weight_items=info.get("weight_items"), min_positions=info.get("min_positions", MIN_POSITIONS),
                        n_layers=info.get("n_layers"), settings=info.get("settings"),
                        model_name=info.get("model_name"), model_fingerprint=info.get("model_fingerprint"),
-                       diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"))
+                       diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"),
+                       halves=halves)  # type: ignore[arg-type]
         except (ValueError, KeyError) as exc:
             raise LensFileError(f"{str(path)!r} is not a consistent expert lens: {exc}") from exc
         from .canary import read_canary
@@ -419,6 +456,19 @@ class ExpertLens(MatrixTransportMixin):
         if model is not None:
             lens.check_model(model)
         return lens
+
+    @classmethod
+    def _half_from_file(cls, half: dict[str, torch.Tensor], layers: list[int], n_prompts: int,
+                        tensors: dict[str, torch.Tensor], info: dict[str, Any], rules: str) -> ExpertLens:
+        """One half from its tensors in a file (``J``, ``experts``, ``counts``), with the lens's clustering."""
+        return cls({layer: half[f"J.{layer}"] for layer in layers},
+                   {layer: half[f"experts.{layer}"] for layer in layers},
+                   {layer: half[f"counts.{layer}"] for layer in layers},
+                   {layer: Clustering(tensors[f"clustering.mean.{layer}"], tensors[f"clustering.components.{layer}"],
+                                      tensors[f"clustering.centroids.{layer}"]) for layer in layers},
+                   n_prompts, info["d_model"], target_layer=info["target_layer"], rules=rules,
+                   n_layers=info.get("n_layers"), settings=info.get("settings"), model_name=info.get("model_name"),
+                   model_fingerprint=info.get("model_fingerprint"))
 
     # -- combining -----------------------------------------------------------------------------
     @classmethod
@@ -451,17 +501,31 @@ class ExpertLens(MatrixTransportMixin):
             if bad:
                 raise ValueError(f"Cannot merge expert lenses with different clusterings (layers {bad}): fit the "
                                  "shards with the same cluster_prompts, so they compute the same clustering.")
-        total, settings = merged_prompts(lenses)
-        pooled, experts, counts = {}, {}, {}
-        for layer in first.source_layers:
-            pooled[layer] = prompt_weighted_mean([(lens.pooled[layer], lens.n_prompts) for lens in lenses], total)
-            count = functools.reduce(operator.add, [lens.counts[layer] for lens in lenses])  # [E]
-            sums = functools.reduce(operator.add, [lens.experts[layer].double()
-                                                   * lens.counts[layer].double()[:, None, None] for lens in lenses])
-            experts[layer] = (sums / count.clamp_min(1).double()[:, None, None]).float()
-            counts[layer] = count
-        return first._copy(pooled=pooled, experts=experts, counts=counts, n_prompts=total, settings=settings,
-                           diagnostics=[rec for lens in lenses for rec in lens.diagnostics], stop_reason=None)
+        _total, settings = merged_prompts(lenses)
+        halves = None
+        if all(lens.raw_halves is not None for lens in lenses):  # the halves add up like the lens (§3.3)
+            halves = tuple(_merged(first.raw_halves[h], [lens.raw_halves[h] for lens in lenses],  # type: ignore[index]
+                                   settings=settings, diagnostics=[]) for h in (0, 1))
+        elif any(lens.raw_halves is not None for lens in lenses):
+            log.info("Merged without split halves: some of the lenses keep none.")
+        return _merged(first, lenses, settings=settings, diagnostics=[rec for lens in lenses for rec in lens.diagnostics],
+                       halves=halves)
+
+
+def _merged(first: ExpertLens, lenses: Sequence[ExpertLens], **changes: Any) -> ExpertLens:
+    """``first`` with the pooled matrices' ``n_prompts``-weighted mean of ``lenses`` and their experts' position sums
+    and counts added (float64); zeros where none holds a prompt (a merged half may)."""
+    total = sum(lens.n_prompts for lens in lenses)
+    pooled, experts, counts = {}, {}, {}
+    for layer in first.source_layers:
+        pooled[layer] = prompt_weighted_mean([(lens.pooled[layer], lens.n_prompts) for lens in lenses], max(total, 1))
+        count = functools.reduce(operator.add, [lens.counts[layer] for lens in lenses])  # [E]
+        sums = functools.reduce(operator.add, [lens.experts[layer].double()
+                                               * lens.counts[layer].double()[:, None, None] for lens in lenses])
+        experts[layer] = (sums / count.clamp_min(1).double()[:, None, None]).float()
+        counts[layer] = count
+    return first._copy(pooled=pooled, experts=experts, counts=counts, n_prompts=total, stop_reason=None,
+                       **{"halves": None, **changes})
 
 
 def is_expert_lens_file(path: str | os.PathLike) -> bool:

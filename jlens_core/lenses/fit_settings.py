@@ -39,11 +39,13 @@ DEFAULT_CLUSTER_PROMPTS = 64
 
 def _flag(flag: str, help: str, *, dest: str | None = None, type: Callable[[str], Any] | None = None,
           default: Any = dataclasses.MISSING, choices: tuple[str, ...] | None = None,
-          metavar: str | None = None) -> dict[str, Any]:
+          metavar: str | None = None, action: str | None = None) -> dict[str, Any]:
     """A field's ``jlens fit`` flag: its name, ``help`` (verbatim), and the argparse ``dest``, ``type``,
-    ``choices``, ``metavar`` and ``default`` (when the flag's default is not the field's own)."""
+    ``choices``, ``metavar``, ``action`` (``"store_false"``: a switch that turns a true field off) and
+    ``default`` (when the flag's default is not the field's own)."""
     spec: dict[str, Any] = {"flag": flag, "help": help}
-    for key, value in (("dest", dest), ("type", type), ("choices", choices), ("metavar", metavar)):
+    for key, value in (("dest", dest), ("type", type), ("choices", choices), ("metavar", metavar),
+                       ("action", action)):
         if value is not None:
             spec[key] = value
     if default is not dataclasses.MISSING:
@@ -141,6 +143,9 @@ class _Fields:
             value = getattr(self, f.name)
             default = spec.get("default", f.default)
             if value is None or value == default:
+                continue
+            if spec.get("action") in ("store_true", "store_false"):
+                out.append(spec["flag"])
                 continue
             text = ",".join(str(v) for v in value) if isinstance(value, tuple) else str(value)
             # "--layers=-2,-1": argparse would take a value that starts with "-" (and is no number) for a flag
@@ -276,6 +281,11 @@ class FitPlan(_Fields):
             run on; ``None``: no budget.
         method: ``"auto"``, ``"fused"``, ``"batched"`` or ``"replicated"`` (same result, speed and memory differ).
         checkpoint_every: write the checkpoint every N prompts (>= 1).
+        first_prompt: the index of the first prompt in the whole prompt list (>= 0): a prompt's half is the
+            parity of its index there (docs/method.md §3.3), so slices of one list fitted apart and merged have
+            the halves of one fit.
+        halves: keep the even and odd prompts' sums apart as well (the lens's split halves, docs/method.md
+            §3.3): three sums per layer instead of one, in the same backward passes.
 
     Raises:
         ValueError: a bad value, in one sentence naming it.
@@ -298,6 +308,12 @@ class FitPlan(_Fields):
         choices=METHODS))
     checkpoint_every: int = field(default=1, metadata=_flag(
         "--checkpoint-every", "write the checkpoint every N prompts (default 1)", type=int))
+    first_prompt: int = field(default=0, metadata=_flag(
+        "--first-prompt", "start at this corpus text (default 0): fit disjoint slices anywhere, then `jlens merge`",
+        type=int))
+    halves: bool = field(default=True, metadata=_flag(
+        "--no-halves", "keep no split halves (default: keep the even and odd prompts' means, docs/method.md §3.3, "
+        "which makes the lens file about 3x the size)", action="store_false", dest="halves"))
 
     def __post_init__(self) -> None:
         if not _int(self.checkpoint_every) or self.checkpoint_every < 1:
@@ -306,6 +322,10 @@ class FitPlan(_Fields):
             raise ValueError(f"method={self.method!r} is not one of {METHODS}.")
         if self.dim_batch != "auto" and (not _int(self.dim_batch) or int(self.dim_batch) < 1):
             raise ValueError(f"dim_batch={self.dim_batch!r} must be an integer >= 1 or 'auto'.")
+        if not _int(self.first_prompt) or self.first_prompt < 0:
+            raise ValueError(f"first_prompt={self.first_prompt!r} must be an integer >= 0.")
+        if not isinstance(self.halves, bool):
+            raise ValueError(f"halves={self.halves!r} must be True or False.")  # noqa: TRY004 - one error type for settings
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **given: Any) -> FitPlan:
@@ -319,7 +339,8 @@ class FitPlan(_Fields):
         """The plan a lens file's ``settings`` dict records (defaults where an old file has none)."""
         memory = settings.get("memory")
         return cls(dim_batch=settings.get("dim_batch", 8), method=settings.get("method", "auto"),
-                   max_memory=memory.get("budget_bytes") if isinstance(memory, Mapping) else None)
+                   max_memory=memory.get("budget_bytes") if isinstance(memory, Mapping) else None,
+                   first_prompt=int(settings.get("first_prompt", 0)), halves=bool(settings.get("halves", False)))
 
 
 @dataclass(frozen=True)
@@ -334,7 +355,7 @@ class FitRecord(_Fields):
         diagnostics: one record per prompt x source layer (docs/method.md §3).
         stop_reason: why the fit stopped early (``None``: it read every prompt).
         half_prompts: ``(n_even, n_odd)``, the prompts in each half when the lens keeps its halves
-            (split halves); ``None`` otherwise.
+            (docs/method.md §3.3); ``None`` otherwise.
         canary: the lens check's canary summary, when the lens has one; ``None`` otherwise.
     """
 
@@ -375,6 +396,8 @@ def lens_settings(settings: FitSettings, plan: FitPlan, *, n_skipped: int,
     out: dict[str, Any] = {"skip_first": settings.skip_first, "max_seq_len": settings.max_seq_len,
                            "target_layer": settings.target_layer, "dim_batch": plan.dim_batch, "n_skipped": n_skipped,
                            "method": plan.method}
+    if plan.first_prompt:
+        out["first_prompt"] = plan.first_prompt
     if memory is not None:
         out["memory"] = dict(memory)
     if settings.experts:

@@ -8,11 +8,13 @@ import logging
 import operator
 import os
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
+from jaxtyping import Float
 
 from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
@@ -22,6 +24,8 @@ from .kinds import RULES
 from .protocol import FittedLens, Lens
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from .canary import Canary
 
 log = logging.getLogger(__name__)
@@ -32,6 +36,47 @@ FP16_MAX = 65504.0
 RESULT_SETTINGS = ("skip_first", "max_seq_len", "target_layer")
 # The backward rules a lens can be fitted with (docs/method.md §9.1): "jacobian" is the J-lens, "relevance" the R-lens.
 LENS_RULES = RULES  # ("jacobian", "relevance"): the rules of the lens kinds' table
+# Split halves in a lens file (docs/method.md §3.3): each half's own tensors under "half.even." / "half.odd.",
+# and a "halves" field in the header's metadata.
+HALF_PREFIX = "half."
+HALF_NAMES = ("even", "odd")
+# Extra tensors a lens file may carry beside the lens's own, each set under its prefix: the halves, the canary.
+EXTRA_PREFIXES = (HALF_PREFIX, "canary.")
+
+
+@dataclass
+class FileExtras:
+    """What a lens file carries beside the lens's own tensors and metadata (docs/method.md §4.1): named extra
+    tensors, each set under its own key prefix (:data:`EXTRA_PREFIXES`), and the header fields that describe
+    them. Readers that know none of them read the lens as before; old files have none."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, prefix: str, tensors: Mapping[str, torch.Tensor], **metadata: Any) -> None:
+        """Add ``tensors`` under ``prefix`` (``{"J.3": t}`` -> ``{prefix + "J.3": t}``) and header ``metadata``."""
+        self.tensors.update({prefix + name: tensor for name, tensor in tensors.items()})
+        self.metadata.update(metadata)
+
+
+def extra_tensors(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of a lens file under ``prefix``, named without it."""
+    return {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+
+
+def own_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of a lens file that are the lens's own (under no :data:`EXTRA_PREFIXES` prefix)."""
+    return {name: tensor for name, tensor in tensors.items() if not name.startswith(EXTRA_PREFIXES)}
+
+
+def half_prompts_of(info: Mapping[str, Any]) -> tuple[int, int] | None:
+    """``(n_even, n_odd)`` from a lens file header's ``halves`` field, or ``None`` when it keeps no halves."""
+    halves = info.get("halves")
+    if not isinstance(halves, Mapping):
+        return None
+    n_even, n_odd = halves["n_prompts"]
+    return int(n_even), int(n_odd)
+
 
 
 def check_made_for(lens: FittedLens, model: LensModel, *, what: str, made: str, remedy: str) -> None:
@@ -106,6 +151,84 @@ class MatrixTransportMixin(SourceLayersMixin):
         self._device_cache = {}
         self.canary: Canary | None = None  # the forward canary of the lens check (docs/method.md §4.2), set by fit
 
+    def _set_halves(self, halves: Sequence[Any] | None) -> None:
+        """Keep the split halves (docs/method.md §3.3): two lenses of this class and layers (a half may hold 0
+        prompts: a fit of one prompt, a slice to merge), or ``None``.
+
+        Raises:
+            ValueError: not two lenses of this class, width and layers.
+        """
+        self._halves: tuple[Any, Any] | None = None
+        if halves is None:
+            return
+        halves = tuple(halves)
+        if len(halves) != 2 or any(type(h) is not type(self) or h.d_model != self.d_model
+                                   or h.source_layers != self.source_layers for h in halves):
+            raise ValueError(f"halves must be two {type(self).__name__}s of width {self.d_model} and layers "
+                             f"{self.source_layers} (the even and the odd prompts' lenses).")
+        self._halves = (halves[0], halves[1])
+
+    @property
+    def raw_halves(self) -> tuple[Any, Any] | None:
+        """The even and odd halves as kept, a half of 0 prompts included (for merging and saving); ``None``
+        without halves. Use :meth:`halves` to read them."""
+        return self._halves
+
+    @property
+    def half_prompts(self) -> tuple[int, int] | None:
+        """``(n_even, n_odd)``: the prompts in each half, or ``None`` without halves."""
+        return None if self._halves is None else (self._halves[0].n_prompts, self._halves[1].n_prompts)
+
+    def halves(self) -> tuple[Any, Any] | None:
+        """The split halves (docs/method.md §3.3): ``(even, odd)``, lenses of this class and layers, the means
+        of the even and the odd prompts of the fit (a prompt's half is the parity of its index in the whole
+        prompt list); ``None`` when the lens (or its file) keeps none, or when a half holds no prompt."""
+        if self._halves is None or min(h.n_prompts for h in self._halves) == 0:
+            return None
+        return self._halves
+
+    def half_diagnostics(self) -> pd.DataFrame:
+        """Per source layer, how far the halves agree and what that predicts for the lens (docs/method.md §3.3).
+
+        Columns: ``layer``, ``n_even``, ``n_odd``, ``half_rel_diff`` = ``||J_even - J_odd||_F / ||J||_F`` and
+        ``predicted_rel_se`` = ``||J_even - J_odd||_F sqrt(n_even n_odd) / (n ||J||_F)``, the predicted relative
+        standard error (Frobenius) of the full mean of ``n`` prompts (``half_rel_diff / 2`` for equal halves).
+        Matrices as read (:meth:`matrix`).
+
+        Raises:
+            ValueError: the lens has no halves (one sentence: how to get them).
+        """
+        import pandas as pd
+
+        halves = self.halves()
+        if halves is None:
+            raise ValueError("This lens keeps no split halves (fitted with --no-halves or before halves existed, "
+                             "or a half has no prompt): fit it again to get them (docs/method.md §3.3).")
+        even, odd = halves
+        n_even, n_odd = even.n_prompts, odd.n_prompts
+        n = n_even + n_odd
+        rows = []
+        for layer in self.source_layers:
+            full = self.matrix(layer).double()
+            diff = float((even.matrix(layer).double() - odd.matrix(layer).double()).norm())
+            rel = diff / max(float(full.norm()), 1e-300)
+            rows.append({"layer": layer, "n_even": n_even, "n_odd": n_odd, "half_rel_diff": rel,
+                         "predicted_rel_se": rel * (n_even * n_odd) ** 0.5 / n})
+        return pd.DataFrame(rows)
+
+    def _half_extras(self, extras: FileExtras, store: torch.dtype) -> None:
+        """Add the halves' tensors (each half's own, :meth:`_file_tensors`, under ``half.even.`` / ``half.odd.``)
+        and the header's ``halves`` field to ``extras``; nothing without halves."""
+        if self._halves is None:
+            return
+        for name, half in zip(HALF_NAMES, self._halves):
+            extras.add(f"{HALF_PREFIX}{name}.", half._file_tensors(store, for_half=True))
+        extras.metadata["halves"] = {"prefix": HALF_PREFIX, "names": list(HALF_NAMES),
+                                     "n_prompts": list(self.half_prompts or ())}
+
+    def _file_tensors(self, store: torch.dtype, *, for_half: bool = False) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
     @property
     def fit_settings(self) -> FitSettings:
         """What shaped this lens (:class:`~jlens_core.lenses.fit_settings.FitSettings`): its layers and rules, and
@@ -114,8 +237,9 @@ class MatrixTransportMixin(SourceLayersMixin):
 
     @property
     def fit_plan(self) -> FitPlan:
-        """How its fit ran (:class:`~jlens_core.lenses.fit_settings.FitPlan`), as far as its settings record it."""
-        return FitPlan.from_lens(self.settings)
+        """How its fit ran (:class:`~jlens_core.lenses.fit_settings.FitPlan`), as far as its settings record it;
+        ``halves`` says whether it keeps its halves."""
+        return FitPlan.from_lens(self.settings).replace(halves=self._halves is not None)
 
     @property
     def record(self) -> FitRecord:
@@ -123,12 +247,14 @@ class MatrixTransportMixin(SourceLayersMixin):
         skipped, diagnostics, stop reason."""
         return FitRecord(model_name=self.model_name, model_fingerprint=self.model_fingerprint,
                          n_prompts=self.n_prompts, n_skipped=int(self.settings.get("n_skipped", 0)),
-                         diagnostics=tuple(self.diagnostics), stop_reason=self.stop_reason)
+                         diagnostics=tuple(self.diagnostics), stop_reason=self.stop_reason,
+                         half_prompts=self.half_prompts)
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         raise NotImplementedError
 
-    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+    def transport(self, h: Float[torch.Tensor, "*batch d_model"],
+                  layer: int) -> Float[torch.Tensor, "*batch d_model"]:
         """``J_l @ h`` over the last axis (``J_l`` = :meth:`matrix`): ``[..., d_model] -> [..., d_model]``,
         in ``h``'s dtype and device.
 
@@ -226,6 +352,8 @@ def merged_prompts(lenses: Sequence[MatrixTransportMixin]) -> tuple[int, dict[st
     if total <= 0:
         raise ValueError("Cannot merge lenses that hold zero prompts.")
     settings = dict(lenses[0].settings, merged_from=len(lenses))
+    if any("first_prompt" in lens.settings for lens in lenses):  # slices of one list: where the first one starts
+        settings["first_prompt"] = min(int(lens.settings.get("first_prompt", 0)) for lens in lenses)
     if all("n_skipped" in lens.settings for lens in lenses):
         settings["n_skipped"] = sum(int(lens.settings["n_skipped"]) for lens in lenses)
     return total, settings
@@ -266,11 +394,12 @@ class LogitLens:
         """Every layer below the target."""
         return list(range(self.target_layer))
 
-    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+    def transport(self, h: Float[torch.Tensor, "*batch d_model"],
+                  layer: int) -> Float[torch.Tensor, "*batch d_model"]:
         """Identity: ``[..., d_model] -> [..., d_model]``."""
         return h
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """``I``, fp32 ``[d_model, d_model]``.
 
         Raises:
@@ -306,16 +435,20 @@ class JacobianLens(MatrixTransportMixin):
         shrinkage: ``a`` in ``(1 - a) J + a I`` applied by :meth:`transport` (default 0).
         rules: the backward rules of the fit: ``"jacobian"`` (the J-lens, default) or ``"relevance"``
             (the R-lens, docs/method.md §9.1). :attr:`kind` is the same word.
+        halves: the split halves ``(even, odd)``, two :class:`JacobianLens` of the same layers (docs/method.md
+            §3.3), or ``None``; read them with :meth:`halves`.
 
     Raises:
-        ValueError: a matrix that is not ``[d_model, d_model]``, no matrices, or unknown ``rules``.
+        ValueError: a matrix that is not ``[d_model, d_model]``, no matrices, unknown ``rules``, or halves that
+            are not two lenses of these layers.
     """
 
-    def __init__(self, jacobians: dict[int, torch.Tensor], n_prompts: int, d_model: int, *,
+    def __init__(self, jacobians: dict[int, Float[torch.Tensor, "d_model d_model"]], n_prompts: int, d_model: int,
+                 *,
                  target_layer: int | None = None, n_layers: int | None = None, settings: dict | None = None,
                  model_name: str | None = None, model_fingerprint: dict | None = None,
                  diagnostics: list[dict] | None = None, shrinkage: float = 0.0, stop_reason: str | None = None,
-                 rules: str = "jacobian") -> None:
+                 rules: str = "jacobian", halves: tuple[JacobianLens, JacobianLens] | None = None) -> None:
         if not jacobians:
             raise ValueError("A JacobianLens needs at least one layer's matrix.")
         if rules not in LENS_RULES:
@@ -332,6 +465,7 @@ class JacobianLens(MatrixTransportMixin):
         self._set_fit_record(n_prompts, target_layer if target_layer is not None else max(self.jacobians) + 1,
                              n_layers, settings, model_name, model_fingerprint, diagnostics, stop_reason)
         self.shrinkage = float(shrinkage)
+        self._set_halves(halves)
 
     @property
     def kind(self) -> str:
@@ -349,7 +483,7 @@ class JacobianLens(MatrixTransportMixin):
     def source_layers(self) -> list[int]:
         return sorted(self.jacobians)
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """``J_l`` with shrinkage applied: ``(1 - a) J_l + a I``, fp32 ``[d_model, d_model]``.
 
         Raises:
@@ -368,11 +502,13 @@ class JacobianLens(MatrixTransportMixin):
         """A copy whose :meth:`transport` uses ``(1 - alpha) J + alpha I`` (``0 <= alpha <= 1``)."""
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"shrinkage alpha={alpha} must lie in [0, 1].")
+        halves = None if self._halves is None else (self._halves[0].with_shrinkage(alpha),
+                                                    self._halves[1].with_shrinkage(alpha))
         copy = JacobianLens(self.jacobians, self.n_prompts, self.d_model, target_layer=self.target_layer,
                             n_layers=self.n_layers, settings=self.settings, model_name=self.model_name,
                             model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
-                            shrinkage=alpha, stop_reason=self.stop_reason, rules=self.rules)
-        copy.canary = self.canary  # the same model: the same canary
+                            shrinkage=alpha, stop_reason=self.stop_reason, rules=self.rules, halves=halves)
+        copy.canary = self.canary  # the same model: the same canary (docs/method.md §4.2)
         return copy
 
     def check_model(self, model: LensModel) -> None:
@@ -388,26 +524,22 @@ class JacobianLens(MatrixTransportMixin):
                 "target_layer": self.target_layer, "n_prompts": self.n_prompts, "settings": self.settings,
                 "rules": self.rules, "stop_reason": self.stop_reason, "diagnostics": self.diagnostics}
 
-    def save(self, path: str | os.PathLike, *, dtype: str | torch.dtype = "float32") -> Path:
+    def _file_tensors(self, store: torch.dtype, *, for_half: bool = False) -> dict[str, torch.Tensor]:
+        return {f"J.{layer}": mat.to(store).contiguous() for layer, mat in self.jacobians.items()}
+
+    def save(self, path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", halves: bool = True) -> Path:
         """Write safetensors weights (``J.<layer>``) with the JSON metadata in the header, atomically.
 
         ``dtype`` is ``float32`` or ``float16``. fp16 refuses values that would overflow: it warns and
-        stores fp32 instead.
+        stores fp32 instead. ``halves`` (default) also writes the split halves when the lens keeps them
+        (``half.even.J.<layer>``, ``half.odd.J.<layer>`` and a ``halves`` header field, docs/method.md §3.3): the
+        file is then about 3x the size.
 
         Returns:
             The path written.
         """
-        from safetensors.torch import save_file
-
-        from .canary import canary_file_parts
-
-        store = storage_dtype(dtype, self.jacobians.values())
-        tensors = {f"J.{layer}": mat.to(store).contiguous() for layer, mat in self.jacobians.items()}
-        meta = {"format": FORMAT_NAME, "jlens": json.dumps(self.metadata())}
-        extra_tensors, extra_meta = canary_file_parts(self)  # the lens check's canary, when it has one (§4.2)
-        tensors.update(extra_tensors)
-        meta.update(extra_meta)
-        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), shared=True)
+        write_lens_file(path, FORMAT_NAME, self.metadata(), self, dtype, list(self.jacobians.values()), halves)
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, model: LensModel | None = None) -> JacobianLens:
@@ -474,17 +606,30 @@ class JacobianLens(MatrixTransportMixin):
         from .canary import read_canary
 
         info, tensors = read_lens_safetensors(path, FORMAT_NAME, "is a safetensors file but not a jlens lens "
-                                              "(no jlens metadata in its header).", prefix="J.",
-                                              key=lambda k: int(k.split(".", 1)[1]))
+                                              "(no jlens metadata in its header).", key=str)
         rules = checked_rules(path, info, what="lens", version=FORMAT_VERSION)
-        missing = [layer for layer in info.get("source_layers", []) if layer not in tensors]
-        if missing or not tensors:
+
+        def matrices(named: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+            return {int(k.split(".", 1)[1]): v for k, v in named.items() if k.startswith("J.")}
+
+        own = matrices(own_tensors(tensors))
+        missing = [layer for layer in info.get("source_layers", []) if layer not in own]
+        if missing or not own:
             raise LensFileError(f"{str(path)!r} lacks the matrices of layers {missing or 'all'}.")
-        lens = cls(tensors, info["n_prompts"], info["d_model"], target_layer=info.get("target_layer"),
-                   n_layers=info.get("n_layers"), settings=info.get("settings"),
-                   model_name=info.get("model_name"), model_fingerprint=info.get("model_fingerprint"),
-                   diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"), rules=rules)
-        lens.canary = read_canary(path)
+        common: dict[str, Any] = {"target_layer": info.get("target_layer"), "n_layers": info.get("n_layers"),
+                  "settings": info.get("settings"), "model_name": info.get("model_name"),
+                  "model_fingerprint": info.get("model_fingerprint"), "rules": rules}
+        halves = None
+        half_prompts = half_prompts_of(info)
+        if half_prompts is not None:
+            halves = tuple(cls(matrices(extra_tensors(tensors, f"{HALF_PREFIX}{name}.")), n, info["d_model"],
+                               **common) for name, n in zip(HALF_NAMES, half_prompts))
+        try:
+            lens = cls(own, info["n_prompts"], info["d_model"], diagnostics=info.get("diagnostics"),
+                       stop_reason=info.get("stop_reason"), halves=halves, **common)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise LensFileError(f"{str(path)!r} is not a consistent lens: {exc}") from exc
+        lens.canary = read_canary(path)  # the lens check's canary (docs/method.md §4.2), when the file has one
         return lens
 
     @classmethod
@@ -532,11 +677,57 @@ class JacobianLens(MatrixTransportMixin):
         mats = {layer: prompt_weighted_mean([(lens.jacobians[layer], lens.n_prompts) for lens in lenses], total)
                 for layer in first.source_layers}
         diagnostics = [rec for lens in lenses for rec in lens.diagnostics]
+        halves = None
+        if all(lens.raw_halves is not None for lens in lenses):  # the halves add up like the lens (§3.3)
+            halves = tuple(_merged_half(cls, [lens.raw_halves[h] for lens in lenses], settings)  # type: ignore[index]
+                           for h in (0, 1))
+        elif any(lens.raw_halves is not None for lens in lenses):
+            log.info("Merged without split halves: some of the lenses keep none.")
         merged = cls(mats, total, first.d_model, target_layer=first.target_layer, n_layers=first.n_layers,
                      settings=settings, model_name=first.model_name, model_fingerprint=first.model_fingerprint,
-                     diagnostics=diagnostics, rules=first.rules)
+                     diagnostics=diagnostics, rules=first.rules, halves=halves)  # type: ignore[arg-type]
         merged.canary = next((lens.canary for lens in lenses if lens.canary is not None), None)  # one model (§4.2)
         return merged
+
+
+def _merged_half(cls: type[JacobianLens], halves: Sequence[JacobianLens], settings: dict) -> JacobianLens:
+    """One half of a merge: the ``n_prompts``-weighted mean of that half of each lens (zeros when none of
+    them holds a prompt of it)."""
+    first = halves[0]
+    total = sum(h.n_prompts for h in halves)
+    mats = {layer: prompt_weighted_mean([(h.jacobians[layer], h.n_prompts) for h in halves], max(total, 1))
+            for layer in first.source_layers}
+    return cls(mats, total, first.d_model, target_layer=first.target_layer, n_layers=first.n_layers,
+               settings=settings, model_name=first.model_name, model_fingerprint=first.model_fingerprint,
+               rules=first.rules)
+
+
+def write_lens_file(path: str | os.PathLike, format_name: str, info: dict[str, Any], lens: MatrixTransportMixin,
+                    dtype: str | torch.dtype, matrices: list[torch.Tensor], halves: bool,
+                    extras: FileExtras | None = None) -> None:
+    """Write ``lens`` as a safetensors lens file, atomically: its own tensors (:meth:`_file_tensors`), its halves
+    when it keeps them and ``halves`` is set, and ``extras`` (named extra tensors and header fields), with
+    ``info`` as the header's ``jlens`` JSON. ``matrices`` (with the halves') decide the storage dtype
+    (:func:`storage_dtype`)."""
+    from safetensors.torch import save_file
+
+    from .canary import canary_file_parts
+
+    extras = extras if extras is not None else FileExtras()
+    raw = lens.raw_halves if halves else None
+    if raw is not None:
+        matrices = [*matrices, *(m for h in raw for m in h._file_tensors(torch.float32, for_half=True).values()
+                                 if m.is_floating_point())]
+    store = storage_dtype(dtype, matrices)
+    tensors = lens._file_tensors(store)
+    if halves:
+        lens._half_extras(extras, store)
+    tensors.update(extras.tensors)
+    meta = {"format": format_name, "jlens": json.dumps({**info, **extras.metadata})}
+    canary_tensors, canary_meta = canary_file_parts(lens)  # the lens check's canary, when it has one (§4.2)
+    tensors.update(canary_tensors)
+    meta.update(canary_meta)
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), shared=True)
 
 
 def lens_layers(lens: Lens, layers: Iterable[int] | None = None) -> list[int]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
+    from jaxtyping import Float
 
     from ..models.model import LensModel
 
@@ -64,7 +65,8 @@ class Lens(Protocol):
         """The layers below the target the lens reads (where its transport is not the identity)."""
         ...
 
-    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+    def transport(self, h: Float[torch.Tensor, "*batch d_model"],
+                  layer: int) -> Float[torch.Tensor, "*batch d_model"]:
         """``M_layer h`` over the last axis: ``[..., d_model] -> [..., d_model]``, in ``h``'s dtype and device.
 
         Raises:
@@ -72,7 +74,7 @@ class Lens(Protocol):
         """
         ...
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """The linear part of the transport at ``layer``: fp32 ``[d_model, d_model]`` (CPU).
 
         Raises:

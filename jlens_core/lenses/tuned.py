@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from jaxtyping import Float
 
 from .._atomic import atomic_write
 from ..models.model import LensModel
@@ -56,7 +57,9 @@ class TunedLens(SourceLayersMixin):
 
     kind = "tuned"
 
-    def __init__(self, translators: dict[int, tuple[torch.Tensor, torch.Tensor]], d_model: int, *,
+    def __init__(self,
+                 translators: dict[int, tuple[Float[torch.Tensor, "d_model d_model"], Float[torch.Tensor, " d_model"]]],
+                 d_model: int, *,
                  target_layer: int, n_layers: int | None = None, model_name: str = "",
                  model_fingerprint: dict | None = None, settings: dict | None = None,
                  metrics: dict | None = None) -> None:
@@ -98,12 +101,13 @@ class TunedLens(SourceLayersMixin):
     def source_layers(self) -> list[int]:
         return sorted(self.translators)
 
-    def matrix(self, layer: int) -> torch.Tensor:
+    def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """``I + A_layer`` (fp32): the linear part of the transport."""
         a, _ = self.translators[int(layer)]
         return torch.eye(self.d_model) + a
 
-    def transport(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+    def transport(self, h: Float[torch.Tensor, "*batch d_model"],
+                  layer: int) -> Float[torch.Tensor, "*batch d_model"]:
         """``h + h A^T + b`` over the last axis (identity at the target layer).
 
         Raises:

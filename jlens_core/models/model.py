@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import torch
+from jaxtyping import Float, Int
 from torch import nn
 
 from .layouts import ModelLayout, find_layout, get_path
@@ -185,17 +186,19 @@ class LensModel(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
-    def encode(self, text: str, max_length: int | None = None) -> torch.Tensor: ...
+    def encode(self, text: str, max_length: int | None = None) -> Int[torch.Tensor, "1 seq"]: ...
 
-    def decode(self, token_ids: int | Sequence[int] | torch.Tensor) -> str: ...
+    def decode(self, token_ids: int | Sequence[int] | Int[torch.Tensor, "*shape"]) -> str: ...
 
     def chat(self, user: str, *, system: str | None = None, assistant_prefill: str | None = None) -> str: ...
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def forward(self, input_ids: Int[torch.Tensor, "batch seq"]) -> Float[torch.Tensor, "batch seq d_model"]: ...
 
-    def run_with_cache(self, input_ids: torch.Tensor, cache: Any = None, use_cache: bool = False) -> Any: ...
+    def run_with_cache(self, input_ids: Int[torch.Tensor, "batch seq"], cache: Any = None,
+                       use_cache: bool = False) -> Any: ...
 
-    def unembed(self, h: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor: ...
+    def unembed(self, h: Float[torch.Tensor, "*batch d_model"], *,
+                out: Float[torch.Tensor, "*batch vocab"] | None = None) -> Float[torch.Tensor, "*batch vocab"]: ...
 
     def fingerprint(self) -> dict: ...
 
@@ -301,7 +304,7 @@ class HFLensModel:
         return weight_of(self.embed).dtype
 
     # -- text ----------------------------------------------------------------------------------
-    def encode(self, text: str, max_length: int | None = None) -> torch.Tensor:
+    def encode(self, text: str, max_length: int | None = None) -> Int[torch.Tensor, "1 seq"]:
         """Tokenize ``text`` (with the tokenizer's special tokens, e.g. BOS), truncated.
 
         Returns:
@@ -318,7 +321,7 @@ class HFLensModel:
             raise ValueError(f"The prompt {text[:40]!r} tokenizes to no tokens.")
         return ids.to(self.device)
 
-    def decode(self, token_ids: int | Sequence[int] | torch.Tensor) -> str:
+    def decode(self, token_ids: int | Sequence[int] | Int[torch.Tensor, "*shape"]) -> str:
         """Token ids (int, list or tensor) back to text."""
         if isinstance(token_ids, torch.Tensor):
             if token_ids.dim() == 2 and token_ids.shape[0] == 1:  # what encode returns
@@ -345,7 +348,8 @@ class HFLensModel:
         return text + (assistant_prefill or "")
 
     # -- compute -------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, input_ids: Int[torch.Tensor, "batch seq"],
+                **kwargs: Any) -> Float[torch.Tensor, "batch seq d_model"]:
         """Run the decoder stack (embedding, layers, final norm), without the output head.
 
         Args:
@@ -359,7 +363,8 @@ class HFLensModel:
         out = self.base(input_ids=input_ids, **kwargs)
         return out[0] if isinstance(out, tuple) else out.last_hidden_state
 
-    def run_with_cache(self, input_ids: torch.Tensor, cache: Any = None, use_cache: bool = False) -> Any:
+    def run_with_cache(self, input_ids: Int[torch.Tensor, "batch seq"], cache: Any = None,
+                       use_cache: bool = False) -> Any:
         """Run the base model on ``input_ids`` continuing from ``cache``; returns the new cache.
 
         Positions continue from the cache's length. Used by the estimator to run a prefix once
@@ -371,7 +376,8 @@ class HFLensModel:
         out = self.base(input_ids=input_ids, **kwargs)
         return getattr(out, "cache", None) if hasattr(out, "cache") else getattr(out, "past_key_values", None)
 
-    def unembed(self, h: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def unembed(self, h: Float[torch.Tensor, "*batch d_model"], *,
+                out: Float[torch.Tensor, "*batch vocab"] | None = None) -> Float[torch.Tensor, "*batch vocab"]:
         """Final norm, then the output head; then the model's logit scale and soft-cap, if any.
 
         The readout is the model's own: a pre-head or readout module (OPT's ``project_out``, BERT's
@@ -409,7 +415,8 @@ class HFLensModel:
             logits = out.copy_(logits)
         return self.scale_and_cap(logits, inplace=out is not None or not logits.requires_grad)
 
-    def scale_and_cap(self, logits: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+    def scale_and_cap(self, logits: Float[torch.Tensor, "*batch vocab"], *,
+                      inplace: bool = False) -> Float[torch.Tensor, "*batch vocab"]:
         """The model's logit scale, then its soft-cap, applied to head outputs (what :meth:`unembed` does
         after the head): ``cap * tanh(scale * logits / cap)``, or ``scale * logits`` without a cap.
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from jaxtyping import Bool, Float, Int
 
 from ..models.model import LensModel
 from ..models.recorder import ActivationRecorder, block_output, register_own_thread_hook
@@ -39,11 +40,12 @@ class ResidualEdit(Protocol):
     layers: Sequence[int]
     needs_clean: bool
 
-    def selects(self, positions: torch.Tensor, n_prompt: int) -> torch.Tensor:
+    def selects(self, positions: Int[torch.Tensor, " seq"], n_prompt: int) -> Bool[torch.Tensor, " seq"]:
         """``BoolTensor[n]``: which of the absolute ``positions [n]`` this edit changes."""
         ...
 
-    def apply(self, layer: int, h: torch.Tensor, clean: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: int, h: Float[torch.Tensor, "rows d_model"],
+              clean: Float[torch.Tensor, "rows d_model"] | None) -> Float[torch.Tensor, "rows d_model"]:
         """Edited residuals ``[n, d_model]`` from ``h [n, d_model]`` (and the clean ones, when needed)."""
         ...
 
@@ -61,7 +63,7 @@ class PositionRule:
     positions: tuple[int, ...] | None = None
     on_generated: bool = False
 
-    def selects(self, positions: torch.Tensor, n_prompt: int) -> torch.Tensor:
+    def selects(self, positions: Int[torch.Tensor, " seq"], n_prompt: int) -> Bool[torch.Tensor, " seq"]:
         in_prompt = positions < n_prompt
         if self.positions is None:
             chosen = in_prompt & (positions > 0)

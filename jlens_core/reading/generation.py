@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from jaxtyping import Int
 
 from ..models.model import LensModel
 from .edit_hooks import EditRunner
@@ -157,7 +158,8 @@ class _Stepper:
         return out.logits[0, -1]
 
 
-def generate(model: LensModel, prompt: str | Iterable[int] | torch.Tensor, *, max_new_tokens: int = 32,
+def generate(model: LensModel, prompt: str | Iterable[int] | Int[torch.Tensor, "*shape"], *,
+             max_new_tokens: int = 32,
              temperature: float = 0.0, seed: int | None = None, chat: bool = False, stop_at_eos: bool = True,
              top_k: int = 10, edits: Iterable[Any] | None = None,
              progress: Callable[[GenerationProgress], bool | None] | None = None) -> Generation:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from jaxtyping import Int
 
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
@@ -73,7 +74,8 @@ def _resolve_pinned(model: LensModel, display: TokenDisplay, pinned: Iterable[st
 
 
 
-def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | torch.Tensor | Generation, *, top_k: int = 10,
+def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | Int[torch.Tensor, "*shape"] | Generation, *,
+                top_k: int = 10,
                 layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                 pinned: Iterable[str | int] = (), show_whitespace: bool = False,
                 max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
@@ -132,7 +134,8 @@ def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | torch.
                         halves=halves, stability_k=stability_k)["lens"]
 
 
-def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens, text: str | Sequence[int] | torch.Tensor | Generation,
+def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
+                 text: str | Sequence[int] | Int[torch.Tensor, "*shape"] | Generation,
                  *, top_k: int = 10, layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                  pinned: Iterable[str | int] = (), show_whitespace: bool = False,
                  max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
