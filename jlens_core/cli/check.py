@@ -39,6 +39,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     lens = load_lens_file(path) if path is not None else load_lens(args.lens)
     if args.lens == "logit" or not hasattr(lens, "target_layer"):
         raise CLIError(f"{args.lens!r} is not a fitted lens file: give one (jlens check LENS.safetensors).")
+    if str(lens.kind) == "tuned":
+        raise CLIError(f"{args.lens!r} is a tuned lens: the lens check covers lenses fitted by `jlens fit` (J, R-lens, "
+                       "experts).")
     try:
         lens.check_model(model)
     except LensFileError as exc:
