@@ -187,3 +187,14 @@ def test_a_parameter_on_one_side_only_is_left_out():
     result = check_lens(tiny(), lens)
     weights = next(p for p in result.parts if p.part == "weights fingerprint")
     assert result.status == "same" and "1 parameter(s) on one side only" in weights.detail
+
+
+def test_a_16_bit_check_is_coarse_but_catches_edited_weights():
+    model = make_tiny()
+    model.hf_model.to(torch.bfloat16)
+    result = check_lens(model, fitted())  # a float32 canary
+    assert result.status == "same" and "coarse check in bfloat16" in result.message
+    with torch.no_grad():
+        model.layers[2].input_layernorm.weight.mul_(1.01)
+    failed = {p.part: p for p in check_lens(model, fitted()).failed}
+    assert failed["weights fingerprint"].first_layer == 2

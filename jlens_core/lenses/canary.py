@@ -218,12 +218,14 @@ def make_canary(model: LensModel, lens: Lens | None = None, *, source_layer: int
 
 # -- checking ------------------------------------------------------------------------------------------------
 def tolerances(dtype_then: str, dtype_now: str) -> dict[str, float]:
-    """Relative tolerances per part: float32 on both sides is held to 1e-4 (devices and BLAS differ in
-    summation order), a 16-bit dtype on either side to 2e-2 (its rounding); the weights' norms to 1e-4 in
-    float32, 2e-3 otherwise (norms average the rounding of millions of weights)."""
+    """Relative tolerances per part. float32 on both sides: 1e-4 (summation order differs by thread count, BLAS
+    and device: 0 for the residuals and 1.8e-6 for the Jacobian between 1 and 2 threads on the default model). A
+    16-bit dtype on either side: the rounding itself moves them (the default model in bfloat16 against its
+    float32 canary: residuals 1.8e-2, Jacobian 5.6e-2, weights' norms 2.3e-5), so 5e-2, 1.5e-1 and 2e-3: a coarse
+    check, which still catches edited weights (check in float32 for small forward changes)."""
     wide = any(d in ("float16", "bfloat16") for d in (dtype_then, dtype_now))
-    return {"weights fingerprint": 2e-3 if wide else 1e-4, "residuals": 2e-2 if wide else 1e-4,
-            "Jacobian": 2e-2 if wide else 1e-4}
+    return {"weights fingerprint": 2e-3 if wide else 1e-4, "residuals": 5e-2 if wide else 1e-4,
+            "Jacobian": 1.5e-1 if wide else 1e-4}
 
 
 @dataclass
@@ -371,12 +373,14 @@ def check_canary(model: LensModel, canary: Canary) -> CheckResult:
                          time.perf_counter() - t0)
     name = str(model.name)
     if not result.failed:
+        coarse = "" if canary.dtype == dtype_now == "float32" else f", a coarse check in {dtype_now}"
         result.message = (f"Still the lens of {name}: the canary's residuals, Jacobian and weights fingerprint agree "
-                          f"(largest relative difference {max(p.difference for p in parts):.1e}).")
+                          f"(largest relative difference {max(p.difference for p in parts):.1e}{coarse}).")
         return result
     result.status = "changed"
     what = "; ".join(f"{p.part}: {p.detail}" for p in result.failed)
-    dtypes = "" if canary.dtype == dtype_now else f"; dtype then {canary.dtype}, now {dtype_now}"
+    dtypes = "" if canary.dtype == dtype_now else (f"; dtype then {canary.dtype}, now {dtype_now} (load the model "
+                                                   "in float32 for a finer check)")
     result.message = (f"Not the lens of {name} as it is now: {what}. Versions then: {_format_versions(canary.versions)};"
                       f" now: {_format_versions(now)}{dtypes}.")
     return result
