@@ -61,7 +61,7 @@ PERSISTENT_KEYS = ("prompt", "mode", "stat", "chat", "top_k", "pinned", "stride"
                    "eval_source", "eval_n", "fit_run", "gen_n", "gen_temp", "gen_seed", "band",
                    "mc_word_like", "iv_op", "iv_token", "iv_replacement", "iv_strength", "iv_alpha", "iv_layers",
                    "iv_pos_mode", "iv_pos_range", "iv_on_generated", "iv_new", "iv_edited_heatmap", "iv_centred", "iv_lens",
-                   "pair_a", "pair_b", "fit_rules", "stability")
+                   "pair_a", "pair_b", "fit_rules", "st_sets", "st_k", "st_n", "st_filter", "st_path", "stability")
 # (the lens slots' path boxes are kept too: url_state adds them, one per slot)
 # A rerun dims the last run's elements with a 1 s opacity fade (from 0.5 s in), and expanders fade their
 # borders: Chromium without a GPU repaints the page every frame of it, on the cores the run's matrix
@@ -70,6 +70,7 @@ STALE_CSS = """<style>
 .stElementContainer[data-stale="true"] { transition: opacity 0s linear 1s !important; }
 [data-testid="stExpander"] details, [data-testid="stExpander"] summary { transition-duration: 0s !important; }
 </style>"""
+STUDY_URL_KEYS = ("sets", "set_path", "k", "n", "filter")  # the Study page's part of the URL (url_state)
 READING_ONLY = "Opened from a reading file: load the model to read new prompts."  # what is disabled, and why
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, LensFileError, KeyError, OSError)
 ENV_MAX_FITS = "JLENS_APP_MAX_FITS"  # fits running at once, at most (`jlens app --max-fits`)

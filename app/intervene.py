@@ -12,6 +12,7 @@ from typing import Any
 import streamlit as st
 
 import common
+import say_box
 from jlens_core.figures.interventions import comparison_figure
 from jlens_core.interventions import Ablate, Steer, Swap
 from jlens_core.interventions.compare import compare_runs
@@ -212,7 +213,14 @@ def panel(ctx: Any, readings: dict, chat_text: str, n_prompt: int) -> None:
                      "logit shifts by the same amount, so readings do not change, but the vector an edit adds or "
                      "exchanges does (docs/interventions.md).")
     st.button("Run", key="iv_run", on_click=request_run, type="primary", icon=":material/science:")
+    _show_run(ctx, chat_text)
+    start = min(max(1, int(ss.get("cell_pos") or 1)), max(0, n_prompt - 1))  # "from the clicked one"
+    say_box.box(ctx, name, lens, chat_text, tuple(ss.iv_layers), start)
 
+
+def _show_run(ctx: Any, chat_text: str) -> None:
+    """The last Run's clean-vs-edited comparison (or why there is none)."""
+    model = ctx.model
     stored = current(ctx, chat_text)
     if stored is None:
         if ss.get("iv_result"):

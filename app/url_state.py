@@ -1,8 +1,9 @@
 """The view kept in the URL: query parameters seed a session and are written back after every run.
 
 What a user sets up (``model``, ``lens``, ``rlens``, ``jpp``, ``rpp``, ``tuned``, ``extra``, ``prompt``, ``mode``,
-``stat``, ``pair``, ``vocab``, ``centred``, ``iv_lens``, ``gen``, ``temp``, ``seed``, ``band``, ``stability``) is in the
-page's URL, so a view can be shared and reloaded. Each lens slot (:data:`lens_slots.SLOTS`) has its own parameter, named by the slot;
+``stat``, ``pair``, ``vocab``, ``centred``, ``iv_lens``, ``gen``, ``temp``, ``seed``, ``band``, ``pin``, ``stability``; the Study page's
+``sets``, ``set_path``, ``k``, ``n``, ``filter``) is in the page's URL, so a
+view can be shared and reloaded. Each lens slot (:data:`lens_slots.SLOTS`) has its own parameter, named by the slot;
 ``extra`` lists the lenses added from files (comma-separated paths or ``hf://`` specs). ``pair``, ``mode`` and
 ``iv_lens`` name lenses by their names (``jacobian``, ``J++``, ``my-lens (R)``): a name not loaded gives way.
 """
@@ -55,9 +56,12 @@ def init_state() -> None:
             ss.vocab_word = _query_value("vocab") == "word"
         if _query_value("centred") in ("0", "1"):
             ss.iv_centred = _query_value("centred") == "1"
+        if _query_value("pin"):
+            ss.pinned = _query_value("pin")
         if _query_value("stability") in ("0", "1"):  # else Inspect's default: on when a lens keeps halves
             ss.stability = _query_value("stability") == "1"
         _seed_generation_state(ss)
+        _seed_study_state(ss)
         ss._initialised = True
     for key in KEPT_KEYS:
         if key in ss:
@@ -88,6 +92,36 @@ def _seed_generation_state(ss) -> None:
     band = (_query_value("band") or "").split("-")
     if len(band) == 2 and all(part.isdigit() for part in band):
         ss.band_request = (int(band[0]), int(band[1]))  # clamped to the model's layers by the page
+
+
+def _seed_study_state(ss) -> None:
+    """The Study page's ``sets`` (comma-separated shipped names), ``set_path``, ``k``, ``n`` and ``filter`` (0/1)."""
+    from jlens_core.evaluation.passk import EVAL_SETS
+
+    sets = [s for s in (_query_value("sets") or "").split(",") if s in EVAL_SETS]
+    if sets or _query_value("sets") == "none":
+        ss.st_sets = sets
+    if _query_value("set_path"):
+        ss.st_path = _query_value("set_path")
+    k = _int_or(_query_value("k"), None)
+    if k is not None and k >= 1:
+        ss.st_k = min(k, 1000)
+    n = _int_or(_query_value("n"), None)
+    if n is not None and n >= 0:
+        ss.st_n = n
+    if _query_value("filter") in ("0", "1"):
+        ss.st_filter = _query_value("filter") == "1"
+
+
+def study_query() -> dict[str, str | None]:
+    """The Study page's part of the URL, once the page has set it up (``None``: leave the key out)."""
+    ss = st.session_state
+    if "st_sets" not in ss:
+        return {"sets": None, "set_path": None, "k": None, "n": None, "filter": None}
+    return {"sets": ",".join(ss.st_sets) or "none", "set_path": (ss.get("st_path") or "").strip() or None,
+            "k": str(int(ss.st_k)) if int(ss.get("st_k") or 10) != 10 else None,
+            "n": str(int(ss.st_n)) if int(ss.get("st_n") or 0) else None,
+            "filter": None if ss.get("st_filter", True) else "0"}
 
 
 def generation_query() -> dict[str, str | None]:
@@ -121,6 +155,8 @@ def sync_query_params() -> None:
               EXTRA_PARAM: ",".join(ss.get(EXTRAS) or []) or None,
               "prompt": ss.get("prompt") or "", "mode": ss.get("mode") or "logit", "stat": ss.get("stat") or "top1_prob"}
     wanted.update(generation_query())
+    wanted.update(study_query())
+    wanted["pin"] = (ss.get("pinned") or "") or None
     wanted["vocab"] = "word" if ss.get("vocab_word") else None  # "all", the default, left out
     wanted["centred"] = "1" if ss.get("iv_centred") else None
     wanted["stability"] = _stability_query(ctx)

@@ -24,12 +24,14 @@ if TYPE_CHECKING:
     from .evaluation.labelled_items import read_labelled_items
     from .evaluation.lens_comparison import gap_comparison, heldout_items, macro_comparison
     from .evaluation.passk import EVAL_SETS, decoy_items, load_eval_set, pass_at_k
+    from .evaluation.study import Study, load_study, study
     from .figures.evaluation import eval_curves_figure, pass_at_k_figure
     from .figures.fitting import fit_figures
     from .figures.heatmaps import heatmap_figure
     from .figures.html_page import write_reading_page
     from .figures.interventions import comparison_figure, swap_success_figure
     from .figures.ranks import pinned_ranks_figure
+    from .figures.study import study_figure
     from .fitting.estimator import PromptJacobian, jacobian_for_prompt, valid_position_mask
     from .fitting.expert_weights import learn_expert_weights, macro_pass_at_k, split_items
     from .fitting.fit import FitProgress, FitState, fit
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from .interventions.compare import compare_runs
     from .interventions.lens_edits import Ablate, Steer, Swap
     from .interventions.read_directions import token_direction
+    from .interventions.say import SayResult, make_it_say
+    from .interventions.say_success import SaySuccessReport, load_say_set, say_success
     from .interventions.swap_success import SwapReport, load_swap_set, swap_success
     from .layerspec import resolve_layers
     from .lenses.canary import CheckResult, check_lens

@@ -439,6 +439,69 @@ def test_intervene_panel_with_the_logit_lens_only(tiny_dir):
     assert any(c.value.startswith("Edit: `Ablate(' capital', layers 1..2, logit lens)`") for c in ok(at).caption)
 
 
+def select_row(at: AppTest, key: str, row: int) -> AppTest:
+    """Pick row ``row`` of the dataframe ``key`` (a single-row selection), as the browser does on a click."""
+    element = next(d for d in at.dataframe if d.proto.id.endswith(f"-{key}"))
+    states = at._tree.get_widget_states()
+    merged = WidgetStates()
+    merged.widgets.extend([w for w in states.widgets if w.id != element.proto.id])
+    widget = merged.widgets.add()
+    widget.id = element.proto.id
+    widget.string_value = json.dumps({"selection": {"rows": [row], "columns": [], "cells": []}})
+    return at._run(merged)
+
+
+def test_make_it_say_box(tiny_dir, tiny_model, lens_file):
+    """Intervene's "Make it say…" box: the search's recipes in a table (the library's, with its controls); a picked
+    recipe shows the clean and the edited heatmap side by side or their difference, and both continuations."""
+    from jlens_core.interventions.compare import compare_runs
+    from jlens_core.interventions.say import make_it_say
+
+    lens = JacobianLens.load(lens_file)
+    settings = {"layers": [1, 2], "ops": ["steer", "swap"], "positions": ["readout"], "max_replays": 6}
+    target, expected = next((t, r) for t in ("of", "time", "is", "capital", "The", "one") if (r := make_it_say(
+        tiny_model, lens, PROMPT, t, **settings)).recipes or r.controls["logit"].recipes)
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT).run())
+    at.button(key="say_run").click().run()
+    assert "Cannot search: The target is empty: type the word the model should say." in [e.value for e in ok(at).error]
+    at.text_input(key="say_target").set_value(target)
+    at.multiselect(key="say_ops").set_value(["steer", "swap"])
+    at.multiselect(key="say_where").set_value(["readout"])
+    at.number_input(key="say_replays").set_value(6)
+    at.button(key="say_run").click().run()
+    shown = [m.value for m in [*ok(at).success, *at.info]]
+    assert expected.message in shown
+    assert any(c.value.startswith(f"{expected.n_ranked} candidates ranked, {expected.n_replayed} replayed")
+               for c in at.caption)
+    table = next(d for d in at.dataframe if d.proto.id.endswith("-say_table")).value
+    verified = [r for arm in expected.arms.values() for r in arm.recipes]
+    assert len(table) == len(verified) and list(table["arm"]) == [r.arm for r in verified]
+    assert list(table["layers"]) == [r.band for r in verified]
+    np.testing.assert_allclose(table["target_prob"], [r.target_prob for r in verified], rtol=1e-4)
+    # pick the first row: the recipe applied
+    select_row(at, "say_table", 0)
+    spec = chart(ok(at), "say_heatmap")
+    assert [t["name"] for t in spec["data"]] == ["clean", "clean cells", "edited", "edited cells"]
+    assert spec["layout"]["title"]["text"].startswith(verified[0].describe(expected.target_text))
+    compared = compare_runs(tiny_model, PROMPT, verified[0].edits, max_new_tokens=20)
+    codes = [c.value for c in at.code]
+    assert codes[-2:] == [compared.clean.continuation or "∅", compared.edited.continuation or "∅"]
+    at.radio(key="say_view").set_value("diff").run()
+    diff = chart(ok(at), "say_heatmap")["data"][0]
+    assert diff["zmid"] == 0
+    # Stop: Streamlit ends the run; the partial result the progress callback kept is shown, marked as stopped
+    partial = make_it_say(tiny_model, lens, PROMPT, target, **settings, progress=lambda p: p.done >= 4)
+    assert partial.stopped
+    partial.message = ""  # as it is in the middle of a search
+    at.session_state["_say_partial"] = (at.session_state["say_result"]["key"], partial)
+    at.session_state["_say_stop"] = True
+    at.run()
+    assert f"Stopped after {partial.n_replayed} replays: {len(partial.recipes)} verified" in ok(at).warning[0].value
+    # a changed setting asks for a new search
+    at.text_input(key="say_target").set_value(target + "x").run()
+    assert any(c.value == "Settings changed: Search again." for c in ok(at).caption)
+
+
 @pytest.mark.slow  # a fit or training in a subprocess
 def test_tune_page_and_three_lenses(tiny_dir, tiny_model, lens_file, runs_root):
     at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT).run())

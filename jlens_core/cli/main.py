@@ -1,4 +1,4 @@
-"""The ``jlens`` command line: ``jlens fit | merge | tune | weigh | eval | inspect | intervene | dump | diff | check | app``.
+"""The ``jlens`` command line: ``jlens fit | merge | tune | weigh | eval | study | inspect | intervene | say | dump | diff | check | app``.
 
 Each subcommand lives in its own module with ``register(subparsers)``, which adds its parser and
 sets ``func``. Bad input raises :class:`CLIError` (or ``ValueError`` / ``FileNotFoundError``) and is
@@ -14,7 +14,7 @@ import sys
 
 log = logging.getLogger("jlens")
 
-SUBCOMMAND_MODULES = ("fit", "tune", "weigh", "eval", "inspect", "intervene", "dump", "check", "app")
+SUBCOMMAND_MODULES = ("fit", "tune", "weigh", "eval", "study", "inspect", "intervene", "say", "dump", "check", "app")
 
 
 class CLIError(Exception):

@@ -4,12 +4,17 @@ directions and see whether the model's output follows.
 ``read_directions`` (:func:`token_direction`: the unit direction a lens reads as a token), ``lens_edits``
 (:class:`Steer`, :class:`Ablate`, :class:`Swap`: residual edits for ``generate`` and
 ``read_prompt``), ``swap_success`` (the swap experiment over a set of items, with controls),
-``intervals`` (Clopper-Pearson and Wilson intervals of its rates).
+``say`` (:func:`make_it_say`: search the edit that makes the model say a word, verified by replay, with
+controls; ``say_ranking`` and ``say_replay`` are its two halves), ``say_success`` (that search over a set),
+``intervals`` (Clopper-Pearson and Wilson intervals of their rates).
 Imports :mod:`jlens_core.models`, :mod:`jlens_core.lenses`, :mod:`jlens_core.reading` and the leaves.
 """
 
 from .lens_edits import Ablate, Steer, Swap
 from .read_directions import token_direction
+from .say import SayResult, make_it_say
+from .say_success import SaySuccessReport, load_say_set, say_success
 from .swap_success import SwapReport, load_swap_set, swap_success
 
-__all__ = ["Ablate", "Steer", "Swap", "SwapReport", "load_swap_set", "swap_success", "token_direction"]
+__all__ = ["Ablate", "SayResult", "SaySuccessReport", "Steer", "Swap", "SwapReport", "load_say_set", "load_swap_set",
+           "make_it_say", "say_success", "swap_success", "token_direction"]

@@ -65,13 +65,39 @@ class _LensEdit:
     def selects(self, positions: Int[torch.Tensor, " seq"], n_prompt: int) -> Bool[torch.Tensor, " seq"]:
         return self.rule.selects(positions, n_prompt)
 
-    def _where(self, centred: bool = False) -> str:
+    def _where(self, centred: bool = False, random: bool = False) -> str:
         span = f"{self.layers[0]}..{self.layers[-1]}" if len(self.layers) > 1 else str(self.layers[0])
+        if random:  # the lens only chose the layers: the directions are the caller's (a random control)
+            return f"layers {span}, given directions"
         return f"layers {span}, {self.lens_kind} lens" + (", centred directions" if centred else "")
+
+
+def _unit_directions(model: LensModel, lens: Lens, layers: Sequence[int], tid: int, centred: bool,
+                     given: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
+    """``{layer: unit direction [d_model] fp32}``: the lens's read direction of ``tid``, or ``given``'s (normalised).
+
+    Raises:
+        ValueError: ``given`` lacks one of ``layers``, or holds a zero vector there.
+    """
+    if given is None:
+        return {layer: token_direction(model, lens, layer, tid, centred=centred) for layer in layers}
+    out = {}
+    for layer in layers:
+        if layer not in given:
+            raise ValueError(f"directions has no vector for layer {layer}: give one per edited layer.")
+        v = given[layer].detach().float().cpu().reshape(-1)
+        norm = float(v.norm())
+        if not math.isfinite(norm) or norm == 0.0:
+            raise ValueError(f"The direction given for layer {layer} is zero: give a non-zero vector.")
+        out[layer] = v / norm
+    return out
 
 
 class Steer(_LensEdit):
     """``h <- h + s ||h|| v̂_t``: push the residual toward what the lens reads as ``token``.
+
+    ``directions={layer: v}`` replaces ``v̂_t`` by the given vectors (normalised; the random-direction control of
+    :func:`~jlens_core.interventions.say.make_it_say`); the lens then only checks the layers.
 
     Raises:
         ValueError: a strength outside [-4, 4], a token that is not one vocabulary token, a layer
@@ -80,7 +106,8 @@ class Steer(_LensEdit):
 
     def __init__(self, model: LensModel, lens: Lens, token: str | int, strength: float, *,
                  layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
-                 on_generated: bool = False, centred: bool = False) -> None:
+                 on_generated: bool = False, centred: bool = False,
+                 directions: dict[int, Float[torch.Tensor, " d_model"]] | None = None) -> None:
         if not isinstance(strength, (int, float)) or not math.isfinite(strength) or abs(strength) > MAX_STRENGTH:
             raise ValueError(f"Steering strength {strength!r} is out of range: give a number in "
                              f"[-{MAX_STRENGTH:g}, {MAX_STRENGTH:g}] (multiples of the residual's norm).")
@@ -88,9 +115,9 @@ class Steer(_LensEdit):
         self.token_id = token_id(model.tokenizer, token, rule="word", vocab_size=model.vocab_size)
         self.token = model.decode([self.token_id])
         self.strength = float(strength)
-        self.centred = bool(centred)
-        self.directions = {layer: token_direction(model, lens, layer, self.token_id, centred=self.centred)
-                           for layer in self.layers}
+        self.centred = bool(centred) and directions is None
+        self.random = directions is not None
+        self.directions = _unit_directions(model, lens, self.layers, self.token_id, self.centred, directions)
 
     def apply(self, layer: int, h: Float[torch.Tensor, "rows d_model"],
               clean: Float[torch.Tensor, "rows d_model"] | None) -> Float[torch.Tensor, "rows d_model"]:
@@ -101,20 +128,22 @@ class Steer(_LensEdit):
         return hf + self.strength * hf.norm(dim=-1, keepdim=True) * v
 
     def __repr__(self) -> str:
-        return f"Steer({self.token!r}, strength={self.strength:g}, {self._where(self.centred)})"
+        return f"Steer({self.token!r}, strength={self.strength:g}, {self._where(self.centred, self.random)})"
 
 
 class Ablate(_LensEdit):
-    """``h <- h - (h . v̂_t) v̂_t``: remove what the lens reads as ``token``."""
+    """``h <- h - (h . v̂_t) v̂_t``: remove what the lens reads as ``token`` (``directions={layer: v}``: along the
+    given vectors instead, normalised, as :class:`Steer`)."""
 
     def __init__(self, model: LensModel, lens: Lens, token: str | int, *, layers: Iterable[int] | None = None,
-                 positions: Iterable[int] | None = None, on_generated: bool = False, centred: bool = False) -> None:
+                 positions: Iterable[int] | None = None, on_generated: bool = False, centred: bool = False,
+                 directions: dict[int, Float[torch.Tensor, " d_model"]] | None = None) -> None:
         super().__init__(model, lens, layers, positions, on_generated)
         self.token_id = token_id(model.tokenizer, token, rule="word", vocab_size=model.vocab_size)
         self.token = model.decode([self.token_id])
-        self.centred = bool(centred)
-        self.directions = {layer: token_direction(model, lens, layer, self.token_id, centred=self.centred)
-                           for layer in self.layers}
+        self.centred = bool(centred) and directions is None
+        self.random = directions is not None
+        self.directions = _unit_directions(model, lens, self.layers, self.token_id, self.centred, directions)
 
     def apply(self, layer: int, h: Float[torch.Tensor, "rows d_model"],
               clean: Float[torch.Tensor, "rows d_model"] | None) -> Float[torch.Tensor, "rows d_model"]:
@@ -123,7 +152,7 @@ class Ablate(_LensEdit):
         return hf - (hf @ v)[:, None] * v
 
     def __repr__(self) -> str:
-        return f"Ablate({self.token!r}, {self._where(self.centred)})"
+        return f"Ablate({self.token!r}, {self._where(self.centred, self.random)})"
 
 
 class Swap(_LensEdit):
@@ -162,6 +191,7 @@ class Swap(_LensEdit):
         self.source_id, self.replacement_id = a, b
         self.source, self.replacement, self.alpha = model.decode([a]), model.decode([b]), float(alpha)
         self.centred = bool(centred) and directions is None
+        self.random = directions is not None
         self.bases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer: (V [d, 2], V⁺ [2, d])
         self.skipped_layers: list[int] = []
         for layer in self.layers:
@@ -194,7 +224,7 @@ class Swap(_LensEdit):
         return h.float() @ pinv.to(h.device).T
 
     def __repr__(self) -> str:
-        return f"Swap({self.source!r} -> {self.replacement!r}, alpha={self.alpha:g}, {self._where(self.centred)})"
+        return f"Swap({self.source!r} -> {self.replacement!r}, alpha={self.alpha:g}, {self._where(self.centred, self.random)})"
 
 
 def random_directions(layers: Sequence[int], d_model: int,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from jaxtyping import Float
@@ -147,12 +147,13 @@ def check_layers(model: LensModel, lens: Lens, layers: Iterable[int]) -> list[in
 
 
 def _pull_back(model: LensModel, lens: Lens, layer: int, row: torch.Tensor) -> torch.Tensor:
-    """``M_l^T C (gamma * row)`` ``[d_model]`` fp32: a head-side vector carried back to layer ``layer``."""
+    """``M_l^T C (gamma * row)`` ``[d_model]`` (or ``[k, d_model]`` for rows ``[k, d_model]``) fp32: head-side
+    vectors carried back to layer ``layer``, all in one vector-Jacobian product."""
     gamma, centres = norm_gain(model)
-    r = gamma * row  # [d]
+    r = gamma * row  # [d] or [k, d]
     if centres:
-        r = r - r.mean()
-    h = torch.zeros(model.d_model, dtype=torch.float32)
+        r = r - r.mean(dim=-1, keepdim=True)
+    h = torch.zeros(r.shape, dtype=torch.float32)
     # torch types vjp's result as a 3-tuple (the has_aux form); without has_aux it is (output, vjp_fn)
     _, vjp = torch.func.vjp(lambda x: lens.transport(x, int(layer)), h)  # type: ignore[misc]
     (v,) = vjp(r)
@@ -250,6 +251,52 @@ def read_vector_norms(model: LensModel, lens: Lens, layer: int, *, centred: bool
     return torch.cat(norms)
 
 
+# lens -> {(id(model), layer, token id, centred): unit direction}; an edit and a search ask for the same few
+_DIRECTIONS: weakref.WeakKeyDictionary[Lens, dict[tuple[int, int, int, bool], torch.Tensor]] = \
+    weakref.WeakKeyDictionary()
+_DIRECTIONS_KEPT = 8192  # per lens (19 MiB at d_model 576); the oldest go first
+
+
+def _direction_cache(lens: Lens) -> dict[tuple[int, int, int, bool], torch.Tensor]:
+    try:
+        return _DIRECTIONS.setdefault(lens, {})
+    except TypeError:  # a lens that cannot be weakly referenced is not cached
+        return {}
+
+
+def token_directions(model: LensModel, lens: Lens, layer: int, token_ids: Sequence[int], *,
+                     centred: bool = False) -> Float[torch.Tensor, "k d_model"]:
+    """The unit read directions ``[k, d_model]`` (fp32, CPU) of ``token_ids`` (vocabulary ids) at ``layer``: the rows
+    :func:`token_direction` gives one at a time, from one vector-Jacobian product for all of them. Cached per
+    (lens, model, layer, token, centred), like the mean read vector (a lens changed in place keeps old entries).
+
+    Raises:
+        ValueError: a layer outside the lens, an id outside the vocabulary, or a direction that vanishes.
+    """
+    check_layers(model, lens, [layer])
+    ids = [int(t) for t in token_ids]
+    bad = [t for t in ids if not 0 <= t < int(model.vocab_size)]
+    if bad:
+        raise ValueError(f"Token id {bad[0]} is outside the vocabulary (0..{int(model.vocab_size) - 1}).")
+    cache = _direction_cache(lens)
+    keys = [(id(model), int(layer), t, bool(centred)) for t in ids]
+    todo = list(dict.fromkeys(t for t, key in zip(ids, keys) if key not in cache))
+    if todo:
+        rows = torch.stack([head_row(model, t) for t in todo])  # [m, d]
+        v = _pull_back(model, lens, layer, rows)  # [m, d]
+        if centred:
+            v = v - mean_read_vector(model, lens, layer)
+        norms = v.norm(dim=-1)
+        for t, vec, norm in zip(todo, v, norms.tolist()):
+            if not math.isfinite(norm) or norm == 0.0:
+                raise ValueError(f"The {'centred ' if centred else ''}read direction of token id {t} at layer {layer} "
+                                 "is zero.")
+            if len(cache) >= _DIRECTIONS_KEPT:
+                cache.pop(next(iter(cache)))
+            cache[(id(model), int(layer), t, bool(centred))] = vec / norm
+    return torch.stack([cache[key] for key in keys]) if keys else torch.zeros(0, int(model.d_model))
+
+
 def token_direction(model: LensModel, lens: Lens, layer: int, token: str | int, *,
                     centred: bool = False) -> Float[torch.Tensor, " d_model"]:
     """The unit read direction ``v̂_t`` ``[d_model]`` (fp32, CPU) of ``token`` at ``layer`` under ``lens``.
@@ -270,13 +317,12 @@ def token_direction(model: LensModel, lens: Lens, layer: int, token: str | int, 
     """
     check_layers(model, lens, [layer])
     tid = token_id(model.tokenizer, token, rule="exact", vocab_size=model.vocab_size)
-    v = read_vector(model, lens, layer, tid, centred=centred)
-    norm = float(v.norm())
-    if not math.isfinite(norm) or norm == 0.0:
+    try:
+        return token_directions(model, lens, layer, [tid], centred=centred)[0].clone()
+    except ValueError:
         raise ValueError(f"The {'centred ' if centred else ''}read direction of token {token!r} at layer {layer} "
-                         "is zero.")
-    return v / norm
+                         "is zero.") from None
 
 
 __all__ = ["check_layers", "default_layers", "head_row", "last_source_layer", "mean_head_row", "mean_read_vector",
-           "norm_gain", "read_vector", "read_vector_norms", "token_direction"]
+           "norm_gain", "read_vector", "read_vector_norms", "token_direction", "token_directions"]

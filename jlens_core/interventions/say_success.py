@@ -1,0 +1,236 @@
+"""Say success: over a set of items, how often does a lens's search find a verified edit that makes the model say
+a counterfactual answer? (docs/method.md §7.1)
+
+An item names a prompt, the answer the model should give and a counterfactual ``target``::
+
+    {"name": "capital_japan", "relation": "capital", "prompt": "The capital city of Japan is",
+     "answer": "Tokyo", "target": "Paris"}
+
+An item is **scored** when the clean model does not already say the target. Per item one clean pass feeds
+every arm: each lens's search (:func:`~jlens_core.interventions.say.make_it_say`'s ranking, replays and
+bisection; the logit lens is added when missing) and the random-direction control (the first lens's layers
+and swap tokens, seeded random unit directions). An arm **succeeds** on an item when it finds a verified
+recipe. Per arm: the success rate over the scored items with its 95 % Clopper-Pearson interval
+(:mod:`~jlens_core.interventions.intervals`), the same over the items the model answered correctly (its
+clean greedy token spells ``answer``), and over the successes the median minimal band width and the median
+minimal strength of each kind of edit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .._paths import ASSETS_DIR
+from ..lenses.lens import LogitLens
+from ..lenses.protocol import Lens
+from ..models.model import LensModel
+from ..reading.tokens import spellings
+from .intervals import clopper_pearson_interval
+from .read_directions import check_layers, default_layers
+from .say import (
+    CONTROLS,
+    OPS,
+    POSITION_MODES,
+    RANDOM,
+    SayProgress,
+    SayResult,
+    _execute,
+    check_say_input,
+    lens_arm,
+    random_arm,
+)
+from .say_ranking import spell_target
+
+log = logging.getLogger(__name__)
+
+ITEM_FIELDS = ("prompt", "answer", "target")
+SAY_SETS = {"say": "written for jlens: capitals, languages, opposites, weekdays, animal sounds, sums, plurals (48)"}
+DEFAULT_MAX_REPLAYS = 8
+SUMMARY_COLUMNS = ("arm", "items", "successes", "rate", "ci_low", "ci_high", "answered", "answered_successes",
+                   "answered_rate", "answered_ci_low", "answered_ci_high", "median_width", "median_steer",
+                   "median_swap", "median_ablate", "median_replays")
+
+
+def load_say_set(spec: str | Path = "say") -> list[dict]:
+    """Items of a say set: a shipped name (``"say"``) or a ``.jsonl`` / ``.json`` file.
+
+    Raises:
+        FileNotFoundError: no such set or file.
+        ValueError: a file with no items, or an item without ``prompt``, ``answer`` or ``target`` (names it).
+    """
+    path = Path(spec)
+    if str(spec) in SAY_SETS:
+        path = ASSETS_DIR / "evaluations" / f"{spec}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"No say set {str(spec)!r}: give a shipped set ({', '.join(SAY_SETS)}) or a .jsonl / "
+                                ".json file of items with " + ", ".join(ITEM_FIELDS) + ".")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        data = json.loads(text)
+        items = data.get("items") if isinstance(data, dict) else data
+    else:
+        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not items:
+        raise ValueError(f"{str(path)!r} holds no items.")
+    for i, item in enumerate(items):
+        missing = [k for k in ITEM_FIELDS if not isinstance(item, dict) or not str(item.get(k) or "").strip()]
+        if missing:
+            name = item.get("name", f"#{i}") if isinstance(item, dict) else f"#{i}"
+            raise ValueError(f"Item {name} of {str(path)!r} has no {', '.join(missing)}: every item needs "
+                             + ", ".join(ITEM_FIELDS) + ".")
+    return items
+
+
+@dataclass
+class SaySuccessReport:
+    """What :func:`say_success` returns.
+
+    Attributes:
+        summary: one row per arm (the lenses, then ``"random"``), columns :data:`SUMMARY_COLUMNS`: successes over
+            the scored items (``rate``, 95 % Clopper-Pearson ``ci_low, ci_high``), the same over the items the model
+            answered (``answered_*``), and over the successes the median minimal band width and the median minimal
+            strength per kind of edit (steer ``s``, swap ``α``, ablate: competitors; NaN where none), the median
+            replays spent.
+        items: one row per item: ``name, relation, scored, answered, clean_next`` and per arm ``<arm>`` (success),
+            ``<arm> recipe`` (the minimal one, described), ``<arm> width``, ``<arm> op``, ``<arm> strength``,
+            ``<arm> replays``.
+        n_items, n_scored: counts. seconds: wall time; layers: the layers searched; settings: the search's settings.
+    """
+
+    summary: pd.DataFrame
+    items: pd.DataFrame
+    n_items: int
+    n_scored: int
+    seconds: float = 0.0
+    layers: list[int] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds_per_item(self) -> float:
+        return self.seconds / max(1, self.n_items)
+
+
+def _item_row(model: LensModel, item: dict, i: int, result: SayResult | None, reason: str) -> dict[str, Any]:
+    row: dict[str, Any] = {"name": item.get("name", f"#{i}"), "relation": item.get("relation", ""),
+                           "scored": False, "answered": False, "clean_next": None, "reason": reason}
+    if result is None:
+        return row
+    answer_ids = set(spellings(model.tokenizer, str(item["answer"]), vocab_size=model.vocab_size).values())
+    row["clean_next"] = result.clean_next
+    row["answered"] = result.clean_next_id in answer_ids
+    row["scored"] = not result.already and not result.stopped
+    if result.already:
+        row["reason"] = f"not scored: the model already says {result.target_text!r}"
+    for name, arm in result.arms.items():
+        minimal = arm.minimal
+        row[name] = minimal is not None
+        row[f"{name} recipe"] = minimal.describe(result.target_text) if minimal else None
+        row[f"{name} width"] = minimal.width if minimal else None
+        row[f"{name} op"] = minimal.op if minimal else None
+        row[f"{name} strength"] = minimal.strength if minimal else None
+        row[f"{name} replays"] = arm.n_replayed
+    return row
+
+
+def _median(values: Iterable[Any]) -> float:
+    kept = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return float(pd.Series(kept).median()) if kept else math.nan
+
+
+def _summary_row(items: pd.DataFrame, arm: str) -> dict[str, Any]:
+    scored = items[items["scored"]] if len(items) else items
+    wins = scored[arm].fillna(False).astype(bool) if arm in scored else pd.Series(dtype=bool)
+    k, n = int(wins.sum()), len(wins)
+    low, high = clopper_pearson_interval(k, n)
+    answered = scored[scored["answered"]] if len(scored) else scored
+    a_wins = answered[arm].fillna(False).astype(bool) if arm in answered else pd.Series(dtype=bool)
+    ak, an = int(a_wins.sum()), len(a_wins)
+    a_low, a_high = clopper_pearson_interval(ak, an)
+    found = scored[wins] if n else scored
+    medians = {op: _median(found.loc[found[f"{arm} op"] == op, f"{arm} strength"]) if n else math.nan for op in OPS}
+    return {"arm": arm, "items": n, "successes": k, "rate": k / n if n else math.nan, "ci_low": low, "ci_high": high,
+            "answered": an, "answered_successes": ak, "answered_rate": ak / an if an else math.nan,
+            "answered_ci_low": a_low, "answered_ci_high": a_high,
+            "median_width": _median(found[f"{arm} width"]) if n else math.nan,
+            "median_steer": medians["steer"], "median_swap": medians["swap"], "median_ablate": medians["ablate"],
+            "median_replays": _median(scored[f"{arm} replays"]) if n and f"{arm} replays" in scored else math.nan}
+
+
+def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[dict], *,
+                layers: Sequence[int] | None = None, ops: Sequence[str] = OPS,
+                positions: Sequence[str] = POSITION_MODES, from_position: int = 1,
+                grids: Mapping[str, Sequence[float]] | None = None, max_replays: int = DEFAULT_MAX_REPLAYS,
+                random_control: bool = True, seed: int = 0,
+                progress: Callable[[int, int], bool | None] | None = None) -> SaySuccessReport:
+    """Say success of each lens on ``items`` (see the module docstring).
+
+    Args:
+        model: an :class:`~jlens_core.HFLensModel`.
+        lenses: ``{name: lens}``; the logit lens is added as ``"logit"`` when missing.
+        items: dicts with ``prompt, answer, target`` (``name``, ``relation`` optional); :func:`load_say_set`.
+        layers: the layers every arm searches (default: the first lens's middle band, ``n_layers // 3`` to its last
+            source layer).
+        ops, positions, from_position, grids, max_replays: the search's settings (:func:`make_it_say`); the replay
+            budget per arm and item (the bisection adds up to about 8).
+        random_control: add the random-direction control (``"random"``; seeded per item with ``seed * 100003 + i``).
+        progress: called as ``progress(done, total)`` after each item; returning ``True`` stops after that item.
+
+    Raises:
+        ValueError: no lenses, a layer outside a lens, or a bad search setting (one sentence, before any work).
+    """
+    items = list(items)
+    if not lenses:
+        raise ValueError("No lenses given: pass {name: lens}, e.g. {'jacobian': lens}.")
+    all_lenses = dict(lenses)
+    if not any(lens.kind == "logit" for lens in all_lenses.values()):
+        all_lenses["logit"] = LogitLens.for_model(model)
+    first = next(iter(all_lenses.values()))
+    searched = check_layers(model, first, layers) if layers is not None else default_layers(model, first)
+    for lens in all_lenses.values():
+        check_layers(model, lens, searched)
+    check_say_input(model, "check", ops=ops, positions=("readout",), grids=grids, max_replays=max_replays,
+                    from_position=0)
+    start = time.perf_counter()
+    rows = []
+    for i, item in enumerate(items):
+        prompt = str(item["prompt"])
+        try:
+            ids, chosen_ops, modes, grid = check_say_input(model, prompt, ops=ops, positions=positions, grids=grids,
+                                                           max_replays=max_replays, from_position=from_position)
+            spelled = spell_target(model, str(item["target"]), prompt)
+        except ValueError as exc:
+            rows.append(_item_row(model, item, i, None, f"skipped: {exc}"))
+            continue
+        arms = [lens_arm(model, name, lens) for name, lens in all_lenses.items()]
+        if random_control:
+            arms.append(random_arm(model, first, seed * 100003 + i))
+        result = _execute(model, prompt, ids, spelled, searched, arms, ops=chosen_ops, modes=modes,
+                          from_position=from_position, grids=grid, max_replays=max_replays, minimise=True,
+                          continuation_tokens=0, progress=None)
+        rows.append(_item_row(model, item, i, result, ""))
+        if progress is not None and progress(i + 1, len(items)):
+            break
+    table = pd.DataFrame(rows)
+    arm_names = list(all_lenses) + ([RANDOM] if random_control else [])
+    summary = pd.DataFrame([_summary_row(table, arm) for arm in arm_names], columns=list(SUMMARY_COLUMNS))
+    seconds = time.perf_counter() - start
+    n_scored = int(table["scored"].sum()) if len(table) else 0
+    log.info("say success: %d items, %d scored, %.1f s", len(rows), n_scored, seconds)
+    settings = {"ops": list(ops), "positions": list(positions), "from_position": int(from_position),
+                "grids": {k: list(v) for k, v in (grids or {}).items()}, "max_replays": int(max_replays),
+                "random_control": bool(random_control), "seed": int(seed), "controls": list(CONTROLS)}
+    return SaySuccessReport(summary=summary, items=table, n_items=len(rows), n_scored=n_scored, seconds=seconds,
+                            layers=list(searched), settings=settings)
+
+
+__all__ = ["DEFAULT_MAX_REPLAYS", "ITEM_FIELDS", "SAY_SETS", "SUMMARY_COLUMNS", "SayProgress", "SaySuccessReport",
+           "load_say_set", "say_success"]
