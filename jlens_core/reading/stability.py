@@ -137,7 +137,8 @@ def resolve_halves(lenses: Mapping[str, Lens], *, stability: bool, halves: Halve
             own = lens_halves(lens)
             if own is None:
                 notes[name] = no_halves_note(lens)
-                log.log(logging.INFO if str(lens.kind) == "logit" else logging.WARNING, "%s: %s", name, notes[name])
+                log.log(logging.INFO if str(lens.kind) == "logit" else logging.WARNING, "%s", notes[name] if
+                        len(lenses) == 1 else f"{name}: {notes[name]}")  # read_prompt's lens is named "lens"
             else:
                 chosen[name] = own
     return chosen, notes
