@@ -1,7 +1,7 @@
 """What every page of the jlens app shares: settings, paths, the loaded :class:`Context`, and :func:`guard`.
 
 Pages stay thin: they read the :class:`Context` that :func:`sidebar.sidebar` builds (the loaded model
-and lenses), call ``jlens_core`` for every number, draw with :mod:`charts`, and wrap what may fail in
+and lenses), call ``jlens_core`` for every number, draw with :mod:`jlens_core.figures`, and wrap what may fail in
 :func:`guard`. The rest of the app's shared code has its own module: :mod:`cache` (cached loaders and
 readings), :mod:`lens_slots` (the lens pickers), :mod:`sidebar`, and :mod:`url_state` (the view kept
 in the URL).
@@ -22,8 +22,9 @@ from typing import Any
 import streamlit as st
 
 from jlens_core.files import assets_dir, atomic_write
+from jlens_core.lenses.header import LensFileError
 from jlens_core.lenses.kinds import BY_KIND
-from jlens_core.lenses.lens import JacobianLens, LensFileError, LogitLens
+from jlens_core.lenses.lens import JacobianLens, LogitLens
 from jlens_core.models.loading import DEFAULT_MODEL
 from jlens_core.reading.generation import MAX_NEW_TOKENS
 from jlens_core.workspace import Workspace, sanitise_filename

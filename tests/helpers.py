@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -88,3 +89,20 @@ def rel_frob(a: torch.Tensor, b: torch.Tensor) -> float:
     """``||a - b||_F / ||b||_F`` in float64."""
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def cli_fit_cache(work: dict, fit_args: Callable[..., list[str]]) -> Callable[[int], JacobianLens]:
+    """``get(n) -> JacobianLens``: one uninterrupted in-process ``jlens fit`` of the first ``n`` prompts per ``n``
+    (``fit_args(work, out, *extra)`` gives its arguments), written under ``work["root"]`` and cached."""
+    from jlens_core.cli.main import main
+
+    cache: dict[int, JacobianLens] = {}
+
+    def get(n: int) -> JacobianLens:
+        if n not in cache:
+            out = work["root"] / f"reference-{n}.safetensors"
+            assert main(fit_args(work, out, "--n-prompts", str(n))) == 0
+            cache[n] = JacobianLens.load(out)
+        return cache[n]
+
+    return get

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CORPUS, free_port, make_hf_model, make_tokenizer, save_tiny
+from helpers import cli_fit_cache
 
 from jlens_core import JacobianLens
 from jlens_core.cli.main import build_parser, main
@@ -101,16 +102,7 @@ def assert_same_halves(a: JacobianLens, b: JacobianLens) -> None:
 @pytest.fixture(scope="module")
 def reference(work):
     """One uninterrupted in-process fit per prompt count, cached: ``reference(n) -> JacobianLens``."""
-    cache: dict[int, JacobianLens] = {}
-
-    def get(n: int) -> JacobianLens:
-        if n not in cache:
-            out = work["root"] / f"reference-{n}.safetensors"
-            assert main(fit_args(work, out, "--n-prompts", str(n))) == 0
-            cache[n] = JacobianLens.load(out)
-        return cache[n]
-
-    return get
+    return cli_fit_cache(work, fit_args)
 
 
 # -- an independent computation of per-prompt Jacobians (docs/method.md §2, by full autograd Jacobians) -------------

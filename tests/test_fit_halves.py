@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny
+from helpers import cli_fit_cache, tiny
 from safetensors import safe_open
 from test_cli_fit import REPO, fit_args, make_texts, sub_env, torchrun_cmd, write_corpus
 from test_fit import PROMPTS, SETTINGS, per_prompt, uninterrupted
@@ -141,9 +141,12 @@ def test_lens_file_keeps_the_halves_as_extra_tensors(tmp_path):
         meta = json.loads(f.metadata()["jlens"])
         keys = set(f.keys())
     assert meta["halves"] == {"prefix": "half.", "names": ["even", "odd"], "n_prompts": [2, 3]}
+    from jlens_core.lenses.header import read_header
+
+    assert read_header(path).half_prompts == (2, 3)  # said by the header alone, without the tensors
     assert {f"half.odd.J.{layer}" for layer in lens.source_layers} <= keys
     bare = lens.save(tmp_path / "bare.safetensors", halves=False)
-    assert JacobianLens.load(bare).halves() is None
+    assert JacobianLens.load(bare).halves() is None and read_header(bare).half_prompts is None
     plain = lens.with_shrinkage(0.0)  # a copy (halves kept) without the fit's canary (docs/method.md §4.2), which on
     plain.canary = None  # a tiny model weighs as much as its matrices: the ratio is of the matrices and header
     ratio = (plain.save(tmp_path / "plain.safetensors").stat().st_size
@@ -250,18 +253,7 @@ def work(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(work):
     """One uninterrupted in-process CLI fit per prompt count: ``reference(n) -> JacobianLens``."""
-    from jlens_core.cli.main import main
-
-    cache: dict[int, JacobianLens] = {}
-
-    def get(n: int) -> JacobianLens:
-        if n not in cache:
-            out = work["root"] / f"reference-{n}.safetensors"
-            assert main(fit_args(work, out, "--n-prompts", str(n))) == 0
-            cache[n] = JacobianLens.load(out)
-        return cache[n]
-
-    return get
+    return cli_fit_cache(work, fit_args)
 
 
 def test_cli_slices_merged_have_the_halves_of_one_cli_fit(work, reference, tmp_path, capsys):

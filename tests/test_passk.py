@@ -45,8 +45,8 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>")
 
 
-@pytest.fixture(scope="module")
-def model():
+def char_model() -> HFLensModel:
+    """A tiny random llama over the character tokenizer (seeded: the same model each call)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     tokenizer = char_tokenizer()
@@ -55,6 +55,11 @@ def model():
                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=1)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     return HFLensModel(hf, tokenizer, name="tiny-chars")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return char_model()
 
 
 def hand_best_rank(model, prompt: str, position: int, token_ids: list[int]) -> int:

@@ -22,7 +22,7 @@ from test_conformance import SEQ, SKIP, build, definition, prompt
 
 from jlens_core import HFLensModel, JacobianLens, fit, jacobian_for_prompt
 from jlens_core.fitting.relevance import relevance_rules
-from jlens_core.lenses.lens import LensFileError
+from jlens_core.lenses.header import LensFileError
 
 TOL = 1e-5
 

@@ -13,9 +13,9 @@ import pandas as pd
 import pytest
 import torch
 from helpers import identity_lens, random_lens
-from test_passk import char_tokenizer
+from test_passk import char_model
 
-from jlens_core import HFLensModel, LogitLens
+from jlens_core import LogitLens
 from jlens_core.evaluation.study import StudyCancelled, band_of, load_study, study, study_sets
 from jlens_core.interventions.intervals import wilson_interval
 
@@ -25,14 +25,7 @@ PROMPTS = ["a cat sat on the mat", "the cat is", "one cat, two", "cat and mat, s
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    tokenizer = char_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=1)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    return HFLensModel(hf, tokenizer, name="tiny-chars")
+    return char_model()
 
 
 def hand_ranks(model, prompt: str, token_id: int) -> np.ndarray:

@@ -632,6 +632,8 @@ class FitKeywords(TypedDict, total=False):
     max_memory: int | str | None
     method: str
     checkpoint_every: int
+    first_prompt: int
+    halves: bool
 
 
 def fit_settings_and_plan(settings: FitSettings | None = None, plan: FitPlan | None = None,

@@ -18,7 +18,6 @@ minimal strength of each kind of edit.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -29,12 +28,12 @@ from typing import Any
 
 import pandas as pd
 
-from .._paths import ASSETS_DIR
 from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import spellings
 from .intervals import clopper_pearson_interval
+from .item_sets import load_item_set
 from .read_directions import check_layers, default_layers
 from .say import (
     CONTROLS,
@@ -67,27 +66,7 @@ def load_say_set(spec: str | Path = "say") -> list[dict]:
         FileNotFoundError: no such set or file.
         ValueError: a file with no items, or an item without ``prompt``, ``answer`` or ``target`` (names it).
     """
-    path = Path(spec)
-    if str(spec) in SAY_SETS:
-        path = ASSETS_DIR / "evaluations" / f"{spec}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"No say set {str(spec)!r}: give a shipped set ({', '.join(SAY_SETS)}) or a .jsonl / "
-                                ".json file of items with " + ", ".join(ITEM_FIELDS) + ".")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        data = json.loads(text)
-        items = data.get("items") if isinstance(data, dict) else data
-    else:
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
-    if not items:
-        raise ValueError(f"{str(path)!r} holds no items.")
-    for i, item in enumerate(items):
-        missing = [k for k in ITEM_FIELDS if not isinstance(item, dict) or not str(item.get(k) or "").strip()]
-        if missing:
-            name = item.get("name", f"#{i}") if isinstance(item, dict) else f"#{i}"
-            raise ValueError(f"Item {name} of {str(path)!r} has no {', '.join(missing)}: every item needs "
-                             + ", ".join(ITEM_FIELDS) + ".")
-    return items
+    return load_item_set(spec, shipped=SAY_SETS, fields=ITEM_FIELDS, what="say set")
 
 
 @dataclass

@@ -35,7 +35,6 @@ Both random draws of item ``i`` use a generator seeded with ``seed * 100003 + i`
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -47,13 +46,13 @@ from typing import Any
 import pandas as pd
 import torch
 
-from .._paths import ASSETS_DIR
 from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.edit_hooks import EditRunner
 from ..reading.tokens import spellings, token_id
 from .intervals import clopper_pearson_interval, wilson_interval
+from .item_sets import load_item_set
 from .lens_edits import MAX_ALPHA, Swap, random_directions
 from .read_directions import check_layers, default_layers, read_vector_norms
 
@@ -79,27 +78,7 @@ def load_swap_set(spec: str | Path) -> list[dict]:
         ValueError: a file with no items, or an item without one of ``prompt, source, replacement,
             answer, swap_answer`` (names the item).
     """
-    path = Path(spec)
-    if str(spec) in SWAP_SETS:
-        path = ASSETS_DIR / "evaluations" / f"{spec}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"No swap set {str(spec)!r}: give a shipped set ({', '.join(SWAP_SETS)}) or a "
-                                ".jsonl / .json file of items with " + ", ".join(ITEM_FIELDS) + ".")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        data = json.loads(text)
-        items = data.get("items") if isinstance(data, dict) else data
-    else:
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
-    if not items:
-        raise ValueError(f"{str(path)!r} holds no items.")
-    for i, item in enumerate(items):
-        missing = [k for k in ITEM_FIELDS if not isinstance(item, dict) or not str(item.get(k) or "").strip()]
-        if missing:
-            name = item.get("name", f"#{i}") if isinstance(item, dict) else f"#{i}"
-            raise ValueError(f"Item {name} of {str(path)!r} has no {', '.join(missing)}: every item needs "
-                             + ", ".join(ITEM_FIELDS) + ".")
-    return items
+    return load_item_set(spec, shipped=SWAP_SETS, fields=ITEM_FIELDS, what="swap set")
 
 
 def direction_spelling(tokenizer: Any, word: str, vocab_size: int | None = None) -> str | None:

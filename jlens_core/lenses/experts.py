@@ -27,20 +27,18 @@ import torch
 from jaxtyping import Float, Int
 
 from ..models.model import LensModel
-from .header import EXPERTS_FORMAT_NAME, header_or_none
+from .header import EXPERTS_FORMAT_NAME, LensFileError, half_prompts_of, header_or_none
 from .kinds import expert_kind
 from .lens import (
     HALF_NAMES,
     HALF_PREFIX,
     LENS_RULES,
     JacobianLens,
-    LensFileError,
     MatrixTransportMixin,
     check_made_for,
     check_mergeable,
     checked_rules,
     extra_tensors,
-    half_prompts_of,
     merged_prompts,
     own_tensors,
     prompt_weighted_mean,

@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,11 @@ class LensHeader:
     def settings(self) -> dict[str, Any]:
         settings = self.info.get("settings")
         return settings if isinstance(settings, dict) else {}
+
+    @property
+    def half_prompts(self) -> tuple[int, int] | None:
+        """``(n_even, n_odd)`` of a file that keeps its split halves (docs/method.md §3.3); ``None`` otherwise."""
+        return half_prompts_of(self.info)
 
     @property
     def kind(self) -> str:
@@ -151,5 +157,16 @@ def header_or_none(path: str | os.PathLike) -> LensHeader | None:
         return None
 
 
+def half_prompts_of(info: Mapping[str, Any]) -> tuple[int, int] | None:
+    """``(n_even, n_odd)`` from a lens file header's ``halves`` field (docs/method.md §3.3), or ``None`` when the
+    file keeps no halves."""
+    halves = info.get("halves")
+    if not isinstance(halves, Mapping):
+        return None
+    n_even, n_odd = halves["n_prompts"]
+    return int(n_even), int(n_odd)
+
+
 __all__ = ["EXPERTS_FORMAT_NAME", "FORMAT_NAME", "MAX_HEADER_BYTES", "TUNED_FORMAT_NAME", "ForeignFileError",
-           "LensFileError", "LensHeader", "header_or_none", "read_header"]
+           "LensFileError", "LensHeader", "half_prompts_of", "header_or_none",
+           "read_header"]

@@ -19,7 +19,7 @@ from jaxtyping import Float
 from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
 from .fit_settings import FitPlan, FitRecord, FitSettings
-from .header import FORMAT_NAME, LensFileError, read_header
+from .header import FORMAT_NAME, LensFileError, half_prompts_of, read_header
 from .kinds import RULES
 from .protocol import FittedLens, Lens
 
@@ -67,15 +67,6 @@ def extra_tensors(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str,
 def own_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors of a lens file that are the lens's own (under no :data:`EXTRA_PREFIXES` prefix)."""
     return {name: tensor for name, tensor in tensors.items() if not name.startswith(EXTRA_PREFIXES)}
-
-
-def half_prompts_of(info: Mapping[str, Any]) -> tuple[int, int] | None:
-    """``(n_even, n_odd)`` from a lens file header's ``halves`` field, or ``None`` when it keeps no halves."""
-    halves = info.get("halves")
-    if not isinstance(halves, Mapping):
-        return None
-    n_even, n_odd = halves["n_prompts"]
-    return int(n_even), int(n_odd)
 
 
 

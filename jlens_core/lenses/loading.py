@@ -10,8 +10,10 @@ from ..models.loading import DEFAULT_MODEL
 from ..models.model import LensModel
 from . import shipped
 from .experts import ExpertLens, is_expert_lens_file
+from .header import LensFileError
 from .hub import resolve_lens_path
-from .lens import JacobianLens, LensFileError
+from .kinds import BY_KIND
+from .lens import JacobianLens
 from .shipped import VARIANTS, is_tuned_lens_file, shipped_lens_path, shipped_tuned_lens_path
 from .tuned import TunedLens
 
@@ -89,7 +91,8 @@ def default_lens(model: LensModel, variant: str | None = None) -> JacobianLens |
         return None
     lens = load_lens_file(path, model=model)
     if isinstance(lens, TunedLens):  # a tuned file under a Jacobian lens's name
-        raise LensFileError(f"{str(path)!r} is a tuned lens, not a {VARIANTS.get(variant or '', 'Jacobian lens')}.")
+        what = VARIANTS.get(variant or "", BY_KIND["jacobian"].name)
+        raise LensFileError(f"{str(path)!r} is a tuned lens, not a {what}.")
     return lens
 
 
