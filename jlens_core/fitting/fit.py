@@ -577,9 +577,9 @@ class _FitRun:
         """The even and odd halves as lenses of the fit's class (docs/method.md §3.3): the means of their own
         prompts (zeros for a half without prompts), no diagnostics of their own."""
         state, d = self.state, self.model.d_model
-        common: dict[str, Any] = {"target_layer": self.target, "n_layers": self.model.n_layers, "settings": file_settings,
-                  "model_name": self.model.name, "model_fingerprint": self.model_fingerprint,
-                  "rules": self.settings.rules}
+        common: dict[str, Any] = {"target_layer": self.target, "n_layers": self.model.n_layers,
+                                  "settings": file_settings, "model_name": self.model.name,
+                                  "model_fingerprint": self.model_fingerprint, "rules": self.settings.rules}
 
         def pooled(h: int) -> dict[int, torch.Tensor]:
             return {layer: (state.half_sum[layer][h] / max(state.half_n[h], 1)).float() for layer in self.sources}

@@ -608,8 +608,8 @@ class JacobianLens(MatrixTransportMixin):
         if missing or not own:
             raise LensFileError(f"{str(path)!r} lacks the matrices of layers {missing or 'all'}.")
         common: dict[str, Any] = {"target_layer": info.get("target_layer"), "n_layers": info.get("n_layers"),
-                  "settings": info.get("settings"), "model_name": info.get("model_name"),
-                  "model_fingerprint": info.get("model_fingerprint"), "rules": rules}
+                                  "settings": info.get("settings"), "model_name": info.get("model_name"),
+                                  "model_fingerprint": info.get("model_fingerprint"), "rules": rules}
         halves = None
         half_prompts = half_prompts_of(info)
         if half_prompts is not None:
