@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import streamlit as st
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from jlens_core.models.loading import load_model
 
@@ -67,7 +68,21 @@ def load_versioned(loader: Callable[[str, float, int], Any], path: Path, probe: 
     stat = probe.stat()
     lens = loader(str(path), stat.st_mtime, stat.st_size)
     lens.check_model(model)
-    return lens, f"{prefix}|{path}|{stat.st_mtime}|{stat.st_size}"
+    key = f"{prefix}|{path}|{stat.st_mtime}|{stat.st_size}"
+    check = lens_check_cached(key, id(model), model, lens)
+    if check.status == "changed" and get_script_run_ctx() is not None:  # a page's run (not the warm-up thread):
+        # a banner above the page, the lens reads this model off (docs/method.md §4.2)
+        st.warning(f"Lens check failed for `{path.name}`: {check.message}", icon=":material/warning:")
+    return lens, key
+
+
+@st.cache_resource(show_spinner="Checking the lens against the model (its canary)…", max_entries=24)
+def lens_check_cached(key: str, model_id: int, _model: Any, _lens: Any) -> Any:
+    """:func:`jlens_core.lenses.canary.check_lens` once per lens file version (``key``) and loaded model (its id):
+    recomputes the lens's forward canary (about 2 s on the default model on a CPU; nothing without a canary)."""
+    from jlens_core.lenses.canary import check_lens
+
+    return check_lens(_model, _lens)
 
 
 class ReadingStore:
@@ -130,16 +145,18 @@ def reading_store() -> ReadingStore:
 def readings_cached(model, model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, top_k: int,
                     pinned: tuple, show_ws: bool, word_like: bool, layers: tuple | None, positions: tuple | None,
                     max_seq_len: int, n_prompt: int | None = None, edits_key: str = "", edits=None,
-                    vocab: str = "all") -> dict[str, Any]:
+                    vocab: str = "all", stability: bool = False) -> dict[str, Any]:
     """:func:`jlens_core.reading.reader.read_prompts` of ``lenses`` (``{name: (lens, lens key)}``), cached per lens.
 
     ``text`` is the prompt, or a tuple of token ids (a generation: the first ``n_prompt`` are the prompt);
     ``edits`` are residual edits to read under (named by ``edits_key``); ``vocab`` is the readout (``"all"``,
-    or ``"word"``: word tokens only in top-k lists and ranks). Returns ``{name: PromptReading}``.
+    or ``"word"``: word tokens only in top-k lists and ranks); ``stability`` adds the stability marks of the
+    lenses that keep halves (docs/method.md §6.2). Returns ``{name: PromptReading}``.
     """
     from jlens_core.reading.reader import read_prompts
 
-    settings = (text, top_k, pinned, show_ws, word_like, layers, positions, max_seq_len, n_prompt, edits_key, vocab)
+    settings = (text, top_k, pinned, show_ws, word_like, layers, positions, max_seq_len, n_prompt, edits_key, vocab,
+                stability)
     keys = {name: (model_key, lens_key, *settings) for name, (_, lens_key) in lenses.items()}
 
     def compute(names: list[str]) -> dict[str, Any]:
@@ -147,6 +164,6 @@ def readings_cached(model, model_key: str, lenses: dict[str, tuple[Any, str]], t
                             list(text) if isinstance(text, tuple) else text, top_k=top_k, pinned=pinned,
                             show_whitespace=show_ws, word_like=word_like, layers=None if layers is None else list(layers),
                             positions=None if positions is None else list(positions), max_seq_len=max_seq_len,
-                            n_prompt=n_prompt, edits=edits, vocab=vocab)
+                            n_prompt=n_prompt, edits=edits, vocab=vocab, stability=stability)
 
     return reading_store().get(keys, compute)

@@ -62,7 +62,7 @@ PERSISTENT_KEYS = ("prompt", "mode", "stat", "chat", "top_k", "pinned", "stride"
                    "eval_source", "eval_n", "fit_run", "gen_n", "gen_temp", "gen_seed", "band",
                    "mc_word_like", "iv_op", "iv_token", "iv_replacement", "iv_strength", "iv_alpha", "iv_layers",
                    "iv_pos_mode", "iv_pos_range", "iv_on_generated", "iv_new", "iv_edited_heatmap", "iv_centred", "iv_lens",
-                   "pair_a", "pair_b", "fit_rules", "st_sets", "st_k", "st_n", "st_filter", "st_path")
+                   "pair_a", "pair_b", "fit_rules", "st_sets", "st_k", "st_n", "st_filter", "st_path", "stability")
 # (the lens slots' path boxes are kept too: url_state adds them, one per slot)
 # A rerun dims the last run's elements with a 1 s opacity fade (from 0.5 s in), and expanders fade their
 # borders: Chromium without a GPU repaints the page every frame of it, on the cores the run's matrix

@@ -140,7 +140,8 @@ def render(ctx: common.Context) -> None:
     layers, positions = list(base.layers), [int(p) for p in base.positions]
     _select_cell(layers, positions)
     fig = heatmap_figure(readings, ss.mode, ss.stat, layers=layers, pair=pair,
-                                selected=(int(ss.cell_layer), int(ss.cell_pos)))
+                         selected=(int(ss.cell_layer), int(ss.cell_pos)),
+                         stability=True)  # the marks a file carries are drawn (docs/method.md §6.2)
     st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points", config={"displaylogo": False})
     _cell_detail(readings, base, layers, positions)
     st.button("Intervene", disabled=True, help=common.READING_ONLY, key="reading_intervene")

@@ -1,7 +1,7 @@
 """The view kept in the URL: query parameters seed a session and are written back after every run.
 
 What a user sets up (``model``, ``lens``, ``rlens``, ``jpp``, ``rpp``, ``tuned``, ``extra``, ``prompt``, ``mode``,
-``stat``, ``pair``, ``vocab``, ``centred``, ``iv_lens``, ``gen``, ``temp``, ``seed``, ``band``, ``pin``; the Study page's
+``stat``, ``pair``, ``vocab``, ``centred``, ``iv_lens``, ``gen``, ``temp``, ``seed``, ``band``, ``pin``, ``stability``; the Study page's
 ``sets``, ``set_path``, ``k``, ``n``, ``filter``) is in the page's URL, so a
 view can be shared and reloaded. Each lens slot (:data:`lens_slots.SLOTS`) has its own parameter, named by the slot;
 ``extra`` lists the lenses added from files (comma-separated paths or ``hf://`` specs). ``pair``, ``mode`` and
@@ -58,6 +58,8 @@ def init_state() -> None:
             ss.iv_centred = _query_value("centred") == "1"
         if _query_value("pin"):
             ss.pinned = _query_value("pin")
+        if _query_value("stability") in ("0", "1"):  # else Inspect's default: on when a lens keeps halves
+            ss.stability = _query_value("stability") == "1"
         _seed_generation_state(ss)
         _seed_study_state(ss)
         ss._initialised = True
@@ -133,6 +135,17 @@ def generation_query() -> dict[str, str | None]:
             "band": f"{int(band[0])}-{int(band[1])}" if band and ss.get("band_is_custom") else None}
 
 
+def _stability_query(ctx) -> str | None:
+    """``stability=1`` / ``0`` when the toggle differs from its default (on when a loaded lens keeps halves)."""
+    value = st.session_state.get("stability")
+    if value is None or ctx.model is None:
+        return None
+    from jlens_core.reading.stability import lens_halves
+
+    default = any(lens_halves(lens) is not None for lens in ctx.lenses().values())
+    return None if bool(value) == default else ("1" if value else "0")
+
+
 def sync_query_params() -> None:
     """Write the shareable state back into the URL."""
     ss = st.session_state
@@ -146,6 +159,7 @@ def sync_query_params() -> None:
     wanted["pin"] = (ss.get("pinned") or "") or None
     wanted["vocab"] = "word" if ss.get("vocab_word") else None  # "all", the default, left out
     wanted["centred"] = "1" if ss.get("iv_centred") else None
+    wanted["stability"] = _stability_query(ctx)
     wanted["iv_lens"] = ss.get("iv_lens") if ss.get("iv_lens") not in (None, "jacobian") else None
     pair = (ss.get("pair_a"), ss.get("pair_b"))
     wanted["pair"] = ",".join(pair) if ss.get("mode") in ("side", "diff") and pair != common.default_pair(ctx) \

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .interventions.say_success import SaySuccessReport, load_say_set, say_success
     from .interventions.swap_success import SwapReport, load_swap_set, swap_success
     from .layerspec import resolve_layers
+    from .lenses.canary import CheckResult, check_lens
     from .lenses.experts import ExpertLens
     from .lenses.fit_settings import FitPlan, FitRecord, FitSettings
     from .lenses.header import LensFileError

@@ -100,8 +100,11 @@ def test_save_load_round_trip_fp32_is_exact(tmp_path):
     assert back.diagnostics == lens.diagnostics and len(back.diagnostics) == 2 * 3
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["jlens"])
-        # the lens's own matrices, and its split halves under their prefix (docs/method.md §3.3)
-        assert sorted(f.keys()) == ["J.0", "J.1", "J.2", *[f"half.{h}.J.{k}" for h in ("even", "odd") for k in range(3)]]
+        # the lens's own matrices, its split halves under their prefix (docs/method.md §3.3) and the fit's canary (§4.2)
+        assert sorted(k for k in f.keys() if not k.startswith("canary.")) == [  # noqa: SIM118
+            "J.0", "J.1", "J.2", *[f"half.{h}.J.{k}" for h in ("even", "odd") for k in range(3)]]
+        assert sorted(k for k in f.keys() if k.startswith("canary.")) == [  # noqa: SIM118
+            "canary.jacobian", "canary.param_norms", "canary.probes", "canary.residuals"]
     assert meta["format"] == "jlens" and meta["format_version"] == 1
     assert meta["source_layers"] == [0, 1, 2] and meta["target_layer"] == 3
     JacobianLens.load(path, model=tiny())  # its own model is accepted
@@ -116,7 +119,10 @@ def test_save_fp16_is_within_2e_3_and_stored_as_fp16(tmp_path):
     for layer in lens.source_layers:
         assert back.jacobians[layer].dtype == torch.float32
         torch.testing.assert_close(back.jacobians[layer], lens.jacobians[layer], rtol=2e-3, atol=2e-3)
-    assert (tmp_path / "lens16.safetensors").stat().st_size < 0.6 * lens.save(tmp_path / "l32").stat().st_size
+    bare = lens.with_shrinkage(0.0)
+    bare.canary = None  # the matrices' storage alone: a tiny model's canary is as large as its matrices
+    assert (bare.save(tmp_path / "b16", dtype="float16").stat().st_size
+            < 0.6 * bare.save(tmp_path / "b32").stat().st_size)
 
 
 def test_save_fp16_overflow_falls_back_to_fp32_with_a_warning(tmp_path):

@@ -23,6 +23,7 @@ from jlens_core.figures.labels import LENS_SHORT, row_labels, shown
 from jlens_core.figures.ranks import pinned_ranks_figure
 from jlens_core.figures.tokens import topk_bars
 from jlens_core.reading.generation import generate
+from jlens_core.reading.stability import lens_halves
 from jlens_core.reading.summaries import most_common_tokens
 from jlens_core.reading.tokens import pin_spec, token_id
 
@@ -79,14 +80,17 @@ class Reader:
         settings = (v.source, int(ss.top_k), tuple(v.pins), bool(ss.show_ws), bool(ss.word_like), tuple(v.layers), at,
                     MAX_TOKENS, v.n_prompt, self.edits_key, self.edits, vocab())
         model, model_key = self.ctx.model, self.ctx.model_key
+        marks = bool(ss.get("stability"))  # docs/method.md §6.2: only lenses with halves get them
         try:
-            into.update(cache.readings_cached(model, model_key, {n: (lenses[n], keys[n]) for n in todo}, *settings))
+            into.update(cache.readings_cached(model, model_key, {n: (lenses[n], keys[n]) for n in todo}, *settings,
+                                              stability=marks))
             return
         except common.EXPECTED_ERRORS:
             pass  # then one lens at a time, to say which cannot read the prompt (the others still can)
         for name in todo:
             try:
-                into.update(cache.readings_cached(model, model_key, {name: (lenses[name], keys[name])}, *settings))
+                into.update(cache.readings_cached(model, model_key, {name: (lenses[name], keys[name])}, *settings,
+                                                  stability=marks))
             except common.EXPECTED_ERRORS as exc:
                 st.error(f"The {common.lens_label(name)} cannot read this prompt: {exc}")
 
@@ -100,6 +104,8 @@ def render(ctx: common.Context) -> None:
     """Draw the page for the loaded model and lenses."""
     model = ctx.model
     _init_state(model.n_layers)
+    if ss.get("stability") is None:  # on by default when a loaded lens keeps split halves (URL key `stability`)
+        ss.stability = stability_default(ctx)
     examples = common.example_prompts()
     has_template = bool(getattr(model.tokenizer, "chat_template", None))
     prompt_inputs(examples, has_template)
@@ -136,6 +142,11 @@ def _init_state(n_layers: int) -> None:
     if not isinstance(ss.get("band"), (tuple, list)) or max(ss.band) > n_layers - 1:
         ss.band = (0, n_layers - 1)
     ss.band_is_custom = tuple(ss.band) != (0, n_layers - 1)
+
+
+def stability_default(ctx: common.Context) -> bool:
+    """Whether the Stability toggle starts on: when some loaded lens keeps split halves (docs/method.md §6.2)."""
+    return any(lens_halves(lens) is not None for lens in ctx.lenses().values())
 
 
 def _request_stop() -> None:
@@ -361,6 +372,11 @@ def display_options(model: Any, prompt: str, text: str, full_ids: Any, generatio
         d3.toggle("Word-like tokens only", key="word_like",
                   help="A stricter display filter: top-k lists keep word-like tokens only (letters and inner "
                        "apostrophes or hyphens, no digits); ranks are those of the readout above.")
+        d3.toggle("Stability", key="stability",
+                  help="Mark unstable cells (faded and hatched): the shown token is not in the top 10 under both of "
+                       "the lens's split halves, the lenses fitted on its even and its odd prompts. The hover gives "
+                       "each half's rank, the strip right of the heatmap each layer's stable share. Needs a lens "
+                       "fitted with halves (docs/method.md §6.2).")
     if bad_pins:
         st.warning("Not pinned: " + "; ".join(bad_pins))
     if int(full_ids.shape[1]) > MAX_TOKENS:
@@ -399,7 +415,11 @@ def heatmap(view: View, reader: Reader, edits: list | None) -> tuple[Any, str]:
         mode = "logit"
     _select_cell(view)
     fig = heatmap_figure(readings, mode, ss.stat, layers=view.layers, pair=pair,
-                                selected=(int(ss.cell_layer), int(ss.cell_pos)))
+                         selected=(int(ss.cell_layer), int(ss.cell_pos)), stability=bool(ss.stability))
+    if ss.stability:
+        notes = {readings[n].stability_note for n in shown_now if n in readings and n != "logit"}
+        for note in sorted(n for n in notes if n):
+            st.caption(note)
     if edits:
         fig.update_layout(title=f"Edited run ({'; '.join(repr(e) for e in edits)}) · " + fig.layout.title.text)
     st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points",
@@ -507,6 +527,9 @@ def _cell_row(name: str, cell: dict) -> dict:
            "next-token CE (bits)": cell["ce_bits"], "next-token rank": cell["next_token_rank"],
            "final top-1 rank": cell["final_top1_rank"]}
     row.update({f"rank {k[5:]!r}": v for k, v in cell.items() if k.startswith("rank_")})
+    if "half_rank_even" in cell:  # docs/method.md §6.2
+        row["halves' ranks"] = f"{cell['half_rank_even']} / {cell['half_rank_odd']}"
+        row["stable"] = cell["stable"]
     return row
 
 

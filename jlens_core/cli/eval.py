@@ -101,7 +101,8 @@ def _run_pass_at_k(model: LensModel, lenses: dict[str, Lens], eval_sets: list[tu
         bar = _bar(len(items), f"pass@k {Path(name).stem}", args.no_progress, unit="item")
         table, detail = pass_at_k(model, lenses, items, k=tuple(args.k), readout=readout, spelling=args.spelling,
                                   progress=functools.partial(_advance, bar) if bar else None, return_detail=True,
-                                  vocab=args.vocab, exclude_copied=args.exclude_copied)
+                                  vocab=args.vocab, exclude_copied=args.exclude_copied,
+                                  stability=getattr(args, "stability", False))
         if bar:
             bar.close()
         table.insert(0, "set", Path(name).stem)
@@ -255,6 +256,10 @@ def register(subparsers) -> None:
                         "the item's spellings are always kept)")
     e.add_argument("--exclude-copied", action="store_true",
                    help="pass@k: leave out intermediates that appear in the prompt (the 'copied' column counts them)")
+    e.add_argument("--stability", action="store_true",
+                   help="with --pass-at-k: also rank each word under the split halves of the lenses that keep them "
+                        "(best_rank_even/odd in pass_at_k_detail.csv) and report found_by_both_halves with its "
+                        "interval; a lens without halves says so in one sentence and gets NaN")
     e.add_argument("--decoys", action="store_true",
                    help="pass@k of decoys: each item scored on another item's intermediates instead of its own "
                         "(the control for a lens that ranks a kind of word high everywhere; docs/method.md §8)")

@@ -44,6 +44,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         check_generate_args(args.prompt, args.generate, args.temperature, 1)
     if args.top_k < 1:
         raise CLIError(f"--top-k {args.top_k} must be at least 1.")
+    if args.stability_k < 1:
+        raise CLIError(f"--stability-k {args.stability_k} must be at least 1 (1: top-1 under both halves).")
     if args.last is not None and args.last < 0:
         raise CLIError(f"--last {args.last} must be >= 0 (0 shows every position).")
     specs = [spec.strip() for value in (args.lens or ["logit"]) for spec in value.split(",") if spec.strip()]
@@ -71,7 +73,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         source = model.chat(args.prompt) if args.chat else str(args.prompt)
     readings = read_prompts(model, lenses, source, top_k=args.top_k, layers=layers, max_seq_len=args.max_seq_len,
-                            show_whitespace=True, vocab=args.vocab, pinned=args.pin or ())
+                            show_whitespace=True, vocab=args.vocab, pinned=args.pin or (), stability=args.stability,
+                            stability_k=args.stability_k)
+    for name, reading in readings.items():
+        if reading.stability_note and (reading.lens_kind != "logit" or len(readings) == 1):
+            print(f"{name}: {reading.stability_note}", file=sys.stderr)
     if args.save:
         from ..reading.reading_file import save_readings
 
@@ -110,18 +116,27 @@ def print_grid(reading: PromptReading, name: str, last: int | None, width: int) 
         last = reading.n_generated + 1 if reading.n_generated else LAST_DEFAULT  # the continuation and the prompt's end
     positions = reading.positions[-last:] if last else reading.positions
 
-    def cell(s: str) -> str:
-        s = s.replace("\n", "↵")
-        return (s[: width - 1] + "…") if len(s) > width else s.ljust(width)
+    def cell(s: str, mark: str = "") -> str:
+        s, room = s.replace("\n", "↵"), width - len(mark)
+        if len(s) > room:
+            s = s[: room - 1] + "…"
+        return (s + mark).ljust(width)
 
     grid = reading.top1_grid()
     cols = [reading.position_index(p) for p in positions]
+    halves = reading.stability
+    if halves is not None:  # docs/method.md §6.2: '?' after a token the half lenses do not both rank in their top k
+        unstable = ~halves.stable
+        by_layer = reading.stability_by_layer()["stable_fraction"].tolist()
     fitted = reading.fitted
     lens = f"{reading.lens_kind} lens" if name == reading.lens_kind else f"{name} ({reading.lens_kind} lens)"
     print(f"{reading.model_name} · {lens} · vocab={reading.vocab} · top-1 token per layer (rows) and position "
           "(columns)")
     if not fitted[cols].all():
         print(f"(unfit): positions before the lens's skip_first={reading.skip_first}, where it was never fitted")
+    if halves is not None:
+        print(f"?: unstable, the token is not in the top {halves.stability_k} under both half lenses; right: the "
+              "layer's stable % over its fitted positions")
     print("layer ".rjust(7) + " ".join(cell(reading.tokens[c]) for c in cols))
     if reading.n_generated or not fitted[cols].all():
         marks = ["(gen)" if reading.segments[c] == "generated" else "" if fitted[c] else "(unfit)" for c in cols]
@@ -129,7 +144,9 @@ def print_grid(reading: PromptReading, name: str, last: int | None, width: int) 
     print("-" * (7 + (width + 1) * len(cols)))
     for i, layer in enumerate(reading.layers):
         label = "out" if layer == reading.output_layer else str(layer)
-        print(f"{label:>6} " + " ".join(cell(grid[i][c]) for c in cols))
+        stable = "" if halves is None else f"  {by_layer[i]:4.0%}" if by_layer[i] == by_layer[i] else "     -"
+        print(f"{label:>6} " + " ".join(cell(grid[i][c], "?" if halves is not None and unstable[i, c] else "")
+                                        for c in cols) + stable)
 
 
 def register(subparsers) -> None:
@@ -157,6 +174,12 @@ def register(subparsers) -> None:
                    help="tokens kept per cell in json, csv and --save (default 10; the table shows the top-1)")
     i.add_argument("--pin", action="append", default=None, metavar="TOKEN",
                    help="track this token's rank (a rank_TOKEN column in json/csv and --save); repeatable")
+    i.add_argument("--stability", action="store_true",
+                   help="mark unstable cells ('?' in the table; half_rank_even/odd and stable columns in json/csv "
+                        "and --save): the shown token is not in the top --stability-k under both of the lens's "
+                        "split halves. A lens without halves is read without marks (one sentence says so)")
+    i.add_argument("--stability-k", type=int, default=10, metavar="K",
+                   help="with --stability: stable = within the top K under both halves (default 10; 1 = top-1)")
     i.add_argument("--format", choices=FORMATS, default="table",
                    help="table (default): the top-1 grid; json: a JSON array of records, one per lens x layer x "
                         "position; csv: the same as CSV (list cells as JSON). Nothing else goes to stdout")

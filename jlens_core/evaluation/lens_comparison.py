@@ -34,6 +34,7 @@ from .passk import load_eval_set
 
 N_BOOT = 2000
 
+BOTH_HALVES_COLUMNS = ("both_halves", "both_low", "both_high")  # with the halves' ranks (docs/method.md §8)
 COMPARISON_COLUMNS = ("lens", "vocab", "k", "macro", "ci_low", "ci_high", "baseline", "diff", "diff_low",
                       "diff_high", "ratio", "ratio_low", "ratio_high", "verdict", "n_sets", "items_scored",
                       "words_scored", "exclude_copied")
@@ -47,10 +48,15 @@ def _scored_intermediates(detail: pd.DataFrame, exclude_copied: bool) -> pd.Data
     return inter
 
 
-def _item_scores(inter: pd.DataFrame, k: int) -> pd.DataFrame:
+def _item_scores(inter: pd.DataFrame, k: int, *, both_halves: bool = False) -> pd.DataFrame:
     """``[item rows, variants]``: each (set, item)'s score per ``(lens, vocab)`` variant (NaN: not scored),
-    from :func:`_scored_intermediates`'s rows."""
-    passed = (inter["best_rank"] <= k).astype(float)
+    from :func:`_scored_intermediates`'s rows; ``both_halves``: the score of "found by both halves" instead
+    (each half lens ranks the word within the top k, docs/method.md §8; NaN for a lens without halves)."""
+    if both_halves:
+        inter = inter[inter["best_rank_even"].notna() & inter["best_rank_odd"].notna()]
+        passed = ((inter["best_rank_even"] <= k) & (inter["best_rank_odd"] <= k)).astype(float)
+    else:
+        passed = (inter["best_rank"] <= k).astype(float)
     scores = passed.groupby([inter["set"], inter["item"], inter["lens"], inter["vocab"]]).mean()
     return scores.unstack(["lens", "vocab"])  # index (set, item); columns (lens, vocab)
 
@@ -109,7 +115,9 @@ def macro_comparison(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), 
         ``diff`` = macro - baseline's and ``ratio`` = macro / baseline's, each with a paired 95 %
         interval; ``verdict`` ``"win"``/``"loss"`` when the difference's interval excludes 0, else
         ``"tie"`` (``"baseline"`` on the baseline's own row); coverage (``n_sets``, ``items_scored``,
-        ``words_scored``).
+        ``words_scored``). When ``detail`` has the halves' ranks (``pass_at_k_detail(..., stability=True)``),
+        three more columns: ``both_halves`` (the macro share found by *both* half lenses, docs/method.md §8)
+        and its interval ``both_low`` / ``both_high`` (the same resamples; NaN for a lens without halves).
 
     Raises:
         ValueError: a ``k`` below 1, a detail frame without the needed columns, no scored item left
@@ -121,6 +129,7 @@ def macro_comparison(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), 
     frame = _select_items(_check_detail(detail), keep)
     base = (baseline, "all") if isinstance(baseline, str) else (str(baseline[0]), str(baseline[1]))
     inter = _scored_intermediates(frame, exclude_copied)
+    with_halves = all(column in inter for column in ("best_rank_even", "best_rank_odd"))
     words_per_variant = inter.groupby(["lens", "vocab"]).size()  # [variants]
     rng = np.random.default_rng(seed)
     rows = []
@@ -144,6 +153,8 @@ def macro_comparison(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), 
             ratios = replicates / replicates[:, b:b + 1]
         ratios[~np.isfinite(ratios)] = np.nan  # a resample where the baseline finds nothing has no ratio
         diffs = replicates - replicates[:, b:b + 1]
+        both = _both_halves_macro(inter, kk, variants, table.index, draws, set_of_row, len(set_names)) \
+            if with_halves else None
         for j, (lens, vocab) in enumerate(variants):
             low, high = np.nanpercentile(diffs[:, j], [2.5, 97.5])
             r_low, r_high = (np.nanpercentile(ratios[:, j], [2.5, 97.5]) if np.isfinite(ratios[:, j]).any()
@@ -159,7 +170,25 @@ def macro_comparison(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), 
                          "n_sets": len(set_names), "items_scored": int(np.isfinite(column).sum()),
                          "words_scored": int(words_per_variant[(lens, vocab)]),
                          "exclude_copied": bool(exclude_copied)})
-    return pd.DataFrame(rows, columns=list(COMPARISON_COLUMNS))
+            if both is not None:
+                rows[-1].update(dict(zip(BOTH_HALVES_COLUMNS, both[j])))
+    return pd.DataFrame(rows, columns=list(COMPARISON_COLUMNS) + (list(BOTH_HALVES_COLUMNS) if with_halves else []))
+
+
+def _both_halves_macro(inter: pd.DataFrame, k: int, variants: list, index: pd.Index, draws: np.ndarray,
+                       set_of_row: np.ndarray, n_sets: int) -> list[tuple[float, float, float]]:
+    """Per variant ``(macro, low, high)`` of "found by both halves", on the items and resamples of the main
+    comparison (``index``, ``draws``): paired with it."""
+    if not (inter["best_rank_even"].notna() & inter["best_rank_odd"].notna()).any():
+        return [(math.nan, math.nan, math.nan)] * len(variants)
+    table = _item_scores(inter, k, both_halves=True).reindex(index=index, columns=pd.Index(variants))
+    values = table.to_numpy(dtype=np.float64)  # [items, variants]
+    point = _macro(values, set_of_row, n_sets)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a lens without halves: all NaN
+        replicates = _macro(values[draws], set_of_row[draws[0]], n_sets)  # [n_boot, variants]
+        low, high = np.nanpercentile(replicates, [2.5, 97.5], axis=0)
+    return [(float(p), float(lo), float(hi)) for p, lo, hi in zip(point, low, high)]
 
 
 GAP_COLUMNS = ("lens", "vocab", "k", "real", "decoy", "gap", "gap_low", "gap_high", "baseline", "gap_diff",
@@ -258,4 +287,4 @@ def heldout_items(sets: Iterable[str], heldout_fraction: float = 0.5, *, seed: i
     return held
 
 
-__all__ = ["COMPARISON_COLUMNS", "GAP_COLUMNS", "N_BOOT", "gap_comparison", "heldout_items", "macro_comparison"]
+__all__ = ["BOTH_HALVES_COLUMNS", "COMPARISON_COLUMNS", "GAP_COLUMNS", "N_BOOT", "gap_comparison", "heldout_items", "macro_comparison"]

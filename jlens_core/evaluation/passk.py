@@ -56,6 +56,7 @@ from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.inputs import checked_lenses, encode_prompt, record_residuals
 from ..reading.logit_stats import rank_of
+from ..reading.stability import HalvesArg, check_halves, resolve_halves
 from ..reading.tokens import TokenDisplay, spellings
 from ..reading.word_readout import check_vocab, kept_ids_mask
 
@@ -70,6 +71,8 @@ PASS_COLUMNS = ("lens", "vocab", "k", "pass_rate", "ci_low", "ci_high", "items_s
 DETAIL_COLUMNS = ("item", "name", "lens", "role", "word", "scored", "copied", "spellings", "token_ids", "position",
                   "readout_token", "best_rank", "best_layer", "final_rank", "vocab")
 N_BOOT = 2000
+HALF_COLUMNS = ("best_rank_even", "best_rank_odd")  # the detail's, with stability (docs/method.md §6.2)
+BOTH_COLUMNS = ("found_by_both_halves", "both_ci_low", "both_ci_high")  # the summary's, with stability
 
 Progress = Callable[[int, int], None]
 
@@ -430,8 +433,8 @@ def _best_rank(logits: torch.Tensor, candidates: torch.Tensor, kept: torch.Tenso
 
 def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str, *,
                      layers: Iterable[int] | None = None, readout: Any = None, spelling: str = "whole",
-                     synonyms: str | None = None, progress: Progress | None = None, vocab: str = "all"
-                     ) -> pd.DataFrame:
+                     synonyms: str | None = None, progress: Progress | None = None, vocab: str = "all",
+                     stability: bool = False, halves: HalvesArg = None) -> pd.DataFrame:
     """Best ranks of each item's intermediate and target words, per lens, at the readout position.
 
     Args:
@@ -443,13 +446,18 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
         synonyms: ``"numbers_ops"`` or ``None``; default: the item's (from its set).
         vocab: ``"all"`` (default) or ``"word"``: rank among the word tokens plus the item's candidate
             spellings (docs/method.md §9.1).
+        stability: also rank each word under the split halves of the lenses that keep them
+            (``lens.halves()``, docs/method.md §6.2, §8): ``best_rank_even`` / ``best_rank_odd``, the best
+            rank over the same layers under each half (NaN for a lens without halves: one sentence logged).
+        halves: ``{lens name: (even, odd)}`` (or one pair for one lens): the halves to use (implies stability).
 
     Returns:
         DataFrame, one row per item x lens x word, columns :data:`DETAIL_COLUMNS`: ``scored`` (the
         word has a spelling), ``copied`` (it appears in the prompt, :func:`appears_in_prompt`),
         ``spellings`` / ``token_ids`` (what it is ranked by), ``position`` and ``readout_token``
         (where it was read), ``best_rank`` (best over the layers; NaN unscored), ``best_layer``
-        (lowest layer reaching it), ``final_rank`` (in the model's own output), ``vocab``.
+        (lowest layer reaching it), ``final_rank`` (in the model's own output), ``vocab``; with stability,
+        ``best_rank_even`` and ``best_rank_odd`` after them (a frame without stability has neither column).
 
     Raises:
         ValueError: malformed items, an unknown readout / spelling / synonyms / vocab, a readout
@@ -462,6 +470,10 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
                          "'first_token'.")
     readout, synonyms = _check_readout_options(readout, synonyms, vocab)
     lenses, lens_layers = checked_lenses(model, lenses, layers)
+    chosen_halves, _ = resolve_halves(lenses, stability=bool(stability), halves=halves)
+    for lens_name, pair in chosen_halves.items():
+        check_halves(lens_name, lenses[lens_name], pair, lens_layers[lens_name])
+    with_halves = bool(chosen_halves) or bool(stability)  # the columns, NaN for a lens without halves
     items = _check_items(items)
     kept_np = kept_ids_mask(TokenDisplay.for_model(model), vocab, model.vocab_size)  # bool[vocab_size] or None
     top = model.n_layers - 1
@@ -483,6 +495,8 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
                 logits = model.unembed(h).float()  # [n_layers, vocab]
                 if top in ls:
                     logits[ls.index(top)] = final_logits[0]
+                half_logits = [_half_logits(model, half, resid, ls, position, final_logits, top)
+                               for half in chosen_halves.get(lens_name, ())]  # [2] x [n_layers, vocab], or none
                 for (role, word), spelled in zip(words, spellings):
                     row = {"item": int(item.get("index", index)), "name": name, "lens": lens_name, "role": role, "word": word,
                            "scored": bool(spelled), "copied": copied[word],
@@ -495,11 +509,26 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
                         best = int(per_layer.min())
                         row.update(best_rank=best, best_layer=ls[int(torch.argmax((per_layer == best).int()))],
                                    final_rank=int(_best_rank(final_logits, cands, kept)[0]))
+                    if with_halves:
+                        row.update(best_rank_even=math.nan, best_rank_odd=math.nan)
+                        if spelled and half_logits:
+                            row.update(best_rank_even=int(_best_rank(half_logits[0], cands, kept).min()),
+                                       best_rank_odd=int(_best_rank(half_logits[1], cands, kept).min()))
                     rows.append(row)
         del resid
         if progress is not None:
             progress(index + 1, len(items))
-    return pd.DataFrame(rows, columns=list(DETAIL_COLUMNS))
+    return pd.DataFrame(rows, columns=list(DETAIL_COLUMNS) + (list(HALF_COLUMNS) if with_halves else []))
+
+
+def _half_logits(model: LensModel, half: Lens, resid: Mapping[int, torch.Tensor], layers: Sequence[int], position: int,
+                 final_logits: torch.Tensor, top: int) -> torch.Tensor:
+    """``[n_layers, vocab]`` fp32 logits of one half lens at ``position`` (the model's own at the output layer)."""
+    h = torch.stack([half.transport(resid[layer][position], layer) for layer in layers])  # [n_layers, d]
+    logits = model.unembed(h).float()
+    if top in layers:
+        logits[list(layers).index(top)] = final_logits[0]
+    return logits
 
 
 def bootstrap_interval(values: Sequence[float], *, n_boot: int = N_BOOT, seed: int = 0) -> tuple[float, float]:
@@ -522,7 +551,10 @@ def summarize_pass_at_k(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10
         exclude_copied: leave the copied intermediates out of the score and the coverage.
 
     Returns:
-        DataFrame, one row per lens x k, columns :data:`PASS_COLUMNS`: ``vocab`` (the readout),
+        DataFrame, one row per lens x k, columns :data:`PASS_COLUMNS` (then, when ``detail`` has the halves'
+        ranks, ``found_by_both_halves`` with its bootstrap ``both_ci_low``/``both_ci_high``: the same mean of
+        the items' fractions of intermediates that *each* half lens ranks within the top k at some searched
+        layer, docs/method.md §8; NaN for a lens without halves): ``vocab`` (the readout),
         ``pass_rate`` (mean over scored items of the fraction of their scored intermediates found),
         its bootstrap ``ci_low``/``ci_high``, ``items_scored``/``n_items`` and
         ``words_scored``/``n_words`` (coverage; with ``exclude_copied`` the copied words are not
@@ -536,6 +568,7 @@ def summarize_pass_at_k(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10
     if not ks or any(x < 1 for x in ks):
         raise ValueError(f"k={k} must be one or more integers >= 1 (ranks are 1-based: k=1 is top-1).")
     inter = detail[detail["role"] == "intermediate"]
+    with_halves = all(column in detail for column in HALF_COLUMNS)
     copied_col = (inter["copied"].astype(bool) if "copied" in inter
                   else pd.Series(False, index=inter.index))  # [n_intermediate_rows]
     rows = []
@@ -556,15 +589,28 @@ def summarize_pass_at_k(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10
                          "ci_low": low, "ci_high": high, "items_scored": len(per_item), "n_items": n_items,
                          "words_scored": len(scored), "n_words": len(sub), "copied": n_copied,
                          "copied_excluded": bool(exclude_copied)})
-    return pd.DataFrame(rows, columns=list(PASS_COLUMNS))
+            if with_halves:
+                rows[-1].update(_both_halves(scored, kk, n_boot=n_boot, seed=seed))
+    return pd.DataFrame(rows, columns=list(PASS_COLUMNS) + (list(BOTH_COLUMNS) if with_halves else []))
+
+
+def _both_halves(scored: pd.DataFrame, k: int, *, n_boot: int, seed: int) -> dict[str, float]:
+    """``found_by_both_halves`` and its interval over the ``scored`` intermediates (NaN: a lens without halves)."""
+    has = scored["best_rank_even"].notna() & scored["best_rank_odd"].notna()
+    if not has.any():
+        return {"found_by_both_halves": math.nan, "both_ci_low": math.nan, "both_ci_high": math.nan}
+    rows = scored[has]
+    both = ((rows["best_rank_even"] <= k) & (rows["best_rank_odd"] <= k)).groupby(rows["item"]).mean()  # [items]
+    low, high = bootstrap_interval(both.to_numpy(), n_boot=n_boot, seed=seed)
+    return {"found_by_both_halves": float(both.mean()), "both_ci_low": low, "both_ci_high": high}
 
 
 def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str, *,
               k: Sequence[int] | int = (1, 5, 10), layers: Iterable[int] | None = None, readout: Any = None,
               spelling: str = "whole", synonyms: str | None = None, n_boot: int = N_BOOT, seed: int = 0,
               progress: Progress | None = None, return_detail: bool = False, vocab: str = "all",
-              exclude_copied: bool = False, set_name: str | None = None
-              ) -> pd.DataFrame | tuple[pd.DataFrame, pd.DataFrame]:
+              exclude_copied: bool = False, set_name: str | None = None, stability: bool = False,
+              halves: HalvesArg = None) -> pd.DataFrame | tuple[pd.DataFrame, pd.DataFrame]:
     """pass@k of latent intermediate steps, per lens, with the protocol of the module docstring.
 
     Args:
@@ -583,6 +629,8 @@ def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapp
             (:func:`summarize_pass_at_k`); the ``copied`` column counts them either way.
         set_name: the detail's ``set`` (default: the set's file stem when ``items`` names one, else
             ``"items"``); give the real set's name to a decoy run so that the two pair up.
+        stability, halves: also score each lens's split halves (:func:`pass_at_k_detail`): the summary
+            gains ``found_by_both_halves`` with its interval.
 
     Returns:
         DataFrame with columns :data:`PASS_COLUMNS` (one row per lens x k); with ``return_detail``,
@@ -592,7 +640,7 @@ def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapp
     if not ks or any(int(x) < 1 for x in ks):
         raise ValueError(f"k={k} must be one or more integers >= 1 (ranks are 1-based: k=1 is top-1).")
     detail = pass_at_k_detail(model, lenses, items, layers=layers, readout=readout, spelling=spelling,
-                              synonyms=synonyms, progress=progress, vocab=vocab)
+                              synonyms=synonyms, progress=progress, vocab=vocab, stability=stability, halves=halves)
     summary = summarize_pass_at_k(detail, ks, n_boot=n_boot, seed=seed, exclude_copied=exclude_copied)
     if set_name is None:
         set_name = Path(items).stem if isinstance(items, str) else "items"
@@ -612,13 +660,14 @@ def macro_mean(per_set: pd.DataFrame) -> pd.DataFrame:
                 row[column] = part[column].iloc[0]
         if "copied" in part:
             row["copied"] = int(part["copied"].sum())
+        if "found_by_both_halves" in part:  # with stability: the same unweighted mean (docs/method.md §8)
+            row["found_by_both_halves"] = float(part["found_by_both_halves"].mean())
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-__all__ = ["DETAIL_COLUMNS", "EVAL_DIR", "EVAL_SETS", "PASS_COLUMNS", "READOUT_RULES", "SPELLINGS", "SYNONYM_SETS",
-           "ItemReadout", "appears_in_prompt", "bootstrap_interval", "check_item", "check_readout", "decoy_items",
-           "item_kept_ids",
-           "item_readout", "load_eval_set", "macro_mean", "number_synonyms",
-           "pass_at_k", "pass_at_k_detail", "readout_position", "shipped_sets", "summarize_pass_at_k",
+__all__ = ["BOTH_COLUMNS", "DETAIL_COLUMNS", "EVAL_DIR", "EVAL_SETS", "HALF_COLUMNS", "PASS_COLUMNS", "READOUT_RULES",
+           "SPELLINGS", "SYNONYM_SETS", "ItemReadout", "appears_in_prompt", "bootstrap_interval", "check_item",
+           "check_readout", "decoy_items", "item_kept_ids", "item_readout", "load_eval_set", "macro_mean",
+           "number_synonyms", "pass_at_k", "pass_at_k_detail", "readout_position", "shipped_sets", "summarize_pass_at_k",
            "word_spellings"]

@@ -40,6 +40,9 @@ MAX_TEXT_CELLS = 3000  # cells above this are drawn without their top-1 token (h
 PLOT_WIDTH_PX = 1000  # about the width of the heatmap in the wide layout
 MAX_HOVER_CELLS = 20000  # above this, hover lists only the top 3
 MODES = ("side", "diff", "three")  # besides one lens (a key of the readings)
+UNSTABLE_FADE = "rgba(255,255,255,0.55)"  # over an unstable cell: its colour faded (docs/method.md §6.2)
+UNSTABLE_HATCH = "rgba(40,40,40,0.8)"  # and a diagonal stroke across it, visible on the faded colour
+STRIP_GAP = 2  # the "stable %" strip sits this many columns right of the last position
 
 
 def stat_values(reading: Any, stat: str, layers: Sequence[int]) -> np.ndarray:
@@ -61,9 +64,17 @@ def _colour(stat: str, values: np.ndarray) -> tuple[np.ndarray, dict]:
     return values, {"colorscale": "Viridis_r", "zmin": 0.0, "zmax": max(top, 1e-6), "colorbar": {}}
 
 
-def hover_texts(reading: Any, stat: str, layers: Sequence[int], values: np.ndarray, k: int) -> list[list[str]]:
-    """Hover text per cell: the cell, the statistic, the top-k tokens with probabilities."""
+def marks_of(reading: Any, stability: bool = True) -> Any:
+    """The reading's stability marks (docs/method.md §6.2) when they are to be drawn, else None."""
+    return getattr(reading, "stability", None) if stability else None
+
+
+def hover_texts(reading: Any, stat: str, layers: Sequence[int], values: np.ndarray, k: int, *,
+                stability: bool = True) -> list[list[str]]:
+    """Hover text per cell: the cell, the statistic, the stability marks (``halves: rank a / rank b``, when the
+    reading has them and ``stability``), the top-k tokens with probabilities."""
     out = []
+    marks = marks_of(reading, stability)
     tokens, nexts = reading.position_tokens, reading.next_tokens
     positions = reading.positions.tolist()
     labels: dict[int, str] = {}  # a few thousand distinct tokens among 10 per cell: escaped once each
@@ -87,6 +98,11 @@ def hover_texts(reading: Any, stat: str, layers: Sequence[int], values: np.ndarr
                     + (f" → next <b>{esc(shown(nexts[pi]))}</b>" if nexts[pi] else "")
                     + f"<br>{STAT_LABELS.get(stat, stat)}: {fmt(stat, values[row, pi])}"
                     + (unfitted if p < reading.skip_first and layer != reading.output_layer else ""))
+            if marks is not None:
+                stable = bool(marks.stable[li, pi])
+                head += (f"<br>halves: rank {int(marks.half_rank_even[li, pi])} / rank "
+                         f"{int(marks.half_rank_odd[li, pi])} · "
+                         + ("stable" if stable else f"<b>unstable</b> (not top {marks.stability_k} in both)"))
             body = "<br>".join(f"{j + 1}. {label(i)}  {pr:.1%}" for j, (i, pr) in enumerate(zip(ids[pi], probs[pi])))
             line.append(head + "<br>" + body)
         out.append(line)
@@ -113,6 +129,60 @@ def shade_unfitted(fig: go.Figure, panels: Sequence[Any], layers: Sequence[int])
                       fillcolor=UNFITTED_FILL, line={"width": 0}, layer="above", name="not fitted")
 
 
+def mark_unstable(fig: go.Figure, panels: Sequence[Any], layers: Sequence[int], *, stability: bool = True,
+                  subplots: bool = False) -> None:
+    """Fade and hatch each panel's unstable cells, and draw a "stable %" strip right of its last position
+    (docs/method.md §6.2): a panel whose reading has no marks (or ``stability=False``) is left as it is.
+
+    ``panels`` holds one reading per panel, top to bottom; ``subplots``: the figure has one subplot per panel.
+    The fade and the stroke are markers on the cell centres (one trace each, in the legend once); the strip is
+    a one-column heatmap of :meth:`PromptReading.stability_by_layer`'s stable fraction (fitted positions).
+    """
+    legend_shown, strip_x = False, 0
+    for index, reading in enumerate(panels, start=1):
+        marks = marks_of(reading, stability)
+        if marks is None:
+            continue
+        where = {"row": index, "col": 1} if subplots else {}
+        rows = [row for row, layer in enumerate(layers) if layer in reading.layers]
+        lis = [reading.layers.index(layers[row]) for row in rows]
+        positions = reading.positions.tolist()
+        unstable = ~marks.stable[lis]  # [rows, n_positions]
+        rr, pp = np.nonzero(unstable)
+        size = max(6, min(22, int(PLOT_WIDTH_PX / max(1, len(positions) + STRIP_GAP + 1)) - 2))
+        xs, ys = [positions[p] for p in pp], [rows[r] for r in rr]
+        label = f"unstable: not top {marks.stability_k} under both halves"
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", hoverinfo="skip", name=label, legendgroup="unstable",
+                                 showlegend=not legend_shown,
+                                 marker={"symbol": "square", "size": size, "color": UNSTABLE_FADE, "line": {"width": 0}}),
+                      **where)
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", hoverinfo="skip", name=label, legendgroup="unstable",
+                                 showlegend=False, marker={"symbol": "line-ne", "size": size,
+                                                           "line": {"color": UNSTABLE_HATCH, "width": 1.5}}), **where)
+        legend_shown = True
+        by_layer = reading.stability_by_layer()
+        fraction = dict(zip(by_layer["layer"].tolist(), by_layer["stable_fraction"].tolist()))
+        counts = dict(zip(by_layer["layer"].tolist(), zip(by_layer["n_stable"].tolist(), by_layer["n_cells"].tolist())))
+        z = [[fraction.get(layer, np.nan)] for layer in layers]
+        text = [["–" if not np.isfinite(v[0]) else f"{v[0]:.0%}"] for v in z]
+        hover = [f"<b>L{layer}</b>: {counts[layer][0]} of {counts[layer][1]} fitted cells stable "
+                 f"(halves both rank the shown token in their top {marks.stability_k})" if layer in counts
+                 else f"L{layer}: not read" for layer in layers]
+        x_strip = positions[-1] + STRIP_GAP if positions else 0
+        fig.add_trace(go.Heatmap(z=z, x=[x_strip], y=list(range(len(layers))), text=text, texttemplate="%{text}",
+                                 textfont={"size": 9}, colorscale="Greys", reversescale=True, zmin=0.0, zmax=1.0,
+                                 showscale=False, xgap=1, ygap=1, name="stable %", hovertext=[[h] for h in hover],
+                                 hovertemplate="%{hovertext}<extra></extra>"), **where)
+        strip_x = x_strip
+    if legend_shown:  # the strip's column gets its label on every panel's axis (shown on the bottom one)
+        for index in range(1, (len(panels) if subplots else 1) + 1):
+            axis = fig.layout["xaxis" if index == 1 else f"xaxis{index}"]
+            if axis.tickvals is not None:
+                axis.update(tickvals=[*axis.tickvals, strip_x], ticktext=[*axis.ticktext, "stable %"])
+        fig.update_layout(showlegend=True, legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "x": 1.0,
+                                                   "xanchor": "right"})
+
+
 def _texts(reading: Any, layers: Sequence[int], max_chars: int) -> list[list[str]]:
     grid = reading.top1_grid()
     return [[cell_text(t, max_chars) for t in grid[reading.layers.index(layer)]] if layer in reading.layers
@@ -129,7 +199,7 @@ def text_chars(n_positions: int, n_cells: int, max_text_cells: int = MAX_TEXT_CE
 
 def _panel(reading: Any, stat: str, layers: Sequence[int], *, chars: int, hover_k: int, z=None,
            colour: dict | None = None, name: str = "", coloraxis: str | None = None,
-           hovertext: list[list[str]] | None = None) -> tuple[go.Heatmap, go.Scatter]:
+           hovertext: list[list[str]] | None = None, stability: bool = True) -> tuple[go.Heatmap, go.Scatter]:
     """One heatmap panel: the coloured cells with their top-1 text, and a layer of invisible markers
     on the cell centres that carries the hover text and makes a cell clickable (Plotly heatmaps
     cannot be selected; markers can). Plotly finds the marker under the cursor from its data, so one
@@ -146,7 +216,8 @@ def _panel(reading: Any, stat: str, layers: Sequence[int], *, chars: int, hover_
         trace["coloraxis"] = coloraxis
     else:
         trace.update(settings)
-    hover = hovertext if hovertext is not None else hover_texts(reading, stat, layers, values, hover_k)
+    hover = hovertext if hovertext is not None else hover_texts(reading, stat, layers, values, hover_k,
+                                                                stability=stability)
     n_rows, n_pos = len(layers), len(positions)
     size = max(6, min(22, int(PLOT_WIDTH_PX / max(1, n_pos)) - 2))
     scatter = go.Scattergl if n_rows * n_pos > 5000 else go.Scatter
@@ -194,7 +265,7 @@ def panel_names(readings: Mapping[str, Any], mode: str, pair: tuple[str, str]) -
 def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers: Sequence[int] | None = None,
                    max_text_cells: int = MAX_TEXT_CELLS, hover_k: int = 10,
                    pair: tuple[str, str] = ("logit", "jacobian"),
-                   selected: tuple[int, int] | None = None) -> go.Figure:
+                   selected: tuple[int, int] | None = None, stability: bool = True) -> go.Figure:
     """The layer x position heatmap of the Inspect page (side by side: ``pair[0]`` above, ``pair[1]`` below).
 
     Args:
@@ -209,6 +280,9 @@ def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers:
         max_text_cells: above this many cells, the top-1 token is not written in the cells.
         hover_k: tokens listed in a cell's hover (3 above :data:`MAX_HOVER_CELLS` cells).
         selected: the ``(layer, position)`` cell to outline in every panel (the cell detail's cell).
+        stability: draw the stability marks of the readings that have them (docs/method.md §6.2): unstable
+            cells faded and hatched (a legend entry), ``halves: rank a / rank b`` in the hover, and a
+            "stable %" strip right of each panel. The difference mode draws none.
 
     Raises:
         ValueError: an unknown mode. KeyError: a lens the mode needs is not in ``readings``.
@@ -234,10 +308,11 @@ def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers:
                             subplot_titles=[LENS_NAMES.get(n, n) for n in names])
         for row, (name, reading) in enumerate(zip(names, panels), start=1):
             for trace in _panel(reading, stat, layers, chars=chars, hover_k=hover_k,
-                                name=LENS_NAMES.get(name, name), coloraxis="coloraxis"):
+                                name=LENS_NAMES.get(name, name), coloraxis="coloraxis", stability=stability):
                 fig.add_trace(trace, row=row, col=1)
         _axes(fig, panels[0], layers, n_panels=len(panels))
         shade_unfitted(fig, panels, layers)
+        mark_unstable(fig, panels, layers, stability=stability, subplots=True)
         fig.update_layout(coloraxis={k: v for k, v in settings.items() if k != "zmin" and k != "zmax"}
                           | {"cmin": settings["zmin"], "cmax": settings["zmax"]}, title=title)
     elif mode == "diff":
@@ -254,8 +329,8 @@ def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers:
         span = span or 1.0
         # blue = lens B is better (more probable top-1, lower entropy/KL/CE/rank)
         scale = "RdBu" if stat in HIGHER_IS_BETTER else "RdBu_r"
-        hover_a = hover_texts(a, stat, layers, va, min(hover_k, 5))
-        hover_b = hover_texts(b, stat, layers, vb, min(hover_k, 5))
+        hover_a = hover_texts(a, stat, layers, va, min(hover_k, 5), stability=False)
+        hover_b = hover_texts(b, stat, layers, vb, min(hover_k, 5), stability=False)
         hover = [[f"<b>{name_b} − {name_a.lower()}</b>: {dz:+.3g} ({esc(unit)})<br><br><i>{name_b}</i> · {hb}"
                   f"<br><br><i>{name_a.lower()}</i> · {ha.split('<br>', 2)[-1]}"
                   for dz, ha, hb in zip(zrow, ra, rb)] for zrow, ra, rb in zip(z, hover_a, hover_b)]
@@ -271,9 +346,10 @@ def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers:
     else:
         reading = readings[mode]
         name = LENS_NAMES.get(mode, mode)
-        fig = go.Figure(_panel(reading, stat, layers, chars=chars, hover_k=hover_k, name=name))
+        fig = go.Figure(_panel(reading, stat, layers, chars=chars, hover_k=hover_k, name=name, stability=stability))
         _axes(fig, reading, layers)
         shade_unfitted(fig, [reading], layers)
+        mark_unstable(fig, [reading], layers, stability=stability)
         fig.update_layout(title=f"{name}: {title}")
     fig.update_layout(height=height, margin={"l": 10, "r": 10, "t": 60, "b": 10}, hovermode="closest",
                       hoverdistance=-1,
@@ -331,4 +407,5 @@ def cell_from_point(point: Mapping[str, Any], layers: Sequence[int]) -> tuple[in
 
 
 __all__ = ["MAX_HOVER_CELLS", "MAX_TEXT_CELLS", "MODES", "PLOT_WIDTH_PX", "cell_from_point", "heatmap_figure",
-           "hover_texts", "panel_names", "reading_figure", "shade_unfitted", "stat_values", "text_chars"]
+           "hover_texts", "mark_unstable", "marks_of", "panel_names", "reading_figure", "shade_unfitted", "stat_values",
+           "text_chars"]

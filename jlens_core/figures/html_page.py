@@ -57,10 +57,22 @@ def _rounded(values: np.ndarray) -> list[float | None]:
     return [None if not np.isfinite(v) else float(f"{v:.4g}") for v in np.asarray(values, dtype=np.float64).ravel()]
 
 
+def _halves(reading: Any) -> dict[str, Any] | None:
+    """A reading's stability marks for the click detail (docs/method.md §6.2): the shown token's rank under each
+    half and the stable flag, ``[layer, position]`` row-major; None without marks."""
+    marks = getattr(reading, "stability", None)
+    if marks is None:
+        return None
+    return {"k": int(marks.stability_k), "even": np.asarray(marks.half_rank_even, dtype=np.int64).ravel().tolist(),
+            "odd": np.asarray(marks.half_rank_odd, dtype=np.int64).ravel().tolist(),
+            "stable": [int(x) for x in np.asarray(marks.stable).ravel()]}
+
+
 def detail_data(readings: Mapping[str, Any]) -> dict[str, Any]:
     """The compact data the page's click handler reads: a token table, and per lens its cells' top-k
     (indices into the table, little-endian ``uint16``/``uint32``), their ``float16`` probabilities, the
-    statistics and the pinned tokens' ranks, all ``[layer, position]`` row-major."""
+    statistics, the pinned tokens' ranks and the stability marks (``halves``, when the reading has them), all
+    ``[layer, position]`` row-major."""
     base = next(iter(readings.values()))
     table: dict[int, int] = {}
     for reading in readings.values():
@@ -82,6 +94,7 @@ def detail_data(readings: Mapping[str, Any]) -> dict[str, Any]:
             "stats": {stat: _rounded(getattr(reading, stat)) for stat in DETAIL_STATS},
             "pinned": {token: np.asarray(ranks, dtype=np.int64).ravel().tolist()
                        for token, ranks in reading.pinned_ranks.items()},
+            "halves": _halves(reading),
         }
     return {"tokens": strings, "index_bytes": index_type.itemsize,
             "positions": base.positions.tolist(), "position_tokens": [shown(t) for t in base.position_tokens],
@@ -246,6 +259,8 @@ function showCell(layer, position) {
     html += "</table>";
     for (const [stat, values] of Object.entries(lens.stats)) html += `${stat}: ${fmt(stat, values[cell])}<br>`;
     for (const [token, ranks] of Object.entries(lens.pinned)) html += `rank of ${esc(JSON.stringify(token))}: ${ranks[cell]}<br>`;
+    if (lens.halves) html += `halves: rank ${lens.halves.even[cell]} / rank ${lens.halves.odd[cell]} · ` +
+      (lens.halves.stable[cell] ? "stable" : `<b>unstable</b> (not top ${lens.halves.k} in both)`) + "<br>";
     html += "</div>";
   }
   document.getElementById("detail").innerHTML = html + "</div>";

@@ -748,4 +748,8 @@ def fit(model: LensModel, prompts: Sequence, settings: FitSettings | None = None
     lens = run.lens()
     log.info("Fit done: %d prompts counted, %d skipped, %.1f s.", lens.n_prompts, run.state.n_skipped,
              time.perf_counter() - t_start)
+    # -- lens check (docs/method.md §4.2): the forward canary, made once the matrices are done -- #
+    from ..lenses.canary import make_canary
+
+    lens.canary = make_canary(model, lens)
     return lens

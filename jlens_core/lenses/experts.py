@@ -303,7 +303,9 @@ class ExpertLens(MatrixTransportMixin):
             "model_name": self.model_name, "model_fingerprint": self.model_fingerprint,
             "diagnostics": self.diagnostics, "stop_reason": self.stop_reason, "halves": self.raw_halves}
         args.update(changes)
-        return ExpertLens(**args)
+        copy = ExpertLens(**args)
+        copy.canary = self.canary  # the same model: the same canary (docs/method.md §4.2)
+        return copy
 
     def with_weights(self, weights: dict[int, Float[torch.Tensor, " experts"]] | None,
                      items: Sequence[str] = ()) -> ExpertLens:
@@ -329,11 +331,13 @@ class ExpertLens(MatrixTransportMixin):
                         expert_counts={str(layer): self.counts[layer].tolist() for layer in self.source_layers})
         raw = self.raw_halves
         halves = None if raw is None else tuple(self._weighted_half(h).to_jacobian_lens() for h in raw)
-        return JacobianLens({layer: self.matrix(layer) for layer in self.source_layers}, self.n_prompts,
+        lens = JacobianLens({layer: self.matrix(layer) for layer in self.source_layers}, self.n_prompts,
                             self.d_model, target_layer=self.target_layer, n_layers=self.n_layers,
                             settings=settings, model_name=self.model_name, model_fingerprint=self.model_fingerprint,
                             diagnostics=self.diagnostics, stop_reason=self.stop_reason, rules=self.rules,
                             halves=halves)  # type: ignore[arg-type]
+        lens.canary = self.canary  # the same model (docs/method.md §4.2)
+        return lens
 
     def pooled_lens(self) -> JacobianLens:
         """The plain lens of the same fit (the per-prompt mean of docs/method.md §3), as a :class:`JacobianLens`.
@@ -342,11 +346,13 @@ class ExpertLens(MatrixTransportMixin):
         experts gives, and a reader of those keys would take it for a combination of experts."""
         settings = {key: value for key, value in self.settings.items() if key not in ("experts", "cluster_prompts")}
         raw = self.raw_halves
-        return JacobianLens(self.pooled, self.n_prompts, self.d_model, target_layer=self.target_layer,
+        lens = JacobianLens(self.pooled, self.n_prompts, self.d_model, target_layer=self.target_layer,
                             n_layers=self.n_layers, settings=settings, model_name=self.model_name,
                             model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
                             stop_reason=self.stop_reason, rules=self.rules,
                             halves=None if raw is None else (raw[0].pooled_lens(), raw[1].pooled_lens()))
+        lens.canary = self.canary  # the same model (docs/method.md §4.2)
+        return lens
 
     # -- files ---------------------------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:
@@ -442,6 +448,9 @@ class ExpertLens(MatrixTransportMixin):
                        halves=halves)  # type: ignore[arg-type]
         except (ValueError, KeyError) as exc:
             raise LensFileError(f"{str(path)!r} is not a consistent expert lens: {exc}") from exc
+        from .canary import read_canary
+
+        lens.canary = read_canary(path)
         if model is not None:
             lens.check_model(model)
         return lens

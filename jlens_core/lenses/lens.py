@@ -26,6 +26,8 @@ from .protocol import FittedLens, Lens
 if TYPE_CHECKING:
     import pandas as pd
 
+    from .canary import Canary
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -138,6 +140,7 @@ class MatrixTransportMixin(SourceLayersMixin):
         self.diagnostics = list(diagnostics or [])
         self.stop_reason = stop_reason
         self._device_cache = {}
+        self.canary: Canary | None = None  # the forward canary of the lens check (docs/method.md §4.2), set by fit
 
     def _set_halves(self, halves: Sequence[Any] | None) -> None:
         """Keep the split halves (docs/method.md §3.3): two lenses of this class and layers (a half may hold 0
@@ -492,10 +495,12 @@ class JacobianLens(MatrixTransportMixin):
             raise ValueError(f"shrinkage alpha={alpha} must lie in [0, 1].")
         halves = None if self._halves is None else (self._halves[0].with_shrinkage(alpha),
                                                     self._halves[1].with_shrinkage(alpha))
-        return JacobianLens(self.jacobians, self.n_prompts, self.d_model, target_layer=self.target_layer,
+        copy = JacobianLens(self.jacobians, self.n_prompts, self.d_model, target_layer=self.target_layer,
                             n_layers=self.n_layers, settings=self.settings, model_name=self.model_name,
                             model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
                             shrinkage=alpha, stop_reason=self.stop_reason, rules=self.rules, halves=halves)
+        copy.canary = self.canary  # the same model: the same canary (docs/method.md §4.2)
+        return copy
 
     def check_model(self, model: LensModel) -> None:
         """Raise :class:`LensFileError` if this lens was fitted for another model than ``model``."""
@@ -589,6 +594,8 @@ class JacobianLens(MatrixTransportMixin):
 
     @classmethod
     def _load_safetensors(cls, path: Path) -> JacobianLens:
+        from .canary import read_canary
+
         info, tensors = read_lens_safetensors(path, FORMAT_NAME, "is a safetensors file but not a jlens lens "
                                               "(no jlens metadata in its header).", key=str)
         rules = checked_rules(path, info, what="lens", version=FORMAT_VERSION)
@@ -609,10 +616,12 @@ class JacobianLens(MatrixTransportMixin):
             halves = tuple(cls(matrices(extra_tensors(tensors, f"{HALF_PREFIX}{name}.")), n, info["d_model"],
                                **common) for name, n in zip(HALF_NAMES, half_prompts))
         try:
-            return cls(own, info["n_prompts"], info["d_model"], diagnostics=info.get("diagnostics"),
+            lens = cls(own, info["n_prompts"], info["d_model"], diagnostics=info.get("diagnostics"),
                        stop_reason=info.get("stop_reason"), halves=halves, **common)  # type: ignore[arg-type]
         except ValueError as exc:
             raise LensFileError(f"{str(path)!r} is not a consistent lens: {exc}") from exc
+        lens.canary = read_canary(path)  # the lens check's canary (docs/method.md §4.2), when the file has one
+        return lens
 
     @classmethod
     def _load_reference(cls, path: Path) -> JacobianLens:
@@ -665,9 +674,11 @@ class JacobianLens(MatrixTransportMixin):
                            for h in (0, 1))
         elif any(lens.raw_halves is not None for lens in lenses):
             log.info("Merged without split halves: some of the lenses keep none.")
-        return cls(mats, total, first.d_model, target_layer=first.target_layer, n_layers=first.n_layers,
-                   settings=settings, model_name=first.model_name, model_fingerprint=first.model_fingerprint,
-                   diagnostics=diagnostics, rules=first.rules, halves=halves)  # type: ignore[arg-type]
+        merged = cls(mats, total, first.d_model, target_layer=first.target_layer, n_layers=first.n_layers,
+                     settings=settings, model_name=first.model_name, model_fingerprint=first.model_fingerprint,
+                     diagnostics=diagnostics, rules=first.rules, halves=halves)  # type: ignore[arg-type]
+        merged.canary = next((lens.canary for lens in lenses if lens.canary is not None), None)  # one model (§4.2)
+        return merged
 
 
 def _merged_half(cls: type[JacobianLens], halves: Sequence[JacobianLens], settings: dict) -> JacobianLens:
@@ -691,6 +702,8 @@ def write_lens_file(path: str | os.PathLike, format_name: str, info: dict[str, A
     (:func:`storage_dtype`)."""
     from safetensors.torch import save_file
 
+    from .canary import canary_file_parts
+
     extras = extras if extras is not None else FileExtras()
     raw = lens.raw_halves if halves else None
     if raw is not None:
@@ -702,6 +715,9 @@ def write_lens_file(path: str | os.PathLike, format_name: str, info: dict[str, A
         lens._half_extras(extras, store)
     tensors.update(extras.tensors)
     meta = {"format": format_name, "jlens": json.dumps({**info, **extras.metadata})}
+    canary_tensors, canary_meta = canary_file_parts(lens)  # the lens check's canary, when it has one (§4.2)
+    tensors.update(canary_tensors)
+    meta.update(canary_meta)
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), shared=True)
 
 

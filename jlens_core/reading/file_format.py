@@ -21,6 +21,7 @@ import numpy as np
 from .._atomic import atomic_write_text
 from .._version import __version__
 from .json_arrays import ArrayFieldError, decode_array, encode_array, jsonable
+from .stability import Stability
 from .tokens import id_label
 
 if TYPE_CHECKING:
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 R = TypeVar("R")
 
 FORMAT_NAME = "jlens-reading"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: stability marks (docs/method.md §6.2); version 1 files still load
+READABLE_VERSIONS = (1, 2)
 SUFFIX = ".jlens.json"  # the suggested file name ending
 
 # PromptReading's arrays as stored, and the dtype each has in memory
@@ -41,6 +43,7 @@ READING_ARRAYS = {"input_ids": np.int64, "positions": np.int64, "next_ids": np.i
                   "ce_bits": np.float64, "next_token_rank": np.float64, "final_top1_rank": np.int64}
 GRID_ARRAYS = ("entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank")  # [n_layers, n_positions]
 TOP_ARRAYS = ("top_ids", "top_probs")  # [n_layers, n_positions, top_k]
+STABILITY_ARRAYS = {"half_rank_even": np.int64, "half_rank_odd": np.int64, "half_top1_agree": bool}
 GENERATION_ARRAYS = {"prompt_ids": np.int64, "generated_ids": np.int64, "top_ids": np.int64, "top_probs": np.float32}
 # lens metadata left out of the file: per-prompt fit records, as long as the fit
 LEFT_OUT_LENS_METADATA = ("diagnostics",)
@@ -116,7 +119,18 @@ def _encode_reading(reading: Any, lens: dict[str, Any]) -> dict[str, Any]:
                                                                            & (ids < len(words)))},
         "arrays": {name: encode_array(getattr(reading, name)) for name in READING_ARRAYS},
         "pinned_ranks": {str(k): encode_array(v) for k, v in reading.pinned_ranks.items()},
+        "stability": _encode_stability(reading),
     }
+
+
+def _encode_stability(reading: Any) -> dict[str, Any] | None:
+    """The reading's stability marks and note (version 2), or None when it has neither."""
+    marks = getattr(reading, "stability", None)
+    note = str(getattr(reading, "stability_note", ""))
+    if marks is None and not note:
+        return None
+    return {"stability_k": None if marks is None else int(marks.stability_k), "note": note,
+            "arrays": None if marks is None else {name: encode_array(getattr(marks, name)) for name in STABILITY_ARRAYS}}
 
 
 def _encode_generation(generation: Generation) -> dict[str, Any]:
@@ -189,10 +203,10 @@ def read_file(path: str | os.PathLike, reading_class: Callable[..., R]) -> dict[
         found = data.get("format") if isinstance(data, Mapping) else type(data).__name__
         raise doc.fail(f"its format is {found!r}, not {FORMAT_NAME!r}")
     version = data.get("version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise ReadingFileError(f"{str(path)!r} is a reading file of format version {version!r}, which this jlens "
-                               f"({__version__}) cannot read (it reads version {FORMAT_VERSION}): open it with the "
-                               "jlens that wrote it, or update jlens.")
+                               f"({__version__}) cannot read (it reads versions {READABLE_VERSIONS[0]} to "
+                               f"{FORMAT_VERSION}): open it with the jlens that wrote it, or update jlens.")
     model = dict(doc.need(data, "model", "model", dict))
     doc.need(model, "name", "model.name", str)
     entries = doc.need(data, "readings", "readings", dict)
@@ -226,13 +240,33 @@ def _decode_reading(doc: _Document, entry: Any, where: str) -> dict[str, Any]:
     _check_shapes(doc, where, arrays, pinned_ranks, n_layers=len(layers), n_tokens=len(tokens), top_k=top_k)
     vocab_strings, word_ids = _decode_token_strings(doc, need("token_strings", dict), f"{where}.token_strings",
                                                     vocab_size=int(need("vocab_size", int)))
+    stability, note = _decode_stability(doc, entry.get("stability"), f"{where}.stability",
+                                        (len(layers), len(arrays["positions"])))
     return dict(
         text=need("text", str), model_name=need("model_name", str), lens_kind=need("lens_kind", str),
         tokens=tokens, layers=layers, output_layer=int(need("output_layer", int)), top_k=top_k,
         show_whitespace=bool(need("show_whitespace", bool)), word_like=bool(need("word_like", bool)),
         pinned=pinned, pinned_ranks=pinned_ranks, vocab_strings=vocab_strings, n_prompt=int(need("n_prompt", int)),
         edits=[str(e) for e in need("edits", list)], vocab=need("vocab", str),
-        skip_first=int(need("skip_first", int)), display=None, saved_word_ids=word_ids, **arrays)
+        skip_first=int(need("skip_first", int)), display=None, saved_word_ids=word_ids, stability=stability,
+        stability_note=note, **arrays)
+
+
+def _decode_stability(doc: _Document, entry: Any, where: str, shape: tuple[int, int]) -> tuple[Stability | None, str]:
+    """``(marks, note)`` of a reading's ``stability`` field (absent in version 1 files: no marks)."""
+    if entry is None:
+        return None, ""
+    note = str(doc.need(entry, "note", f"{where}.note", str))
+    arrays_field = doc.need(entry, "arrays", f"{where}.arrays", (dict, type(None)))
+    if arrays_field is None:
+        return None, note
+    arrays = {name: doc.array(arrays_field, name, f"{where}.arrays.{name}", dtype)
+              for name, dtype in STABILITY_ARRAYS.items()}
+    for name, array in arrays.items():
+        if tuple(array.shape) != shape:
+            raise doc.fail(f"{where}.arrays.{name} has the shape {list(array.shape)}, not the reading's {list(shape)}")
+    k = doc.need(entry, "stability_k", f"{where}.stability_k", int)
+    return Stability(stability_k=int(k), **arrays), note
 
 
 def _check_shapes(doc: _Document, where: str, arrays: dict[str, np.ndarray], pinned_ranks: dict[str, np.ndarray], *,

@@ -18,6 +18,7 @@ import pandas as pd
 
 from ..lenses.protocol import Lens
 from .file_format import pick_reading, read_file, write_readings
+from .stability import STABILITY_COLUMNS, Stability, stability_by_layer
 from .tokens import TokenDisplay, display_ids
 from .word_readout import word_mask
 
@@ -71,6 +72,9 @@ class PromptReading:
         saved_word_ids: ``bool[vocab]``, the word mask a reading loaded from a file carries (True on the
             recorded word tokens, the ids it shows; docs/method.md §6.1); None in a reading with a
             :attr:`display`, which gives the whole mask.
+        stability: the stability marks (docs/method.md §6.2: the shown token's rank under the lens's even
+            and odd halves, the halves' top-1 agreement, the stable flag), or None when not asked for.
+        stability_note: why a reading asked for stability has none (one sentence; ``""`` otherwise).
 
     A reading saves to a reading file (:meth:`save`, docs/method.md §6.1) and :meth:`load` opens one
     without the model: the same attributes and numbers, with ``display=None`` and ``vocab_strings``
@@ -106,6 +110,8 @@ class PromptReading:
     display: TokenDisplay | None = field(repr=False, default=None)
     skip_first: int = 0
     saved_word_ids: np.ndarray | None = field(repr=False, default=None)
+    stability: Stability | None = field(repr=False, default=None)
+    stability_note: str = ""
 
     def __post_init__(self) -> None:
         if self.n_prompt is None:
@@ -218,7 +224,38 @@ class PromptReading:
                 "ce_bits": float(self.ce_bits[li, pi]),
                 "next_token_rank": None if np.isnan(rank) else int(rank),
                 "final_top1_rank": int(self.final_top1_rank[li, pi]),
-                **{f"rank_{name}": int(r[li, pi]) for name, r in self.pinned_ranks.items()}}
+                **{f"rank_{name}": int(r[li, pi]) for name, r in self.pinned_ranks.items()},
+                **self._stability_cell(li, pi)}
+
+    def _stability_cell(self, li: int, pi: int) -> dict[str, Any]:
+        marks = self.stability
+        if marks is None:
+            return {}
+        return {"half_top1_agree": bool(marks.half_top1_agree[li, pi]),
+                "half_rank_even": int(marks.half_rank_even[li, pi]), "half_rank_odd": int(marks.half_rank_odd[li, pi]),
+                "stable": bool(marks.stable[li, pi])}
+
+    # -- stability (docs/method.md §6.2) -------------------------------------------------------------
+    def stability_by_layer(self, *, fitted_only: bool = True) -> pd.DataFrame:
+        """Per layer: how many cells are stable (the shown token within the top ``stability_k`` under both
+        halves) and how often the halves' top-1 tokens agree (docs/method.md §6.2).
+
+        Args:
+            fitted_only: count only the positions the lens was fitted on (:attr:`fitted`); positions
+                before ``skip_first`` read a map never fitted there.
+
+        Returns:
+            DataFrame with columns ``layer, n_cells, n_stable, stable_fraction, half_top1_agree_fraction``
+            (fractions NaN where no cell is counted).
+
+        Raises:
+            ValueError: the reading has no stability marks (its :attr:`stability_note` says why, when asked).
+        """
+        if self.stability is None:
+            raise ValueError(self.stability_note or "This reading has no stability marks: read it with "
+                             "stability=True (a lens with halves) or halves=(even, odd).")
+        counted = self.fitted if fitted_only else np.ones(self.n_positions, dtype=bool)
+        return stability_by_layer(self.layers, self.stability, counted)
 
     # -- grids ---------------------------------------------------------------------------------------
     @property
@@ -260,7 +297,8 @@ class PromptReading:
     @cached_property
     def frame(self) -> pd.DataFrame:
         """One row per (layer, position), layers outer: the columns of :data:`FRAME_COLUMNS` plus
-        ``rank_<token>`` per pinned token.
+        ``rank_<token>`` per pinned token, then, with stability marks, ``half_top1_agree``,
+        ``half_rank_even``, ``half_rank_odd`` and ``stable`` (docs/method.md §6.2).
 
         ``top_ids`` / ``top_tokens`` / ``top_probs`` hold Python lists; ``next_token_rank`` is a
         nullable ``Int64`` column, missing (``<NA>``) at the last position; other ranks are ``int64``.
@@ -287,6 +325,12 @@ class PromptReading:
         }
         for name, ranks in self.pinned_ranks.items():
             data[f"rank_{name}"] = ranks.reshape(-1).astype(np.int64)
+        if self.stability is not None:
+            marks = self.stability
+            columns = dict(zip(STABILITY_COLUMNS, (marks.half_top1_agree, marks.half_rank_even, marks.half_rank_odd,
+                                                   marks.stable)))
+            for name in STABILITY_COLUMNS:
+                data[name] = columns[name].reshape(-1).astype(bool if name in ("half_top1_agree", "stable") else np.int64)
         return pd.DataFrame(data)
 
     # -- files -----------------------------------------------------------------------------------------

@@ -40,6 +40,15 @@ from .generation import Generation
 from .inputs import checked_lenses, encode_prompt, model_vocab_size, record_residuals, resolve_positions
 from .prompt_reading import PromptReading, lens_skip_first
 from .row_arrays import ReadingArrays, RowGroupReader, RowLayout, Targets, read_rows
+from .stability import (
+    STABILITY_K,
+    HalvesArg,
+    Stability,
+    check_halves,
+    check_stability_k,
+    half_marks,
+    resolve_halves,
+)
 from .tokens import TokenDisplay, display_ids, encode_plain, token_id
 from .word_readout import check_vocab, kept_ids_mask
 
@@ -70,7 +79,8 @@ def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | Int[to
                 layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                 pinned: Iterable[str | int] = (), show_whitespace: bool = False,
                 max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
-                edits: Iterable[Any] | None = None, vocab: str = "all") -> PromptReading:
+                edits: Iterable[Any] | None = None, vocab: str = "all", stability: bool = False,
+                halves: tuple[Lens, Lens] | None = None, stability_k: int = STABILITY_K) -> PromptReading:
     """Read a prompt through a lens at every layer x position (docs/method.md §6).
 
     Args:
@@ -99,19 +109,29 @@ def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | Int[to
             (:mod:`~jlens_core.reading.word_readout`, docs/method.md §9.1) leaves tokens whose text has
             no letter or digit out of the top-k lists and out of every rank; entropy, KL and CE stay
             over the full distribution.
+        stability: add stability marks (docs/method.md §6.2) from the lens's split halves
+            (``lens.halves()``); a lens without halves is read without marks, and the reading's
+            ``stability_note`` says why (logged as a warning too).
+        halves: ``(even_lens, odd_lens)`` to judge stability with (implies ``stability``), instead of
+            ``lens.halves()``.
+        stability_k: a cell is stable when its shown token is within the top ``stability_k`` under both
+            halves (1: top-1 under both).
 
     Returns:
         A :class:`PromptReading` (its ``.frame`` is the long DataFrame; positions before the lens's
-        ``skip_first`` are marked ``fitted = False``).
+        ``skip_first`` are marked ``fitted = False``; with stability, :attr:`PromptReading.stability`
+        holds the marks and the frame four more columns).
 
     Raises:
         ValueError: empty text, ``top_k < 1``, bad layers or positions, an unknown pinned token, an
-            unknown ``vocab`` or a ``"word"`` readout that keeps no token.
+            unknown ``vocab`` or a ``"word"`` readout that keeps no token, ``stability_k < 1``, or
+            halves that do not fit the lens.
         LensFileError: the lens belongs to another model.
     """
     return read_prompts(model, {"lens": lens}, text, top_k=top_k, layers=layers, positions=positions,
                         pinned=pinned, show_whitespace=show_whitespace, max_seq_len=max_seq_len,
-                        word_like=word_like, n_prompt=n_prompt, edits=edits, vocab=vocab)["lens"]
+                        word_like=word_like, n_prompt=n_prompt, edits=edits, vocab=vocab, stability=stability,
+                        halves=halves, stability_k=stability_k)["lens"]
 
 
 def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
@@ -119,7 +139,8 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
                  *, top_k: int = 10, layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
                  pinned: Iterable[str | int] = (), show_whitespace: bool = False,
                  max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
-                 edits: Iterable[Any] | None = None, vocab: str = "all") -> dict[str, PromptReading]:
+                 edits: Iterable[Any] | None = None, vocab: str = "all", stability: bool = False,
+                 halves: HalvesArg = None, stability_k: int = STABILITY_K) -> dict[str, PromptReading]:
     """Read one prompt through several lenses at once: :func:`read_prompt` for each, sharing the work.
 
     The lenses share one forward pass, the model's final distribution and its output row (the same
@@ -130,6 +151,10 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
     Args:
         lenses: ``{name: lens}`` (or one lens, named by its kind), e.g. ``{"logit": LogitLens.for_model(model),
             "jacobian": lens}``.
+        stability: stability marks for every lens that keeps halves (the others get a
+            ``stability_note``).
+        halves: ``{name: (even, odd)}`` (or one pair when one lens is read): the halves to judge those
+            lenses with (implies stability for them).
 
     Returns:
         ``{name: PromptReading}`` in the order of ``lenses``.
@@ -140,7 +165,11 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
         LensFileError: a lens belongs to another model.
     """
     check_vocab(vocab)
+    stability_k = check_stability_k(stability_k)
     lens_map, lens_layers = checked_lenses(model, lenses, layers)
+    chosen_halves, stability_notes = resolve_halves(lens_map, stability=bool(stability), halves=halves)
+    for name, pair in chosen_halves.items():
+        check_halves(name, lens_map[name], pair, lens_layers[name])
     source, n_prompt = _check_arguments(text, n_prompt, top_k=top_k, max_seq_len=max_seq_len)
     vocab_size = model_vocab_size(model)
     display = TokenDisplay.for_model(model)
@@ -157,10 +186,24 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
                        k=min(int(top_k), vocab_size), vocab_size=vocab_size, word_like=word_like, kept=kept)
     results = ReadingArrays(layout.n_rows, len(pos_list), targets, vocab_size)
     read_rows(model, RowGroupReader(model, lens_map, layout, resid, results, vocab_size))
+    marks = {name: half_marks(model, pair, resid, layout.layer_lists[name], targets.positions,
+                              results.top_ids[layout.rows(name), :, 0], kept=targets.kept, mask=targets.mask,
+                              stability_k=stability_k, vocab_size=vocab_size)
+             for name, pair in chosen_halves.items()}  # from the same residuals, after the reading's own arrays
     shown_text = source if isinstance(source, str) else model.decode(ids[0].tolist())
-    return _assemble_readings(model, lens_map, layout, results, ids, display, text=shown_text,
-                              show_whitespace=bool(show_whitespace), word_like=bool(word_like), n_prompt=n_prompt,
-                              edits=[repr(e) for e in edit_list], vocab=vocab)
+    readings = _assemble_readings(model, lens_map, layout, results, ids, display, text=shown_text,
+                                  show_whitespace=bool(show_whitespace), word_like=bool(word_like), n_prompt=n_prompt,
+                                  edits=[repr(e) for e in edit_list], vocab=vocab)
+    return _with_stability(readings, marks, stability_notes)
+
+
+def _with_stability(readings: dict[str, PromptReading], marks: Mapping[str, Stability],
+                    notes: Mapping[str, str]) -> dict[str, PromptReading]:
+    """The readings with their stability marks and notes attached (the others untouched)."""
+    for name, reading in readings.items():
+        reading.stability = marks.get(name)
+        reading.stability_note = notes.get(name, "")
+    return readings
 
 
 def _check_arguments(text: str | Sequence[int] | torch.Tensor | Generation, n_prompt: int | None, *, top_k: int,

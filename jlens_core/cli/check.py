@@ -1,0 +1,82 @@
+"""``jlens check LENS [--model M] [--write-canary]``: is this lens still the lens of this model? (docs/method.md §4.2)
+
+Recomputes the forward canary the lens file stores and prints one sentence: exit 0 "still the lens of M",
+exit 1 naming the part that changed (weights fingerprint, residuals, Jacobian), the first layer and by how
+much, with the versions then and now; a file without a canary exits 0 and says how to add one
+(``--write-canary``: made with the model given, written atomically, the lens's own tensors unchanged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .main import CLIError, say
+from .model_args import add_model_arguments, model_loading_options
+
+
+def _lens_path(spec: str, model_name: str) -> Path | None:
+    """The local file ``spec`` names (``default``: the shipped lens of the model), or None."""
+    if spec == "default":
+        from ..lenses.shipped import shipped_lens_path
+
+        return shipped_lens_path(model_name)
+    path = Path(spec).expanduser()
+    return path if path.is_file() else None
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from ..lenses.canary import check_lens, make_canary, write_canary
+    from ..lenses.header import LensFileError
+    from ..lenses.loading import load_lens, load_lens_file
+    from ..models.loading import load_model
+
+    model = load_model(args.model, **model_loading_options(args), progress=say)
+    path = _lens_path(args.lens, str(model.name))
+    if args.lens == "default" and path is None:
+        raise CLIError(f"No shipped lens for {model.name!r}: give a lens file.")
+    lens = load_lens_file(path) if path is not None else load_lens(args.lens)
+    if args.lens == "logit" or not hasattr(lens, "target_layer"):
+        raise CLIError(f"{args.lens!r} is not a fitted lens file: give one (jlens check LENS.safetensors).")
+    if str(lens.kind) == "tuned":
+        raise CLIError(f"{args.lens!r} is a tuned lens: the lens check covers lenses fitted by `jlens fit` (J, R-lens, "
+                       "experts).")
+    try:
+        lens.check_model(model)
+    except LensFileError as exc:
+        print(f"Not the lens of {model.name}: {exc}")
+        return 1
+    if args.write_canary:
+        if path is None or path.suffix != ".safetensors":
+            raise CLIError(f"--write-canary needs a local .safetensors lens file; {args.lens!r} is not one.")
+        if not hasattr(lens, "source_layers") or not lens.source_layers:
+            raise CLIError(f"{args.lens!r} has no source layer: a canary needs one.")
+        canary = make_canary(model, lens)
+        write_canary(path, canary)
+        print(f"Wrote a canary of {model.name} to {path} ({canary.seconds:.1f} s): `jlens check {args.lens}` now "
+              "checks the lens against it.")
+        return 0
+    result = check_lens(model, lens, lens_name=args.lens)
+    print(result.message)
+    if result.status == "changed" and args.verbose:
+        for part in result.parts:
+            print(f"  {part.part}: {'ok' if part.ok else 'CHANGED'} (relative difference {part.difference:.2g}, "
+                  f"tolerance {part.tolerance:.0e}){': ' + part.detail if part.detail else ''}", file=sys.stderr)
+    return result.exit_code
+
+
+def register(subparsers) -> None:
+    c = subparsers.add_parser("check", help="is this lens still the lens of this model? (its forward canary)",
+                              description="Recompute the forward canary a lens file stores (a fixed text's residuals "
+                                          "at every layer, one Jacobian on seeded probes, the weights' norms) with the "
+                                          "model as it is now. Exit 0: still the lens of the model (or the file has no "
+                                          "canary: add one with --write-canary); exit 1: the part that changed, the "
+                                          "first layer and by how much, with the transformers/torch versions then and "
+                                          "now.")
+    c.add_argument("lens", metavar="LENS", help="a lens file, or 'default' (the shipped lens of --model)")
+    add_model_arguments(c)
+    c.add_argument("--write-canary", action="store_true",
+                   help="make the canary with --model now and add it to the lens file (atomically; the matrices "
+                        "stay bit for bit): for files fitted before canaries existed")
+    c.set_defaults(func=cmd_check)

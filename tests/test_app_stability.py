@@ -1,0 +1,126 @@
+"""The app's stability marks (docs/method.md §6.2) and lens check banner (§4.2), under ``AppTest``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import LONG_TEXT
+from helpers import random_lens
+from streamlit.testing.v1 import AppTest
+
+from jlens_core import JacobianLens, LogitLens, fit, read_prompts, save_readings
+from jlens_core.models.loading import load_model
+
+APP = Path(__file__).resolve().parent.parent / "app" / "main.py"
+PROMPT = "The capital of France is Paris. The capital of Italy is"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_dir):
+    return load_model(tiny_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def lens_file(tiny_model, tmp_path_factory) -> str:
+    texts = [LONG_TEXT, LONG_TEXT.upper(), " ".join(reversed(LONG_TEXT.split()))]
+    lens = fit(tiny_model, texts, skip_first=4, max_seq_len=40)
+    return str(lens.save(tmp_path_factory.mktemp("lens") / "tiny.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def bare_file(tiny_model, tmp_path_factory) -> str:
+    """A lens without split halves (built by hand, like a file fitted before halves existed)."""
+    return str(random_lens(tiny_model).save(tmp_path_factory.mktemp("bare") / "bare.safetensors"))
+
+
+@pytest.fixture(autouse=True)
+def workspace(tmp_path, tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("JLENS_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("JLENS_APP_WORKSPACE", str(tmp_path_factory.getbasetemp()))
+    monkeypatch.delenv("JLENS_APP_ALLOW_ANY_PATH", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def make_app(**query) -> AppTest:
+    at = AppTest.from_file(str(APP), default_timeout=180)
+    at.query_params.update(query)
+    return at
+
+
+def ok(at: AppTest) -> AppTest:
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def heatmap(at: AppTest) -> dict:
+    found = [c for c in at.get("plotly_chart") if c.proto.id.endswith("-heatmap")]
+    return json.loads(found[0].proto.spec)
+
+
+def test_stability_toggle_on_a_lens_with_halves(tiny_dir, tiny_model, lens_file):
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="jacobian").run())
+    assert at.toggle(key="stability").value is True  # a fit keeps its halves: on by default
+    assert "stability" not in at.query_params
+    data = heatmap(at)["data"]
+    reading = read_prompts(tiny_model, {"jacobian": JacobianLens.load(lens_file)}, PROMPT, stability=True)["jacobian"]
+    strip = next(t for t in data if t.get("name") == "stable %")
+    np.testing.assert_allclose([row[0] for row in strip["z"]], reading.stability_by_layer()["stable_fraction"],
+                               equal_nan=True)
+    cells = next(t for t in data if str(t.get("name", "")).endswith("cells"))
+    assert all("halves: rank" in h for h in cells["hovertext"])
+    assert any("halves' ranks" in d.value.columns for d in at.dataframe)  # the cell detail's table
+    at.toggle(key="stability").set_value(False).run()
+    assert not [t for t in heatmap(ok(at))["data"] if t.get("name") == "stable %"]
+    assert at.query_params["stability"] == "0"
+
+
+def test_stability_toggle_on_a_lens_without_halves(tiny_dir, bare_file):
+    lens_file = bare_file
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="jacobian").run())
+    assert at.toggle(key="stability").value is False  # the lens keeps no halves: off by default
+    assert "stability" not in at.query_params
+    at.toggle(key="stability").set_value(True).run()
+    assert any("keeps no split halves" in c.value for c in ok(at).caption)  # one sentence, no marks
+    assert not [t for t in heatmap(at)["data"] if t.get("name") == "stable %"]
+    assert at.query_params["stability"] == "1"
+    again = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="jacobian", stability="1").run())
+    assert again.toggle(key="stability").value is True
+
+
+def test_a_reading_file_with_marks_draws_them(tiny_dir, tiny_model, lens_file, tmp_path):
+    lens = JacobianLens.load(lens_file)
+    halves = (random_lens(tiny_model, seed=1, noise=0.1), random_lens(tiny_model, seed=2, noise=0.1))
+    readings = read_prompts(tiny_model, {"logit": LogitLens.for_model(tiny_model), "jacobian": lens}, PROMPT,
+                            halves={"jacobian": halves})
+    path = save_readings(tmp_path / "marks.jlens.json", readings, model=tiny_model)
+    at = ok(make_app(model="no-such-org/no-such-model-xyz", reading=str(path)).run())
+    at.radio(key="mode").set_value("jacobian").run()
+    data = heatmap(ok(at))["data"]
+    strip = next(t for t in data if t.get("name") == "stable %")
+    want = readings["jacobian"].stability_by_layer()["stable_fraction"].to_numpy()
+    assert np.allclose([row[0] for row in strip["z"]], want)
+    assert any(t.get("legendgroup") == "unstable" and t.get("showlegend") for t in data)
+
+
+def test_a_lens_whose_canary_disagrees_shows_a_banner(tiny_dir, tiny_model, lens_file, tmp_path):
+    import torch
+    from conftest import make_hf_model
+
+    from jlens_core import HFLensModel
+    from jlens_core.lenses.canary import make_canary
+
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT).run())
+    assert not [w for w in at.warning if "Lens check failed" in w.value]  # its own model: no banner
+    hf = make_hf_model("llama")
+    with torch.no_grad():
+        hf.model.layers[1].input_layernorm.weight.mul_(1.01)
+    changed = HFLensModel(hf, tiny_model.tokenizer, name="changed")
+    lens = JacobianLens.load(lens_file)
+    lens.canary = make_canary(changed, lens)  # as if fitted on a model that differs from the one loaded
+    path = lens.save(tmp_path / "drifted.safetensors")
+    at = ok(make_app(model=tiny_dir, lens=str(path), prompt=PROMPT).run())
+    banner = [w.value for w in at.warning if "Lens check failed" in w.value]
+    assert banner and "drifted.safetensors" in banner[0] and "layer 1" in banner[0]
