@@ -121,6 +121,10 @@ class Canary:
                    seconds=float(meta.get("seconds", 0.0)))
 
 
+# Token ids for a model without a tokenizer (prime stride over the vocabulary, as many as the text's tokens).
+CANARY_FALLBACK_TOKENS = 19
+
+
 def versions() -> dict[str, str]:
     """The transformers, torch and jlens versions running now."""
     try:
@@ -203,7 +207,10 @@ def make_canary(model: LensModel, lens: Lens | None = None, *, source_layer: int
     if not 0 <= source < target < model.n_layers:
         raise ValueError(f"The canary's Jacobian needs 0 <= source layer < target layer < {model.n_layers}; got "
                          f"{source} and {target}.")
-    ids = model.encode(CANARY_TEXT)  # [1, seq]
+    if getattr(model, "tokenizer", None) is not None:
+        ids = model.encode(CANARY_TEXT)  # [1, seq]
+    else:  # a model read from token ids alone: fixed ids stand in for the text (the check replays the stored ids)
+        ids = (torch.arange(CANARY_FALLBACK_TOKENS) * 7919 % model.vocab_size).unsqueeze(0).to(model.device)  # [1, seq]
     positions = _positions(int(ids.shape[1]))
     gen = torch.Generator().manual_seed(CANARY_SEED)
     probes = torch.randn(CANARY_PROBES, model.d_model, generator=gen)
