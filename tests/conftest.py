@@ -162,6 +162,24 @@ LONG_TEXT = ("The quick brown fox jumps over the lazy dog while the capital of F
              "water boils at one hundred degrees. Once upon a time there was a small model.")
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tiny_dir):
+    """The module's tiny llama loaded as ``load_model`` reads a local folder (the app's tests read it so)."""
+    from jlens_core.models.loading import load_model
+
+    return load_model(tiny_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def lens_file(tiny_model, tmp_path_factory) -> str:
+    """A lens file fitted on :func:`tiny_model` from three texts (split halves and a canary included)."""
+    from jlens_core import fit
+
+    texts = [LONG_TEXT, LONG_TEXT.upper(), " ".join(reversed(LONG_TEXT.split()))]
+    lens = fit(tiny_model, texts, skip_first=4, max_seq_len=40)
+    return str(lens.save(tmp_path_factory.mktemp("lens") / "tiny.safetensors"))
+
+
 def free_port() -> int:
     """A TCP port free on localhost now."""
     import socket

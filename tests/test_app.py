@@ -33,18 +33,6 @@ PROMPT = "The capital of France is Paris. The capital of Italy is"
 
 # -- fixtures -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_model(tiny_dir):
-    return load_model(tiny_dir, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def lens_file(tiny_model, tmp_path_factory) -> str:
-    texts = [LONG_TEXT, LONG_TEXT.upper(), " ".join(reversed(LONG_TEXT.split()))]
-    lens = fit(tiny_model, texts, skip_first=4, max_seq_len=40)
-    return str(lens.save(tmp_path_factory.mktemp("lens") / "tiny.safetensors"))
-
-
-@pytest.fixture(scope="module")
 def rlens_file(tiny_model, tmp_path_factory) -> str:
     """A tiny R-lens: the same prompts and settings as :func:`lens_file`, fitted with relevance rules."""
     texts = [LONG_TEXT, LONG_TEXT.upper(), " ".join(reversed(LONG_TEXT.split()))]

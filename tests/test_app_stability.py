@@ -7,27 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import LONG_TEXT
 from helpers import random_lens
 from streamlit.testing.v1 import AppTest
 
-from jlens_core import JacobianLens, LogitLens, fit, read_prompts, save_readings
-from jlens_core.models.loading import load_model
+from jlens_core import JacobianLens, LogitLens, read_prompts, save_readings
 
 APP = Path(__file__).resolve().parent.parent / "app" / "main.py"
 PROMPT = "The capital of France is Paris. The capital of Italy is"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_dir):
-    return load_model(tiny_dir, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def lens_file(tiny_model, tmp_path_factory) -> str:
-    texts = [LONG_TEXT, LONG_TEXT.upper(), " ".join(reversed(LONG_TEXT.split()))]
-    lens = fit(tiny_model, texts, skip_first=4, max_seq_len=40)
-    return str(lens.save(tmp_path_factory.mktemp("lens") / "tiny.safetensors"))
 
 
 @pytest.fixture(scope="module")
