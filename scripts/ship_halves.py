@@ -58,12 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if worst > TOLERANCE:
         print("The refit is not the shipped lens: nothing written.", file=sys.stderr)
         return 1
-    with_halves = JacobianLens(shipped.jacobians, shipped.n_prompts, shipped.d_model,
-                               target_layer=shipped.target_layer, n_layers=shipped.n_layers,
-                               settings=shipped.settings, model_name=shipped.model_name,
-                               model_fingerprint=shipped.model_fingerprint, diagnostics=shipped.diagnostics,
-                               stop_reason=shipped.stop_reason, rules=shipped.rules, halves=halves)
-    with_halves.canary = shipped.canary
+    with_halves = shipped.with_halves(halves)  # the shipped matrices, record and canary, bit for bit
     with_halves.save(args.lens, dtype="float16", halves=True)
     print(f"wrote {args.lens} with halves {refit.half_prompts} ({args.lens.stat().st_size / 1e6:.1f} MB)")
     return 0

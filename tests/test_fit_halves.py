@@ -106,6 +106,20 @@ def test_a_lens_without_halves_says_so_in_one_sentence(tmp_path):
     assert one.halves() is None and one.half_prompts == (1, 0)
 
 
+def test_with_halves_adds_a_refits_halves_to_a_lens_kept_bit_for_bit():
+    bare = fit(tiny(), PROMPTS, plan=FitPlan(dim_batch=16, halves=False), skip_first=2, max_seq_len=16)
+    refit = uninterrupted()
+    given = bare.with_halves(refit.raw_halves)
+    assert given.half_prompts == refit.half_prompts and given.canary is bare.canary
+    assert given.diagnostics == bare.diagnostics and given.n_prompts == bare.n_prompts
+    for layer in bare.source_layers:
+        assert torch.equal(given.jacobians[layer], bare.jacobians[layer])
+        assert torch.equal(given.halves()[0].jacobians[layer], refit.halves()[0].jacobians[layer])
+    assert bare.with_halves(None).halves() is None
+    with pytest.raises(ValueError, match="halves must be two JacobianLens"):
+        bare.with_halves((refit.halves()[0],))  # one lens is not a pair
+
+
 def test_relevance_and_expert_lenses_have_halves_of_their_own_class():
     r_lens = fit(tiny(), PROMPTS, rules="relevance", **SETTINGS)
     r_halves = r_lens.halves()

@@ -495,10 +495,22 @@ class JacobianLens(MatrixTransportMixin):
             raise ValueError(f"shrinkage alpha={alpha} must lie in [0, 1].")
         halves = None if self._halves is None else (self._halves[0].with_shrinkage(alpha),
                                                     self._halves[1].with_shrinkage(alpha))
+        return self._copy(shrinkage=alpha, halves=halves)
+
+    def with_halves(self, halves: tuple[JacobianLens, JacobianLens] | None) -> JacobianLens:
+        """A copy with the same matrices, record and canary that keeps ``halves`` (the even and the odd prompts'
+        lenses, e.g. from a refit of the same prompts; docs/method.md §3.3), or none.
+
+        Raises:
+            ValueError: not two lenses of this class, width and layers.
+        """
+        return self._copy(shrinkage=self.shrinkage, halves=halves)
+
+    def _copy(self, *, shrinkage: float, halves: tuple[JacobianLens, JacobianLens] | None) -> JacobianLens:
         copy = JacobianLens(self.jacobians, self.n_prompts, self.d_model, target_layer=self.target_layer,
                             n_layers=self.n_layers, settings=self.settings, model_name=self.model_name,
                             model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
-                            shrinkage=alpha, stop_reason=self.stop_reason, rules=self.rules, halves=halves)
+                            shrinkage=shrinkage, stop_reason=self.stop_reason, rules=self.rules, halves=halves)
         copy.canary = self.canary  # the same model: the same canary (docs/method.md §4.2)
         return copy
 
