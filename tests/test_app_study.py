@@ -14,7 +14,7 @@ from test_app import button, chart, make_app, ok, values
 from jlens_core import JacobianLens, LogitLens
 from jlens_core.evaluation.study import study
 
-lens_file, runs_root, tiny_model = test_app.lens_file, test_app.runs_root, test_app.tiny_model  # its fixtures
+runs_root = test_app.runs_root  # its fixture (tiny_model and lens_file come from conftest)
 ITEMS = [{"name": "france", "prompt": "The capital of France is", "intermediates": ["capital", "Paris"]},
          {"name": "story", "prompt": "Once upon a time there was a", "intermediates": ["time"]},
          {"name": "water", "prompt": "Water boils at one", "intermediates": ["capital"]}]
