@@ -383,7 +383,8 @@ def _expert_slot(key: str, rules: str, short: str) -> LensSlot:
                   "combined one-matrix file, or hf://owner/repo[@revision]/path on the Hugging Face Hub.",
         picker_help=f"The {short} lens: one Jacobian per cluster of residuals, combined with learned weights "
                     f"(docs/method.md §9.1, experts); without learned weights it shows as "
-                    f"{KIND_LABELS[rules + '-experts']}. Fit one on the Fit page (experts).",
+                    f"{KIND_LABELS[rules + '-experts']}. Fit one on the Fit page (experts). The default model's "
+                    "ships in a clone's assets/lenses/, not in the wheel (docs/results.md).",
         kinds=tuple(k.kind for k in KINDS if k.experts and k.rules == rules), named=True)
 
 

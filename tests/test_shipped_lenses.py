@@ -55,8 +55,17 @@ def test_shipped_variants_are_found_beside_the_jacobian_lens(llama, experts, tmp
     monkeypatch.setattr(shipped, "LENS_DIR", tmp_path)
     monkeypatch.setattr(shipped, "SHIPPED_LENSES", {"smollm2-135m": tmp_path / "smollm2-135m.safetensors"})
     assert all(shipped_lens_path("smollm2-135m", v) is None for v in shipped.VARIANTS)
-    with pytest.raises(FileNotFoundError, match="No shipped J\\+\\+ lens for 'smollm2-135m'"):
+    # J++ and R++ travel in a clone, not in the wheel: the sentence says where they lie
+    with pytest.raises(FileNotFoundError) as caught:
         load_lens("smollm2-135m", variant="jpp")
+    assert str(caught.value).startswith("The J++ lens of 'smollm2-135m' is not in the wheel (PyPI's 100 MB limit")
+    assert "assets/lenses/smollm2-135m.rpp.safetensors" in str(pytest.raises(
+        FileNotFoundError, load_lens, "smollm2-135m:rpp").value)
+    with pytest.raises(FileNotFoundError, match="No shipped R-lens for 'smollm2-135m' \\(assets/lenses/smollm2-135m"
+                                                "\\.relevance\\.safetensors\\): fit one"):
+        load_lens("smollm2-135m", variant="relevance")
+    with pytest.raises(FileNotFoundError, match="No shipped J\\+\\+ lens for 'my-model' \\(assets/lenses/my-model"):
+        load_lens("my-model:jpp")
     with pytest.raises(ValueError, match="not a shipped lens variant"):
         shipped_lens_path("smollm2-135m", "jp")
     weighted = experts.with_weights(_weights(experts), items=["a"])

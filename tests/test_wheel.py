@@ -58,6 +58,14 @@ def test_license_matches_pyproject_and_the_changelog_names_the_version():
     assert f"version: {__version__}" in (REPO / "CITATION.cff").read_text()
 
 
+def test_the_variants_left_out_of_the_wheel_are_the_ones_pyproject_excludes():
+    from jlens_core.lenses.shipped import SOURCE_ONLY_VARIANTS, VARIANTS
+
+    excluded = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["exclude-package-data"]
+    assert excluded["jlens_assets"] == [f"lenses/*.{v}.safetensors" for v in SOURCE_ONLY_VARIANTS]
+    assert set(SOURCE_ONLY_VARIANTS) <= set(VARIANTS) and "relevance" not in SOURCE_ONLY_VARIANTS
+
+
 def test_a_missing_extra_is_one_sentence_naming_it(monkeypatch):
     import importlib.util
 
@@ -130,6 +138,9 @@ def test_the_wheel_carries_its_assets_app_and_license(venv):
                    "jlens_assets/example_prompts.json", "jlens_app/main.py", "jlens_app/views/inspect.py",
                    "jlens_core/evaluation/passk.py"):
         assert needed in names
+    # J++ and R++ stay in the repository (pyproject's exclude-package-data): room for the J lens's halves
+    left_out = [n for n in names if n.endswith((".jpp.safetensors", ".rpp.safetensors"))]
+    assert not left_out, f"{left_out} in the wheel: a stale build/ folder from an older wheel? (rm -rf build)"
     licence = [n for n in names if re.search(r"\.dist-info/(licenses/)?LICENSE$", n)]
     assert licence, "LICENSE is not in the wheel's dist-info"
     assert zipfile.ZipFile(venv["wheel"]).read(licence[0]).decode().startswith("MIT License")

@@ -14,7 +14,13 @@ from .header import LensFileError
 from .hub import resolve_lens_path
 from .kinds import BY_KIND
 from .lens import JacobianLens
-from .shipped import VARIANTS, is_tuned_lens_file, shipped_lens_path, shipped_tuned_lens_path
+from .shipped import (
+    VARIANTS,
+    is_tuned_lens_file,
+    missing_variant_message,
+    shipped_lens_path,
+    shipped_tuned_lens_path,
+)
 from .tuned import TunedLens
 
 
@@ -63,8 +69,7 @@ def load_lens(spec: str = DEFAULT_MODEL, *, model: LensModel | None = None,
         spec, variant = _split_variant(spec)
     path = shipped_lens_path(spec, variant)
     if path is None and variant is not None:
-        raise FileNotFoundError(f"No shipped {VARIANTS[variant]} for {spec!r} (assets/lenses/<model>.{variant}."
-                                "safetensors): fit one (docs/fitting.md), or load a lens file by path.")
+        raise FileNotFoundError(missing_variant_message(spec, variant))
     if path is None:
         path = resolve_lens_path(spec)  # hf://owner/repo[@revision]/path through the Hub cache
         if not path.exists():

@@ -29,6 +29,22 @@ VARIANTS = {k.variant: k.name for k in KINDS if k.variant}  # {"relevance": "R-l
 DEFAULT_READING_LENS = {DEFAULT_MODEL: "jacobian"}
 # How each kind of lens (``lens_kind``) is named to a reader.
 KIND_NAMES = {k.kind: k.name for k in KINDS}
+# Variants that lie in a source checkout's ``assets/lenses/`` but not in the wheel: PyPI refuses wheels over
+# 100 MB, and these tie the Jacobian lens on held-out items (docs/results.md, "The default lens"), so the
+# Jacobian lens's split halves took their space (pyproject's exclude-package-data).
+SOURCE_ONLY_VARIANTS = ("jpp", "rpp")
+
+
+def missing_variant_message(name: str, variant: str) -> str:
+    """The sentence for a shipped variant lens that is not on disk: where it lies, or how to get one."""
+    key = _model_key(name)
+    file = f"assets/lenses/{_stems(name)[0]}.{variant}.safetensors"
+    if variant in SOURCE_ONLY_VARIANTS and key in SHIPPED_LENSES:
+        return (f"The {VARIANTS[variant]} of {key!r} is not in the wheel (PyPI's 100 MB limit; it ties the "
+                f"Jacobian lens on held-out items): it lies in a clone of the jlens repository as {file}; load "
+                "that file by path, or fit one (docs/fitting.md, experts).")
+    return (f"No shipped {VARIANTS[variant]} for {name!r} ({file}): fit one (docs/fitting.md), or load a lens "
+            "file by path.")
 
 
 def shipped_tuned_lens_path(name: str = DEFAULT_MODEL) -> Path | None:
