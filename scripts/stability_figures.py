@@ -6,6 +6,7 @@ For a lens with split halves (``lens.halves()``, or ``--halves EVEN ODD``), read
 * the fraction of cells flagged unstable (the shown token not within the top ``--stability-k`` under both halves);
 * how often a cell's top-1 agrees with the model's own final top-1 at that position, for stable and for
   unstable cells apart (with Wilson 95 % intervals). The flag's point: unstable cells should agree less.
+  Unstable cells gather in early layers, so the summary also compares them within layers (layer-matched).
 
 Positions before the lens's ``skip_first`` (never fitted) and the output row (the model itself) are left out.
 
@@ -93,8 +94,25 @@ def stability_figures(model: Any, lens: Any, texts: Sequence[str], *, halves: tu
     summary = {"n_texts": len(texts), "n_cells": n, "n_unstable": unstable,
                "unstable_fraction": unstable / n if n else float("nan"), "stability_k": int(stability_k),
                "agree_stable": stable_rate[0], "agree_stable_ci": list(stable_rate[1:]),
-               "agree_unstable": unstable_rate[0], "agree_unstable_ci": list(unstable_rate[1:])}
+               "agree_unstable": unstable_rate[0], "agree_unstable_ci": list(unstable_rate[1:]),
+               **_layer_matched(counts)}
     return pd.DataFrame(rows, columns=list(COLUMNS)), summary
+
+
+def _layer_matched(counts: dict[int, np.ndarray]) -> dict[str, float]:
+    """Stable vs unstable agreement within layers: unstable cells gather in early layers, where every cell agrees
+    less, so the pooled rates mix the flag with the depth. Over the layers with both kinds of cells, the unstable
+    cells' agreement against the stable cells' agreement of their own layers (each layer weighted by its unstable
+    cells; a direct standardisation)."""
+    both = [c for c in counts.values() if 0 < c[1] < c[0]]
+    weight = sum(int(c[1]) for c in both)
+    if not weight:
+        return {"matched_layers": 0, "agree_stable_layer_matched": float("nan"),
+                "agree_unstable_layer_matched": float("nan")}
+    stable = sum(int(c[1]) * int(c[2]) / int(c[0] - c[1]) for c in both) / weight
+    unstable = sum(int(c[3]) for c in both) / weight
+    return {"matched_layers": len(both), "agree_stable_layer_matched": stable,
+            "agree_unstable_layer_matched": unstable}
 
 
 def plot(per_layer: pd.DataFrame, path: Path, title: str) -> Path | None:
@@ -164,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['agree_stable']:.1%} [{summary['agree_stable_ci'][0]:.1%}, {summary['agree_stable_ci'][1]:.1%}], "
           f"unstable cells {summary['agree_unstable']:.1%} [{summary['agree_unstable_ci'][0]:.1%}, "
           f"{summary['agree_unstable_ci'][1]:.1%}] ({summary['seconds']} s)")
+    print(f"within layers ({summary['matched_layers']} layers with both kinds, weighted by unstable cells): "
+          f"stable {summary['agree_stable_layer_matched']:.1%}, unstable {summary['agree_unstable_layer_matched']:.1%}")
     print(f"Wrote {out / 'stability_by_layer.csv'}, {out / 'stability_summary.json'}"
           + (f", {figure}" if figure else ""), file=sys.stderr)
     return 0

@@ -410,6 +410,11 @@ def test_stability_figures_script(tmp_path, capsys):
     assert per_layer["n_unstable"].tolist() == [sum(v) for _, v in sorted(by_layer.items())]
     assert summary["n_cells"] == cells and summary["n_unstable"] == unstable
     assert summary["agree_unstable"] == pytest.approx(agree_unstable / unstable)
+    both = per_layer[(per_layer["n_unstable"] > 0) & (per_layer["n_unstable"] < per_layer["n_cells"])]
+    weights = both["n_unstable"] / both["n_unstable"].sum()
+    assert summary["matched_layers"] == len(both) > 0
+    assert summary["agree_stable_layer_matched"] == pytest.approx(float((weights * both["agree_stable"]).sum()))
+    assert summary["agree_unstable_layer_matched"] == pytest.approx(float((weights * both["agree_unstable"]).sum()))
     with pytest.raises(ValueError, match="keeps no split halves"):
         script.stability_figures(model, random_lens(model), texts)
     folder = save_tiny(tmp_path / "tiny")
