@@ -183,9 +183,21 @@ def test_files_and_checkpoints_from_before_halves_read_without_them(tmp_path):
     shutil.copy(DATA / "fit-v1.ckpt", ckpt)
     resumed = fit(tiny(), PROMPTS, checkpoint_path=ckpt, **SETTINGS)
     assert resumed.halves() is None and resumed.half_prompts is None  # its first prompts' halves are unknown
-    shipped = Path(__file__).resolve().parents[1] / "assets" / "lenses" / "smollm2-135m.safetensors"
-    if shipped.is_file():
-        assert JacobianLens.load(shipped).halves() is None
+
+
+def test_the_shipped_j_lens_carries_the_halves_of_its_own_prompts():
+    """scripts/ship_halves.py refitted the shipped lens's 100 prompts with halves: their prompt-weighted mean is
+    the shipped lens (to fp16 rounding: both are stored fp16), and the lens keeps its canary."""
+    shipped = JacobianLens.load(Path(__file__).resolve().parents[1] / "assets" / "lenses" / "smollm2-135m.safetensors")
+    assert shipped.half_prompts == (50, 50) and shipped.n_prompts == 100 and shipped.canary is not None
+    even, odd = shipped.halves()
+    for layer in shipped.source_layers:
+        mean = (even.n_prompts * even.matrix(layer) + odd.n_prompts * odd.matrix(layer)) / shipped.n_prompts
+        full = shipped.matrix(layer)
+        assert float((mean - full).norm() / full.norm()) < 2e-3, layer
+        assert float((even.matrix(layer) - odd.matrix(layer)).norm() / full.norm()) > 1e-3  # two different halves
+    table = shipped.half_diagnostics()
+    assert table["layer"].tolist() == list(shipped.source_layers) and (table["n_even"] == 50).all()
 
 
 # -- checkpoints, resume, merge: the halves of one uninterrupted fit ----------------------------------------------
