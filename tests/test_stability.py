@@ -69,7 +69,8 @@ def test_marks_match_an_independent_computation():
     assert np.abs(marks.half_rank_even - want_even).max() <= 1
     assert np.abs(marks.half_rank_odd - want_odd).max() <= 1
     assert (marks.half_rank_even == want_even).mean() > 0.95
-    np.testing.assert_array_equal(marks.stable, (marks.half_rank_even <= 10) & (marks.half_rank_odd <= 10))
+    # the default rule (STABILITY_K = 1): the shown token is top-1 under both halves
+    np.testing.assert_array_equal(marks.stable, (marks.half_rank_even <= 1) & (marks.half_rank_odd <= 1))
     assert not marks.stable.all() and marks.stable[:-1].any()  # the noisy halves make some cells unstable
     assert marks.stable[-1].all()  # the output row is the model's own: every half reads it the same
 
@@ -255,7 +256,7 @@ def test_heatmap_marks_unstable_cells_hover_and_strip():
     reading = readings["jacobian"]
     fig = heatmap_figure(readings, "jacobian", "top1_prob")
     fades = [t for t in fig.data if t.type == "scatter" and t.legendgroup == "unstable"]
-    assert len(fades) == 2 and fades[0].showlegend and "not top 10 under both halves" in fades[0].name
+    assert len(fades) == 2 and fades[0].showlegend and "not top-1 under both halves" in fades[0].name
     layers = reading.layers
     drawn = {(int(y), int(x)) for x, y in zip(fades[0].x, fades[0].y)}
     want = {(row, int(p)) for row in range(len(layers)) for pi, p in enumerate(reading.positions)
@@ -300,7 +301,7 @@ def test_html_page_carries_the_marks():
     marks = readings["jacobian"].stability
     assert detail["lenses"]["logit"]["halves"] is None
     halves = detail["lenses"]["jacobian"]["halves"]
-    assert halves["even"] == marks.half_rank_even.ravel().tolist() and halves["k"] == 10
+    assert halves["even"] == marks.half_rank_even.ravel().tolist() and halves["k"] == 1
     assert halves["stable"] == marks.stable.ravel().astype(int).tolist()
     page = reading_page(readings)
     text = re.search(r'<script id="reading-packed" type="application/octet-stream">(.*?)</script>', page,

@@ -373,7 +373,7 @@ def display_options(model: Any, prompt: str, text: str, full_ids: Any, generatio
                   help="A stricter display filter: top-k lists keep word-like tokens only (letters and inner "
                        "apostrophes or hyphens, no digits); ranks are those of the readout above.")
         d3.toggle("Stability", key="stability",
-                  help="Mark unstable cells (faded and hatched): the shown token is not in the top 10 under both of "
+                  help="Mark unstable cells (faded and hatched): the shown token is not top-1 under both of "
                        "the lens's split halves, the lenses fitted on its even and its odd prompts. The hover gives "
                        "each half's rank, the strip right of the heatmap each layer's stable share. Needs a lens "
                        "fitted with halves (docs/method.md §6.2).")

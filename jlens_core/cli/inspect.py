@@ -126,6 +126,8 @@ def print_grid(reading: PromptReading, name: str, last: int | None, width: int) 
     cols = [reading.position_index(p) for p in positions]
     halves = reading.stability
     if halves is not None:  # docs/method.md §6.2: '?' after a token the half lenses do not both rank in their top k
+        from ..reading.stability import top_rule
+
         unstable = ~halves.stable
         by_layer = reading.stability_by_layer()["stable_fraction"].tolist()
     fitted = reading.fitted
@@ -135,7 +137,7 @@ def print_grid(reading: PromptReading, name: str, last: int | None, width: int) 
     if not fitted[cols].all():
         print(f"(unfit): positions before the lens's skip_first={reading.skip_first}, where it was never fitted")
     if halves is not None:
-        print(f"?: unstable, the token is not in the top {halves.stability_k} under both half lenses; right: the "
+        print(f"?: unstable, the token is not {top_rule(halves.stability_k)} under both half lenses; right: the "
               "layer's stable % over its fitted positions")
     print("layer ".rjust(7) + " ".join(cell(reading.tokens[c]) for c in cols))
     if reading.n_generated or not fitted[cols].all():
@@ -176,10 +178,11 @@ def register(subparsers) -> None:
                    help="track this token's rank (a rank_TOKEN column in json/csv and --save); repeatable")
     i.add_argument("--stability", action="store_true",
                    help="mark unstable cells ('?' in the table; half_rank_even/odd and stable columns in json/csv "
-                        "and --save): the shown token is not in the top --stability-k under both of the lens's "
+                        "and --save): the shown token is not top-1 (--stability-k) under both of the lens's "
                         "split halves. A lens without halves is read without marks (one sentence says so)")
-    i.add_argument("--stability-k", type=int, default=10, metavar="K",
-                   help="with --stability: stable = within the top K under both halves (default 10; 1 = top-1)")
+    i.add_argument("--stability-k", type=int, default=1, metavar="K",
+                   help="with --stability: stable = within the top K under both halves (default 1: top-1 under "
+                        "both, docs/method.md §6.2)")
     i.add_argument("--format", choices=FORMATS, default="table",
                    help="table (default): the top-1 grid; json: a JSON array of records, one per lens x layer x "
                         "position; csv: the same as CSV (list cells as JSON). Nothing else goes to stdout")

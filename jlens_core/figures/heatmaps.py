@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..reading.stability import top_rule
 from .labels import (
     GENERATED_COLOUR,
     HIGHER_IS_BETTER,
@@ -102,7 +103,7 @@ def hover_texts(reading: Any, stat: str, layers: Sequence[int], values: np.ndarr
                 stable = bool(marks.stable[li, pi])
                 head += (f"<br>halves: rank {int(marks.half_rank_even[li, pi])} / rank "
                          f"{int(marks.half_rank_odd[li, pi])} · "
-                         + ("stable" if stable else f"<b>unstable</b> (not top {marks.stability_k} in both)"))
+                         + ("stable" if stable else f"<b>unstable</b> (not {top_rule(marks.stability_k)} in both)"))
             body = "<br>".join(f"{j + 1}. {label(i)}  {pr:.1%}" for j, (i, pr) in enumerate(zip(ids[pi], probs[pi])))
             line.append(head + "<br>" + body)
         out.append(line)
@@ -151,7 +152,7 @@ def mark_unstable(fig: go.Figure, panels: Sequence[Any], layers: Sequence[int], 
         rr, pp = np.nonzero(unstable)
         size = max(6, min(22, int(PLOT_WIDTH_PX / max(1, len(positions) + STRIP_GAP + 1)) - 2))
         xs, ys = [positions[p] for p in pp], [rows[r] for r in rr]
-        label = f"unstable: not top {marks.stability_k} under both halves"
+        label = f"unstable: not {top_rule(marks.stability_k)} under both halves"
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", hoverinfo="skip", name=label, legendgroup="unstable",
                                  showlegend=not legend_shown,
                                  marker={"symbol": "square", "size": size, "color": UNSTABLE_FADE, "line": {"width": 0}}),
@@ -166,7 +167,7 @@ def mark_unstable(fig: go.Figure, panels: Sequence[Any], layers: Sequence[int], 
         z = [[fraction.get(layer, np.nan)] for layer in layers]
         text = [["–" if not np.isfinite(v[0]) else f"{v[0]:.0%}"] for v in z]
         hover = [f"<b>L{layer}</b>: {counts[layer][0]} of {counts[layer][1]} fitted cells stable "
-                 f"(halves both rank the shown token in their top {marks.stability_k})" if layer in counts
+                 f"(the shown token {top_rule(marks.stability_k)} under both halves)" if layer in counts
                  else f"L{layer}: not read" for layer in layers]
         x_strip = positions[-1] + STRIP_GAP if positions else 0
         fig.add_trace(go.Heatmap(z=z, x=[x_strip], y=list(range(len(layers))), text=text, texttemplate="%{text}",

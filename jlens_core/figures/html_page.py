@@ -260,7 +260,7 @@ function showCell(layer, position) {
     for (const [stat, values] of Object.entries(lens.stats)) html += `${stat}: ${fmt(stat, values[cell])}<br>`;
     for (const [token, ranks] of Object.entries(lens.pinned)) html += `rank of ${esc(JSON.stringify(token))}: ${ranks[cell]}<br>`;
     if (lens.halves) html += `halves: rank ${lens.halves.even[cell]} / rank ${lens.halves.odd[cell]} · ` +
-      (lens.halves.stable[cell] ? "stable" : `<b>unstable</b> (not top ${lens.halves.k} in both)`) + "<br>";
+      (lens.halves.stable[cell] ? "stable" : `<b>unstable</b> (not ${lens.halves.k === 1 ? "top-1" : "top " + lens.halves.k} in both)`) + "<br>";
     html += "</div>";
   }
   document.getElementById("detail").innerHTML = html + "</div>";
