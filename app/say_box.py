@@ -62,7 +62,8 @@ def _search(model: Any, lens: Any, text: str, layers: list[int], from_position: 
 
     try:
         result = make_it_say(model, lens, text, ss.say_target, layers=layers, ops=ss.say_ops, positions=ss.say_where,
-                             from_position=from_position, max_replays=int(ss.say_replays), progress=progress)
+                             from_position=from_position, max_replays=int(ss.say_replays),
+                             continuation_tokens=0, progress=progress)  # the box writes its own (_apply)
     except common.EXPECTED_ERRORS as exc:
         ss.say_result = {"key": key, "error": str(exc)}
     else:

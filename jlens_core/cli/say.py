@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,14 +38,6 @@ def _layers(args: argparse.Namespace, n_layers: int) -> list[int] | None:
     return parse_layer_spec(args.layers, n_layers)
 
 
-def _progress_bar(disabled: bool, desc: str, unit: str):
-    if disabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=1, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
-
-
 def _print_result(result: SayResult) -> None:
     target = result.target_text
     print(f"prompt: {result.prompt!r} ({result.n_prompt} tokens); target {target!r} "
@@ -70,8 +61,9 @@ def _print_result(result: SayResult) -> None:
 
 def _run_one(args: argparse.Namespace, model: Any, lens: Any) -> int:
     from ..interventions.say import DEFAULT_MAX_REPLAYS, make_it_say
+    from .eval import _bar
 
-    bar = _progress_bar(args.no_progress or args.format == "json", "say", "pass")
+    bar = _bar(1, "say", args.no_progress or args.format == "json", unit="pass")
 
     def progress(p) -> None:
         if bar is not None:
@@ -101,12 +93,13 @@ def _run_set(args: argparse.Namespace, model: Any, lenses: dict) -> int:
     items = load_say_set(args.set)
     if args.n_items:
         items = items[: args.n_items]
-    bar = _progress_bar(args.no_progress or args.format == "json", f"say {Path(args.set).stem}", "item")
+    from .eval import _advance, _bar
+
+    bar = _bar(1, f"say {Path(args.set).stem}", args.no_progress or args.format == "json", unit="item")
 
     def progress(done: int, total: int) -> None:
         if bar is not None:
-            bar.total, bar.n = total, done
-            bar.refresh()
+            _advance(bar, done, total)
 
     try:
         report = say_success(model, lenses, items, layers=_layers(args, model.n_layers), ops=args.ops.split(","),

@@ -307,7 +307,6 @@ class _Arm:
     lens: Lens
     directions: Directions
     label: str
-    sources_from: Lens
 
 
 def _check_grids(grids: Mapping[str, Sequence[float]] | None) -> dict[str, tuple[float, ...]]:
@@ -355,7 +354,7 @@ def _recipe(run: _Run, arm: _Arm, ranking: Ranking, cand: Candidate, stage: str)
 
 def _rank_arm(run: _Run, arm: _Arm) -> Ranking:
     competitors = run.state.competitors(run.target, int(max(run.grids["ablate"]))) if "ablate" in run.ops else []
-    sources = lens_top_tokens(run.model, arm.sources_from, run.state, run.layers, run.target.accepted) \
+    sources = lens_top_tokens(run.model, arm.lens, run.state, run.layers, run.target.accepted) \
         if "swap" in run.ops else {}
     return rank(run.state, arm.directions, run.target, run.layers, run.ops, run.modes, run.from_position, sources,
                 competitors)
@@ -550,12 +549,12 @@ def _execute(model: LensModel, prompt: str, ids: torch.Tensor, spelled: SayTarge
 def lens_arm(model: LensModel, name: str, lens: Lens) -> _Arm:
     """The arm that searches along ``lens``'s read directions."""
     label = "logit lens" if lens.kind == "logit" else f"{name} lens" if name != lens.kind else f"{lens.kind} lens"
-    return _Arm(name, lens, LensDirections(model, lens), label, lens)
+    return _Arm(name, lens, LensDirections(model, lens), label)
 
 
 def random_arm(model: LensModel, lens: Lens, seed: int) -> _Arm:
     """The random control: ``lens``'s layers and swap tokens, seeded random unit directions."""
-    return _Arm(RANDOM, lens, RandomDirections(model.d_model, seed), "random directions", lens)
+    return _Arm(RANDOM, lens, RandomDirections(model.d_model, seed), "random directions")
 
 
 def make_it_say(model: LensModel, lens: Lens, prompt: str, target: str, *, layers: Sequence[int] | None = None,
@@ -603,7 +602,7 @@ def make_it_say(model: LensModel, lens: Lens, prompt: str, target: str, *, layer
     if LOGIT in chosen_controls and lens.kind != "logit":
         logit = LogitLens.for_model(model)
         check_layers(model, logit, searched)
-        arms.append(_Arm(LOGIT, logit, LensDirections(model, logit), "logit lens", logit))
+        arms.append(lens_arm(model, LOGIT, logit))
     return _execute(model, prompt, ids, spelled, searched, arms, ops=chosen_ops, modes=modes,
                     from_position=int(from_position), grids=grid, max_replays=max_replays, minimise=minimise,
                     continuation_tokens=continuation_tokens, progress=progress)
