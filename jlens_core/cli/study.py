@@ -16,26 +16,21 @@ import sys
 import time
 from pathlib import Path
 
-from .._atomic import atomic_write, atomic_write_text
-from .eval import _advance, _bar, parse_readout, resolve_lenses
+from .._atomic import atomic_write_text
+from .eval import _advance, _bar, _write_csv, parse_readout, resolve_lenses
 from .main import CLIError, command_description, say
 from .model_args import add_model_command, model_loading_options
 
-DEFAULT_LENSES = ("logit", "default", "tuned")
-
-
-def _write_csv(frame, path: Path) -> None:
-    atomic_write(path, lambda tmp: frame.to_csv(tmp, index=False, quoting=csv.QUOTE_NONNUMERIC), shared=True)
-
 
 def _default_lenses(model) -> list[str]:
-    """logit, the shipped J lens and the shipped tuned lens, those the model has."""
-    from ..lenses.loading import default_lens, default_tuned_lens
+    """logit, the shipped J lens and the shipped tuned lens, those the model has (their files are read once, by
+    ``resolve_lenses``)."""
+    from ..lenses.shipped import shipped_lens_path, shipped_tuned_lens_path
 
     specs = ["logit"]
-    if default_lens(model) is not None:
+    if shipped_lens_path(model.name) is not None:
         specs.append("default")
-    if default_tuned_lens(model) is not None:
+    if shipped_tuned_lens_path(model.name) is not None:
         specs.append("tuned")
     return specs
 
@@ -71,11 +66,11 @@ def cmd_study(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)
     comparisons = result.comparisons()
-    _write_csv(result.table, out / "table.csv")
-    _write_csv(result.items, out / "items.csv")
-    _write_csv(result.by_layer, out / "by_layer.csv")
-    _write_csv(result.summary, out / "summary.csv")
-    _write_csv(comparisons, out / "comparisons.csv")
+    _write_csv(result.table, out / "table.csv", quoting=csv.QUOTE_NONNUMERIC)
+    _write_csv(result.items, out / "items.csv", quoting=csv.QUOTE_NONNUMERIC)
+    _write_csv(result.by_layer, out / "by_layer.csv", quoting=csv.QUOTE_NONNUMERIC)
+    _write_csv(result.summary, out / "summary.csv", quoting=csv.QUOTE_NONNUMERIC)
+    _write_csv(comparisons, out / "comparisons.csv", quoting=csv.QUOTE_NONNUMERIC)
     result.save(out / "study.json")
     written = [out / name for name in ("table.csv", "items.csv", "by_layer.csv", "summary.csv", "comparisons.csv",
                                        "study.json")]
