@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,6 +238,14 @@ class Context:
     def lens_keys(self) -> dict[str, str]:
         """The cache key of every lens in :meth:`lenses`."""
         return {"logit": "logit", **{item.name or key: item.key for key, item in self.loaded.items()}}
+
+
+def stability_default(lenses: Iterable[Any]) -> bool:
+    """Whether Inspect's Stability toggle starts on: when some of ``lenses`` keeps split halves (docs/method.md
+    §6.2). One rule for Inspect, the URL and the warm-up (whose cached readings must be Inspect's)."""
+    from jlens_core.reading.stability import lens_halves
+
+    return any(lens_halves(lens) is not None for lens in lenses)
 
 
 def lens_label(name: str) -> str:

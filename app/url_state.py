@@ -140,9 +140,7 @@ def _stability_query(ctx) -> str | None:
     value = st.session_state.get("stability")
     if value is None or ctx.model is None:
         return None
-    from jlens_core.reading.stability import lens_halves
-
-    default = any(lens_halves(lens) is not None for lens in ctx.lenses().values())
+    default = common.stability_default(ctx.lenses().values())
     return None if bool(value) == default else ("1" if value else "0")
 
 

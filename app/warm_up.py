@@ -10,7 +10,6 @@ import common
 from cache import load_model_cached, readings_cached
 from jlens_core.lenses.lens import LogitLens
 from jlens_core.models.loading import DEFAULT_MODEL
-from jlens_core.reading.stability import lens_halves
 from lens_slots import FILE, NONE, RUN, SHIPPED, SLOTS, UPLOAD, LensSlot, load_slot_file
 
 
@@ -40,7 +39,7 @@ def warm_up(spec: str | None = None) -> list[str]:
                     common.INSPECT_DEFAULTS["show_ws"], common.INSPECT_DEFAULTS["word_like"], layers,
                     common.default_positions(n_tokens), common.MAX_TOKENS, None, "", None,
                     "word" if common.INSPECT_DEFAULTS["vocab_word"] else "all",
-                    stability=any(lens_halves(lens) is not None for lens, _ in lenses.values()))  # Inspect's default
+                    stability=common.stability_default(lens for lens, _ in lenses.values()))
     done.append(f"{' and '.join(lenses)} readings of the default prompt")
     return done
 

@@ -23,7 +23,6 @@ from jlens_core.figures.labels import LENS_SHORT, row_labels, shown
 from jlens_core.figures.ranks import pinned_ranks_figure
 from jlens_core.figures.tokens import topk_bars
 from jlens_core.reading.generation import generate
-from jlens_core.reading.stability import lens_halves
 from jlens_core.reading.summaries import most_common_tokens
 from jlens_core.reading.tokens import pin_spec, token_id
 
@@ -146,7 +145,7 @@ def _init_state(n_layers: int) -> None:
 
 def stability_default(ctx: common.Context) -> bool:
     """Whether the Stability toggle starts on: when some loaded lens keeps split halves (docs/method.md §6.2)."""
-    return any(lens_halves(lens) is not None for lens in ctx.lenses().values())
+    return common.stability_default(ctx.lenses().values())
 
 
 def _request_stop() -> None:

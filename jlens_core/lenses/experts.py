@@ -200,6 +200,7 @@ class ExpertLens(MatrixTransportMixin):
                              diagnostics, stop_reason)
         self._matrix_cache: dict[int, torch.Tensor] = {}
         self._set_halves(halves)
+        self._weighted_halves: tuple[ExpertLens, ExpertLens] | None = None  # halves(), with this lens's weights
 
     def _checked_weights(self, w: torch.Tensor, layer: int) -> torch.Tensor:
         w = torch.as_tensor(w, dtype=torch.float32).cpu()
@@ -283,7 +284,9 @@ class ExpertLens(MatrixTransportMixin):
         base = super().halves()
         if base is None:
             return None
-        return (self._weighted_half(base[0]), self._weighted_half(base[1]))
+        if self._weighted_halves is None:  # built once: a stability reading asks for them on every read
+            self._weighted_halves = (self._weighted_half(base[0]), self._weighted_half(base[1]))
+        return self._weighted_halves
 
     def _weighted_half(self, half: ExpertLens) -> ExpertLens:
         return half._copy(weights=self.weights, weight_items=self.weight_items, min_positions=self.min_positions)
