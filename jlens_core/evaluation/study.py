@@ -322,6 +322,7 @@ class Study:
         self.info = dict(info)
         self._by_layer: pd.DataFrame | None = None
         self._summary: pd.DataFrame | None = None
+        self._comparisons: dict[str, pd.DataFrame] = {}  # by baseline: each is a seeded bootstrap per lens
 
     # -- what it holds -------------------------------------------------------------------------------------
     @property
@@ -523,9 +524,11 @@ class Study:
         """Every other lens against ``baseline`` (default: the logit lens when studied, else the first lens)."""
         if baseline is None:
             baseline = next((n for n in self.lenses if self.kind(n) == "logit"), self.lenses[0])
-        parts = [self.compare(name, baseline) for name in self.lenses if name != baseline]
-        return (pd.concat(parts, ignore_index=True) if parts
-                else pd.DataFrame(columns=list(COMPARE_COLUMNS)))
+        if baseline not in self._comparisons:  # the CLI, its HTML page and every app rerun ask again
+            parts = [self.compare(name, baseline) for name in self.lenses if name != baseline]
+            self._comparisons[baseline] = (pd.concat(parts, ignore_index=True) if parts
+                                           else pd.DataFrame(columns=list(COMPARE_COLUMNS)))
+        return self._comparisons[baseline]
 
     def item_table(self, set_name: str | None = None) -> pd.DataFrame:
         """One row per set x item x concept: ``name, prompt, concept, scored, answered, kept`` and, per lens,
