@@ -367,6 +367,9 @@ class ExpertLens(MatrixTransportMixin):
                 "weighted": self.weights is not None, "weight_items": self.weight_items,
                 "stop_reason": self.stop_reason, "diagnostics": self.diagnostics}
 
+    def _dtype_matrices(self) -> list[torch.Tensor]:
+        return [*self.pooled.values(), *self.experts.values()]
+
     def _file_tensors(self, store: torch.dtype, *, for_half: bool = False) -> dict[str, torch.Tensor]:
         # clone: layers may share one clustering or counts tensor, which safetensors refuses to store
         tensors: dict[str, torch.Tensor] = {}
@@ -394,8 +397,7 @@ class ExpertLens(MatrixTransportMixin):
         ``halves`` (default) also writes the split halves when the lens keeps them: each half's ``J``, ``experts``
         and ``counts`` under ``half.even.`` / ``half.odd.`` (docs/method.md §3.3), about 3x the size.
         """
-        write_lens_file(path, EXPERTS_FORMAT_NAME, self.metadata(), self, dtype,
-                        [*self.pooled.values(), *self.experts.values()], halves)
+        write_lens_file(path, EXPERTS_FORMAT_NAME, self.metadata(), self, dtype, halves)
         return Path(path)
 
     @classmethod

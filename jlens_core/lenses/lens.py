@@ -220,6 +220,10 @@ class MatrixTransportMixin(SourceLayersMixin):
     def _file_tensors(self, store: torch.dtype, *, for_half: bool = False) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def _dtype_matrices(self) -> list[torch.Tensor]:
+        """The matrices whose values decide a file's storage dtype (:func:`storage_dtype`), as held."""
+        raise NotImplementedError
+
     @property
     def fit_settings(self) -> FitSettings:
         """What shaped this lens (:class:`~jlens_core.lenses.fit_settings.FitSettings`): its layers and rules, and
@@ -530,6 +534,9 @@ class JacobianLens(MatrixTransportMixin):
     def _file_tensors(self, store: torch.dtype, *, for_half: bool = False) -> dict[str, torch.Tensor]:
         return {f"J.{layer}": mat.to(store).contiguous() for layer, mat in self.jacobians.items()}
 
+    def _dtype_matrices(self) -> list[torch.Tensor]:
+        return list(self.jacobians.values())
+
     def save(self, path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", halves: bool = True) -> Path:
         """Write safetensors weights (``J.<layer>``) with the JSON metadata in the header, atomically.
 
@@ -541,7 +548,7 @@ class JacobianLens(MatrixTransportMixin):
         Returns:
             The path written.
         """
-        write_lens_file(path, FORMAT_NAME, self.metadata(), self, dtype, list(self.jacobians.values()), halves)
+        write_lens_file(path, FORMAT_NAME, self.metadata(), self, dtype, halves)
         return Path(path)
 
     @classmethod
@@ -706,22 +713,18 @@ def _merged_half(cls: type[JacobianLens], halves: Sequence[JacobianLens], settin
 
 
 def write_lens_file(path: str | os.PathLike, format_name: str, info: dict[str, Any], lens: MatrixTransportMixin,
-                    dtype: str | torch.dtype, matrices: list[torch.Tensor], halves: bool,
-                    extras: FileExtras | None = None) -> None:
+                    dtype: str | torch.dtype, halves: bool, extras: FileExtras | None = None) -> None:
     """Write ``lens`` as a safetensors lens file, atomically: its own tensors (:meth:`_file_tensors`), its halves
     when it keeps them and ``halves`` is set, and ``extras`` (named extra tensors and header fields), with
-    ``info`` as the header's ``jlens`` JSON. ``matrices`` (with the halves') decide the storage dtype
-    (:func:`storage_dtype`)."""
+    ``info`` as the header's ``jlens`` JSON. The lens's matrices and its written halves' (:meth:`_dtype_matrices`)
+    decide the storage dtype (:func:`storage_dtype`)."""
     from safetensors.torch import save_file
 
     from .canary import canary_file_parts
 
     extras = extras if extras is not None else FileExtras()
     raw = lens.raw_halves if halves else None
-    if raw is not None:
-        matrices = [*matrices, *(m for h in raw for m in h._file_tensors(torch.float32, for_half=True).values()
-                                 if m.is_floating_point())]
-    store = storage_dtype(dtype, matrices)
+    store = storage_dtype(dtype, [m for part in (lens, *(raw or ())) for m in part._dtype_matrices()])
     tensors = lens._file_tensors(store)
     if halves:
         lens._half_extras(extras, store)
