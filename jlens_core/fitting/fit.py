@@ -31,6 +31,7 @@ from .memory_budget import (
     reset_peak_memory,
 )
 from .node_checkpoints import agree_on_checkpoint
+from .precision import compute_model, resolve_fit_dtype
 from .relevance import relevance_unsupported_reason, unsupported_message
 from .resume import check_same_settings, prompts_digest
 
@@ -243,6 +244,8 @@ def _check_resume(path, payload: dict, settings: dict, prompts: Sequence) -> Non
     # checkpoints from before rules= are J fits, from before experts= fits without experts: FitSettings' defaults
     saved = {**FitSettings.from_checkpoint(payload["settings"]).to_dict(),
              "model_fingerprint": payload["settings"].get("model_fingerprint")}
+    if payload["settings"].get("dtype", "auto") == "auto":  # from before the dtype setting: goes on in this dtype
+        saved["dtype"] = settings.get("dtype")
     check_same_settings(path, saved, settings, CHECKPOINT_SETTINGS, run="fit")
     if payload["next_idx"] > len(prompts) or prompts_digest(prompts, payload["next_idx"]) != payload["prompts_digest"]:
         raise ValueError(
@@ -306,6 +309,8 @@ class _FitRun:
                  should_stop: Callable[[FitState], str | None] | None) -> None:
         """``settings``: resolved (:meth:`FitSettings.resolved`) for ``model``."""
         self.model, self.prompts, self.settings, self.plan, self.world = model, prompts, settings, plan, world
+        # the model the Jacobians are computed with: a bf16 twin for a bf16 fit of an fp32 model (precision.py)
+        self.compute = compute_model(model, settings.dtype) if settings.dtype != "auto" else model
         self.checkpoint_path, self.checkpoint_every = checkpoint_path, plan.checkpoint_every
         self.progress, self.should_stop = progress, should_stop
         self.sources: list[int] = list(settings.source_layers or ())
@@ -455,7 +460,7 @@ class _FitRun:
         pending, n_total, d = self.pending, len(self.prompts), self.model.d_model
         t0 = time.perf_counter()
         try:
-            result = jacobian_for_prompt(self.model, self.prompts[idx], source_layers=self.sources,
+            result = jacobian_for_prompt(self.compute, self.prompts[idx], source_layers=self.sources,
                                          target_layer=self.target, **self.estimator,
                                          clustering=self.state.clustering or None)
         except ValueError as exc:  # too short, or empty: skipped, and said so
@@ -728,6 +733,7 @@ def fit(model: LensModel, prompts: Sequence, settings: FitSettings | None = None
         keywords = {**keywords, "experts": experts}  # type: ignore[typeddict-unknown-key]
     settings, plan = fit_settings_and_plan(settings, plan, **keywords)
     settings = settings.resolved(model.n_layers)
+    settings = settings.replace(dtype=resolve_fit_dtype(settings.dtype, model))
     if settings.rules == "relevance":  # before any prompt: per prompt it would read as "skipped"
         reason = relevance_unsupported_reason(model)
         if reason is not None:

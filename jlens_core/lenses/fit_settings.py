@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 # How the backward passes run (jlens_core.fitting.estimator); the same Jacobian whichever.
 METHODS = ("auto", "fused", "batched", "replicated")
+# The fit's compute dtype (docs/fitting.md, "Precision"): "auto" picks per machine when the fit starts
+# (jlens_core.fitting.fit.resolve_fit_dtype), a lens records the one it used.
+FIT_DTYPES = ("auto", "float32", "bfloat16")
 # Expert fits (docs/method.md §9.1): the prompts the clustering is made from, by default.
 DEFAULT_CLUSTER_PROMPTS = 64
 
@@ -196,6 +199,9 @@ class FitSettings(_Fields):
         experts: ``E > 0`` also fits ``E`` expert Jacobians per layer (J++ / R++); 0: none.
         cluster_prompts: with experts, the first prompts the clustering is made from (>= 1); 0 without experts
             (any value given then is set to 0: it shapes nothing).
+        dtype: the model's compute dtype in the fit's forward and backward passes, ``"float32"`` or
+            ``"bfloat16"`` (the per-prompt Jacobian sums stay fp32 and the running sums fp64 either way);
+            ``"auto"`` is resolved when the fit starts (:func:`~jlens_core.fitting.fit.resolve_fit_dtype`).
 
     Raises:
         ValueError: a bad value, in one sentence naming it.
@@ -220,8 +226,14 @@ class FitSettings(_Fields):
     cluster_prompts: int = field(default=DEFAULT_CLUSTER_PROMPTS, metadata=_flag(
         "--cluster-prompts", "with --experts: cluster the kept positions of the first N prompts (default 64)",
         type=int))
+    dtype: str = field(default="auto", metadata=_flag(
+        "--fit-dtype", "compute dtype of the fit's passes: 'float32', 'bfloat16' (Jacobian sums stay fp32) or "
+        "'auto' (default: bfloat16 on a CPU with AMX-BF16 or AVX512-BF16 where the bench showed its error within "
+        "bounds, else the model's dtype; docs/fitting.md). Not --dtype, which loads the model", choices=FIT_DTYPES))
 
     def __post_init__(self) -> None:
+        if self.dtype not in FIT_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {FIT_DTYPES}: use 'float32', 'bfloat16' or 'auto'.")
         if self.source_layers is not None:
             if isinstance(self.source_layers, (str, bytes)) or not all(_int(x) for x in self.source_layers):
                 raise ValueError(f"source_layers={self.source_layers!r} must be integer layer indices (or None: "
@@ -257,12 +269,14 @@ class FitSettings(_Fields):
     def from_lens(cls, source_layers: list[int], target_layer: int, rules: str,
                   settings: Mapping[str, Any]) -> FitSettings:
         """The settings a lens file records: its layers and rules, and its ``settings`` dict (whose other keys,
-        the plan's and the record's, are ignored). A key missing from an old file takes its default."""
+        the plan's and the record's, are ignored). A key missing from an old file takes its default (``dtype``:
+        ``"auto"``, i.e. not recorded)."""
         experts = int(settings.get("experts") or 0)
         return cls(source_layers=tuple(source_layers), target_layer=int(target_layer),
                    skip_first=int(settings.get("skip_first", 16)), max_seq_len=int(settings.get("max_seq_len", 128)),
                    rules=rules, experts=experts,
-                   cluster_prompts=int(settings.get("cluster_prompts", DEFAULT_CLUSTER_PROMPTS)) if experts else 0)
+                   cluster_prompts=int(settings.get("cluster_prompts", DEFAULT_CLUSTER_PROMPTS)) if experts else 0,
+                   dtype=str(settings.get("dtype", "auto")))
 
     @classmethod
     def from_checkpoint(cls, saved: Mapping[str, Any]) -> FitSettings:
@@ -395,7 +409,7 @@ def lens_settings(settings: FitSettings, plan: FitPlan, *, n_skipped: int,
     when a budget was given, and ``experts`` / ``cluster_prompts`` for an expert fit."""
     out: dict[str, Any] = {"skip_first": settings.skip_first, "max_seq_len": settings.max_seq_len,
                            "target_layer": settings.target_layer, "dim_batch": plan.dim_batch, "n_skipped": n_skipped,
-                           "method": plan.method}
+                           "method": plan.method, "dtype": settings.dtype}
     if plan.first_prompt:
         out["first_prompt"] = plan.first_prompt
     if memory is not None:
@@ -405,5 +419,5 @@ def lens_settings(settings: FitSettings, plan: FitPlan, *, n_skipped: int,
     return out
 
 
-__all__ = ["DEFAULT_CLUSTER_PROMPTS", "METHODS", "RULES", "FitPlan", "FitRecord", "FitSettings", "add_fit_arguments",
+__all__ = ["DEFAULT_CLUSTER_PROMPTS", "FIT_DTYPES", "METHODS", "RULES", "FitPlan", "FitRecord", "FitSettings", "add_fit_arguments",
            "check_rules", "lens_settings"]
