@@ -8,6 +8,7 @@ another session's view of the same prompt costs nothing.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -18,6 +19,8 @@ import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from jlens_core.models.loading import load_model
+
+log = logging.getLogger(__name__)
 
 
 @st.cache_resource(show_spinner=False, max_entries=3)
@@ -99,6 +102,7 @@ class ReadingStore:
         self._done: OrderedDict[tuple, Any] = OrderedDict()
         self._pending: dict[tuple, threading.Event] = {}
         self._lock = threading.Lock()
+        self.failed: set[tuple] = set()  # keys a background reading failed on: not tried again in the background
 
     def get(self, keys: dict[str, tuple], compute: Callable[[list[str]], dict[str, Any]]) -> dict[str, Any]:
         """``{name: reading}`` for ``keys`` (``{name: cache key}``); ``compute(names)`` reads the missing ones.
@@ -135,6 +139,18 @@ class ReadingStore:
             found.update(computed)
         return {name: found[name] for name in keys}
 
+    def peek(self, keys: dict[str, tuple]) -> dict[str, Any] | None:
+        """``{name: reading}`` when every key is stored, else None; never waits or computes."""
+        with self._lock:
+            if not all(key in self._done for key in keys.values()):
+                return None
+            return {name: self._done[key] for name, key in keys.items()}
+
+    def busy(self, keys: dict[str, tuple]) -> bool:
+        """Whether some thread is computing one of ``keys`` now."""
+        with self._lock:
+            return any(key in self._pending for key in keys.values())
+
 
 @st.cache_resource(show_spinner=False)
 def reading_store() -> ReadingStore:
@@ -153,17 +169,54 @@ def readings_cached(model, model_key: str, lenses: dict[str, tuple[Any, str]], t
     or ``"word"``: word tokens only in top-k lists and ranks); ``stability`` adds the stability marks of the
     lenses that keep halves (docs/method.md §6.2). Returns ``{name: PromptReading}``.
     """
-    from jlens_core.reading.reader import read_prompts
+    return reading_store().get(*_reading_job(model, model_key, lenses, text, top_k, pinned, show_ws, word_like, layers,
+                                             positions, max_seq_len, n_prompt, edits_key, edits, vocab, stability))
 
+
+def readings_soon(model, model_key: str, lenses: dict[str, tuple[Any, str]], *args: Any,
+                  stability: bool = True) -> dict[str, Any] | None:
+    """:func:`readings_cached`'s readings if they are stored already, else None, after starting them in a thread
+    (unless one computes them): an extra such as the stability marks never holds up the page that asks for it.
+    The page draws without it and asks again (:func:`readings_ready`) until it is there."""
+    keys, compute = _reading_job(model, model_key, lenses, *args, stability=stability)
+    store = reading_store()
+    found = store.peek(keys)
+    if found is None and not store.busy(keys) and not store.failed.intersection(keys.values()):
+        threading.Thread(target=_in_background, args=(store, keys, compute), name="jlens-extras", daemon=True).start()
+    return found
+
+
+def readings_ready(model_key: str, lenses: dict[str, tuple[Any, str]], *args: Any, stability: bool = True) -> bool:
+    """Whether :func:`readings_soon`'s readings are stored now, or failed (then the page stops waiting)."""
+    keys, _ = _reading_job(None, model_key, lenses, *args, stability=stability)
+    store = reading_store()
+    return store.peek(keys) is not None or bool(store.failed.intersection(keys.values()))
+
+
+def _in_background(store: ReadingStore, keys: dict[str, tuple], compute: Callable[[list[str]], dict[str, Any]]) -> None:
+    try:
+        store.get(keys, compute)
+    except Exception:  # the page reads without the extra; the log keeps why
+        store.failed.update(keys.values())
+        log.exception("A background reading failed.")
+
+
+def _reading_job(model, model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, top_k: int,
+                 pinned: tuple, show_ws: bool, word_like: bool, layers: tuple | None, positions: tuple | None,
+                 max_seq_len: int, n_prompt: int | None = None, edits_key: str = "", edits=None, vocab: str = "all",
+                 stability: bool = False) -> tuple[dict[str, tuple], Callable[[list[str]], dict[str, Any]]]:
+    """The store keys of :func:`readings_cached`'s readings and the function that reads the missing ones."""
     settings = (text, top_k, pinned, show_ws, word_like, layers, positions, max_seq_len, n_prompt, edits_key, vocab,
                 stability)
     keys = {name: (model_key, lens_key, *settings) for name, (_, lens_key) in lenses.items()}
 
     def compute(names: list[str]) -> dict[str, Any]:
+        from jlens_core.reading.reader import read_prompts
+
         return read_prompts(model, {name: lenses[name][0] for name in names},
                             list(text) if isinstance(text, tuple) else text, top_k=top_k, pinned=pinned,
                             show_whitespace=show_ws, word_like=word_like, layers=None if layers is None else list(layers),
                             positions=None if positions is None else list(positions), max_seq_len=max_seq_len,
                             n_prompt=n_prompt, edits=edits, vocab=vocab, stability=stability)
 
-    return reading_store().get(keys, compute)
+    return keys, compute

@@ -19,7 +19,9 @@ def warm_up(spec: str | None = None) -> list[str]:
     Run in a thread of the server process: the model (``JLENS_APP_MODEL`` or the default, device and
     dtype "auto"), the lens each slot starts with (the shipped Jacobian lens, or the file
     ``JLENS_APP_LENS`` names), and the readings of the default prompt with Inspect's default settings
-    (:data:`common.INSPECT_DEFAULTS`), so the first heatmap is drawn from the cache. A URL naming
+    (:data:`common.INSPECT_DEFAULTS`), plain first and then with the stability marks of the lenses that keep
+    halves (Inspect draws the plain ones while the marks are computed), so the first heatmap is drawn from the
+    cache. A URL naming
     another model, lens or prompt simply computes its own. Returns what it loaded, for the log.
     """
     spec = spec or os.environ.get(common.ENV_MODEL) or DEFAULT_MODEL
@@ -35,11 +37,14 @@ def warm_up(spec: str | None = None) -> list[str]:
     text = common.default_prompt()
     n_tokens = min(int(model.encode(text).shape[1]), common.MAX_TOKENS)
     layers = tuple(common.view_layers(model.n_layers, (0, model.n_layers - 1), common.INSPECT_DEFAULTS["stride"]))
-    readings_cached(model, f"{spec}|auto|auto", lenses, text, common.INSPECT_DEFAULTS["top_k"], (),
-                    common.INSPECT_DEFAULTS["show_ws"], common.INSPECT_DEFAULTS["word_like"], layers,
-                    common.default_positions(n_tokens), common.MAX_TOKENS, None, "", None,
-                    "word" if common.INSPECT_DEFAULTS["vocab_word"] else "all",
-                    stability=common.stability_default(lens for lens, _ in lenses.values()))
+    args = (text, common.INSPECT_DEFAULTS["top_k"], (), common.INSPECT_DEFAULTS["show_ws"],
+            common.INSPECT_DEFAULTS["word_like"], layers, common.default_positions(n_tokens), common.MAX_TOKENS, None,
+            "", None, "word" if common.INSPECT_DEFAULTS["vocab_word"] else "all")
+    # the plain readings first (the first heatmap), then the stability marks (an extra Inspect adds when there)
+    readings_cached(model, f"{spec}|auto|auto", lenses, *args)
+    with_halves = {name: value for name, value in lenses.items() if common.stability_default([value[0]])}
+    if with_halves:
+        readings_cached(model, f"{spec}|auto|auto", with_halves, *args, stability=True)
     done.append(f"{' and '.join(lenses)} readings of the default prompt")
     return done
 

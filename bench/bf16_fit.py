@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fit_speed import PROMPT, backward_flops, matmul_peak_gflops  # noqa: E402
+from fit_speed import PROMPT, backward_flops, matmul_peak_gflops
 
 
 def cpu_flags() -> dict:
@@ -76,6 +76,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions at 128 tokens (0: none)")
     ap.add_argument("--heldout", type=int, default=8, help="held-out texts the two lenses read")
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="stop adding prompts after this many minutes (at an even count, at least 8 prompts)")
+    ap.add_argument("--sums", default=None, help="save the two lenses' per-half sums here (torch.save) after each "
+                    "prompt; with --from-sums, read them instead of fitting")
+    ap.add_argument("--from-sums", action="store_true")
     ap.add_argument("--json", default=str(ROOT / "bench" / "bf16_fit.json"))
     args = ap.parse_args()
 
@@ -112,8 +117,18 @@ def main() -> None:
     times: dict[str, list[float]] = {"float32": [], "bfloat16": []}
     per_prompt_rel: list[dict] = []
     layer_major = {}
+    t_start = time.perf_counter()
+    if args.from_sums:
+        saved = torch.load(args.sums)
+        sums, counts, times, per_prompt_rel, layer_major = (saved[k] for k in (
+            "sums", "counts", "times", "per_prompt_rel", "layer_major"))
+        texts = []
+        out["fit_64"] = speed_row(times, flops[args.seq], layer_major, peaks)
+        out["per_prompt_rel_diff"] = per_prompt_rel
     for text in texts:
-        if counts[0] + counts[1] >= args.prompts:
+        done = counts[0] + counts[1]
+        late = args.minutes is not None and time.perf_counter() - t_start > 60 * args.minutes
+        if done >= args.prompts or (late and done >= 8 and done % 2 == 0):
             break
         ids = model.encode(text, max_length=args.seq)
         if ids.shape[1] < args.seq:
@@ -135,6 +150,9 @@ def main() -> None:
         out["fit_64"] = speed_row(times, flops[args.seq], layer_major, peaks)
         out["per_prompt_rel_diff"] = per_prompt_rel
         save()
+        if args.sums:
+            torch.save({"sums": sums, "counts": counts, "times": times, "per_prompt_rel": per_prompt_rel,
+                        "layer_major": layer_major}, args.sums)
     n = sum(counts)
     out["n_prompts"] = n
     lenses = {name: lenses_of(model, sums[name], counts, sources, target) for name in arms}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -46,11 +47,36 @@ def heatmap(at: AppTest) -> dict:
     return json.loads(found[0].proto.spec)
 
 
-def test_stability_toggle_on_a_lens_with_halves(tiny_dir, tiny_model, lens_file):
+def with_marks(at: AppTest) -> AppTest:
+    """Run ``at`` again until the stability marks computed in the background are drawn (what the page's poll
+    does in a browser)."""
+    for _ in range(120):
+        if any(t.get("name") == "stable %" for t in heatmap(at)["data"]):
+            return at
+        time.sleep(0.5)
+        ok(at.run())
+    raise AssertionError("the stability marks never arrived")
+
+
+def test_stability_toggle_on_a_lens_with_halves(tiny_dir, tiny_model, lens_file, monkeypatch):
+    import sys
+    import threading
+
+    sys.path.insert(0, str(APP.parent))
+    import cache  # the app's module, as its pages import it
+
+    release = threading.Event()  # the background reading waits for the test: the first paint is seen without it
+    real = cache._in_background
+    monkeypatch.setattr(cache, "_in_background", lambda *a: release.wait(60) and real(*a))
     at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="jacobian").run())
     assert at.toggle(key="stability").value is True  # a fit keeps its halves: on by default
     assert "stability" not in at.query_params
-    data = heatmap(at)["data"]
+    # first paint: the plain heatmap, the marks computed in a thread and announced, not waited for
+    assert not [t for t in heatmap(at)["data"] if t.get("name") == "stable %"]
+    assert any("stability marks: computing" in c.value for c in at.caption)
+    release.set()
+    data = heatmap(with_marks(at))["data"]
+    assert not any("stability marks: computing" in c.value for c in at.caption)
     reading = read_prompts(tiny_model, {"jacobian": JacobianLens.load(lens_file)}, PROMPT, stability=True)["jacobian"]
     strip = next(t for t in data if t.get("name") == "stable %")
     np.testing.assert_allclose([row[0] for row in strip["z"]], reading.stability_by_layer()["stable_fraction"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -155,12 +156,15 @@ def folders(tmp_path_factory):
 def test_cli_check(folders, capsys):
     lens, old = str(folders / "lens.safetensors"), str(folders / "old.safetensors")
     assert main(["check", lens, "--model", str(folders / "same")]) == 0
-    assert "Still the lens of" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Still the lens of" in out
+    assert re.search(r"Fitted in: (float32|bfloat16) \(Jacobian sums in float32\)\.", out)  # the fit's own dtype
     assert main(["check", lens, "--model", str(folders / "changed")]) == 1
     out = capsys.readouterr().out
     assert "post_attention_layernorm" in out and "layer 2" in out and "Versions then" in out
     assert main(["check", old, "--model", str(folders / "same")]) == 0
-    assert f"jlens check {old} --write-canary" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"jlens check {old} --write-canary" in out and "Fitted in: not recorded" in out
     assert main(["check", old, "--model", str(folders / "same"), "--write-canary"]) == 0
     capsys.readouterr()
     assert main(["check", old, "--model", str(folders / "changed")]) == 1

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny
 
 from jlens_core.fitting import precision
 from jlens_core.fitting.precision import compute_model, resolve_fit_dtype
 from jlens_core.models.cpu_features import bf16_flag
-
-from helpers import tiny
 
 INTEL = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\nmodel name\t: X\n"
 ZEN4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny
 
 from jlens_core.reading import exact_topk
 from jlens_core.reading.exact_topk import bf16_logit_bound, exact_top_k, head_parts, model_top_k
-
-from helpers import tiny
 
 
 def _head(rows: int = 48, d: int = 64, vocab: int = 3000, seed: int = 0, scale: float = 1.0):

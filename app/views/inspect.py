@@ -65,6 +65,9 @@ class Reader:
         self.ctx, self.view, self.edits, self.edits_key = ctx, view, edits, edits_key
         self.readings: dict[str, Any] = {}
         self._tried: set[tuple[str, tuple[int, ...]]] = set()  # (lens, positions) read or failed this run
+        # the stability readings being computed in the background, as (lenses, settings) for cache.readings_ready:
+        # the page draws the plain readings meanwhile, and reruns once they are there
+        self.marks_pending: list[tuple[dict, tuple]] = []
 
     def read(self, names: list[str], into: dict | None = None, at: tuple[int, ...] | None = None) -> None:
         """Read the loaded lenses among ``names`` at positions ``at`` (default: every shown one) into ``into``."""
@@ -79,7 +82,22 @@ class Reader:
         settings = (v.source, int(ss.top_k), tuple(v.pins), bool(ss.show_ws), bool(ss.word_like), tuple(v.layers), at,
                     MAX_TOKENS, v.n_prompt, self.edits_key, self.edits, vocab())
         model, model_key = self.ctx.model, self.ctx.model_key
-        marks = bool(ss.get("stability"))  # docs/method.md §6.2: only lenses with halves get them
+        # docs/method.md §6.2: only lenses with halves get marks. They are an extra: computed in a thread, the page
+        # drawn from the plain readings meanwhile (cached under stability=False), then again with them
+        # (the others then read plain too, in one pass: the marks' one-sentence note of a lens without halves is
+        # shown only when no lens has them)
+        marks = bool(ss.get("stability"))
+        with_halves = {n: (lenses[n], keys[n]) for n in todo if common.stability_default([lenses[n]])}
+        if marks and with_halves:
+            marks = False
+            found = cache.readings_soon(model, model_key, with_halves, *settings, stability=True)
+            if found is not None:
+                into.update(found)
+                todo = [n for n in todo if n not in found]
+                if not todo:
+                    return
+            elif not cache.readings_ready(model_key, with_halves, *settings, stability=True):  # failed: no marks
+                self.marks_pending.append((with_halves, settings))
         try:
             into.update(cache.readings_cached(model, model_key, {n: (lenses[n], keys[n]) for n in todo}, *settings,
                                               stability=marks))
@@ -419,11 +437,35 @@ def heatmap(view: View, reader: Reader, edits: list | None) -> tuple[Any, str]:
         notes = {readings[n].stability_note for n in shown_now if n in readings and n != "logit"}
         for note in sorted(n for n in notes if n):
             st.caption(note)
+    if reader.marks_pending:
+        _await_marks(reader.ctx.model_key, reader.marks_pending)
+        reading_note.caption(f"{len(view.positions)} positions × {len(view.layers)} layers"
+                             + (f", read in {read_seconds:.1f} s" if read_seconds >= 0.05 else "")
+                             + " · stability marks: computing…")
     if edits:
         fig.update_layout(title=f"Edited run ({'; '.join(repr(e) for e in edits)}) · " + fig.layout.title.text)
     st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points",
                     config={"displaylogo": False, "toImageButtonOptions": {"filename": "jlens-heatmap"}})
     return fig, mode
+
+
+MARKS_POLL_SECONDS = 0.5
+
+
+def _await_marks(model_key: str, pending: list[tuple[dict, tuple]]) -> None:
+    """A rerun of the page once the stability marks computed in the background are there: the heatmap drawn
+    without them stays until then (the reading's caption says they are coming), and the prompt box stays free
+    for the next prompt."""
+
+    def ready() -> bool:
+        return all(cache.readings_ready(model_key, asked, *settings, stability=True) for asked, settings in pending)
+
+    @st.fragment(run_every=MARKS_POLL_SECONDS)
+    def poll() -> None:
+        if ready():
+            st.rerun(scope="app")
+
+    poll()
 
 
 def _select_cell(view: View) -> None:

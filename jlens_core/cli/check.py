@@ -26,6 +26,14 @@ def _lens_path(spec: str, model_name: str) -> Path | None:
     return path if path.is_file() else None
 
 
+def _fit_dtype_line(lens) -> str:
+    """The compute dtype the lens was fitted in (``FitSettings.dtype``, docs/fitting.md "Precision"), in one line."""
+    dtype = getattr(lens, "settings", {}).get("dtype", "auto")
+    if dtype == "auto":
+        return "Fitted in: not recorded (a lens from before the fit dtype was recorded)."
+    return f"Fitted in: {dtype} (Jacobian sums in float32)."
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from ..lenses.canary import check_lens, make_canary, write_canary
     from ..lenses.header import LensFileError
@@ -59,6 +67,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 0
     result = check_lens(model, lens, lens_name=args.lens)
     print(result.message)
+    print(_fit_dtype_line(lens))
     if result.status == "changed" and args.verbose:
         for part in result.parts:
             print(f"  {part.part}: {'ok' if part.ok else 'CHANGED'} (relative difference {part.difference:.2g}, "

@@ -81,7 +81,7 @@ def compute_model(model: LensModel, dtype: str) -> LensModel:
     if cached is not None and cached.dtype == want:
         return cached
     if not isinstance(model, HFLensModel):
-        raise ValueError(f"A {type(model).__name__} computes in {model.dtype}; fitting it in {dtype} needs an "
+        raise ValueError(f"A {type(model).__name__} computes in {model.dtype}; fitting it in {dtype} needs an "  # noqa: TRY004 - a setting's error
                          "HFLensModel (or load the model in that dtype).")
     hf: nn.Module = model.hf_model
     # deepcopy with each parameter pre-mapped to its cast: no fp32 copy of the weights is ever made
