@@ -70,7 +70,7 @@ def test_to_dict_from_dict_round_trip_and_unknown_keys_are_refused():
     assert FitSettings.from_dict(data) == settings
     assert FitSettings.from_dict({"skip_first": 3}) == FitSettings(skip_first=3)
     with pytest.raises(ValueError, match=r"^FitSettings has no setting 'max_len': the known ones are source_layers, "
-                                         r"target_layer, skip_first, max_seq_len, rules, experts, cluster_prompts\.$"):
+                                         r"target_layer, skip_first, max_seq_len, rules, experts, cluster_prompts, dtype\.$"):
         FitSettings.from_dict({"max_len": 3})
     with pytest.raises(ValueError, match=r"^FitPlan has no plan entry 'skip_first': the known ones are dim_batch"):
         FitPlan.from_dict({"skip_first": 3})
@@ -110,7 +110,10 @@ def test_fit_with_settings_objects_equals_fit_with_the_old_keywords():
     mixed = fit(tiny(), PROMPTS[:2], settings.replace(max_seq_len=99), dim_batch=16, max_seq_len=16)
     assert mixed.fit_settings.max_seq_len == 16 and mixed.fit_plan.dim_batch == 16
     # the lens says what shaped it and what its fit recorded
-    assert by_types.fit_settings == settings.resolved(tiny().n_layers)
+    from jlens_core.fitting.precision import resolve_fit_dtype
+
+    # "auto" compute dtype resolved for this model on this CPU, and recorded
+    assert by_types.fit_settings == settings.resolved(tiny().n_layers).replace(dtype=resolve_fit_dtype("auto", tiny()))
     assert by_types.fit_plan == FitPlan(dim_batch=16)
     record = by_types.record
     assert (record.model_name, record.n_prompts, record.n_skipped, record.stop_reason) == ("tiny-llama", 5, 1, None)
@@ -203,7 +206,7 @@ def test_jlens_fit_flags_are_those_of_before():
     add_fit_arguments(parser)
     flags = [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"]
     assert flags == ["--layers", "--target-layer", "--skip-first", "--max-seq-len", "--rules", "--experts",
-                     "--cluster-prompts", "--dim-batch", "--fit-memory", "--method", "--checkpoint-every",
+                     "--cluster-prompts", "--fit-dtype", "--dim-batch", "--fit-memory", "--method", "--checkpoint-every",
                      "--first-prompt", "--no-halves"]
 
 

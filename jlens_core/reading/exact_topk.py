@@ -5,21 +5,25 @@ CPUs with AVX512-BF16 or AMX-BF16 (:mod:`jlens_core.models.cpu_features`). bf16 
 which tokens a reading reports; this module ranks with them and stays exact:
 
 1. ``z~ = bf16(x) @ bf16(W).T``, accumulated in fp32 and rounded to bf16 (torch's CPU bf16 matmul).
-2. A bound ``|z~_v - z_v| <= eps_v`` for every token ``v``, where ``z = x @ W.T`` is the fp32 product (below).
-3. The **candidates** of a row: every token whose upper bound ``z~_v + eps_v`` reaches the k-th largest lower
-   bound ``z~ - eps`` of the row. A token outside has ``z_v`` below at least k tokens' ``z``: it cannot be in
-   the top k, nor tie with its last member. For the rank of a token ``t``: every token whose interval
-   ``[z~_v - eps_v, z~_v + eps_v]`` contains ``z_t`` is a candidate; the others are counted from the bound alone.
+2. A bound ``eps`` per row with ``|z~_v - z_v| <= eps`` for every token ``v``, where ``z = x @ W.T`` is the fp32
+   product (below).
+3. The **candidates** of a row: every token with ``z~_v >= z~_(k) - 2 eps`` (``z~_(k)`` the row's k-th largest bf16
+   logit). A token outside has ``z_v < z~_(k) - eps``, below at least k tokens' ``z``: it cannot be in the top k,
+   nor tie with its last member. For the rank of a token ``t``: every token with ``|z~_v - z~_t| <= 2 eps``;
+   the others lie above or below ``z_t`` for sure and are counted from the bf16 logits alone.
 4. The candidates' columns, the union over all rows, are re-scored in fp32 as ``x @ W[union].T`` with the
    **same rows** ``x``: a GEMM's column is computed the same way whichever other columns it has (measured on
    MKL for at least :data:`MIN_RESCORE_COLUMNS` columns; a GEMM of other rows, or of one column, rounds
-   differently), so the re-scored logits are the fp32 product's bits. Where the union exceeds
+   differently), so the re-scored logits are the fp32 product's bits, for every row. Where the union exceeds
    :data:`MAX_RESCORE_FRACTION` of the vocabulary, the full fp32 product is computed instead (the fallback).
 
-The bound (Higham's for dot products; ``u = 2^-8`` bf16's unit roundoff, ``g = d u32 / (1 - d u32)`` with
-``u32 = 2^-24``, ``A_v = sum_i |x_i W_vi| <= ||x|| ||W_v||``): the fp32 product is within ``g A`` of the exact
-dot product; the bf16 one within ``(2u + u^2 + g (1 + u)^2) A`` before its output rounding and
-``u |z~| / (1 - u)`` after it. :data:`SAFETY` doubles the sum, for a library that blocks its sums otherwise.
+The bound, with ``x~ = bf16(x)``, ``r = x - x~``, ``W~ = bf16(W)``, ``R = W - W~`` (all exact in fp32), ``u = 2^-8``
+(bf16's unit roundoff) and ``g = d u32 / (1 - d u32)``, ``u32 = 2^-24``: ``x.w = x~.w~ + x~.R_v + r.w``, so
+``|x.w - x~.w~| <= ||x~|| max||R_v|| + ||r|| max||W_v||``; the bf16 products are exact in fp32 and summed
+there, within ``g ||x~|| max||W~_v||``, then rounded to bf16, within ``u |z~| / (1 - u)``; the fp32 product is within
+``g ||x|| max||W_v||`` of the exact one. Plus 16 fp32 ulps of the row's largest logit, so that a token left out
+stays below the k-th value also once a caller centres the row (``fl(z - max)`` can make near-ties equal, never
+reverse them). :data:`SAFETY` doubles the sum, for a library that blocks its sums otherwise.
 
 Probabilities, entropy, KL and cross-entropy need the fp32 log-normaliser over the whole vocabulary, i.e. every
 fp32 logit: they cannot be made exact this way (a bf16 normaliser is within ``max eps`` nats, not bit-identical),
@@ -63,31 +67,35 @@ class ExactTopK:
     fallback: bool
 
 
-def bf16_logit_bound(x: torch.Tensor, weight_norms: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
-    """``eps [rows, vocab]`` with ``|approx - x @ W.T| <= eps`` entrywise (the module's bound), fp32.
+def head_norms(weight: torch.Tensor, weight_bf16: torch.Tensor) -> tuple[float, float, float]:
+    """``(max ||W_v||, max ||bf16(W)_v||, max ||W_v - bf16(W)_v||)`` over the head's rows, the bound's weight terms."""
+    w = weight.float()
+    w16 = weight_bf16.float()
+    return (float(w.norm(dim=-1).max()), float(w16.norm(dim=-1).max()), float((w - w16).norm(dim=-1).max()))
+
+
+def bf16_row_bound(x: torch.Tensor, x_bf16: torch.Tensor, norms: tuple[float, float, float],
+                   abs_max: torch.Tensor) -> torch.Tensor:
+    """``eps [rows, 1]``: ``|z~_v - (x @ W.T)_v| <= eps`` for every token ``v`` of the row (the module's bound),
+    with its centring margin.
 
     Args:
-        x: ``[rows, d]`` the head's input (fp32).
-        weight_norms: ``[vocab]`` the L2 norms of ``W``'s rows (fp32).
-        approx: ``[rows, vocab]`` the bf16 product as fp32 (not modified).
-
-    Besides the error bound it holds a margin of 16 fp32 ulps of the row's largest logit (see the comment).
+        x: ``[rows, d]`` the head's input (fp32); ``x_bf16`` the same in bf16 (what the bf16 product used).
+        norms: :func:`head_norms` of the head.
+        abs_max: ``[rows]`` the largest ``|z~_v|`` of each row (fp32).
     """
     d = x.shape[-1]
+    w_max, w16_max, r_w_max = norms
     u, g = BF16_UNIT, d * FP32_UNIT / (1 - d * FP32_UNIT)
-    per_a = SAFETY * (2 * u + u * u + g * (1 + u) ** 2 + g)
-    per_z = SAFETY * u / (1 - u)
-    x_norm = x.float().norm(dim=-1, keepdim=True) * per_a  # [rows, 1]
-    eps = torch.mul(x_norm, weight_norms.float()[None, :])  # [rows, vocab]
-    # tiny products flushed to zero (bf16 FMA units flush denormals): an absolute term far below any gap; and a
-    # row's margin of 16 fp32 ulps of its largest logit, so a token left out stays below the k-th value also
-    # once a caller centres the row (fl(z - max) can make near-ties equal, never reverse an order)
-    margin = approx.abs().amax(dim=-1, keepdim=True).mul_(16 * FP32_UNIT).add_(d * 2.0 ** -126)
-    return eps.add_(approx.abs(), alpha=per_z).add_(margin)
+    xb = x_bf16.float()
+    n_x, n_xb, n_r = x.norm(dim=-1), xb.norm(dim=-1), (x - xb).norm(dim=-1)
+    eps = n_xb * r_w_max + n_r * w_max + g * (n_xb * w16_max + n_x * w_max)
+    eps = eps + abs_max * (u / (1 - u) + 16 * FP32_UNIT) + d * 2.0 ** -126  # output rounding, centring, flushes
+    return (SAFETY * eps)[:, None]
 
 
 def exact_top_k(x: torch.Tensor, weight: torch.Tensor, k: int, *, weight_bf16: torch.Tensor | None = None,
-                weight_norms: torch.Tensor | None = None, rank_ids: torch.Tensor | None = None,
+                norms: tuple[float, float, float] | None = None, rank_ids: torch.Tensor | None = None,
                 centred: bool = False) -> ExactTopK:
     """The top ``k`` tokens of ``x @ weight.T`` (and the rank of ``rank_ids``) from bf16 logits, exact.
 
@@ -95,8 +103,8 @@ def exact_top_k(x: torch.Tensor, weight: torch.Tensor, k: int, *, weight_bf16: t
         x: ``[rows, d]`` the head's input, fp32 (after the final norm).
         weight: ``[vocab, d]`` the head's fp32 weight.
         k: tokens per row (1 <= k <= vocab).
-        weight_bf16 / weight_norms: ``weight`` in bf16 and its rows' L2 norms, when the caller keeps them
-            (made here otherwise; a caller reading many chunks keeps them once).
+        weight_bf16 / norms: ``weight`` in bf16 and its :func:`head_norms`, when the caller keeps them (made
+            here otherwise; a caller reading many chunks keeps them once, :func:`head_parts`).
         rank_ids: ``int64[rows]``, one token per row whose rank to give exactly.
         centred: give the logits, top k and ranks of ``z - max(z)`` per row as fp32 computes it (what the
             reading's statistics kernels rank, :func:`~jlens_core.reading.logit_stats.centred_logit_stats`).
@@ -108,7 +116,7 @@ def exact_top_k(x: torch.Tensor, weight: torch.Tensor, k: int, *, weight_bf16: t
     Raises:
         ValueError: ``k`` out of range, or shapes that do not match (one sentence naming them).
     """
-    rows, d = x.shape
+    d = x.shape[1]
     vocab = weight.shape[0]
     if weight.shape[1] != d:
         raise ValueError(f"x has width {d} but weight is {tuple(weight.shape)}: give the head's [vocab, d] weight.")
@@ -116,49 +124,43 @@ def exact_top_k(x: torch.Tensor, weight: torch.Tensor, k: int, *, weight_bf16: t
         raise ValueError(f"k={k} must be between 1 and the vocabulary size {vocab}.")
     x = x.float()
     wb = weight_bf16 if weight_bf16 is not None else weight.to(torch.bfloat16)
-    norms = weight_norms if weight_norms is not None else weight.float().norm(dim=-1)
-    approx = (x.to(torch.bfloat16) @ wb.t()).float()  # [rows, vocab]
-    eps = bf16_logit_bound(x, norms, approx)
-    upper = torch.add(approx, eps)
-    lower = approx.sub_(eps)  # approx is not needed past here
-    del eps
-    kth_lower = lower.topk(k, dim=-1).values[:, -1:]  # [rows, 1]
-    candidate = upper >= kth_lower  # [rows, vocab]
+    norms = norms if norms is not None else head_norms(weight, wb)
+    xb = x.to(torch.bfloat16)
+    approx = (xb @ wb.t()).float()  # [rows, vocab]
+    low, high = torch.aminmax(approx, dim=-1)
+    eps2 = 2 * bf16_row_bound(x, xb, norms, torch.maximum(low.abs(), high.abs()))  # [rows, 1]
+    kth = approx.topk(k, dim=-1).values[:, -1:]
+    union = (approx >= kth - eps2).any(dim=0)  # [vocab]
     if rank_ids is not None:
-        # z_t is unknown until re-scored: its own interval bounds it, and every interval meeting that one is a
-        # candidate (the others lie wholly above or below z_t)
-        t_low = lower.gather(-1, rank_ids[:, None])
-        t_high = upper.gather(-1, rank_ids[:, None])
-        candidate |= (upper >= t_low) & (lower <= t_high)
-        candidate.scatter_(-1, rank_ids[:, None], True)
-    columns = candidate.any(dim=0).nonzero()[:, 0]  # [n] union over rows, ascending
-    if columns.numel() > MAX_RESCORE_FRACTION * vocab:
+        at = approx.gather(-1, rank_ids[:, None])
+        union |= ((approx - at).abs_() <= eps2).any(dim=0)
+        union[rank_ids] = True
+    n = int(union.sum())
+    if n > MAX_RESCORE_FRACTION * vocab:
         full = x @ weight.float().t()
         if centred:
             full.sub_(full.amax(dim=-1, keepdim=True))
         values, ids = full.topk(k, dim=-1)
         ranks = None
         if rank_ids is not None:
-            picked = full.gather(-1, rank_ids[:, None])
-            ranks = (full > picked).sum(dim=-1) + 1
+            ranks = (full > full.gather(-1, rank_ids[:, None])).sum(dim=-1) + 1
         return ExactTopK(ids, values, ranks, vocab, True)
-    columns = _padded(columns, vocab)
-    rescored = x @ weight.float()[columns].t()  # [rows, n]: the fp32 product's bits (same x)
-    row = torch.full((rows, vocab), float("-inf"))
-    # a row's non-candidates stay -inf: strictly below its k-th value, so topk picks what it picks on the full row
-    row.scatter_(-1, columns[None, :].expand(rows, -1), rescored)
-    row.masked_fill_(~candidate, float("-inf"))
+    columns = _padded(union.nonzero()[:, 0], vocab)  # ascending: ties keep the full row's index order
+    exact = x @ weight.float()[columns].t()  # [rows, n]: the fp32 product's bits (same x), every row
     sure = None
-    if rank_ids is not None:  # above z_t for sure: a non-candidate's lower bound past it (by the margin)
-        sure = ((lower > row.gather(-1, rank_ids[:, None])) & ~candidate).sum(dim=-1)
-    if centred:  # the row's maximum is a candidate (the top 1 is): fl(z - max) as on the full row
-        row.sub_(row.amax(dim=-1, keepdim=True))
-    values, ids = row.topk(k, dim=-1)
+    if rank_ids is not None:  # above z_t for sure: outside the union, and 2 eps above the bf16 z~_t
+        outside = torch.ones(vocab, dtype=torch.bool)
+        outside[columns] = False
+        sure = ((approx > at + eps2) & outside).sum(dim=-1)
+    if centred:  # the row's maximum is in the union (the top 1 is): fl(z - max) as on the full row
+        exact.sub_(exact.amax(dim=-1, keepdim=True))
+    values, idx = exact.topk(k, dim=-1)
     ranks = None
     if rank_ids is not None and sure is not None:
-        picked = row.gather(-1, rank_ids[:, None])  # [rows, 1] exact
-        ranks = sure + (row > picked).sum(dim=-1) + 1  # the candidates counted on their exact logits
-    return ExactTopK(ids, values, ranks, int(columns.numel()), False)
+        where = torch.searchsorted(columns, rank_ids.contiguous())  # rank_ids are in the union
+        picked = exact.gather(-1, where[:, None])
+        ranks = sure + (exact > picked).sum(dim=-1) + 1
+    return ExactTopK(columns[idx], values, ranks, int(columns.numel()), False)
 
 
 def _padded(columns: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -172,8 +174,8 @@ def _padded(columns: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat([columns, extra]).sort().values
 
 
-def head_parts(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``(weight, weight_bf16, weight_norms)`` of ``model``'s head when its logits are ``norm(h) @ W.T`` alone
+def head_parts(model) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float, float]] | None:
+    """``(weight, weight_bf16, head_norms)`` of ``model``'s head when its logits are ``norm(h) @ W.T`` alone
     (a bias-free linear head, no readout module, logit scale or soft-cap, vocabulary unpadded), so
     :func:`exact_top_k` applies to it; ``None`` otherwise (read those with the fp32 head).
 
@@ -192,7 +194,8 @@ def head_parts(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     if cached is not None and cached[0] is head.weight:
         return cached[1]
     weight = head.weight.detach().float()
-    parts = (weight, weight.to(torch.bfloat16), weight.norm(dim=-1))
+    weight_bf16 = weight.to(torch.bfloat16)
+    parts = (weight, weight_bf16, head_norms(weight, weight_bf16))
     try:
         model._jlens_exact_head = (head.weight, parts)
     except AttributeError:
@@ -220,8 +223,8 @@ def model_top_k(model, h: torch.Tensor, k: int, *, rank_ids: torch.Tensor | None
     if getattr(model, "final_norm", None) is not None:
         x = model.final_norm(x)
     weight, weight_bf16, norms = parts
-    return exact_top_k(x.float(), weight, k, weight_bf16=weight_bf16, weight_norms=norms, rank_ids=rank_ids)
+    return exact_top_k(x.float(), weight, k, weight_bf16=weight_bf16, norms=norms, rank_ids=rank_ids)
 
 
-__all__ = ["BF16_UNIT", "MAX_RESCORE_FRACTION", "MIN_RESCORE_COLUMNS", "SAFETY", "ExactTopK", "bf16_logit_bound",
-           "exact_top_k", "head_parts", "model_top_k"]
+__all__ = ["BF16_UNIT", "MAX_RESCORE_FRACTION", "MIN_RESCORE_COLUMNS", "SAFETY", "ExactTopK", "bf16_row_bound",
+           "exact_top_k", "head_norms", "head_parts", "model_top_k"]
