@@ -2,7 +2,7 @@
 
 On the default model, its shipped lens and a held-out 64-token text: every layer's residual carried by the lens
 (29 layers x 64 positions = 1856 rows), unembedded in chunks of the size a reading uses
-(``logit_stats.chunk_size``), each chunk read two ways, interleaved over ``--reps`` repetitions:
+(``--chunk-rows``, default 64; 0: ``logit_stats.chunk_size``, 341 here), each chunk read two ways, interleaved over ``--reps`` repetitions:
 
 * ``fp32``: ``x @ W.T`` in fp32, its top k and the rank of each position's next token (what a reading ranks);
 * ``bf16-exact``: :func:`jlens_core.reading.exact_topk.exact_top_k` (bf16 ranking, the bound, the fp32
@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--chunk-rows", type=int, default=64, help="rows per head product, both arms (0: a reading's "
+                    "chunk_size); a smaller chunk has a smaller union of candidates to re-score")
     ap.add_argument("--json", default=str(ROOT / "bench" / "bf16_readout.json"))
     args = ap.parse_args()
 
@@ -60,7 +62,7 @@ def main() -> None:
     assert parts is not None, "the default model's head is one matrix"
     weight, weight_bf16, norms = parts
     nxt = torch.cat([ids[0, 1:], ids[0, :1]]).repeat(len(lens.source_layers))  # each row's next token (any, last)
-    rows = chunk_size(weight.shape[0])
+    rows = args.chunk_rows or chunk_size(weight.shape[0])
     chunks = [(i, min(i + rows, x.shape[0])) for i in range(0, x.shape[0], rows)]
 
     def fp32(with_ranks: bool):

@@ -23,7 +23,8 @@ The bound, with ``x~ = bf16(x)``, ``r = x - x~``, ``W~ = bf16(W)``, ``R = W - W~
 there, within ``g ||x~|| max||W~_v||``, then rounded to bf16, within ``u |z~| / (1 - u)``; the fp32 product is within
 ``g ||x|| max||W_v||`` of the exact one. Plus 16 fp32 ulps of the row's largest logit, so that a token left out
 stays below the k-th value also once a caller centres the row (``fl(z - max)`` can make near-ties equal, never
-reverse them). :data:`SAFETY` doubles the sum, for a library that blocks its sums otherwise.
+reverse them). Each term holds for any order of summation, so for any blocking a library does; :data:`SAFETY`
+(1) scales the sum, a knob for a kernel that would not accumulate bf16 products in fp32.
 
 Probabilities, entropy, KL and cross-entropy need the fp32 log-normaliser over the whole vocabulary, i.e. every
 fp32 logit: they cannot be made exact this way (a bf16 normaliser is within ``max eps`` nats, not bit-identical),
@@ -39,7 +40,7 @@ import torch
 
 BF16_UNIT = 2.0 ** -8
 FP32_UNIT = 2.0 ** -24
-SAFETY = 2.0
+SAFETY = 1.0
 # A re-score GEMM narrower than this may take another kernel (a GEMV for one column), which rounds otherwise.
 MIN_RESCORE_COLUMNS = 256
 # Past this share of the vocabulary, re-scoring costs about what the full fp32 product does: compute that.

@@ -1,0 +1,156 @@
+"""Write the bf16 benches' figures into the docs from their JSON files (regenerated, not retyped).
+
+    python bench/bf16_tables.py [--print]
+
+Reads ``bench/bf16_fit.json`` (bench/bf16_fit.py) and ``bench/bf16_readout.json`` (bench/bf16_readout.py) and
+replaces the text between ``<!-- bf16_tables:NAME -->`` and ``<!-- /bf16_tables:NAME -->`` in bench/README.md
+(``fit``, ``readout``) and docs/fitting.md (``fit_decision``). Each figure names the CPU and its bf16 flags. A
+missing marker is an error: nothing is written. ``--print`` prints the blocks instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = {"fit": ROOT / "bench" / "README.md", "readout": ROOT / "bench" / "README.md",
+         "fit_decision": ROOT / "docs" / "fitting.md"}
+
+
+def cpu_line(data: dict) -> str:
+    cpu = data.get("cpu", {})
+    flags = ", ".join(cpu.get("flags", [])) or "none"
+    return (f"CPU: {cpu.get('model_name', '?')}, {cpu.get('cores', '?')} threads, torch {cpu.get('torch', '?')}; "
+            f"flags {flags}; bf16 in hardware: {cpu.get('bf16_flag') or 'no'}. {data.get('conditions', '')}.")
+
+
+def fit_block(data: dict) -> str:
+    peaks = data.get("matmul_peak_gflops", {})
+    lines = [cpu_line(data), "", "```",
+             "matmul peak (GFLOP/s, best of the run): "
+             + ", ".join(f"{k} {v['best']:.1f}" for k, v in peaks.items()),
+             f"{'seq':>4} {'dtype':<9} {'s/prompt (median)':>18} {'GFLOP/s':>8} {'% peak':>7}  runs"]
+    for key, seq in (("fit_64", data.get("seq", 64)), ("fit_128", 128)):
+        row = data.get(key)
+        if not row:
+            continue
+        for name in ("float32", "bfloat16"):
+            r = row.get(name)
+            if r:
+                lines.append(f"{seq:>4} {name:<9} {r['median_s']:>18.2f} {r['gflops']:>8.1f} {r['pct_of_peak']:>6.1f}%  "
+                             + " ".join(f"{s:.1f}" for s in r["seconds"]))
+        if "speedup_median_of_pairs" in row:
+            lo, hi = row["speedup_range"]
+            lines.append(f"{seq:>4} bf16 speedup (median of interleaved pairs): {row['speedup_median_of_pairs']:.2f}x "
+                         f"(range {lo:.2f}-{hi:.2f})")
+    lines += ["```", ""]
+    layers = data.get("layers")
+    if layers:
+        n = data.get("n_prompts")
+        lines += [(f"bf16 lens against the fp32 lens of the same {n} prompts ({data.get('seq', 64)} tokens; "
+                  f"halves {data.get('half_prompts')}), per layer: relative Frobenius difference, the predicted relative "
+                  "SE it is held against (the lens's own split halves when both have prompts, else the shipped lens's "
+                  "scaled to these prompts), their ratio (the rule: below 0.2), and the worst case for a 20-prompt lens "
+                  "(the largest per-half difference against the shipped lens's SE at 20 prompts):"), "",
+                  "| layer | rel. diff | SE | ratio | worst case at 20 prompts |", "| ---: | ---: | ---: | ---: | ---: |"]
+        for r in layers:
+            se = r.get("predicted_rel_se") or r.get("shipped_se_at_n")
+            worst = r.get("ratio_worst_case_20")
+            lines.append(f"| {r['layer']} | {r['rel_diff']:.2e} | {se:.3f} | {r['ratio']:.3f} | "
+                         f"{'' if worst is None else f'{worst:.3f}'} |")
+        lines.append("")
+    readings = data.get("readings")
+    if readings:
+        rows = readings["layers"]
+        lines += [(f"Readings of {readings['n_texts']} held-out texts through the two lenses (every position): top-1 "
+                  "agreement and mean KL(fp32 lens || bf16 lens), next to the same between the fp32 lens's halves "
+                  "where it has both (the fit's own sampling noise):"), "",
+                  "| layer | top-1 agreement | KL (nats) | halves' top-1 agreement | halves' KL (nats) |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        for r in rows:
+            if r["layer"] % 4 == 0 or r["layer"] == rows[-1]["layer"]:
+                ha, hk = r.get("halves_top1_agreement"), r.get("halves_kl_nats")
+                lines.append(f"| {r['layer']} | {r['top1_agreement']:.3f} | {r['kl_nats']:.2e} | "
+                             f"{'' if ha is None else f'{ha:.3f}'} | {'' if hk is None else f'{hk:.2e}'} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def decision_block(data: dict) -> str:
+    rule = data.get("rule")
+    cpu = data.get("cpu", {})
+    if not rule:
+        return "Not measured yet: run `python bench/bf16_fit.py`, then `python bench/bf16_tables.py`.\n"
+    speed = data.get("fit_64", {}).get("speedup_median_of_pairs")
+    where = (f"On the development host ({cpu.get('model_name', '?')}, bf16 in hardware: "
+             f"{cpu.get('bf16_flag') or 'no'}; {data.get('n_prompts')} prompts of {data.get('seq', 64)} tokens, "
+             f"a loaded host)")
+    speed_text = f"bf16 fitted a prompt {speed:.2f}x as fast as fp32 (median of interleaved pairs)" if speed else ""
+    if rule["passes"]:
+        verdict = (f"the bf16 lens was within {rule['worst_ratio']:.3f} of its predicted SE at its worst layer "
+                   f"({rule['worst_layer']}), below the bound of 0.2 at every layer")
+    else:
+        verdict = (f"the bf16 lens differed from the fp32 lens by {rule['worst_ratio']:.3f} of the predicted SE at "
+                   f"layer {rule['worst_layer']}, {rule['worst_ratio'] / rule['bound']:.1f}x the bound of 0.2: "
+                   "bf16 stays off by default (fp32), `--fit-dtype bfloat16` asks for it")
+    extra = ""
+    if "worst_case_20_ratio" in rule:
+        extra = (f" The worst case for a 20-prompt lens (the largest per-half difference against the shipped "
+                 f"lens's SE at 20 prompts) is {rule['worst_case_20_ratio']:.3f} at layer {rule['worst_case_20_layer']}.")
+    return f"{where}, {speed_text}; {verdict}.{extra} The figures: [bench](../bench/README.md#fitting-in-bf16).\n"
+
+
+def readout_block(data: dict) -> str:
+    med = data["median_s"]
+    lines = [cpu_line(data), "", "```",
+             "matmul peak (GFLOP/s): " + ", ".join(f"{k} {v}" for k, v in data["matmul_peak_gflops"].items()),
+             (f"{data['rows']} rows (layers x positions), chunks of {data['chunk_rows']} rows, vocabulary {data['vocab']}, "
+             f"k = {data['k']}")]
+    for name, seconds in med.items():
+        lines.append(f"{name:<24} {seconds:>7.2f} s")
+    lines += [f"speedup, top k: {data['speedup_top_k']:.2f}x; top k and ranks: {data['speedup_top_k_and_ranks']:.2f}x",
+              "re-scored share of the vocabulary (mean per chunk) and chunks that fell back to fp32: "
+              + "; ".join(f"{k} {v['rescored_fraction']:.1%}, {v['fallback_chunks']} of {v['chunks']}"
+                          for k, v in data["rescoring"].items()),
+              f"bit-identical to fp32: {data['bit_identical']}", "```"]
+    return "\n".join(lines) + "\n"
+
+
+def replace(text: str, name: str, block: str) -> str:
+    pattern = re.compile(rf"(<!-- bf16_tables:{name} -->\n).*?(<!-- /bf16_tables:{name} -->)", re.DOTALL)
+    if not pattern.search(text):
+        raise SystemExit(f"no <!-- bf16_tables:{name} --> marker pair in the page")
+    return pattern.sub(lambda m: m.group(1) + block + m.group(2), text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--print", action="store_true")
+    args = ap.parse_args()
+    blocks = {}
+    fit_json = ROOT / "bench" / "bf16_fit.json"
+    if fit_json.is_file():
+        data = json.loads(fit_json.read_text())
+        blocks["fit"], blocks["fit_decision"] = fit_block(data), decision_block(data)
+    readout_json = ROOT / "bench" / "bf16_readout.json"
+    if readout_json.is_file():
+        blocks["readout"] = readout_block(json.loads(readout_json.read_text()))
+    if args.print:
+        for name, block in blocks.items():
+            print(f"== {name}\n{block}")
+        return
+    pages: dict[Path, str] = {}
+    for name, block in blocks.items():
+        page = PAGES[name]
+        pages[page] = replace(pages.get(page, page.read_text(encoding="utf-8")), name, block)
+    for page, text in pages.items():
+        page.write_text(text, encoding="utf-8")
+    print(f"wrote {', '.join(blocks)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
