@@ -55,7 +55,7 @@ def fit_block(data: dict) -> str:
                   f"halves {data.get('half_prompts')}), per layer: relative Frobenius difference, the predicted relative "
                   "SE it is held against (the lens's own split halves when both have prompts, else the shipped lens's "
                   "scaled to these prompts), their ratio (the rule: below 0.2), and the worst case for a 20-prompt lens "
-                  "(the largest per-half difference against the shipped lens's SE at 20 prompts):"), "",
+                  "(the mean per-prompt difference, relative to the shipped lens's norm, against its SE at 20 prompts: by the triangle inequality a bound on a 20-prompt lens's difference):"), "",
                   "| layer | rel. diff | SE | ratio | worst case at 20 prompts |", "| ---: | ---: | ---: | ---: | ---: |"]
         for r in layers:
             se = r.get("predicted_rel_se") or r.get("shipped_se_at_n")
@@ -99,8 +99,8 @@ def decision_block(data: dict) -> str:
                    "bf16 stays off by default (fp32), `--fit-dtype bfloat16` asks for it")
     extra = ""
     if "worst_case_20_ratio" in rule:
-        extra = (f" The worst case for a 20-prompt lens (the largest per-half difference against the shipped "
-                 f"lens's SE at 20 prompts) is {rule['worst_case_20_ratio']:.3f} at layer {rule['worst_case_20_layer']}.")
+        extra = (f" The worst case for a 20-prompt lens (the mean per-prompt difference against the shipped "
+                 f"lens's SE at 20 prompts, a bound by the triangle inequality) is {rule['worst_case_20_ratio']:.3f} at layer {rule['worst_case_20_layer']}.")
     return f"{where}, {speed_text}; {verdict}.{extra} The figures: [bench](../bench/README.md#fitting-in-bf16).\n"
 
 
