@@ -81,6 +81,9 @@ def main() -> None:
     ap.add_argument("--sums", default=None, help="save the two lenses' per-half sums here (torch.save) after each "
                     "prompt; with --from-sums, read them instead of fitting")
     ap.add_argument("--from-sums", action="store_true")
+    ap.add_argument("--speed-only", type=int, default=None, metavar="FIRST_LAYER",
+                    help="only part 1, on source layers FIRST_LAYER..28 (a shorter backward), at 64 and 128 tokens, "
+                         "--reps interleaved repetitions (for a host too loaded for the whole run)")
     ap.add_argument("--json", default=str(ROOT / "bench" / "bf16_fit.json"))
     args = ap.parse_args()
 
@@ -108,6 +111,10 @@ def main() -> None:
     measure_peaks()
     flops = {seq: {lm: backward_flops(model, seq, 16, sources, target, fused=True, layer_major=lm)
                    for lm in (False, True)} for seq in (args.seq, 128)}
+
+    if args.speed_only is not None:
+        speed_only(args, out, arms, peaks, measure_peaks, save)
+        return
 
     # -- parts 1 and 2: the two 64-token lenses, prompt by prompt, the arms alternating ----------------------
     texts = load_corpus(split="fit", n=args.prompts * 2)
@@ -209,6 +216,27 @@ def main() -> None:
         measure_peaks()
         save()
     print(json.dumps({k: out[k] for k in ("fit_64", "rule", "readings") if k in out}, indent=1))
+
+
+def speed_only(args, out: dict, arms: dict, peaks: dict, measure_peaks, save) -> None:
+    """Part 1 alone: seconds per prompt in both dtypes, interleaved, on source layers ``--speed-only``..L-2."""
+    model = arms["float32"]
+    target = model.n_layers - 1
+    sources = list(range(args.speed_only, target))
+    out["source_layers"] = [sources[0], sources[-1]]
+    layer_major: dict = {}
+    for seq in (64, 128):
+        ids = model.encode(PROMPT, max_length=seq)
+        flops = {lm: backward_flops(model, seq, 16, sources, target, fused=True, layer_major=lm) for lm in (False, True)}
+        times: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+        for rep in range(args.reps):
+            for name in (("float32", "bfloat16") if rep % 2 == 0 else ("bfloat16", "float32")):
+                seconds, _, layer_major[name] = time_prompt(arms[name], ids, sources, target)
+                times[name].append(seconds)
+                print(f"{seq} tokens, rep {rep}: {name} {seconds:.1f} s", flush=True)
+            out[f"fit_{seq}"] = speed_row(times, flops, layer_major, peaks)
+            measure_peaks()
+            save()
 
 
 def shipped_se() -> dict:

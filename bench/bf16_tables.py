@@ -2,9 +2,10 @@
 
     python bench/bf16_tables.py [--print]
 
-Reads ``bench/bf16_fit.json`` (bench/bf16_fit.py) and ``bench/bf16_readout.json`` (bench/bf16_readout.py) and
+Reads ``bench/bf16_fit.json`` and ``bench/bf16_fit_speed.json`` (bench/bf16_fit.py, the second with
+``--speed-only``) and ``bench/bf16_readout.json`` (bench/bf16_readout.py) and
 replaces the text between ``<!-- bf16_tables:NAME -->`` and ``<!-- /bf16_tables:NAME -->`` in bench/README.md
-(``fit``, ``readout``) and docs/fitting.md (``fit_decision``). Each figure names the CPU and its bf16 flags. A
+(``fit``, ``fit_speed``, ``readout``) and docs/fitting.md (``fit_decision``). Each figure names the CPU and its bf16 flags. A
 missing marker is an error: nothing is written. ``--print`` prints the blocks instead.
 """
 
@@ -17,7 +18,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = {"fit": ROOT / "bench" / "README.md", "readout": ROOT / "bench" / "README.md",
+PAGES = {"fit": ROOT / "bench" / "README.md", "fit_speed": ROOT / "bench" / "README.md",
+         "readout": ROOT / "bench" / "README.md",
          "fit_decision": ROOT / "docs" / "fitting.md"}
 
 
@@ -136,6 +138,12 @@ def main() -> None:
     if fit_json.is_file():
         data = json.loads(fit_json.read_text())
         blocks["fit"], blocks["fit_decision"] = fit_block(data), decision_block(data)
+    speed_json = ROOT / "bench" / "bf16_fit_speed.json"
+    if speed_json.is_file():
+        data = json.loads(speed_json.read_text())
+        lo, hi = data.get("source_layers", ["?", "?"])
+        blocks["fit_speed"] = (f"Speed alone, source layers {lo}-{hi} (a shorter backward than all 29), "
+                               "`--speed-only`:\n\n" + fit_block(data))
     readout_json = ROOT / "bench" / "bf16_readout.json"
     if readout_json.is_file():
         blocks["readout"] = readout_block(json.loads(readout_json.read_text()))
