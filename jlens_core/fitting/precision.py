@@ -91,7 +91,7 @@ def compute_model(model: LensModel, dtype: str) -> LensModel:
     twin_hf = copy.deepcopy(hf, memo)
     twin = HFLensModel(twin_hf, model.tokenizer, layout=model.layout, name=model.name)
     try:
-        model._jlens_compute_twin = twin  # type: ignore[union-attr]
+        model._jlens_compute_twin = twin  # type: ignore[attr-defined]
     except AttributeError:
         pass
     return twin
