@@ -82,17 +82,34 @@ def fit_block(data: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def decision_block(data: dict) -> str:
+def decision_block(data: dict, speed: dict | None = None) -> str:
     rule = data.get("rule")
     cpu = data.get("cpu", {})
     if not rule:
         return "Not measured yet: run `python bench/bf16_fit.py`, then `python bench/bf16_tables.py`.\n"
-    speed = data.get("fit_64", {}).get("speedup_median_of_pairs")
+    speed_text = ""
+    for source, note in ((speed or {}, "source layers {lo}-{hi}"), (data, "all layers")):
+        for seq in (128, 64):
+            row = source.get(f"fit_{seq}", {})
+            pairs = len(row.get("float32", {}).get("seconds", []))
+            if row.get("speedup_median_of_pairs") and (pairs >= 2 or source is data):
+                lo, hi = source.get("source_layers", ["?", "?"])
+                speed_text = (f"bf16 fitted a {seq}-token prompt {row['speedup_median_of_pairs']:.2f}x as fast as fp32 "
+                              f"(median of {pairs} interleaved pair{'s' if pairs != 1 else ''}, "
+                              f"{note.format(lo=lo, hi=hi)})")
+                break
+        if speed_text:
+            break
     where = (f"On the development host ({cpu.get('model_name', '?')}, bf16 in hardware: "
-             f"{cpu.get('bf16_flag') or 'no'}; {data.get('n_prompts')} prompts of {data.get('seq', 64)} tokens, "
+             f"{cpu.get('bf16_flag') or 'no'}; {data.get('n_prompts')} prompt(s) of {data.get('seq', 64)} tokens, "
              f"a loaded host)")
-    speed_text = f"bf16 fitted a prompt {speed:.2f}x as fast as fp32 (median of interleaved pairs)" if speed else ""
-    if rule["passes"]:
+    n = data.get("n_prompts") or 0
+    if n < 8:  # too few prompts to decide: the default stays fp32 (precision.CPU_BF16_DEFAULT)
+        verdict = (f"with {n} prompt{'s' if n != 1 else ''} measured (a loaded host: a 64-token fp32 prompt took "
+                   f"minutes), fewer than the 8 the decision asks for, fp32 stays the CPU default; on these prompts the "
+                   f"bf16 difference was at most {rule['worst_ratio']:.3f} of the predicted SE of a lens of "
+                   f"{n} prompt{'s' if n != 1 else ''} (layer {rule['worst_layer']}; the bound is 0.2)")
+    elif rule["passes"]:
         verdict = (f"the bf16 lens was within {rule['worst_ratio']:.3f} of its predicted SE at its worst layer "
                    f"({rule['worst_layer']}), below the bound of 0.2 at every layer")
     else:
@@ -134,13 +151,14 @@ def main() -> None:
     ap.add_argument("--print", action="store_true")
     args = ap.parse_args()
     blocks = {}
+    speed_json = ROOT / "bench" / "bf16_fit_speed.json"
+    speed = json.loads(speed_json.read_text()) if speed_json.is_file() else None
     fit_json = ROOT / "bench" / "bf16_fit.json"
     if fit_json.is_file():
         data = json.loads(fit_json.read_text())
-        blocks["fit"], blocks["fit_decision"] = fit_block(data), decision_block(data)
-    speed_json = ROOT / "bench" / "bf16_fit_speed.json"
-    if speed_json.is_file():
-        data = json.loads(speed_json.read_text())
+        blocks["fit"], blocks["fit_decision"] = fit_block(data), decision_block(data, speed)
+    if speed is not None:
+        data = speed
         lo, hi = data.get("source_layers", ["?", "?"])
         blocks["fit_speed"] = (f"Speed alone, source layers {lo}-{hi} (a shorter backward than all 29), "
                                "`--speed-only`:\n\n" + fit_block(data))
