@@ -45,7 +45,9 @@ if TYPE_CHECKING:
     from .interventions.swap_success import SwapReport, load_swap_set, swap_success
     from .jspace.concepts import concept_vector, concept_vectors
     from .jspace.decompose import Decomposition, Split, decompose, split
-    from .jspace.dictionary import JSpace  # the function jspace: jlens_core.jspace.jspace (the name is the package's)
+    from .jspace.dictionary import (
+        JSpace,  # the function jspace: jlens_core.jspace.jspace (the name is the package's)
+    )
     from .layerspec import resolve_layers
     from .lenses.canary import CheckResult, check_lens
     from .lenses.experts import ExpertLens
