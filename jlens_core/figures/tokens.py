@@ -60,3 +60,16 @@ def most_common_figure(tables: Mapping[str, pd.DataFrame], *, top_n: int = 15) -
 
 
 __all__ = ["most_common_figure", "topk_bars"]
+
+
+def jspace_bars(atoms: list[tuple[str, float]], *, title: str = "") -> go.Figure:
+    """Horizontal bars of one cell's J-space atoms (docs/method.md §11.2): ``[(token, coefficient), ...]``, largest
+    first; a coefficient is a length in residual units (on the unit atom)."""
+    tokens = [esc(shown(t)) for t, _ in atoms][::-1]
+    values = [float(c) for _, c in atoms][::-1]
+    fig = go.Figure(go.Bar(x=values, y=[f"{len(tokens) - i}. {t}" for i, t in enumerate(tokens)], orientation="h",
+                           marker_color=LENS_COLORS.get("jacobian"), text=[f"{v:.2f}" for v in values],
+                           textposition="auto", hovertemplate="%{y}: %{x:.3f}<extra></extra>"))
+    fig.update_layout(height=max(220, 22 * len(tokens) + 80), showlegend=False, title=title or None,
+                      xaxis_title="coefficient (residual units)", margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    return fig

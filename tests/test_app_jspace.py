@@ -1,0 +1,34 @@
+"""Inspect's "J-space of this cell" panel (docs/method.md §11) under ``streamlit.testing.v1.AppTest``: the clicked
+cell's decomposition, its bars and explained fractions equal the library's."""
+
+from __future__ import annotations
+
+import pytest
+from test_app import PROMPT, chart, make_app, ok, select_point, values
+
+from jlens_core import JacobianLens, decompose
+from jlens_core.reading.inputs import record_residuals
+
+
+@pytest.fixture(autouse=True)
+def workspace(tmp_path, tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("JLENS_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("JLENS_APP_WORKSPACE", str(tmp_path_factory.getbasetemp()))
+    monkeypatch.delenv("JLENS_APP_ALLOW_ANY_PATH", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_a_clicked_cell_shows_its_jspace(tiny_dir, tiny_model, lens_file):
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT).run())
+    # the default cell is the output row: no J-space there
+    assert any("output row has no J-space" in c.value for c in at.caption)
+    ok(select_point(at, "heatmap", x=5, y=1, curve_number=3))  # layer 1, position 5
+    at.number_input(key="js_k").set_value(4)
+    at.button(key="js_run").click().run()
+    lens = JacobianLens.load(lens_file)
+    h = record_residuals(tiny_model, tiny_model.encode(PROMPT), [1])[1][5].float()
+    dec = decompose(tiny_model, lens, h, 1, k=4)
+    text = next(m.value for m in ok(at).markdown if m.value.startswith("Explained"))
+    assert f"**{float(dec.explained[0]):.1%}**" in text and f"{float(dec.random_explained[0]):.1%}" in text
+    bars = chart(at, "js_bars")["data"][0]
+    assert list(values(bars["x"])[::-1]) == pytest.approx([c for _, _, c in dec.atoms(0)], rel=1e-5)
