@@ -4,18 +4,10 @@ cell's decomposition, its bars and explained fractions equal the library's."""
 from __future__ import annotations
 
 import pytest
-from test_app import PROMPT, chart, make_app, ok, select_point, values
+from test_app import PROMPT, chart, make_app, ok, runs_root, select_point, values  # noqa: F401 (runs_root: autouse)
 
 from jlens_core import JacobianLens, decompose
 from jlens_core.reading.inputs import record_residuals
-
-
-@pytest.fixture(autouse=True)
-def workspace(tmp_path, tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("JLENS_RUNS_DIR", str(tmp_path / "runs"))
-    monkeypatch.setenv("JLENS_APP_WORKSPACE", str(tmp_path_factory.getbasetemp()))
-    monkeypatch.delenv("JLENS_APP_ALLOW_ANY_PATH", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 def test_a_clicked_cell_shows_its_jspace(tiny_dir, tiny_model, lens_file):

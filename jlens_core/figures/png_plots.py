@@ -45,9 +45,14 @@ def plot_eval_curves(frame: pd.DataFrame, out: str | Path, title: str = "") -> P
                 ax.fill_between(part["layer"], part[col] - 2 * part[se], part[col] + 2 * part[se], alpha=0.2)
     axes[0].set(xlabel="layer", ylabel="KL(final || lens) [bits]", title="KL to the model's output")
     axes[1].set(xlabel="layer", ylabel="cross-entropy [bits]", title="next-token cross-entropy")
+    return _finish(fig, axes, out, title, legend_size=8)
+
+
+def _finish(fig, axes, out: str | Path, title: str, *, legend_size: int) -> Path:
+    """Grid and legend on every panel, the title, then :func:`_save`."""
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=legend_size)
     if title:
         fig.suptitle(title)
     return _save(fig, out)
@@ -141,9 +146,4 @@ def plot_jspace_structure(frame: pd.DataFrame, gains: pd.DataFrame | None, out: 
             axes[2].fill_between(g["layer"], g[f"{col}_q1"], g[f"{col}_q3"], color=colour, alpha=0.15)
         axes[2].axhline(1.0, color="#999999", lw=0.8)
         axes[2].set(xlabel="layer l", ylabel="gain of MLP l+1 (/ isotropic median)", title="MLP gain", yscale="log")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title)
-    return _save(fig, out)
+    return _finish(fig, axes, out, title, legend_size=7)
