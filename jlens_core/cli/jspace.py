@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from .main import CLIError, command_description, say
 from .model_args import LENS_HELP, add_corpus_arguments, add_model_command, model_loading_options
@@ -45,7 +46,7 @@ def cmd_decompose(args: argparse.Namespace) -> int:
     positions = parse_layer_spec(args.positions, seq) if args.positions else list(range(1 if seq > 1 else 0, seq))
     recorded = record_residuals(model, ids, layers)
     texts = [model.decode([int(t)]) for t in ids[0]]
-    cells = []
+    cells: list[dict[str, Any]] = []
     for layer in layers:
         dec = decompose(model, lens, recorded[layer][positions].float(), layer, k=args.k, method=args.method,
                         gauge=args.gauge, seed=args.seed)
