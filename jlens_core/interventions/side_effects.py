@@ -27,8 +27,10 @@ from jaxtyping import Float
 from ..models.model import LensModel
 from ..reading.edit_hooks import EditRunner
 from ..reading.generation import generate
+from .intervals import bootstrap_interval
 
 LN2 = math.log(2.0)
+SET_FIGURES = ("readout_kl", "downstream_kl")  # the figures a set's summary gives, each as set_figures' columns
 DOWNSTREAM_TOKENS = 12  # the clean continuation teacher-forced with the edit (make_it_say writes 12 too)
 MAX_DOWNSTREAM_TOKENS = 256
 
@@ -153,5 +155,24 @@ def teacher_forced_side_effects(model: LensModel, prompt_ids: torch.Tensor, cont
     return side_effects_of(teacher_forced_logits(model, ids, n, edits), clean, n, exclude)
 
 
-__all__ = ["DOWNSTREAM_TOKENS", "MAX_DOWNSTREAM_TOKENS", "SideEffects", "check_downstream_tokens", "clean_continuation", "divergence_stats", "kl_bits",
-           "readout_divergence", "side_effects_of", "teacher_forced_logits", "teacher_forced_side_effects", "without"]
+def set_figures(values: Sequence[float], name: str, seed: int = 0) -> dict[str, float]:
+    """One side-effect figure over a set of edits: ``{name}_bits`` (the mean), ``{name}_low``, ``{name}_high`` (its
+    95 % percentile bootstrap interval, :func:`~jlens_core.interventions.intervals.bootstrap_interval`, seeded)
+    and ``{name}_median``; NaN values (a figure that is not defined) are left out, NaN everywhere when none is left."""
+    kept = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    low, high = bootstrap_interval(kept, seed=seed)
+    ordered = sorted(kept)
+    mid = len(ordered) // 2
+    median = math.nan if not kept else ordered[mid] if len(kept) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return {f"{name}_bits": sum(kept) / len(kept) if kept else math.nan, f"{name}_low": low, f"{name}_high": high,
+            f"{name}_median": median}
+
+
+def set_columns(names: Sequence[str] = SET_FIGURES) -> list[str]:
+    """The summary columns :func:`set_figures` gives for ``names``, in order."""
+    return [f"{name}_{part}" for name in names for part in ("bits", "low", "high", "median")]
+
+
+__all__ = ["DOWNSTREAM_TOKENS", "MAX_DOWNSTREAM_TOKENS", "SET_FIGURES", "SideEffects", "check_downstream_tokens",
+           "clean_continuation", "divergence_stats", "kl_bits", "readout_divergence", "set_columns", "set_figures",
+           "side_effects_of", "teacher_forced_logits", "teacher_forced_side_effects", "without"]
