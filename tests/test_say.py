@@ -344,6 +344,32 @@ def test_cli_say_json_is_the_library_result(tiny_dir, capsys):
     assert set(out["timings"]) >= {"clean", "rank", "replay", "total"}
 
 
+def test_cli_say_text_labels_every_row_by_arm_and_gives_each_arms_minimal_recipe(tiny_dir, capsys):
+    from jlens_core.cli.main import main
+
+    args = ["say", "--model", tiny_dir, "--lens", "logit", "--prompt", PROMPT, "--target", "of", "--layers", "0:3",
+            "--max-replays", "4", "--max-new-tokens", "0", "--downstream-tokens", "3"]
+    assert main(args + ["--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    arms = {data["search"]["name"]: data["search"], **data["controls"]}
+    rows = [line for line in text.splitlines() if "P=" in line]
+    assert len(rows) == sum(len(a["verified"]) for a in arms.values())
+    for name, arm in arms.items():
+        labelled = [line for line in rows if f"[{name}]" in line]
+        assert len(labelled) == len(arm["verified"])
+        for line, recipe in zip(labelled, arm["verified"]):
+            assert f"readout KL {recipe['readout_kl_bits']:.3f} bits" in line
+    minimal = text[text.index("minimal recipe per arm"):].splitlines()[1:1 + len(arms)]
+    for line, (name, arm) in zip(minimal, arms.items()):
+        assert line.split()[0] == f"{name}:"
+        assert ("none found" in line) == (arm["minimal"] is None)
+        if arm["minimal"] is not None:
+            assert f"readout KL {arm['minimal']['readout_kl_bits']:.3f} bits" in line
+            assert f"layer{'s' if arm['minimal']['width'] > 1 else ''} {arm['minimal']['layers']}," in line
+
+
 def test_cli_say_bad_input_and_set(tiny_dir, tmp_path, capsys):
     from jlens_core.cli.main import main
 
