@@ -360,13 +360,13 @@ def test_cli_say_text_labels_every_row_by_arm_and_gives_each_arms_minimal_recipe
         labelled = [line for line in rows if f"[{name}]" in line]
         assert len(labelled) == len(arm["verified"])
         for line, recipe in zip(labelled, arm["verified"]):
-            assert f"readout KL {recipe['readout_kl_bits']:.3f} bits" in line
+            assert f"readout KL {recipe['readout_kl_bits']:.3g} bits" in line
     minimal = text[text.index("minimal recipe per arm"):].splitlines()[1:1 + len(arms)]
     for line, (name, arm) in zip(minimal, arms.items()):
         assert line.split()[0] == f"{name}:"
         assert ("none found" in line) == (arm["minimal"] is None)
         if arm["minimal"] is not None:
-            assert f"readout KL {arm['minimal']['readout_kl_bits']:.3f} bits" in line
+            assert f"readout KL {arm['minimal']['readout_kl_bits']:.3g} bits" in line
             assert f"layer{'s' if arm['minimal']['width'] > 1 else ''} {arm['minimal']['layers']}," in line
 
 

@@ -193,7 +193,7 @@ def test_compare_runs_reports_the_side_effects_beside_the_effect(model, lens):
     assert compared.downstream_kl_bits == pytest.approx(mean, rel=1e-3)
     assert compared.downstream_kl_max_bits == pytest.approx(largest, rel=1e-3)
     assert sorted(compared.readout_excluded) == sorted(model.decode([t]) for t in exclude)
-    assert compared.side_effects().startswith(f"readout KL {compared.readout_kl_bits:.3f} bits (without ")
+    assert compared.side_effects().startswith(f"readout KL {compared.readout_kl_bits:.3g} bits (without ")
     # no target: the token the edited model writes first is left out
     default = compare_runs(model, PROMPT, [steer], max_new_tokens=5)
     assert model.decode([int(default.edited.generated_ids[0])]) in default.readout_excluded

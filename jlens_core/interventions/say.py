@@ -149,13 +149,13 @@ class Recipe:
         return f"{what} at {where}"
 
     def side_effects(self) -> str:
-        """The side effects in words: ``readout KL 0.12 bits, downstream KL 0.03 bits (max 0.2)``, and the
+        """The side effects in words: ``readout KL 0.124 bits, downstream KL 0.0312 bits (max 0.2)``, three significant digits, and the
         touched prompt positions' for an edit from a position (a figure that is not defined is left out)."""
-        parts = [f"readout KL {self.readout_kl_bits:.3f} bits"]
+        parts = [f"readout KL {self.readout_kl_bits:.3g} bits"]
         if not math.isnan(self.downstream_kl_bits):
-            parts.append(f"downstream KL {self.downstream_kl_bits:.3f} bits (max {self.downstream_kl_max_bits:.3f})")
+            parts.append(f"downstream KL {self.downstream_kl_bits:.3g} bits (max {self.downstream_kl_max_bits:.3g})")
         if not math.isnan(self.prompt_kl_bits):
-            parts.append(f"prompt KL {self.prompt_kl_bits:.3f} bits (max {self.prompt_kl_max_bits:.3f})")
+            parts.append(f"prompt KL {self.prompt_kl_bits:.3g} bits (max {self.prompt_kl_max_bits:.3g})")
         return ", ".join(parts)
 
     def row(self) -> dict[str, Any]:

@@ -51,9 +51,9 @@ class RunComparison:
         if math.isnan(self.readout_kl_bits):
             return "side effects not computed"
         left_out = f" (without {', '.join(repr(t) for t in self.readout_excluded)})" if self.readout_excluded else ""
-        text = f"readout KL {self.readout_kl_bits:.3f} bits{left_out}"
+        text = f"readout KL {self.readout_kl_bits:.3g} bits{left_out}"
         if not math.isnan(self.downstream_kl_bits):
-            text += (f", downstream KL {self.downstream_kl_bits:.3f} bits (max {self.downstream_kl_max_bits:.3f}) "
+            text += (f", downstream KL {self.downstream_kl_bits:.3g} bits (max {self.downstream_kl_max_bits:.3g}) "
                      f"over the clean continuation's {self.clean.n_generated} tokens")
         return text
 
