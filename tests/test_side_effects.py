@@ -171,8 +171,8 @@ def test_one_rule_names_the_minimal_recipe_finished_or_stopped(model, lens):
     for arm in result.arms.values():
         if arm.recipes:
             # independent: the smallest band, then readout before from, then the smallest relative strength
-            best = sorted(arm.recipes, key=lambda r: (len(r.layers), r.position_mode == "from",
-                                                      r.strength / max(grids[r.op])))[0]
+            best = min(arm.recipes, key=lambda r: (len(r.layers), r.position_mode == "from",
+                                                      r.strength / max(grids[r.op])))
             assert arm.minimal is best is minimal_recipe(arm.recipes, grids)
     stopped = make_it_say(model, lens, PROMPT, "of", **settings, progress=lambda p: p.done >= 7)
     assert stopped.stopped and stopped.search.recipes

@@ -115,7 +115,10 @@ class Replayer:
         self.continued = torch.cat([ids, torch.tensor([list(continuation)], dtype=torch.long, device=ids.device)],
                                    dim=1)  # [1, n + N]: prompt, then the clean continuation
         self.n_continuation = len(continuation)
-        self.continued_logp, self.continued_residuals = self._clean_run(self.continued) if continuation else (None, {})
+        self.continued_logp: torch.Tensor | None = None
+        self.continued_residuals: dict[int, torch.Tensor] = {}
+        if continuation:
+            self.continued_logp, self.continued_residuals = self._clean_run(self.continued)
         self._prefixes: dict[int, Any] = {}
         self.n_forwards = 2 if continuation else 1
         params = inspect.signature(model.hf_model.forward).parameters
