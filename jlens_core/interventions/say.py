@@ -214,6 +214,7 @@ class SayResult:
         lens is the logit lens). clean_continuation, edited_continuation: greedy continuations without and with
         the minimal recipe (``None`` when nothing was found or continuations were not asked for).
         timings: seconds per stage (``clean``, ``rank``, ``replay``, ``minimise``, ``continuation``, ``total``).
+        n_downstream: the clean continuation's length in tokens that the downstream side effects are over.
         stopped: the progress callback asked to stop (the result holds what was done). message: one sentence:
         what was found, or what was tried when nothing was.
     """
@@ -238,6 +239,7 @@ class SayResult:
     timings: dict[str, float] = field(default_factory=dict)
     stopped: bool = False
     message: str = ""
+    n_downstream: int = 0
 
     @property
     def readout(self) -> int:
@@ -292,7 +294,7 @@ class SayResult:
                 "search": arm(self.search), "controls": {k: arm(v) for k, v in self.controls.items()},
                 "clean_continuation": self.clean_continuation, "edited_continuation": self.edited_continuation,
                 "n_ranked": self.n_ranked, "n_replayed": self.n_replayed, "timings": dict(self.timings),
-                "stopped": self.stopped, "message": self.message}
+                "stopped": self.stopped, "message": self.message, "n_downstream": self.n_downstream}
 
 
 class _Stop(Exception):
@@ -556,7 +558,7 @@ def _execute(model: LensModel, prompt: str, ids: torch.Tensor, spelled: SayTarge
                        n_prompt=n, clean_next=model.decode([clean.next_id]), clean_next_id=int(clean.next_id),
                        clean_margin=math.nan,
                        clean_prob=clean.target_prob, already=clean.verified,
-                       search=SaySearch(arms[0].name, arms[0].label))
+                       search=SaySearch(arms[0].name, arms[0].label), n_downstream=len(continuation))
     run.result = result
     try:
         run.tick("rank", arms[0].name, "clean run")
