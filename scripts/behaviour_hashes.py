@@ -77,8 +77,16 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from jlens_core import Swap, compare_runs, load_eval_set, load_lens, load_model, make_it_say, pass_at_k, \
-        read_prompt, study
+    from jlens_core.evaluation.passk import load_eval_set, pass_at_k
+    from jlens_core.evaluation.study import study
+    from jlens_core.fitting.fit import fit
+    from jlens_core.interventions.compare import compare_runs
+    from jlens_core.interventions.lens_edits import Swap
+    from jlens_core.interventions.say import make_it_say
+    from jlens_core.interventions.swap_success import load_swap_set, swap_success
+    from jlens_core.lenses.loading import load_lens
+    from jlens_core.models.loading import load_model
+    from jlens_core.reading.reader import read_prompt
 
     model = load_model()
     lenses = {"J": load_lens(model=model), "R": load_lens(model=model, variant="relevance"),
@@ -92,7 +100,6 @@ def main() -> None:
 
     from conftest import make_tiny
 
-    from jlens_core import fit
     tiny = make_tiny()
     small = fit(tiny, ["The capital of Italy is Rome. Water boils at one hundred degrees.",
                        "Once upon a time there was a small model that read every layer of itself."],
@@ -108,6 +115,8 @@ def main() -> None:
     swap = Swap(model, j, "France", "Germany", alpha=1.0)
     print("swap bases", digest(swap.bases), swap.skipped_layers)
     print("swap run", digest(compare_runs(model, prompts[0], [swap])))
+    report = swap_success(model, {"J": j}, load_swap_set("swaps")[:3], alphas=(1,))
+    print("swap_success", digest(report.summary), digest(report.items))
     result = make_it_say(model, j, "The capital city of Japan is", "Paris", max_replays=2, continuation_tokens=2)
     print("make_it_say", digest(result))
     print("make_it_say message", hashlib.sha256(result.message.encode()).hexdigest()[:16])

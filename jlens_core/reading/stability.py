@@ -206,7 +206,7 @@ def half_marks(model: LensModel, pair: tuple[Lens, Lens], resid: Mapping[int, to
                 sl = slice(start, min(n_pos, start + per_chunk))
                 h = h_all[positions[sl].to(h_all.device)]  # [c, d_model]
                 for half_index, half in enumerate(pair):
-                    z = model.unembed(half.transport(h, layer)).float()  # [c, vocab]
+                    z = half.logits(model, h, layer).float()  # [c, vocab]
                     ranks[half_index, li, sl] = rank_of(z, shown_t[sl], None,
                                                         None if kept is None else kept.to(z.device)).cpu().numpy()
                     if mask is not None:
