@@ -36,6 +36,7 @@ Sets are JSON files in the reference format ``{"items": [...], "readout"?, "syno
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -724,6 +725,43 @@ def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapp
     return (summary, detail.assign(set=set_name)[["set", *detail.columns]]) if return_detail else summary
 
 
+def pass_at_k_sets(model: LensModel, lenses: Mapping[str, Lens], sets: Sequence[tuple[str, Iterable[Mapping] | str]], *,
+                   progress: Callable[[str, int, int], None] | None = None,
+                   **options: Any) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """pass@k over several sets, as ``jlens eval`` and the app's Evaluate page run it.
+
+    Args:
+        sets: ``(set name, items)`` pairs (items as :func:`pass_at_k` takes them).
+        progress: called as ``progress(set name, items_done, n_items)``: with 0 before a set's first item,
+            then after every item.
+        options: :func:`pass_at_k`'s keywords (``k``, ``readout``, ``vocab``, ``exclude_copied``, ...).
+
+    Returns:
+        ``(summary, detail)``: the sets' summaries with a ``set`` column first, followed by their
+        :func:`macro_mean` when there are several sets; the per-word details with their ``set``.
+
+    Raises:
+        ValueError: no sets, or what :func:`pass_at_k` raises.
+    """
+    if not sets:
+        raise ValueError("No evaluation sets given: give at least one (name, items) pair.")
+    tables, details = [], []
+    for name, items in sets:
+        items = check_items(items)
+        if progress is not None:
+            progress(name, 0, len(items))
+        report = None if progress is None else functools.partial(progress, name)
+        table, detail = pass_at_k(model, lenses, items, progress=report, return_detail=True, set_name=name,
+                                  **options)
+        table.insert(0, "set", name)
+        tables.append(table)
+        details.append(detail)
+    summary = pd.concat(tables, ignore_index=True)
+    if len(sets) > 1:
+        summary = pd.concat([summary, macro_mean(summary)], ignore_index=True)
+    return summary, pd.concat(details, ignore_index=True)
+
+
 def macro_mean(per_set: pd.DataFrame) -> pd.DataFrame:
     """The macro mean over sets of a ``set, lens, k, pass_rate, ...`` frame: one row per lens x k,
     ``set = "macro mean"``, ``pass_rate`` the unweighted mean of the sets' scores (NaN sets left out)."""
@@ -746,5 +784,5 @@ def macro_mean(per_set: pd.DataFrame) -> pd.DataFrame:
 __all__ = ["BOTH_COLUMNS", "DETAIL_COLUMNS", "EVAL_DIR", "EVAL_SETS", "HALF_COLUMNS", "PASS_COLUMNS", "READOUT_RULES",
            "SPELLINGS", "SYNONYM_SETS", "ItemReadout", "ItemScan", "ItemScanner", "appears_in_prompt", "best_rank",
            "bootstrap_interval", "check_item", "check_items", "check_readout", "check_readout_options", "decoy_items", "item_kept_ids", "item_readout", "load_eval_set", "macro_mean",
-           "number_synonyms", "pass_at_k", "pass_at_k_detail", "readout_position", "shipped_sets", "summarize_pass_at_k",
+           "number_synonyms", "pass_at_k", "pass_at_k_detail", "pass_at_k_sets", "readout_position", "shipped_sets", "summarize_pass_at_k",
            "word_spellings"]

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    import torch
-    from jaxtyping import Float
+import torch
+from jaxtyping import Float
 
+if TYPE_CHECKING:
     from ..models.model import LensModel
     from .protocol import Lens
 
@@ -47,8 +47,6 @@ def layer_logits(lens: Lens, model: LensModel, resid: Mapping[int, torch.Tensor]
         resid: ``{layer: Tensor[seq, d_model]}`` the recorded residuals.
         index: the positions read (an int, a list or a slice of the sequence axis).
     """
-    import torch
-
     return transported_logits(model, torch.stack([lens.transport(resid[layer][index], layer) for layer in layers]))
 
 
