@@ -1281,7 +1281,7 @@ def test_fit_page_experts_and_learn_weights_build_their_commands_under_the_fits_
     try:
         monkeypatch.setenv("JLENS_APP_MAX_FITS", "1")
         at = ok(make_app(model=tiny_dir, lens="none").run())
-        monkeypatch.setattr(sys.modules["runs"], "_launch",
+        monkeypatch.setattr(sys.modules["jlens_core.fitting.runs"], "_launch",
                             lambda folder, args, command="fit", log="fit.log": launched.append((command, args))
                             or sleeper.pid)
         at.switch_page("views/fit.py").run()

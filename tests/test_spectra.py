@@ -6,6 +6,7 @@ import functools
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from helpers import random_lens
@@ -85,3 +86,25 @@ def test_layer_stats_and_spectra_in_one_pass():
     np.testing.assert_allclose(stats.drop(columns="layer").to_numpy(), pd_stats.drop(columns="layer").to_numpy())
     for layer in (0, 2):
         np.testing.assert_allclose(singular[layer], layer_spectrum(lens, layer))
+
+
+def test_stored_stats_and_spectra_are_computed_once_and_read_back(tmp_path):
+    """The stored spectra equal a fresh computation, come back from the file (even once the lens's matrices are
+    gone), are not stored under an empty key, and an unreadable file is rebuilt."""
+    from jlens_core.lenses.spectra import stored_stats_and_spectra
+
+    lens = random_lens(d=6, seed=4)
+    fresh_stats, fresh = layer_stats_and_spectra(lens)
+    stats, singular = stored_stats_and_spectra(lens, "lens-a", tmp_path)
+    (stored,) = tmp_path.glob("*.npz")
+    pd.testing.assert_frame_equal(stats, fresh_stats)
+    assert singular.keys() == fresh.keys() and all(np.array_equal(singular[k], fresh[k]) for k in fresh)
+    again_stats, again = stored_stats_and_spectra(random_lens(d=6, seed=5), "lens-a", tmp_path)  # the file's, not this lens's
+    pd.testing.assert_frame_equal(again_stats, fresh_stats, check_dtype=False)
+    assert all(np.array_equal(again[k], fresh[k]) for k in fresh)
+    stored_stats_and_spectra(lens, "", tmp_path)
+    assert list(tmp_path.glob("*.npz")) == [stored]
+    stored.write_bytes(b"not an npz")
+    rebuilt_stats, _ = stored_stats_and_spectra(random_lens(d=6, seed=5), "lens-a", tmp_path)
+    other_stats, _ = layer_stats_and_spectra(random_lens(d=6, seed=5))
+    pd.testing.assert_frame_equal(rebuilt_stats, other_stats)

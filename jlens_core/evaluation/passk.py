@@ -45,7 +45,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import pandas as pd
@@ -58,9 +58,13 @@ from ..lenses.readout import layer_logits
 from ..models.model import LensModel
 from ..reading.inputs import checked_lenses, encode_prompt, record_residuals
 from ..reading.logit_stats import rank_of
+from ..reading.readout_protocol import Readout, no_other_keywords
 from ..reading.stability import HalvesArg, check_halves, resolve_halves
 from ..reading.tokens import TokenDisplay, spellings
 from ..reading.word_readout import check_vocab, kept_ids_mask
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -533,16 +537,45 @@ class ItemScanner:
                         kept=item_kept_ids(self.kept_np, read.spellings, final.device), greedy=greedy)
 
 
-def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str, *,
-                     layers: Iterable[int] | None = None, readout: Any = None, spelling: str = "whole",
-                     synonyms: str | None = None, progress: Progress | None = None, vocab: str = "all",
-                     stability: bool = False, halves: HalvesArg = None) -> pd.DataFrame:
+class ProtocolKeywords(TypedDict, total=False):
+    """The :class:`~jlens_core.reading.readout_protocol.Readout`'s fields as keywords, one by one (a keyword wins
+    over the readout's field)."""
+
+    spelling: str
+    synonyms: str | None
+    vocab: str
+
+
+class PassAtKOptions(ProtocolKeywords, total=False):
+    """:func:`pass_at_k`'s further keywords (see its Args)."""
+
+    k: Sequence[int] | int
+    exclude_copied: bool
+    set_name: str | None
+    stability: bool
+    halves: HalvesArg
+
+
+def readout_of(readout: Readout | Any, keywords: dict[str, Any]) -> Readout:
+    """The call's :class:`Readout`: ``readout`` itself, or a readout rule (the older spelling) as its position,
+    with the fields ``keywords`` names (``spelling=``, ``vocab=``, ``k=``, ...) taken out of it."""
+    base = readout if isinstance(readout, Readout) else Readout(position=readout)
+    return base.updated(keywords)
+
+
+def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str,
+                     readout: Readout | Any = None, *, layers: Iterable[int] | None = None,
+                     progress: Progress | None = None, stability: bool = False, halves: HalvesArg = None,
+                     **options: Unpack[ProtocolKeywords]) -> pd.DataFrame:
     """Best ranks of each item's intermediate and target words, per lens, at the readout position.
 
     Args:
         items: items (dicts), or the name / path of a set (:func:`load_eval_set`).
+        readout: the :class:`~jlens_core.reading.readout_protocol.Readout` (position, spelling, synonyms, vocab;
+            its ``k`` is not used here), or a readout rule alone (its ``position``; the older spelling);
+            ``spelling=``, ``synonyms=``, ``vocab=`` give its fields one by one.
         layers: layers searched (default: every readable layer of each lens, the output included).
-        readout: a readout rule for every item (overrides the set's and the items'); default: the
+        readout's position: a readout rule for every item (overrides the set's and the items'); default: the
             item's, else the set's, else ``"last"``.
         spelling: ``"whole"`` (complete single-token spellings) or ``"first_token"``.
         synonyms: ``"numbers_ops"`` or ``None``; default: the item's (from its set).
@@ -567,10 +600,14 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
             that keeps no token.
         LensFileError: a lens belongs to another model.
     """
+    keywords: dict[str, Any] = dict(options)
+    protocol = readout_of(readout, keywords)
+    no_other_keywords("pass_at_k_detail", keywords)
+    spelling, vocab = protocol.spelling, protocol.vocab
     if spelling not in SPELLINGS:
         raise ValueError(f"Unknown spelling {spelling!r}: use 'whole' (complete single-token spellings) or "
                          "'first_token'.")
-    readout, synonyms = check_readout_options(readout, synonyms, vocab)
+    readout, synonyms = check_readout_options(protocol.position, protocol.synonyms, vocab)
     lenses, lens_layers = checked_lenses(model, lenses, layers)
     chosen_halves, _ = resolve_halves(lenses, stability=bool(stability), halves=halves)
     for lens_name, pair in chosen_halves.items():
@@ -683,17 +720,18 @@ def _both_halves(scored: pd.DataFrame, k: int, *, n_boot: int, seed: int) -> dic
     return {"found_by_both_halves": float(both.mean()), "both_ci_low": low, "both_ci_high": high}
 
 
-def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str, *,
-              k: Sequence[int] | int = (1, 5, 10), layers: Iterable[int] | None = None, readout: Any = None,
-              spelling: str = "whole", synonyms: str | None = None, n_boot: int = N_BOOT, seed: int = 0,
-              progress: Progress | None = None, return_detail: bool = False, vocab: str = "all",
-              exclude_copied: bool = False, set_name: str | None = None, stability: bool = False,
-              halves: HalvesArg = None) -> pd.DataFrame | tuple[pd.DataFrame, pd.DataFrame]:
+def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str,
+              readout: Readout | Any = None, *, layers: Iterable[int] | None = None, n_boot: int = N_BOOT,
+              seed: int = 0, progress: Progress | None = None, return_detail: bool = False,
+              **options: Unpack[PassAtKOptions]) -> pd.DataFrame | tuple[pd.DataFrame, pd.DataFrame]:
     """pass@k of latent intermediate steps, per lens, with the protocol of the module docstring.
 
     Args:
         items: the items, or the name of a shipped set or a ``.json`` / ``.jsonl`` path.
-        k: one or more cut-offs.
+        readout: the :class:`~jlens_core.reading.readout_protocol.Readout` (its ``k``: the cut-offs), or a readout
+            rule alone (the older spelling); ``k=``, ``spelling=``, ``synonyms=``, ``vocab=`` give its fields one
+            by one.
+        k: one or more cut-offs (default 1, 5, 10).
         layers: layers searched (default: every readable layer of each lens).
         readout, spelling, synonyms: see :func:`pass_at_k_detail` (default: the set's own).
         n_boot, seed: the bootstrap of the interval over items.
@@ -714,11 +752,17 @@ def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapp
         DataFrame with columns :data:`PASS_COLUMNS` (one row per lens x k); with ``return_detail``,
         the pair ``(summary, detail)``.
     """
+    keywords: dict[str, Any] = dict(options)
+    protocol = readout_of(readout, keywords)
+    exclude_copied, set_name = bool(keywords.pop("exclude_copied", False)), keywords.pop("set_name", None)
+    stability, halves = bool(keywords.pop("stability", False)), keywords.pop("halves", None)
+    no_other_keywords("pass_at_k", keywords)
+    k = (1, 5, 10) if protocol.k is None else protocol.k
     ks = [k] if isinstance(k, int) else list(k)
     if not ks or any(int(x) < 1 for x in ks):
         raise ValueError(f"k={k} must be one or more integers >= 1 (ranks are 1-based: k=1 is top-1).")
-    detail = pass_at_k_detail(model, lenses, items, layers=layers, readout=readout, spelling=spelling,
-                              synonyms=synonyms, progress=progress, vocab=vocab, stability=stability, halves=halves)
+    detail = pass_at_k_detail(model, lenses, items, protocol, layers=layers, progress=progress, stability=stability,
+                              halves=halves)
     summary = summarize_pass_at_k(detail, ks, n_boot=n_boot, seed=seed, exclude_copied=exclude_copied)
     if set_name is None:
         set_name = Path(items).stem if isinstance(items, str) else "items"
@@ -781,8 +825,40 @@ def macro_mean(per_set: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-__all__ = ["BOTH_COLUMNS", "DETAIL_COLUMNS", "EVAL_DIR", "EVAL_SETS", "HALF_COLUMNS", "PASS_COLUMNS", "READOUT_RULES",
-           "SPELLINGS", "SYNONYM_SETS", "ItemReadout", "ItemScan", "ItemScanner", "appears_in_prompt", "best_rank",
-           "bootstrap_interval", "check_item", "check_items", "check_readout", "check_readout_options", "decoy_items", "item_kept_ids", "item_readout", "load_eval_set", "macro_mean",
-           "number_synonyms", "pass_at_k", "pass_at_k_detail", "pass_at_k_sets", "readout_position", "shipped_sets", "summarize_pass_at_k",
-           "word_spellings"]
+__all__ = [
+    "BOTH_COLUMNS",
+    "DETAIL_COLUMNS",
+    "EVAL_DIR",
+    "EVAL_SETS",
+    "HALF_COLUMNS",
+    "PASS_COLUMNS",
+    "READOUT_RULES",
+    "SPELLINGS",
+    "SYNONYM_SETS",
+    "ItemReadout",
+    "ItemScan",
+    "ItemScanner",
+    "PassAtKOptions",
+    "ProtocolKeywords",
+    "appears_in_prompt",
+    "best_rank",
+    "bootstrap_interval",
+    "check_item",
+    "check_items",
+    "check_readout",
+    "check_readout_options",
+    "decoy_items",
+    "item_kept_ids",
+    "item_readout",
+    "load_eval_set",
+    "macro_mean",
+    "number_synonyms",
+    "pass_at_k",
+    "pass_at_k_detail",
+    "pass_at_k_sets",
+    "readout_of",
+    "readout_position",
+    "shipped_sets",
+    "summarize_pass_at_k",
+    "word_spellings",
+]

@@ -35,7 +35,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -46,11 +46,22 @@ from ..interventions.intervals import wilson_interval
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.inputs import checked_lenses
+from ..reading.readout_protocol import Readout, no_other_keywords
 from ..reading.tokens import TokenDisplay
 from ..reading.word_readout import kept_ids_mask
 from .labelled_items import set_name_of
 from .lens_comparison import _stratified_draws
-from .passk import ItemScanner, check_items, check_readout_options, word_spellings
+from .passk import (
+    ItemScanner,
+    ProtocolKeywords,
+    check_items,
+    check_readout_options,
+    readout_of,
+    word_spellings,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +163,18 @@ def _percentiles(values: Sequence[float]) -> tuple[float, float]:
 
 
 # -- the study --------------------------------------------------------------------------------------------
-def study(model: LensModel, lenses: Mapping[str, Lens] | Lens, items: ItemsSpec, *, k: int = 10,
-          answered_only: bool | None = None, all_positions: bool = False, layers: Iterable[int] | None = None,
-          readout: Any = None, spelling: str = "whole", synonyms: str | None = None, vocab: str = "all",
-          role: str = "intermediate", n_boot: int = N_BOOT, seed: int = 0, progress: Progress | None = None,
-          stop: Callable[[], bool] | None = None) -> Study:
+class StudyOptions(ProtocolKeywords, total=False):
+    """:func:`study`'s further keywords (see its Args)."""
+
+    k: int
+    n_boot: int
+    seed: int
+    stop: Callable[[], bool] | None
+
+
+def study(model: LensModel, lenses: Mapping[str, Lens] | Lens, items: ItemsSpec, readout: Readout | Any = None, *,
+          layers: Iterable[int] | None = None, role: str = "intermediate", answered_only: bool | None = None,
+          all_positions: bool = False, progress: Progress | None = None, **options: Unpack[StudyOptions]) -> Study:
     """Study where each item's concepts enter every lens's top ``k``, layer by layer (module docstring).
 
     Args:
@@ -164,13 +182,16 @@ def study(model: LensModel, lenses: Mapping[str, Lens] | Lens, items: ItemsSpec,
         lenses: ``{name: lens}`` (or one lens, named by its kind).
         items: a shipped set's name, a ``.json`` / ``.jsonl`` path, a list of items, or ``{set name: items}``
             (:func:`study_sets`).
+        readout: the :class:`~jlens_core.reading.readout_protocol.Readout` (its ``k``: the top-k cut-off, default 10),
+            or a readout rule alone (the older spelling); ``k=``, ``spelling=``, ``synonyms=``, ``vocab=`` give its
+            fields one by one.
         k: the top-k cut-off (>= 1; ranks are 1-based).
         answered_only: keep only items the model answers (greedy next token = a first token of the answer);
             ``None``: on when some item carries an ``answer`` or ``target``.
         all_positions: also keep every concept's rank at every position of the prompt (the tidy table's
             ``readout`` column marks the readout position; the statistics use it alone).
         layers: layers read (default: every readable layer of each lens, the output included).
-        readout, spelling, synonyms, vocab: pass@k's protocol (:func:`~jlens_core.evaluation.passk.pass_at_k_detail`).
+        spelling, synonyms, vocab: pass@k's protocol (:func:`~jlens_core.evaluation.passk.pass_at_k_detail`).
         role: the concepts studied: ``"intermediate"`` (default), ``"target"`` or ``"both"``.
         n_boot, seed: the bootstrap of the band's and the comparisons' intervals (replicates, seed).
         progress: called as ``progress(items_done, n_items)`` over every set's items.
@@ -186,11 +207,17 @@ def study(model: LensModel, lenses: Mapping[str, Lens] | Lens, items: ItemsSpec,
             ``info["notes"]``). FileNotFoundError: no such set. LensFileError: a lens of another model.
         StudyCancelled: ``stop()`` returned True.
     """
+    keywords: dict[str, Any] = dict(options)
+    protocol = readout_of(readout, keywords)
+    n_boot, seed = keywords.pop("n_boot", N_BOOT), keywords.pop("seed", 0)
+    stop = keywords.pop("stop", None)
+    no_other_keywords("study", keywords)
+    k, spelling, vocab = 10 if protocol.k is None else protocol.k, protocol.spelling, protocol.vocab
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k={k!r} must be an integer >= 1 (ranks are 1-based: k=1 is top-1).")
     if role not in ROLES:
         raise ValueError(f"role={role!r} is not a role: use one of {list(ROLES)}.")
-    readout, synonyms = check_readout_options(readout, synonyms, vocab)
+    readout, synonyms = check_readout_options(protocol.position, protocol.synonyms, vocab)
     lens_map, lens_layers = checked_lenses(model, lenses, layers)
     sets = study_sets(items)
     roles = ("intermediate", "target") if role == "both" else (role,)
