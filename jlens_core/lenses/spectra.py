@@ -159,14 +159,5 @@ def stored_stats_and_spectra(lens: Lens, key: str, folder: str | os.PathLike | N
     return stats, singular
 
 
-def layer_spectrum(lens: Lens, layer: int) -> np.ndarray:
-    """Singular values of ``J_layer`` (shrinkage applied), descending, ``float64[d_model]``.
-
-    Raises:
-        ValueError: a logit lens, or a layer the lens was not fitted at.
-    """
-    return singular_values(jacobian_matrix(lens, layer))
-
-
-__all__ = ["LAYER_STATS_COLUMNS", "effective_rank", "jacobian_matrix", "layer_spectrum", "layer_stats", "layer_stats_and_spectra", "matrix_stats",
+__all__ = ["LAYER_STATS_COLUMNS", "effective_rank", "jacobian_matrix", "layer_stats", "layer_stats_and_spectra", "matrix_stats",
            "singular_values", "stored_stats_and_spectra"]

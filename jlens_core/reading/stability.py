@@ -63,11 +63,6 @@ class Stability:
         k = int(self.stability_k)
         return (self.half_rank_even <= k) & (self.half_rank_odd <= k)
 
-    def with_k(self, stability_k: int) -> Stability:
-        """The same ranks judged with another ``stability_k``."""
-        return Stability(self.half_rank_even, self.half_rank_odd, self.half_top1_agree,
-                         check_stability_k(stability_k))
-
     def select(self, rows: slice | Sequence[int]) -> Stability:
         """The marks of some layers (rows), as copies."""
         return Stability(self.half_rank_even[rows].copy(), self.half_rank_odd[rows].copy(),
