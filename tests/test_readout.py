@@ -52,3 +52,27 @@ def test_pass_at_k_and_the_study_take_a_readout():
     assert one.info["k"] == 5 and one.info["vocab"] == "word" and one.info["readout"] == "last"
     with pytest.raises(TypeError, match="unexpected keyword argument"):
         study(model, lens, items(), n_bootstrap=3)
+
+
+def test_pass_at_k_over_sets_is_each_set_and_their_macro_mean():
+    """``pass_at_k_sets`` (jlens eval, the app): per set the set's own pass@k with ``set`` first, then the macro
+    mean of the sets; the details carry their set; progress starts each set at 0 and ends it at its size."""
+    from jlens_core.evaluation.passk import macro_mean, pass_at_k_sets
+
+    model, lens = tiny(), {"J": random_lens(tiny(), seed=3)}
+    sets = [("a", items()), ("b", items()[:1])]
+    calls: list[tuple[str, int, int]] = []
+    summary, detail = pass_at_k_sets(model, lens, sets, progress=lambda *c: calls.append(c), k=(1, 5), n_boot=20)
+    parts = []
+    for name, its in sets:
+        part = pass_at_k(model, lens, its, k=(1, 5), n_boot=20)
+        part.insert(0, "set", name)
+        parts.append(part)
+    expected = pd.concat(parts, ignore_index=True)
+    expected = pd.concat([expected, macro_mean(expected)], ignore_index=True)
+    pd.testing.assert_frame_equal(summary, expected)
+    assert list(summary.columns[:1]) == ["set"] and summary["set"].iloc[-1] == "macro mean"
+    assert detail.groupby("set").size().to_dict() == {"a": 4, "b": 2}  # items x words x lenses
+    assert calls == [("a", 0, 2), ("a", 1, 2), ("a", 2, 2), ("b", 0, 1), ("b", 1, 1)]
+    with pytest.raises(ValueError, match="No evaluation sets"):
+        pass_at_k_sets(model, lens, [])
