@@ -19,6 +19,7 @@ import common
 from jlens_core.figures.heatmaps import heatmap_figure
 from jlens_core.interventions.compare import compare_runs
 from jlens_core.interventions.say import OPS, SayResult, make_it_say
+from jlens_core.reading.readout_protocol import Readout
 
 OP_LABELS = {"steer": "steer toward X", "swap": "swap the top lens token for X", "ablate": "ablate competitors"}
 WHERE = {"readout": "the last position", "from": "every position from the clicked one"}
@@ -124,7 +125,7 @@ def _apply(ctx: Any, name: str, lens: Any, text: str, recipe: Any, target: str) 
     model = ctx.model
     lens_key = ctx.lens_keys()[name]
     edits_key = "say:" + repr(recipe.edits)
-    settings = (text, int(ss.get("top_k") or 10), (), False, False, None, None, common.MAX_TOKENS)
+    settings = (text, cache.ReadSpec(Readout(k=int(ss.get("top_k") or 10)), max_seq_len=common.MAX_TOKENS))
     with st.spinner("Reading the clean and the edited run…"):
         clean = cache.readings_cached(model, ctx.model_key, {name: (lens, lens_key)}, *settings)[name]
         edited = cache.readings_cached(model, ctx.model_key, {name: (lens, lens_key)}, *settings,

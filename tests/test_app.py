@@ -67,7 +67,7 @@ def runs_root(tmp_path, tmp_path_factory, monkeypatch) -> Path:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     yield root
     # A test that failed while a fit it started was running must not leave that process behind.
-    from app import runs
+    from jlens_core.fitting import runs
 
     if root.exists():
         for run in runs.list_runs(root):
@@ -1095,7 +1095,7 @@ def test_paths_outside_the_workspace_are_refused_and_nothing_is_written(tiny_dir
 
 
 def test_fit_page_says_when_the_fits_allowed_at_once_are_running(tiny_dir, runs_root, monkeypatch):
-    from app import runs
+    from jlens_core.fitting import runs
 
     folder = runs_root / "busy"
     folder.mkdir(parents=True)
@@ -1297,7 +1297,7 @@ def test_fit_page_experts_and_learn_weights_build_their_commands_under_the_fits_
     try:
         monkeypatch.setenv("JLENS_APP_MAX_FITS", "1")
         at = ok(make_app(model=tiny_dir, lens="none").run())
-        monkeypatch.setattr(sys.modules["runs"], "_launch",
+        monkeypatch.setattr(sys.modules["jlens_core.fitting.runs"], "_launch",
                             lambda folder, args, command="fit", log="fit.log": launched.append((command, args))
                             or sleeper.pid)
         at.switch_page("views/fit.py").run()

@@ -58,7 +58,7 @@ def cmd_intervene(args: argparse.Namespace) -> int:
     from ..interventions import Swap
     from ..interventions.compare import compare_runs
     from ..models.loading import load_model
-    from .eval import resolve_lenses
+    from .common import resolve_lenses
 
     if not args.prompt or not args.prompt.strip():
         raise CLIError("--prompt is empty: give some text for the model to continue.")

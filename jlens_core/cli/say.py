@@ -67,9 +67,9 @@ def _print_result(result: SayResult) -> None:
 
 def _run_one(args: argparse.Namespace, model: Any, lens: Any) -> int:
     from ..interventions.say import DEFAULT_MAX_REPLAYS, make_it_say
-    from .eval import _bar
+    from .common import progress_bar
 
-    bar = _bar(1, "say", args.no_progress or args.format == "json", unit="pass")
+    bar = progress_bar(1, "say", args.no_progress or args.format == "json", unit="pass")
 
     def progress(p) -> None:
         if bar is not None:
@@ -100,13 +100,13 @@ def _run_set(args: argparse.Namespace, model: Any, lenses: dict) -> int:
     items = load_say_set(args.set)
     if args.n_items:
         items = items[: args.n_items]
-    from .eval import _advance, _bar
+    from .common import advance, progress_bar
 
-    bar = _bar(1, f"say {Path(args.set).stem}", args.no_progress or args.format == "json", unit="item")
+    bar = progress_bar(1, f"say {Path(args.set).stem}", args.no_progress or args.format == "json", unit="item")
 
     def progress(done: int, total: int) -> None:
         if bar is not None:
-            _advance(bar, done, total)
+            advance(bar, done, total)
 
     try:
         report = say_success(model, lenses, items, layers=_layers(args, model.n_layers), ops=args.ops.split(","),
@@ -134,7 +134,7 @@ def _run_set(args: argparse.Namespace, model: Any, lenses: dict) -> int:
 
 def cmd_say(args: argparse.Namespace) -> int:
     from ..models.loading import load_model
-    from .eval import resolve_lenses
+    from .common import resolve_lenses
 
     if args.set is None:
         if args.prompt is None or not args.prompt.strip():

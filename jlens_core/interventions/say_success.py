@@ -29,12 +29,12 @@ from typing import Any
 
 import pandas as pd
 
-from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import spellings
 from .intervals import clopper_pearson_interval
 from .item_sets import load_item_set
+from .lens_edits import item_seed, with_logit_control
 from .read_directions import check_layers, default_layers
 from .say import (
     CONTROLS,
@@ -181,9 +181,7 @@ def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[di
     items = list(items)
     if not lenses:
         raise ValueError("No lenses given: pass {name: lens}, e.g. {'jacobian': lens}.")
-    all_lenses = dict(lenses)
-    if not any(lens.kind == "logit" for lens in all_lenses.values()):
-        all_lenses["logit"] = LogitLens.for_model(model)
+    all_lenses = with_logit_control(model, lenses)
     first = next(iter(all_lenses.values()))
     searched = check_layers(model, first, layers) if layers is not None else default_layers(model, first)
     for lens in all_lenses.values():
@@ -204,7 +202,7 @@ def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[di
             continue
         arms = [lens_arm(model, name, lens) for name, lens in all_lenses.items()]
         if random_control:
-            arms.append(random_arm(model, first, seed * 100003 + i))
+            arms.append(random_arm(model, first, item_seed(seed, i)))
         result = _execute(model, prompt, ids, spelled, searched, arms, ops=chosen_ops, modes=modes,
                           from_position=from_position, grids=grid, max_replays=max_replays, minimise=True,
                           continuation_tokens=0, progress=None, downstream_tokens=downstream_tokens)

@@ -51,14 +51,13 @@ from typing import Any
 import pandas as pd
 import torch
 
-from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.edit_hooks import EditRunner
 from ..reading.tokens import spellings, token_id
 from .intervals import clopper_pearson_interval, wilson_interval
 from .item_sets import load_item_set
-from .lens_edits import MAX_ALPHA, Swap, random_directions
+from .lens_edits import MAX_ALPHA, Swap, item_seed, random_directions, with_logit_control
 from .read_directions import check_layers, default_layers, read_vector_norms
 from .side_effects import (
     DOWNSTREAM_TOKENS,
@@ -240,9 +239,7 @@ def _plan_swaps(model: LensModel, lenses: Mapping[str, Lens], layers: Sequence[i
     alpha_list = [float(a) for a in alphas]
     if not alpha_list:
         raise ValueError("alphas is empty: give at least one swap scale.")
-    all_lenses = dict(lenses)
-    if not any(lens.kind == "logit" for lens in all_lenses.values()):
-        all_lenses["logit"] = LogitLens.for_model(model)
+    all_lenses = with_logit_control(model, lenses)
     for alpha in alpha_list:
         if not 0 <= alpha <= MAX_ALPHA:
             raise ValueError(f"Swap scale alpha={alpha:g} is out of range: give numbers in [0, {MAX_ALPHA:g}].")
@@ -354,11 +351,11 @@ def _score_item(model: LensModel, plan: _SwapPlan, norms: Mapping[str, torch.Ten
         row["reason"] = f"not eligible: the model says {row['clean_next']!r}"
         return row
     row["eligible"] = True
-    item_seed = plan.seed * 100003 + i
-    row["seed"] = item_seed
+    seed_i = item_seed(plan.seed, i)
+    row["seed"] = seed_i
     spelt = {k: str(v) for k, v in words.items()}
     run = _CleanRun.of(model, ids, plan.downstream_tokens)
-    row.update(_score_eligible(model, plan, norms, spelt, run, answer_ids, swap_ids, item_seed))
+    row.update(_score_eligible(model, plan, norms, spelt, run, answer_ids, swap_ids, seed_i))
     return row
 
 
