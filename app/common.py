@@ -23,7 +23,7 @@ import streamlit as st
 
 from jlens_core.files import assets_dir, atomic_write
 from jlens_core.lenses.header import LensFileError
-from jlens_core.lenses.kinds import BY_KIND
+from jlens_core.lenses.kinds import BY_KIND, SINGLE_KINDS
 from jlens_core.lenses.lens import JacobianLens, LogitLens
 from jlens_core.models.loading import DEFAULT_MODEL
 from jlens_core.reading.generation import MAX_NEW_TOKENS
@@ -41,7 +41,7 @@ ENV_RUNS = "JLENS_RUNS_DIR"  # where the Fit page keeps its runs
 # ("three": the name a shared URL keeps; its label counts the lenses)
 # (a lens loaded by name, e.g. "J++" or an added file's lens, is a mode of its own too)
 # the built-in slots' lens names in Context.lenses(), in panel order (expert and added lenses follow, by name)
-LENS_KINDS = ("logit", "jacobian", "relevance", "tuned")
+LENS_KINDS = SINGLE_KINDS  # ("logit", "jacobian", "relevance", "tuned"): the kinds that are no expert lens
 MODES = {kind: BY_KIND[kind].label for kind in LENS_KINDS} | {"side": "Side by side", "diff": "Difference",
                                                               "three": "All lenses"}
 VOCABS = {"all": "every token", "word": "word tokens only"}  # the readout (jlens_core.reading.word_readout)

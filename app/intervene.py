@@ -17,6 +17,7 @@ from jlens_core.figures.interventions import comparison_figure
 from jlens_core.interventions import Ablate, Steer, Swap
 from jlens_core.interventions.compare import compare_runs
 from jlens_core.interventions.read_directions import default_layers
+from jlens_core.lenses.kinds import is_trained
 from jlens_core.reading.tokens import TokenDisplay, is_word_like
 
 OPS = {"swap": "Swap A → B", "steer": "Steer toward a token", "ablate": "Ablate a token"}
@@ -44,7 +45,7 @@ DIRECTION_LENSES = ("jacobian", "relevance", "logit")  # lenses with read direct
 def has_directions(lens: Any) -> bool:
     """Whether an edit can use ``lens``'s read directions: a linear lens (logit, J, R, an expert lens: one matrix
     per layer); a tuned lens has none (it is affine)."""
-    return getattr(lens, "kind", None) != "tuned" and callable(getattr(lens, "matrix", None))
+    return not is_trained(lens) and callable(getattr(lens, "matrix", None))
 
 
 def direction_choices(ctx: Any) -> list[str]:

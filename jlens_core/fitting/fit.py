@@ -18,6 +18,7 @@ from jaxtyping import Float, Int
 from .._atomic import atomic_write
 from ..lenses.experts import Clustering, ExpertLens
 from ..lenses.fit_settings import FitPlan, FitSettings, lens_settings
+from ..lenses.kinds import relevance_backward
 from ..lenses.lens import JacobianLens
 from ..models.model import LensModel
 from .estimator import jacobian_for_prompt
@@ -728,7 +729,7 @@ def fit(model: LensModel, prompts: Sequence, settings: FitSettings | None = None
         keywords = {**keywords, "experts": experts}  # type: ignore[typeddict-unknown-key]
     settings, plan = fit_settings_and_plan(settings, plan, **keywords)
     settings = settings.resolved(model.n_layers)
-    if settings.rules == "relevance":  # before any prompt: per prompt it would read as "skipped"
+    if relevance_backward(settings.rules):  # before any prompt: per prompt it would read as "skipped"
         reason = relevance_unsupported_reason(model)
         if reason is not None:
             raise ValueError(unsupported_message(model, reason))

@@ -28,6 +28,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..lenses.kinds import is_baseline
 from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
@@ -170,7 +171,7 @@ def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[di
     if not lenses:
         raise ValueError("No lenses given: pass {name: lens}, e.g. {'jacobian': lens}.")
     all_lenses = dict(lenses)
-    if not any(lens.kind == "logit" for lens in all_lenses.values()):
+    if not any(is_baseline(lens) for lens in all_lenses.values()):
         all_lenses["logit"] = LogitLens.for_model(model)
     first = next(iter(all_lenses.values()))
     searched = check_layers(model, first, layers) if layers is not None else default_layers(model, first)

@@ -46,6 +46,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from ..lenses.kinds import is_baseline
 from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
@@ -223,7 +224,7 @@ def _plan_swaps(model: LensModel, lenses: Mapping[str, Lens], layers: Sequence[i
     if not alpha_list:
         raise ValueError("alphas is empty: give at least one swap scale.")
     all_lenses = dict(lenses)
-    if not any(lens.kind == "logit" for lens in all_lenses.values()):
+    if not any(is_baseline(lens) for lens in all_lenses.values()):
         all_lenses["logit"] = LogitLens.for_model(model)
     for alpha in alpha_list:
         if not 0 <= alpha <= MAX_ALPHA:

@@ -28,11 +28,10 @@ from jaxtyping import Float, Int
 
 from ..models.model import LensModel
 from .header import EXPERTS_FORMAT_NAME, LensFileError, half_prompts_of, header_or_none
-from .kinds import expert_kind
+from .kinds import RULES, expert_kind
 from .lens import (
     HALF_NAMES,
     HALF_PREFIX,
-    LENS_RULES,
     JacobianLens,
     MatrixTransportMixin,
     check_made_for,
@@ -162,8 +161,8 @@ class ExpertLens(MatrixTransportMixin):
                  halves: tuple[ExpertLens, ExpertLens] | None = None) -> None:
         if not pooled:
             raise ValueError("An ExpertLens needs at least one layer's matrices.")
-        if rules not in LENS_RULES:
-            raise ValueError(f"rules={rules!r} is not one of {LENS_RULES}.")
+        if rules not in RULES:
+            raise ValueError(f"rules={rules!r} is not one of {RULES}.")
         self.rules = rules
         self.d_model = d = int(d_model)
         layers = sorted(int(layer) for layer in pooled)

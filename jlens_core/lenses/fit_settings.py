@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .kinds import (
-    RULES,  # "jacobian" (docs/method.md §2), "relevance" (the R-lens, §9.1): from the lens kinds
+    RULES,  # "jacobian" (docs/method.md §2), "relevance" (the R-lens, §9.1): the lens kinds' table
 )
 
 if TYPE_CHECKING:
@@ -405,5 +405,5 @@ def lens_settings(settings: FitSettings, plan: FitPlan, *, n_skipped: int,
     return out
 
 
-__all__ = ["DEFAULT_CLUSTER_PROMPTS", "METHODS", "RULES", "FitPlan", "FitRecord", "FitSettings", "add_fit_arguments",
+__all__ = ["DEFAULT_CLUSTER_PROMPTS", "METHODS", "FitPlan", "FitRecord", "FitSettings", "add_fit_arguments",
            "check_rules", "lens_settings"]

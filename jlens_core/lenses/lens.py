@@ -20,7 +20,7 @@ from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
 from .fit_settings import FitPlan, FitRecord, FitSettings
 from .header import FORMAT_NAME, LensFileError, half_prompts_of, read_header
-from .kinds import RULES
+from .kinds import PLAIN_RULES, RULES
 from .protocol import FittedLens, Lens
 
 if TYPE_CHECKING:
@@ -34,8 +34,6 @@ FORMAT_VERSION = 1
 FP16_MAX = 65504.0
 # Fit settings that shape the result: lenses that differ in any of them cannot be merged.
 RESULT_SETTINGS = ("skip_first", "max_seq_len", "target_layer")
-# The backward rules a lens can be fitted with (docs/method.md §9.1): "jacobian" is the J-lens, "relevance" the R-lens.
-LENS_RULES = RULES  # ("jacobian", "relevance"): the rules of the lens kinds' table
 # Split halves in a lens file (docs/method.md §3.3): each half's own tensors under "half.even." / "half.odd.",
 # and a "halves" field in the header's metadata.
 HALF_PREFIX = "half."
@@ -320,9 +318,9 @@ def checked_rules(path: Path, info: dict[str, Any], *, what: str, version: int) 
         raise LensFileError(f"{str(path)!r} has {what} format version {info['format_version']}; this jlens "
                             f"reads up to {version}. Upgrade jlens.")
     rules = info.get("rules", "jacobian")  # files from before the R-lens are J-lenses
-    if rules not in LENS_RULES:
+    if rules not in RULES:
         raise LensFileError(f"{str(path)!r} records rules={rules!r}, which this jlens does not know "
-                            f"(it reads {' and '.join(LENS_RULES)}): upgrade jlens or refit the lens.")
+                            f"(it reads {' and '.join(RULES)}): upgrade jlens or refit the lens.")
     return rules
 
 
@@ -446,8 +444,8 @@ class JacobianLens(MatrixTransportMixin):
                  rules: str = "jacobian", halves: tuple[JacobianLens, JacobianLens] | None = None) -> None:
         if not jacobians:
             raise ValueError("A JacobianLens needs at least one layer's matrix.")
-        if rules not in LENS_RULES:
-            raise ValueError(f"rules={rules!r} is not one of {LENS_RULES}.")
+        if rules not in RULES:
+            raise ValueError(f"rules={rules!r} is not one of {RULES}.")
         self.rules = rules
         self.d_model = int(d_model)
         self.jacobians: dict[int, torch.Tensor] = {}
@@ -468,7 +466,7 @@ class JacobianLens(MatrixTransportMixin):
         return self.rules
 
     def __repr__(self) -> str:
-        rules = "" if self.rules == "jacobian" else f", rules={self.rules!r}"
+        rules = "" if self.rules == PLAIN_RULES else f", rules={self.rules!r}"
         return (f"JacobianLens(model={self.model_name!r}, layers={self.source_layers[0]}..{self.source_layers[-1]}"
                 f" ({len(self.source_layers)}), target={self.target_layer}, d_model={self.d_model}, "
                 f"n_prompts={self.n_prompts}{rules})")
