@@ -289,19 +289,19 @@ def _expert_sources(rules: str, variant: str, what: str) -> Callable[[Any, str],
 def lens_summary(lens: Any) -> str:
     """One line about a fitted lens (a J lens, an R-lens, an expert lens): prompts, layers, target, experts and
     the settings that shape it."""
-    s = lens.settings
+    fit, record = lens.fit_settings, lens.record
     layers = lens.source_layers
     span = f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else str(layers[0])
     parts = [f"{lens.n_prompts} prompts", f"layers {span} → {lens.target_layer}"]
     # a one-matrix file is a combination of experts only when it says so (ExpertLens.to_jacobian_lens)
-    experts = getattr(lens, "n_experts", None) or (s.get("experts") if s.get("expert_kind") else None)
+    experts = getattr(lens, "n_experts", None) or (fit.experts if record.combined_from is not None else None)
     if experts:
         weighted = BY_KIND[lens_kind(lens)].weighted
         parts.append(f"{experts} experts, {'learned' if weighted else 'uniform'} weights"
                      + (", combined into one matrix" if isinstance(lens, JacobianLens) else ""))
-    for key in ("max_seq_len", "skip_first", "corpus"):
-        if s.get(key) is not None:
-            parts.append(f"{key} {s[key]}")
+    recorded = {"max_seq_len": fit.max_seq_len if record.settings_recorded else None, "skip_first": lens.skip_first,
+                "corpus": record.corpus}
+    parts += [f"{key} {value}" for key, value in recorded.items() if value is not None]
     if getattr(lens, "shrinkage", 0):
         parts.append(f"shrinkage {lens.shrinkage:g}")
     if lens.stop_reason:

@@ -162,7 +162,7 @@ def test_expert_lens_file_roundtrip_and_errors(tmp_path) -> None:
 def test_expert_lens_merge_adds_sums_and_counts() -> None:
     a = _expert_lens(counts=(100, 0, 60), seed=0)
     b = _expert_lens(counts=(30, 70, 10), seed=0)
-    b = b._copy(experts={k: v + 1.0 for k, v in b.experts.items()}, n_prompts=2)
+    b = b.replace(experts={k: v + 1.0 for k, v in b.experts.items()}, n_prompts=2)
     merged = ExpertLens.merge([a, b])
     assert merged.n_prompts == 6 and merged.counts[0].tolist() == [130, 70, 70]
     want = (a.experts[0][0].double() * 100 + b.experts[0][0].double() * 30) / 130

@@ -68,10 +68,11 @@ def test_expert_kinds_and_lens_kind():
         expert_kind("gradient", True)
     lens = random_lens(d=4)
     assert lens_kind(lens) == "jacobian"
-    lens.settings["expert_kind"] = "relevance++"  # a combined one-matrix file of an R++ lens
-    assert lens_kind(lens) == "relevance++"
+    combined = lens.replace(combined_from={"kind": "relevance++"})  # a combined one-matrix file of an R++ lens
+    assert lens_kind(combined) == "relevance++" and lens_kind(lens) == "jacobian"
 
-    tuned = SimpleNamespace(kind="tuned", settings={"expert_kind": "jacobian++"})  # only a J or R lens is combined
+    origin = SimpleNamespace(combined_from=SimpleNamespace(kind="jacobian++"))
+    tuned = SimpleNamespace(kind="tuned", record=origin)  # only a J or R lens is combined
     assert lens_kind(tuned) == "tuned"
 
 

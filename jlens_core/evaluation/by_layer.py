@@ -34,12 +34,10 @@ Progress = Callable[[int, int], None]
 def default_skip_first(lenses: Mapping[str, Lens]) -> int:
     """The ``skip_first`` :func:`evaluate` uses when none is given.
 
-    The largest ``settings["skip_first"]`` among the Jacobian lenses (the positions they were fitted
-    at, so every lens is judged on the same tokens), or :data:`DEFAULT_SKIP_FIRST` (16, the fit's
-    default) when no lens records one.
+    The largest ``skip_first`` among the lenses (the positions they were fitted at, so every lens is judged
+    on the same tokens), or :data:`DEFAULT_SKIP_FIRST` (16, the fit's default) when no lens records one.
     """
-    values = [int(lens.settings["skip_first"]) for lens in lenses.values()
-              if lens.settings.get("skip_first") is not None]
+    values = [int(value) for value in (lens.skip_first for lens in lenses.values()) if value is not None]
     return max(values) if values else DEFAULT_SKIP_FIRST
 
 

@@ -152,13 +152,13 @@ def plain_kind(rules: str) -> str:
 
 def lens_kind(lens: object) -> str:
     """The kind a lens reads as: ``lens.kind``, except that a plain Jacobian lens combined from an expert lens
-    (:meth:`~jlens_core.lenses.experts.ExpertLens.to_jacobian_lens`, its settings record ``expert_kind``)
-    is that expert lens's kind (``"jacobian++"``, ``"relevance-experts"``, ...)."""
+    (:meth:`~jlens_core.lenses.experts.ExpertLens.to_jacobian_lens`: its record's ``combined_from``, its file's
+    settings' ``expert_kind``) is that expert lens's kind (``"jacobian++"``, ``"relevance-experts"``, ...)."""
     kind = str(getattr(lens, "kind", "lens"))
-    settings = getattr(lens, "settings", None)
-    plain = kind in BY_KIND and BY_KIND[kind].rules is not None and not BY_KIND[kind].experts
-    if plain and isinstance(settings, dict) and settings.get("expert_kind"):
-        return str(settings["expert_kind"])
+    origin = getattr(getattr(lens, "record", None), "combined_from", None)
+    plain = kind in BY_KIND and BY_KIND[kind].fitted and not BY_KIND[kind].experts
+    if plain and getattr(origin, "kind", None):
+        return str(origin.kind)
     return kind
 
 

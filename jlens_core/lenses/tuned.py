@@ -101,6 +101,12 @@ class TunedLens(SourceLayersMixin):
     def source_layers(self) -> list[int]:
         return sorted(self.translators)
 
+    @property
+    def skip_first(self) -> int | None:
+        """The leading positions its training left out (its settings' ``skip_first``), or ``None``."""
+        value = self.settings.get("skip_first")
+        return None if value is None else int(value)
+
     def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """``I + A_layer`` (fp32): the linear part of the transport."""
         a, _ = self.translators[int(layer)]

@@ -61,7 +61,7 @@ def lens_identity(lens: Lens | None, *, kind: str, origin: str | None = None) ->
         identity["kind"] = str(lens.kind)
         metadata = lens.metadata() if callable(getattr(lens, "metadata", None)) else {}  # type: ignore[attr-defined]
         identity.update({k: v for k, v in metadata.items() if k not in LEFT_OUT_LENS_METADATA and k not in identity})
-        identity.setdefault("settings", dict(lens.settings))
+        identity.setdefault("settings", {} if lens.skip_first is None else {"skip_first": lens.skip_first})
         identity.setdefault("layers", list(lens.layers))
     return jsonable(identity)
 
