@@ -125,8 +125,11 @@ def test_expert_lens_matrices_fallback_and_weights() -> None:
     plain = weighted.to_jacobian_lens()
     assert isinstance(plain, JacobianLens) and plain.kind == "jacobian"
     assert torch.equal(plain.matrix(0), weighted.matrix(0))
-    assert plain.settings["experts"] == 3 and plain.settings["expert_kind"] == "jacobian++"
-    assert plain.settings["weight_items"] == ["a", "b"] and plain.settings["expert_weights"]["1"] == [0.0, -1.0, 0.0]
+    origin = plain.record.combined_from
+    assert plain.fit_settings.experts == 3 and origin.kind == "jacobian++"
+    assert origin.weight_items == ("a", "b") and origin.weights["1"] == [0.0, -1.0, 0.0]
+    settings = plain.settings_dict()  # what its file records
+    assert settings["experts"] == 3 and settings["expert_kind"] == "jacobian++" and settings["weight_items"] == ["a", "b"]
 
 
 def test_expert_lens_file_roundtrip_and_errors(tmp_path) -> None:

@@ -224,7 +224,7 @@ def test_merged_slices_have_the_halves_of_one_fit(cut):
     head = fit(tiny(), PROMPTS[:cut], **SETTINGS)
     tail = fit(tiny(), PROMPTS[cut:], first_prompt=cut, **SETTINGS)
     merged = JacobianLens.merge([head, tail])
-    assert merged.half_prompts == (2, 3) and merged.settings.get("first_prompt", 0) == 0
+    assert merged.half_prompts == (2, 3) and merged.record.provenance.get("first_prompt", 0) == 0
     assert_same_halves(merged, uninterrupted())
     # three slices, one of them a single prompt (one empty half), merge just as well
     parts = [fit(tiny(), PROMPTS[a:b], first_prompt=a, **SETTINGS) for a, b in ((0, 3), (3, 4), (4, 6))]

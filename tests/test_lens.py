@@ -95,8 +95,9 @@ def test_save_load_round_trip_fp32_is_exact(tmp_path):
     assert (back.n_prompts, back.d_model, back.target_layer, back.n_layers) == (2, 32, 3, 4)
     assert back.model_name == "tiny-llama"
     assert back.model_fingerprint == tiny().fingerprint()
-    assert back.settings == json.loads(json.dumps(lens.settings))
-    assert back.settings["skip_first"] == 2 and back.settings["max_seq_len"] == 16
+    assert back.settings_dict() == json.loads(json.dumps(lens.settings_dict()))
+    assert back.fit_settings == lens.fit_settings and back.record == lens.record
+    assert back.skip_first == 2 and back.fit_settings.max_seq_len == 16
     assert back.diagnostics == lens.diagnostics and len(back.diagnostics) == 2 * 3
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["jlens"])

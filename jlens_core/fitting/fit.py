@@ -19,7 +19,7 @@ from .._atomic import atomic_write
 from ..lenses.experts import Clustering, ExpertLens
 from ..lenses.fit_settings import FitPlan, FitRecord, FitSettings, plan_provenance
 from ..lenses.kinds import relevance_backward
-from ..lenses.lens import JacobianLens
+from ..lenses.lens import JacobianLens, half_rel_diff
 from ..models.model import LensModel
 from .estimator import jacobian_for_prompt
 from .expert_clusters import cluster_source_layers, clustering_from_payload, clustering_payload
@@ -509,7 +509,7 @@ class _FitRun:
             return None
         sums = state.half_sum[layer] + pending.half_delta[layer]  # [2, d, d]
         full = (sums[0] + sums[1]) / (n[0] + n[1])
-        return float((sums[0] / n[0] - sums[1] / n[1]).norm() / full.norm().clamp_min(1e-300))
+        return half_rel_diff(full, sums[0] / n[0], sums[1] / n[1])
 
     def _sync(self, final: bool) -> list[FitProgress]:
         """Fold every rank's pending part into the state and ask ``should_stop``; returns the progress events."""
