@@ -17,7 +17,13 @@ from helpers import random_lens, tiny
 from jlens_core import ExpertLens, JacobianLens, LogitLens, fit
 from jlens_core._version import __version__
 from jlens_core.fitting.diagnostics import half_agreement_frame
-from jlens_core.lenses.fit_settings import ExpertOrigin, FitRecord, FitSettings, settings_view, split_lens_settings
+from jlens_core.lenses.fit_settings import (
+    ExpertOrigin,
+    FitRecord,
+    FitSettings,
+    settings_view,
+    split_lens_settings,
+)
 from jlens_core.lenses.lens import SETTINGS_REMOVED_IN, half_rel_diff, predicted_rel_se
 from jlens_core.lenses.protocol import FitRecordLens
 
