@@ -463,9 +463,12 @@ class ExpertLens(MatrixTransportMixin):
         clustering = {layer: Clustering(tensors[f"clustering.mean.{layer}"], tensors[f"clustering.components.{layer}"],
                                         tensors[f"clustering.centroids.{layer}"]) for layer in layers}
 
-        def part(named: dict[str, torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
-            return {key: {layer: named[f"{name}.{layer}"] for layer in layers}
-                    for key, name in (("pooled", "J"), ("experts", "experts"), ("counts", "counts"))}
+        def part(named: dict[str, torch.Tensor]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor],
+                                                          dict[int, torch.Tensor]]:
+            """The pooled matrices, experts and counts in ``named`` (a file's, or a half's)."""
+            pooled, experts, counts = ({layer: named[f"{name}.{layer}"] for layer in layers}
+                                       for name in ("J", "experts", "counts"))
+            return pooled, experts, counts
 
         try:
             fit_settings, record = fit_types(info.get("settings"), layers=layers, target_layer=info["target_layer"],
@@ -477,11 +480,10 @@ class ExpertLens(MatrixTransportMixin):
             halves = None
             half_prompts = half_prompts_of(info)
             if half_prompts is not None:  # each half: its J, experts and counts, with the lens's clustering
-                halves = tuple(cls.from_fit(**part(extra_tensors(every, f"{HALF_PREFIX}{name}.")), clustering=clustering,
-                                            fit_settings=fit_settings, record=record.for_half(n), **shape)
+                halves = tuple(cls.from_fit(*part(extra_tensors(every, f"{HALF_PREFIX}{name}.")), clustering,
+                                            fit_settings, record.for_half(n), **shape)
                                for name, n in zip(HALF_NAMES, half_prompts))
-            lens = cls.from_fit(**part(tensors), clustering=clustering, fit_settings=fit_settings,
-                                record=record.replace(canary=read_canary(path)),
+            lens = cls.from_fit(*part(tensors), clustering, fit_settings, record.replace(canary=read_canary(path)),
                                 weights={layer: tensors[f"weights.{layer}"] for layer in layers} if weighted else None,
                                 weight_items=info.get("weight_items"),
                                 min_positions=info.get("min_positions", MIN_POSITIONS),

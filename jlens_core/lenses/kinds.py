@@ -157,8 +157,9 @@ def lens_kind(lens: object) -> str:
     kind = str(getattr(lens, "kind", "lens"))
     origin = getattr(getattr(lens, "record", None), "combined_from", None)
     plain = kind in BY_KIND and BY_KIND[kind].fitted and not BY_KIND[kind].experts
-    if plain and getattr(origin, "kind", None):
-        return str(origin.kind)
+    origin_kind = getattr(origin, "kind", None)
+    if plain and origin_kind:
+        return str(origin_kind)
     return kind
 
 

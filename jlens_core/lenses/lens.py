@@ -161,8 +161,8 @@ class MatrixTransportMixin(SourceLayersMixin):
         """This lens's constructor fields (``_FIELDS``), as held."""
         raise NotImplementedError
 
-    def _setup(self, **fields: Any) -> None:
-        raise NotImplementedError
+    # the class's constructor: its fields (``_FIELDS``) by keyword, checked; every lens is built by it
+    _setup: Callable[..., None]
 
     def _set_fit(self, *, layers: Sequence[int], n_layers: int | None, fit_settings: FitSettings, record: FitRecord,
                  halves: Sequence[Any] | None) -> None:
@@ -397,8 +397,8 @@ class MatrixTransportMixin(SourceLayersMixin):
         record = merged_record(lenses)
         halves = None
         if all(lens.raw_halves is not None for lens in lenses):
-            halves = tuple(cls._merged_part([lens.raw_halves[h] for lens in lenses], record.for_half(0))
-                           for h in (0, 1))
+            parts = [[lens.raw_halves[h] for lens in lenses] for h in (0, 1)]  # type: ignore[index]  # all kept
+            halves = (cls._merged_part(parts[0], record.for_half(0)), cls._merged_part(parts[1], record.for_half(0)))
         elif any(lens.raw_halves is not None for lens in lenses):
             log.info("Merged without split halves: some of the lenses keep none.")
         return cls._merged_part(lenses, record, halves=halves)
