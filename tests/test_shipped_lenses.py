@@ -47,7 +47,7 @@ def test_load_lens_reads_expert_and_combined_files(llama, experts, tmp_path):
         pooled.settings_dict()
     # an expert file for another model is refused like any lens file
     other = ExpertLens.load(tmp_path / "experts.safetensors")
-    other.model_fingerprint = dict(other.model_fingerprint or {}, d_model=999)
+    other = other.replace(model_fingerprint=dict(other.model_fingerprint or {}, d_model=999))
     other.save(tmp_path / "other.safetensors")
     with pytest.raises(LensFileError):
         load_lens_file(tmp_path / "other.safetensors", model=llama)

@@ -151,12 +151,12 @@ class ExpertLens(MatrixTransportMixin):
 
     _FIELDS = ("pooled", "experts", "counts", "clustering", "d_model", "n_layers", "fit_settings", "record",
                "weights", "weight_items", "min_positions", "halves")
-    pooled: dict[int, torch.Tensor]
-    experts: dict[int, torch.Tensor]
-    counts: dict[int, torch.Tensor]
+    pooled: dict[int, Float[torch.Tensor, "d_model d_model"]]
+    experts: dict[int, Float[torch.Tensor, "experts d_model d_model"]]
+    counts: dict[int, Int[torch.Tensor, " experts"]]
     clustering: dict[int, Clustering]
     n_experts: int
-    weights: dict[int, torch.Tensor] | None
+    weights: dict[int, Float[torch.Tensor, " experts"]] | None
     weight_items: list[str]
     min_positions: int
 
@@ -181,10 +181,11 @@ class ExpertLens(MatrixTransportMixin):
                     weight_items=weight_items, min_positions=min_positions, halves=halves)
 
     @classmethod
-    def from_fit(cls, pooled: Mapping[int, torch.Tensor], experts: Mapping[int, torch.Tensor],
-                 counts: Mapping[int, torch.Tensor], clustering: Mapping[int, Clustering], fit_settings: FitSettings,
-                 record: FitRecord, *, d_model: int, n_layers: int | None = None,
-                 weights: Mapping[int, torch.Tensor] | None = None, weight_items: Sequence[str] | None = None,
+    def from_fit(cls, pooled: Mapping[int, Float[torch.Tensor, "d_model d_model"]],
+                 experts: Mapping[int, Float[torch.Tensor, "experts d_model d_model"]],
+                 counts: Mapping[int, Int[torch.Tensor, " experts"]], clustering: Mapping[int, Clustering],
+                 fit_settings: FitSettings, record: FitRecord, *, d_model: int, n_layers: int | None = None,
+                 weights: Mapping[int, Float[torch.Tensor, " experts"]] | None = None, weight_items: Sequence[str] | None = None,
                  min_positions: int = MIN_POSITIONS, halves: tuple[ExpertLens, ExpertLens] | None = None) -> ExpertLens:
         """The expert lens of these tensors with its types: what shaped it (``fit_settings``) and what its fit
         recorded (``record``); the other arguments as the constructor's.

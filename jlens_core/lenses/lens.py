@@ -648,7 +648,7 @@ class JacobianLens(MatrixTransportMixin):
     """
 
     _FIELDS = ("jacobians", "d_model", "n_layers", "fit_settings", "record", "shrinkage", "halves")
-    jacobians: dict[int, torch.Tensor]
+    jacobians: dict[int, Float[torch.Tensor, "d_model d_model"]]
     shrinkage: float
 
     def __init__(self, jacobians: Mapping[int, Float[torch.Tensor, "d_model d_model"]], n_prompts: int, d_model: int,
