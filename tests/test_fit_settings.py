@@ -146,6 +146,11 @@ def test_every_shipped_lens_reads_into_the_types(name):
     assert lens.record.half_prompts == ((50, 50) if with_halves else None)
     assert lens.record.n_prompts == lens.n_prompts and lens.record.n_skipped == 0
     assert FitSettings.from_dict(settings.to_dict()) == settings
+    # the file's settings dict, read into the types and made back from them (issue #48): unchanged
+    from jlens_core.lenses.header import read_header
+
+    assert lens.settings_dict() == lens.metadata()["settings"] == read_header(path).fresh_info()["settings"]
+    assert (lens.record.combined_from is not None) == ("pp" in name)
 
 
 # -- old checkpoints resume exactly ----------------------------------------------------------------------
