@@ -119,9 +119,11 @@ def test_no_kind_name_is_compared_outside_the_table():
     """A decision by kind asks the table's capabilities (kinds.py), never compares a kind's name."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "jlens_core"
+    root = Path(__file__).resolve().parents[1]
     names = "|".join(re.escape(k.kind) for k in KINDS)
     compared = re.compile(rf"""(==|!=|\bin)\s*\(?["'](?:{names})["']|["'](?:{names})["']\s*(==|!=|\bin\b|\bnot in\b)""")
-    found = [f"{path.relative_to(root)}:{n}" for path in root.rglob("*.py") if path.name != "kinds.py"
+    found = [f"{path.relative_to(root)}:{n}" for folder in ("jlens_core", "app") for path in (root / folder).rglob("*.py")
+             if path.name != "kinds.py"
              for n, line in enumerate(path.read_text().splitlines(), 1) if compared.search(line.split("#")[0])]
     assert found == []
+    assert compared.search('if lens.kind == "logit":') and compared.search('x = "tuned" in names')  # it finds them

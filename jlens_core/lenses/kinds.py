@@ -96,6 +96,8 @@ RULES: tuple[str, ...] = tuple(dict.fromkeys(k.rules for k in KINDS if k.rules))
 PLAIN_RULES: str = RULES[0]
 # the logit lens's kind: the baseline that readings, comparisons and controls add (``"logit"``)
 BASELINE: str = next(k.kind for k in KINDS if k.baseline)
+# the tuned lens's kind (``"tuned"``): trained on the model's output, not fitted by ``jlens fit``
+TRAINED: str = next(k.kind for k in KINDS if k.trained)
 # the plain fitted lens's kind (``"jacobian"``): the lens a model is read with unless a shipped variant beat it
 PLAIN: str = next(k.kind for k in KINDS if k.rules == PLAIN_RULES and not k.experts)
 # the kinds that are not expert lenses, in table order: one slot (and reading mode) each in the app
@@ -164,5 +166,5 @@ def lens_kind(lens: object) -> str:
 
 
 __all__ = ["BASELINE", "BY_KIND", "FIELDS", "KINDS", "PLAIN", "PLAIN_RULES", "RULES", "SINGLE_KINDS",
-           "SOURCE_ONLY_VARIANTS", "LensKind", "capabilities", "expert_kind", "is_baseline", "is_trained", "lens_kind",
+           "SOURCE_ONLY_VARIANTS", "TRAINED", "LensKind", "capabilities", "expert_kind", "is_baseline", "is_trained", "lens_kind",
            "plain_kind", "relevance_backward"]
