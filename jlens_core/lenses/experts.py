@@ -199,12 +199,6 @@ class ExpertLens(MatrixTransportMixin):
                     weight_items=weight_items, min_positions=min_positions, halves=halves)
         return lens
 
-    def _fields(self) -> dict[str, Any]:
-        return {"pooled": self.pooled, "experts": self.experts, "counts": self.counts, "clustering": self.clustering,
-                "d_model": self.d_model, "n_layers": self.n_layers, "fit_settings": self.fit_settings,
-                "record": self.record, "weights": self.weights, "weight_items": self.weight_items,
-                "min_positions": self.min_positions, "halves": self._halves}
-
     def _setup(self, *, pooled: Mapping[int, torch.Tensor], experts: Mapping[int, torch.Tensor],
                counts: Mapping[int, torch.Tensor], clustering: Mapping[int, Clustering], d_model: int,
                n_layers: int | None, fit_settings: FitSettings, record: FitRecord,

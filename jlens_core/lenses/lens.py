@@ -133,7 +133,7 @@ class MatrixTransportMixin(SourceLayersMixin):
     """A lens fitted by ``jlens fit`` that reads with one matrix per source layer (:meth:`matrix`): shared by
     :class:`JacobianLens` and the expert lens.
 
-    An immutable value (docs/method.md §4.1): its matrices, its :attr:`fit_settings`
+    An immutable value (docs/method.md §4): its matrices, its :attr:`fit_settings`
     (:class:`~jlens_core.lenses.fit_settings.FitSettings`, what shaped it), its :attr:`record`
     (:class:`~jlens_core.lenses.fit_settings.FitRecord`, what its fit recorded: model, prompts, diagnostics, stop
     reason, provenance, halves, canary, corpus, weighting, merge history) and its split halves. A derived lens is a
@@ -158,8 +158,8 @@ class MatrixTransportMixin(SourceLayersMixin):
         object.__setattr__(self, name, value)
 
     def _fields(self) -> dict[str, Any]:
-        """This lens's constructor fields (``_FIELDS``), as held."""
-        raise NotImplementedError
+        """This lens's constructor fields (``_FIELDS``), as held (``halves`` as kept: :attr:`raw_halves`)."""
+        return {name: self._halves if name == "halves" else getattr(self, name) for name in self._FIELDS}
 
     # the class's constructor: its fields (``_FIELDS``) by keyword, checked; every lens is built by it
     _setup: Callable[..., None]
@@ -699,11 +699,6 @@ class JacobianLens(MatrixTransportMixin):
         self.jacobians = mats
         self.shrinkage = float(shrinkage)
         self._set_fit(layers=sorted(mats), n_layers=n_layers, fit_settings=fit_settings, record=record, halves=halves)
-
-    def _fields(self) -> dict[str, Any]:
-        return {"jacobians": self.jacobians, "d_model": self.d_model, "n_layers": self.n_layers,
-                "fit_settings": self.fit_settings, "record": self.record, "shrinkage": self.shrinkage,
-                "halves": self._halves}
 
     @property
     def kind(self) -> str:
