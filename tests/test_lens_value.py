@@ -186,3 +186,28 @@ def test_the_constructor_is_spelled_once_per_class():
     assert found == []
     source = (ROOT / "jlens_core" / "lenses" / "lens.py").read_text()
     assert source.count("return cls(mats,") == 1  # _load_reference: another library's file, by the loose fields
+
+
+def test_every_lens_kind_is_immutable_and_its_dicts_survive_a_copy():
+    import copy
+    import pickle
+
+    from helpers import identity_lens
+
+    from jlens_core import TunedLens
+
+    tuned = TunedLens.zeros(tiny(), settings={"skip_first": 3, "steps": 2})
+    for lens, name in ((tuned, "settings"), (LogitLens.for_model(tiny()), "n_layers")):
+        with pytest.raises(AttributeError, match="immutable value"):
+            setattr(lens, name, None)
+    with pytest.raises(TypeError, match="read-only"):
+        tuned.settings["corpus"] = "x"
+    more = tuned.replace(settings={**tuned.settings, "corpus": "x"}, metrics={"heldout_kl_bits": {"0": 1.0}})
+    assert more.settings == {"skip_first": 3, "steps": 2, "corpus": "x"} and tuned.settings == {"skip_first": 3, "steps": 2}
+    assert more.skip_first == 3 and more.metrics == {"heldout_kl_bits": {"0": 1.0}}
+    with pytest.raises(TypeError, match="no field 'colour'"):
+        tuned.replace(colour="red")
+    for lens in (more, fitted(), identity_lens(tiny())):  # a lens copies and pickles whole
+        again = pickle.loads(pickle.dumps(lens))
+        assert copy.deepcopy(lens).layers == again.layers == lens.layers
+    assert pickle.loads(pickle.dumps(more)).settings == more.settings

@@ -257,11 +257,10 @@ def train_tuned_lens(model: LensModel, texts: Sequence[str], *, layers: Sequence
         raise
     if heldout and last_heldout is None:  # resumed a finished run
         last_heldout = run.heldout(heldout)
-    lens = run.snapshot()
-    lens.metrics = {"history": run.history}
+    metrics: dict[str, Any] = {"history": run.history}
     if last_heldout is not None:
-        lens.metrics["heldout_kl_bits"] = {str(k): v for k, v in last_heldout.items()}
-    return lens
+        metrics["heldout_kl_bits"] = {str(k): v for k, v in last_heldout.items()}
+    return run.snapshot().replace(metrics=metrics)
 
 
 class _TuneRun:

@@ -21,7 +21,7 @@ from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
 from .fit_settings import FitPlan, FitRecord, FitSettings, settings_view, split_lens_settings
 from .header import FORMAT_NAME, LensFileError, half_prompts_of, read_header
-from .kinds import PLAIN_RULES, RULES, plain_kind
+from .kinds import BASELINE, PLAIN_RULES, RULES, plain_kind
 from .protocol import FittedLens, Lens
 
 if TYPE_CHECKING:
@@ -104,14 +104,32 @@ def cached_on_device(cache: dict[tuple[int, torch.device, torch.dtype], _T], lay
 
 
 class ReadOnlySettings(dict):
-    """The deprecated ``lens.settings`` view: a dict (JSON-ready, ``isinstance(x, dict)``) that refuses changes,
-    since the lens is an immutable value (derive a copy with ``lens.replace``)."""
+    """A lens's settings dict (the fitted lens's deprecated ``lens.settings`` view, a tuned lens's ``settings`` and
+    ``metrics``): a dict (JSON-ready, ``isinstance(x, dict)``) that refuses changes, since the lens is an immutable
+    value (derive a copy with ``lens.replace``)."""
 
     def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("lens.settings is a read-only view of lens.fit_settings and lens.record: derive a changed "
-                        "lens with lens.replace(...) (e.g. lens.replace(corpus=...)).")
+        raise TypeError("A lens's settings are a read-only view (of lens.fit_settings and lens.record for a fitted "
+                        "lens): derive a changed lens with lens.replace(...) (e.g. lens.replace(corpus=...)).")
 
     __setitem__ = __delitem__ = __ior__ = update = setdefault = pop = popitem = clear = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickle and deepcopy rebuild it whole (item by item would be refused)
+        return (type(self), (dict(self),))
+
+
+class FrozenAttributes:
+    """A lens is an immutable value: once made (:meth:`_freeze`), setting a public attribute raises; derive a copy
+    with ``lens.replace(...)`` instead. Private attributes (caches) stay settable."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("_") and self.__dict__.get("_frozen"):
+            raise AttributeError(f"{type(self).__name__} is an immutable value: derive a copy with "
+                                 f"lens.replace({name}=...) instead of setting {name}.")
+        object.__setattr__(self, name, value)
+
+    def _freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
 
 
 class SourceLayersMixin:
@@ -129,7 +147,7 @@ class SourceLayersMixin:
         return self.source_layers + [self.target_layer]
 
 
-class MatrixTransportMixin(SourceLayersMixin):
+class MatrixTransportMixin(FrozenAttributes, SourceLayersMixin):
     """A lens fitted by ``jlens fit`` that reads with one matrix per source layer (:meth:`matrix`): shared by
     :class:`JacobianLens` and the expert lens.
 
@@ -150,12 +168,6 @@ class MatrixTransportMixin(SourceLayersMixin):
     _halves: tuple[Any, Any] | None
     # the fields of the class's constructor (``_setup``'s keywords), which :meth:`replace` copies
     _FIELDS: ClassVar[tuple[str, ...]] = ()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if not name.startswith("_") and self.__dict__.get("_frozen"):
-            raise AttributeError(f"{type(self).__name__} is an immutable value: derive a copy with "
-                                 f"lens.replace({name}=...) instead of setting {name}.")
-        object.__setattr__(self, name, value)
 
     def _fields(self) -> dict[str, Any]:
         """This lens's constructor fields (``_FIELDS``), as held (``halves`` as kept: :attr:`raw_halves`)."""
@@ -181,7 +193,7 @@ class MatrixTransportMixin(SourceLayersMixin):
         half_prompts = None if self._halves is None else (self._halves[0].n_prompts, self._halves[1].n_prompts)
         self.record = record if record.half_prompts == half_prompts else record.replace(half_prompts=half_prompts)
         self._device_cache = {}
-        self._frozen = True
+        self._freeze()
 
     def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` (as ``dataclasses.replace``), checked like a new lens: any of the class's
@@ -553,7 +565,7 @@ def prompt_weighted_mean(weighted: Iterable[tuple[torch.Tensor, int]], total: in
     return functools.reduce(operator.add, [mat.double() * n for mat, n in weighted]).div(total).float()
 
 
-class LogitLens:
+class LogitLens(FrozenAttributes):
     """The logit lens: ``J_l = I`` at every layer. Same reading interface as :class:`JacobianLens`.
 
     Args:
@@ -561,12 +573,13 @@ class LogitLens:
         d_model: residual width.
     """
 
-    kind = "logit"
+    kind = BASELINE  # "logit" (the kinds' table)
 
     def __init__(self, n_layers: int, d_model: int) -> None:
         self.n_layers = int(n_layers)
         self.d_model = int(d_model)
         self.target_layer = self.n_layers - 1
+        self._freeze()
 
     skip_first: int | None = None  # nothing fitted: every position is read as it is
 
