@@ -211,3 +211,18 @@ def test_every_lens_kind_is_immutable_and_its_dicts_survive_a_copy():
         again = pickle.loads(pickle.dumps(lens))
         assert copy.deepcopy(lens).layers == again.layers == lens.layers
     assert pickle.loads(pickle.dumps(more)).settings == more.settings
+
+
+def test_a_new_fit_setting_is_recorded_and_read_back_from_its_field(monkeypatch):
+    """The lens file's settings are made from FitSettings' fields (FILE_SETTINGS), not a list of their names."""
+    from jlens_core.lenses import fit_settings
+
+    assert fit_settings.FILE_SETTINGS == ("target_layer", "skip_first", "max_seq_len", "experts", "cluster_prompts")
+    settings = FitSettings(source_layers=(0, 1), target_layer=2, skip_first=3, experts=2, cluster_prompts=5)
+    view = settings_view(settings, FitRecord())
+    assert {k: view[k] for k in fit_settings.FILE_SETTINGS} == {"target_layer": 2, "skip_first": 3, "max_seq_len": 128,
+                                                                 "experts": 2, "cluster_prompts": 5}
+    back, _ = split_lens_settings(view, source_layers=[0, 1], target_layer=2, rules="jacobian")
+    assert back == settings
+    monkeypatch.setattr(fit_settings, "FILE_SETTINGS", (*fit_settings.FILE_SETTINGS, "rules"))  # as if a new field
+    assert settings_view(settings, FitRecord())["rules"] == "jacobian"

@@ -256,13 +256,12 @@ class FitSettings(_Fields):
     @classmethod
     def from_lens(cls, source_layers: list[int], target_layer: int, rules: str,
                   settings: Mapping[str, Any]) -> FitSettings:
-        """The settings a lens file records: its layers and rules, and its ``settings`` dict (whose other keys,
-        the plan's and the record's, are ignored). A key missing from an old file takes its default."""
-        experts = int(settings.get("experts") or 0)
-        return cls(source_layers=tuple(source_layers), target_layer=int(target_layer),
-                   skip_first=int(settings.get("skip_first", 16)), max_seq_len=int(settings.get("max_seq_len", 128)),
-                   rules=rules, experts=experts,
-                   cluster_prompts=int(settings.get("cluster_prompts", DEFAULT_CLUSTER_PROMPTS)) if experts else 0)
+        """The settings a lens file records: its layers and rules, and its ``settings`` dict's entries of the other
+        fields (:data:`FILE_SETTINGS`; the plan's and the record's entries are ignored). A field missing from an old
+        file takes its default (``cluster_prompts``: set to 0 without experts)."""
+        recorded = {name: settings[name] for name in FILE_SETTINGS if settings.get(name) is not None}
+        return cls(**{**recorded, "source_layers": tuple(source_layers), "target_layer": int(target_layer),
+                      "rules": rules})
 
     @classmethod
     def from_checkpoint(cls, saved: Mapping[str, Any]) -> FitSettings:
@@ -462,9 +461,11 @@ class FitRecord(_Fields):
         return out
 
 
-# The entries of a lens file's settings dict (docs/method.md §4.1) that typed fields own: the FitSettings' (its
-# layers and rules are the lens's own fields), and the record's.
-_SETTINGS_KEYS = ("skip_first", "max_seq_len", "target_layer", "experts", "cluster_prompts")
+# The entries of a lens file's settings dict (docs/method.md §4.1) that typed fields own: every FitSettings field
+# but its layers and rules (the lens's own fields; an expert fit's ``experts`` and ``cluster_prompts`` only with
+# experts), so a new fit setting is recorded and read back without more code; and the record's.
+FILE_SETTINGS = tuple(name for name in FitSettings.field_names() if name not in ("source_layers", "rules"))
+_EXPERT_SETTINGS = ("experts", "cluster_prompts")
 _RECORD_KEYS = ("n_skipped", "corpus", "weighting", "merged_from", *ExpertOrigin.KEYS.values())
 
 
@@ -480,7 +481,7 @@ def split_lens_settings(settings: Mapping[str, Any] | None, *, source_layers: li
     settings = dict(settings or {})
     recorded = "skip_first" in settings
     fit = FitSettings.from_lens(source_layers, target_layer, rules, settings)
-    owned = (*_SETTINGS_KEYS, *_RECORD_KEYS) if recorded else ("target_layer", *_RECORD_KEYS[1:])
+    owned = (*FILE_SETTINGS, *_RECORD_KEYS) if recorded else ("target_layer", *_RECORD_KEYS[1:])
     record: dict[str, Any] = {
         "settings_recorded": recorded, "n_skipped": int(settings.get("n_skipped", 0)),
         "provenance": {key: value for key, value in settings.items() if key not in owned},
@@ -496,11 +497,9 @@ def settings_view(fit: FitSettings, record: FitRecord) -> dict[str, Any]:
     ``weighting`` and expert origin when it has them. A fresh dict."""
     out: dict[str, Any]
     if record.settings_recorded:
-        out = {"skip_first": fit.skip_first, "max_seq_len": fit.max_seq_len, "target_layer": fit.target_layer}
+        out = {name: _plain(getattr(fit, name)) for name in FILE_SETTINGS if fit.experts or name not in _EXPERT_SETTINGS}
         out.update(record.provenance)
         out["n_skipped"] = record.n_skipped
-        if fit.experts:
-            out.update(experts=fit.experts, cluster_prompts=fit.cluster_prompts)
     else:
         out = {**record.provenance, "target_layer": fit.target_layer}
     for key in ("corpus", "merged_from", "weighting"):
@@ -528,5 +527,5 @@ def plan_provenance(plan: FitPlan, *, memory: Mapping[str, Any] | None = None) -
     return out
 
 
-__all__ = ["DEFAULT_CLUSTER_PROMPTS", "METHODS", "ExpertOrigin", "FitPlan", "FitRecord", "FitSettings",
+__all__ = ["DEFAULT_CLUSTER_PROMPTS", "FILE_SETTINGS", "METHODS", "ExpertOrigin", "FitPlan", "FitRecord", "FitSettings",
            "add_fit_arguments", "check_rules", "plan_provenance", "settings_view", "split_lens_settings"]
