@@ -226,3 +226,14 @@ def test_a_new_fit_setting_is_recorded_and_read_back_from_its_field(monkeypatch)
     assert back == settings
     monkeypatch.setattr(fit_settings, "FILE_SETTINGS", (*fit_settings.FILE_SETTINGS, "rules"))  # as if a new field
     assert settings_view(settings, FitRecord())["rules"] == "jacobian"
+
+
+def test_a_lens_of_the_old_protocol_still_says_where_it_was_fitted():
+    """A lens written to the protocol before skip_first (a settings dict only) reads as before."""
+    from types import SimpleNamespace
+
+    from jlens_core.lenses.protocol import recorded_skip_first
+
+    assert recorded_skip_first(SimpleNamespace(settings={"skip_first": 4})) == 4
+    assert recorded_skip_first(SimpleNamespace(settings={})) is None
+    assert recorded_skip_first(fitted()) == 2 and recorded_skip_first(LogitLens(4, 8)) is None

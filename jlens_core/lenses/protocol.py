@@ -110,6 +110,16 @@ class FittedLens(Lens, Protocol):
         ...
 
 
+def recorded_skip_first(lens: object) -> int | None:
+    """``lens.skip_first``: the first position its fit or training counted (``None``: it records none). A lens
+    written to this protocol before it had ``skip_first`` (a ``settings`` dict only) gives its dict's entry."""
+    if hasattr(lens, "skip_first"):
+        value = lens.skip_first
+    else:  # the protocol before 0.2: a plain settings dict
+        value = (getattr(lens, "settings", None) or {}).get("skip_first")
+    return None if value is None else int(value)
+
+
 @runtime_checkable
 class FitRecordLens(FittedLens, Protocol):
     """A lens fitted by ``jlens fit`` (Jacobian or expert lens): its settings and its fit's record, as types."""
@@ -121,4 +131,4 @@ class FitRecordLens(FittedLens, Protocol):
     def record(self) -> FitRecord: ...
 
 
-__all__ = ["FitRecordLens", "FittedLens", "Lens"]
+__all__ = ["FitRecordLens", "FittedLens", "Lens", "recorded_skip_first"]

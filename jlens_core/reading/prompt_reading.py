@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from ..lenses.protocol import Lens
+from ..lenses.protocol import Lens, recorded_skip_first
 from .file_format import pick_reading, read_file, write_readings
 from .stability import STABILITY_COLUMNS, Stability, stability_by_layer
 from .tokens import TokenDisplay, display_ids
@@ -413,7 +413,7 @@ def lens_skip_first(lens: Lens) -> int:
     The Jacobian lens's fit and the tuned lens's training record it; the logit lens (``skip_first = None``)
     and a lens file without it have every position fitted.
     """
-    value = lens.skip_first
+    value = recorded_skip_first(lens)
     return max(0, int(value)) if value is not None else 0
 
 
