@@ -23,7 +23,15 @@ from jlens_core.interventions.say import OPS, SayResult, make_it_say
 OP_LABELS = {"steer": "steer toward X", "swap": "swap the top lens token for X", "ablate": "ablate competitors"}
 WHERE = {"readout": "the last position", "from": "every position from the clicked one"}
 DEFAULT_REPLAYS = 12
-COLUMNS = ["arm", "op", "layers", "positions", "strength", "next_token", "target_prob", "kl_bits", "minimal"]
+COLUMNS = ["arm", "op", "layers", "positions", "strength", "next_token", "target_prob", "readout_kl_bits",
+           "downstream_kl_bits", "downstream_kl_max_bits", "prompt_kl_bits", "minimal"]
+KL_COLUMNS = {"readout_kl_bits": ("readout KL (bits)", ("At the readout, over the tokens other than the target's "
+                                  "(both renormalised without them).")),
+              "downstream_kl_bits": ("downstream KL (bits)", ("The clean continuation teacher-forced with the edit: "
+                                     "KL per token, the mean.")),
+              "downstream_kl_max_bits": ("downstream max (bits)", "The largest KL over the clean continuation."),
+              "prompt_kl_bits": ("prompt KL (bits)", ("An edit from a position: KL at the prompt positions it touches "
+                                 "before the readout (empty for a readout edit, which touches none)."))}
 
 ss = st.session_state
 
@@ -93,6 +101,16 @@ def recipe_table(result: SayResult) -> tuple[pd.DataFrame, list]:
         rows.append({**{k: row[k] for k in COLUMNS if k in row}, "minimal": recipe is arm.minimal,
                      "describe": recipe.describe(result.target_text)})
     return pd.DataFrame(rows, columns=COLUMNS + ["describe"]), [r for _, r in recipes]
+
+
+def minimal_lines(result: SayResult) -> list[str]:
+    """Each arm's minimal recipe under its own name (the same rule as the CLI and the JSON: docs/interventions.md)."""
+    lines = []
+    for name, arm in result.arms.items():
+        found = (f"{arm.minimal.describe(result.target_text)}; {arm.minimal.side_effects()}" if arm.minimal
+                 else "none found")
+        lines.append(f"**{name}** ({arm.directions}): {found}")
+    return lines
 
 
 def _picked(recipes: list) -> Any:
@@ -168,10 +186,14 @@ def box(ctx: Any, name: str, lens: Any, text: str, layers: tuple[int, int], from
         table, recipes = recipe_table(result)
         if not recipes:
             return
+        st.markdown("Minimal recipe per arm (the smallest band, then readout before from, then the smallest "
+                    "relative strength):\n\n" + "\n".join(f"- {line}" for line in minimal_lines(result)))
+        kl_config = {k: st.column_config.NumberColumn(label, format="%.3f", help=why)
+                     for k, (label, why) in KL_COLUMNS.items()}
         st.dataframe(table.drop(columns=["describe"]), key="say_table", on_select="rerun",
                      selection_mode="single-row", hide_index=True,
                      column_config={"target_prob": st.column_config.NumberColumn("P(target)", format="%.3f"),
-                                    "kl_bits": st.column_config.NumberColumn("KL elsewhere (bits)", format="%.3f")})
+                                    **kl_config})
         recipe = _picked(recipes)
         if recipe is None:
             st.caption("Pick a row to apply its recipe: the edited heatmap beside the clean one, and the continuation.")

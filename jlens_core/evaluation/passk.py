@@ -51,6 +51,7 @@ import pandas as pd
 import torch
 
 from .._paths import ASSETS_DIR
+from ..interventions.intervals import bootstrap_interval
 from ..layerspec import wrap_index
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
@@ -529,16 +530,6 @@ def _half_logits(model: LensModel, half: Lens, resid: Mapping[int, torch.Tensor]
     if top in layers:
         logits[list(layers).index(top)] = final_logits[0]
     return logits
-
-
-def bootstrap_interval(values: Sequence[float], *, n_boot: int = N_BOOT, seed: int = 0) -> tuple[float, float]:
-    """The 95 % percentile bootstrap interval of the mean of ``values`` (``(nan, nan)`` when empty)."""
-    arr = np.asarray(values, dtype=np.float64)
-    if arr.size == 0:
-        return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    means = arr[rng.integers(0, arr.size, size=(int(n_boot), arr.size))].mean(axis=1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
 def summarize_pass_at_k(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), *, n_boot: int = N_BOOT,
