@@ -105,7 +105,7 @@ def test_fit_with_settings_objects_equals_fit_with_the_old_keywords():
     by_types = fit(tiny(), PROMPTS, settings, FitPlan(dim_batch=16))
     for layer in by_keywords.source_layers:
         assert torch.equal(by_keywords.jacobians[layer], by_types.jacobians[layer])
-    assert by_types.settings == by_keywords.settings  # the file's settings dict, as before
+    assert by_types.settings_dict() == by_keywords.settings_dict()  # the file's settings dict, as before
     # a keyword replaces that field of the object given
     mixed = fit(tiny(), PROMPTS[:2], settings.replace(max_seq_len=99), dim_batch=16, max_seq_len=16)
     assert mixed.fit_settings.max_seq_len == 16 and mixed.fit_plan.dim_batch == 16
@@ -146,6 +146,11 @@ def test_every_shipped_lens_reads_into_the_types(name):
     assert lens.record.half_prompts == ((50, 50) if with_halves else None)
     assert lens.record.n_prompts == lens.n_prompts and lens.record.n_skipped == 0
     assert FitSettings.from_dict(settings.to_dict()) == settings
+    # the file's settings dict, read into the types and made back from them (issue #48): unchanged
+    from jlens_core.lenses.header import read_header
+
+    assert lens.settings_dict() == lens.metadata()["settings"] == read_header(path).fresh_info()["settings"]
+    assert (lens.record.combined_from is not None) == ("pp" in name)
 
 
 # -- old checkpoints resume exactly ----------------------------------------------------------------------
