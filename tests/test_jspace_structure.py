@@ -43,7 +43,7 @@ def test_structure_rows_are_medians_of_the_decompositions(work):
     result = jspace_structure(model, lens, texts, layers=[1, 2], k=4, per_text=2, max_seq_len=24, n_boot=50,
                               mlp_directions=64, seed=1)
     assert [(r["layer"], r["gauge"]) for r in result.rows] == [(1, "centred"), (1, "raw"), (2, "centred"), (2, "raw")]
-    skip = int(lens.settings.get("skip_first", 1))
+    skip = int(lens.skip_first or 1)
     residuals = sample_residuals(model, texts, [1, 2], per_text=2, skip_first=skip, max_seq_len=24, seed=1)
     for row in result.rows:
         dec = decompose(model, lens, residuals[row["layer"]], row["layer"], k=4, gauge=row["gauge"], seed=1)

@@ -30,7 +30,7 @@ def cmd_decompose(args: argparse.Namespace) -> int:
     from ..layerspec import check_layer_spec, parse_layer_spec
     from ..models.loading import load_model
     from ..reading.inputs import record_residuals
-    from .eval import resolve_lenses
+    from .common import resolve_lenses
 
     if not args.prompt or not args.prompt.strip():
         raise CLIError("--prompt is empty: give some text to decompose.")
@@ -76,7 +76,7 @@ def cmd_structure(args: argparse.Namespace) -> int:
     from ..corpus import load_corpus
     from ..jspace.structure import jspace_structure
     from ..models.loading import load_model
-    from .eval import resolve_lenses
+    from .common import resolve_lenses
 
     if args.k < 1:
         raise CLIError(f"--k {args.k} selects no atom: give k >= 1 (the paper uses up to 25).")

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..interventions.read_directions import check_layers
-from ..lenses.protocol import Lens
+from ..lenses.protocol import Lens, recorded_skip_first
 from ..models.layouts import get_path
 from ..models.model import LensModel
 from ..reading.inputs import record_residuals
@@ -195,7 +195,7 @@ def jspace_structure(model: LensModel, lens: Lens, texts: Sequence[str], *, laye
         if gauge not in GAUGES:
             raise ValueError(f"gauge={gauge!r} is not a J-space gauge: use 'centred' or 'raw'.")
     check_k(k, int(model.d_model))
-    skip = int(getattr(lens, "settings", {}).get("skip_first", 1) or 1)
+    skip = int(recorded_skip_first(lens) or 1)
     residuals = sample_residuals(model, texts, chosen, per_text=per_text, skip_first=skip, max_seq_len=max_seq_len,
                                  seed=seed)
     gen = torch.Generator().manual_seed(int(seed) + 2)
