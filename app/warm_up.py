@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
 import common
-from cache import load_model_cached, readings_cached
+from cache import ReadSpec, load_model_cached, readings_cached
 from jlens_core.lenses.lens import LogitLens
 from jlens_core.models.loading import DEFAULT_MODEL
+from jlens_core.reading.readout_protocol import Readout
 from lens_slots import FILE, NONE, RUN, SHIPPED, SLOTS, UPLOAD, LensSlot, load_slot_file
 
 
@@ -37,14 +39,14 @@ def warm_up(spec: str | None = None) -> list[str]:
     text = common.default_prompt()
     n_tokens = min(int(model.encode(text).shape[1]), common.MAX_TOKENS)
     layers = tuple(common.view_layers(model.n_layers, (0, model.n_layers - 1), common.INSPECT_DEFAULTS["stride"]))
-    args = (text, common.INSPECT_DEFAULTS["top_k"], (), common.INSPECT_DEFAULTS["show_ws"],
-            common.INSPECT_DEFAULTS["word_like"], layers, common.default_positions(n_tokens), common.MAX_TOKENS, None,
-            "", None, "word" if common.INSPECT_DEFAULTS["vocab_word"] else "all")
+    readout = Readout(k=common.INSPECT_DEFAULTS["top_k"], vocab="word" if common.INSPECT_DEFAULTS["vocab_word"] else "all")
+    plain = ReadSpec(readout, (), common.INSPECT_DEFAULTS["show_ws"], common.INSPECT_DEFAULTS["word_like"], layers,
+                     common.default_positions(n_tokens), common.MAX_TOKENS, None)
     # the plain readings first (the first heatmap), then the stability marks (an extra Inspect adds when there)
-    readings_cached(model, f"{spec}|auto|auto", lenses, *args)
+    readings_cached(model, f"{spec}|auto|auto", lenses, text, plain)
     with_halves = {name: value for name, value in lenses.items() if common.stability_default([value[0]])}
     if with_halves:
-        readings_cached(model, f"{spec}|auto|auto", with_halves, *args, stability=True)
+        readings_cached(model, f"{spec}|auto|auto", with_halves, text, dataclasses.replace(plain, stability=True))
     done.append(f"{' and '.join(lenses)} readings of the default prompt")
     return done
 
