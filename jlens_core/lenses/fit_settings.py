@@ -510,6 +510,8 @@ def settings_view(fit: FitSettings, record: FitRecord) -> dict[str, Any]:
     out: dict[str, Any]
     if record.settings_recorded:
         out = {name: _plain(getattr(fit, name)) for name in FILE_SETTINGS if fit.experts or name not in _EXPERT_SETTINGS}
+        if out.get("dtype") == "auto":  # a file from before the fit dtype: it records none
+            del out["dtype"]
         out.update(record.provenance)
         out["n_skipped"] = record.n_skipped
     else:
