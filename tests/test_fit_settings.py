@@ -189,8 +189,11 @@ def test_an_expert_checkpoint_written_before_the_types_resumes_to_the_uninterrup
         assert torch.equal(lens.counts[layer], whole.counts[layer])
         torch.testing.assert_close(lens.experts[layer], whole.experts[layer], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(lens.pooled[layer], whole.pooled[layer], rtol=1e-6, atol=1e-7)
+    from jlens_core.fitting.precision import resolve_fit_dtype
+
     assert lens.fit_settings == whole.fit_settings == FitSettings(
-        source_layers=(0, 1, 2), target_layer=3, skip_first=2, max_seq_len=16, experts=2, cluster_prompts=3)
+        source_layers=(0, 1, 2), target_layer=3, skip_first=2, max_seq_len=16, experts=2, cluster_prompts=3,
+        dtype=resolve_fit_dtype("auto", tiny()))  # the checkpoint has no dtype: it goes on in this fit's
 
 
 # -- the command line --------------------------------------------------------------------------------------
