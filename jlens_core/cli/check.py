@@ -29,7 +29,7 @@ def _lens_path(spec: str, model_name: str) -> Path | None:
 
 def _fit_dtype_line(lens) -> str:
     """The compute dtype the lens was fitted in (``FitSettings.dtype``, docs/fitting.md "Precision"), in one line."""
-    dtype = getattr(lens, "settings", {}).get("dtype", "auto")
+    dtype = getattr(getattr(lens, "fit_settings", None), "dtype", "auto")
     if dtype == "auto":
         return "Fitted in: not recorded (a lens from before the fit dtype was recorded)."
     return f"Fitted in: {dtype} (Jacobian sums in float32)."
