@@ -205,17 +205,25 @@ def main() -> None:
     save()
 
     # -- part 1 at 128 tokens ------------------------------------------------------------------------------
-    ids = model.encode(PROMPT, max_length=128)
-    times128: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+    interleaved(args, out, arms, sources, 128, flops[128], layer_major, peaks, measure_peaks, save)
+    print(json.dumps({k: out[k] for k in ("fit_64", "rule", "readings") if k in out}, indent=1))
+
+
+def interleaved(args, out: dict, arms: dict, sources: list[int], seq: int, flops: dict, layer_major: dict,
+                peaks: dict, measure_peaks, save) -> None:
+    """``--reps`` interleaved pairs (fp32 and bf16, the order alternating) on bench/fit_speed.py's prompt at
+    ``seq`` tokens, into ``out["fit_<seq>"]`` after each pair."""
+    ids = arms["float32"].encode(PROMPT, max_length=seq)
+    target = arms["float32"].n_layers - 1
+    times: dict[str, list[float]] = {"float32": [], "bfloat16": []}
     for rep in range(args.reps):
         for name in (("float32", "bfloat16") if rep % 2 == 0 else ("bfloat16", "float32")):
             seconds, _, layer_major[name] = time_prompt(arms[name], ids, sources, target)
-            times128[name].append(seconds)
-            print(f"128 tokens, rep {rep}: {name} {seconds:.1f} s", flush=True)
-        out["fit_128"] = speed_row(times128, flops[128], layer_major, peaks)
+            times[name].append(seconds)
+            print(f"{seq} tokens, rep {rep}: {name} {seconds:.1f} s", flush=True)
+        out[f"fit_{seq}"] = speed_row(times, flops, layer_major, peaks)
         measure_peaks()
         save()
-    print(json.dumps({k: out[k] for k in ("fit_64", "rule", "readings") if k in out}, indent=1))
 
 
 def speed_only(args, out: dict, arms: dict, peaks: dict, measure_peaks, save) -> None:
@@ -226,17 +234,8 @@ def speed_only(args, out: dict, arms: dict, peaks: dict, measure_peaks, save) ->
     out["source_layers"] = [sources[0], sources[-1]]
     layer_major: dict = {}
     for seq in (64, 128):
-        ids = model.encode(PROMPT, max_length=seq)
         flops = {lm: backward_flops(model, seq, 16, sources, target, fused=True, layer_major=lm) for lm in (False, True)}
-        times: dict[str, list[float]] = {"float32": [], "bfloat16": []}
-        for rep in range(args.reps):
-            for name in (("float32", "bfloat16") if rep % 2 == 0 else ("bfloat16", "float32")):
-                seconds, _, layer_major[name] = time_prompt(arms[name], ids, sources, target)
-                times[name].append(seconds)
-                print(f"{seq} tokens, rep {rep}: {name} {seconds:.1f} s", flush=True)
-            out[f"fit_{seq}"] = speed_row(times, flops, layer_major, peaks)
-            measure_peaks()
-            save()
+        interleaved(args, out, arms, sources, seq, flops, layer_major, peaks, measure_peaks, save)
 
 
 def shipped_se() -> dict:
