@@ -59,7 +59,7 @@ def cpu_flags() -> dict:
 
 
 def time_prompt(model, ids, sources, target) -> tuple[float, dict, bool]:
-    from jlens_core import jacobian_for_prompt
+    from jlens_core.fitting.estimator import jacobian_for_prompt
 
     t0 = time.perf_counter()
     result = jacobian_for_prompt(model, ids, source_layers=sources, target_layer=target, max_seq_len=ids.shape[1])
