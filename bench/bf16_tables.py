@@ -2,8 +2,8 @@
 
     python bench/bf16_tables.py [--print]
 
-Reads ``bench/bf16_fit.json`` and ``bench/bf16_fit_speed.json`` (bench/bf16_fit.py, the second with
-``--speed-only``) and ``bench/bf16_readout.json`` (bench/bf16_readout.py) and
+Reads ``bench/bf16_fit.json``, ``bench/bf16_fit_speed_all.json`` and ``bench/bf16_fit_speed.json`` (bench/bf16_fit.py,
+the last two with ``--speed-only 0`` and ``--speed-only 24``) and ``bench/bf16_readout.json`` (bench/bf16_readout.py) and
 replaces the text between ``<!-- bf16_tables:NAME -->`` and ``<!-- /bf16_tables:NAME -->`` in bench/README.md
 (``fit``, ``fit_speed``, ``readout``) and docs/fitting.md (``fit_decision``). Each figure names the CPU and its bf16 flags. A
 missing marker is an error: nothing is written. ``--print`` prints the blocks instead.
@@ -151,17 +151,19 @@ def main() -> None:
     ap.add_argument("--print", action="store_true")
     args = ap.parse_args()
     blocks = {}
-    speed_json = ROOT / "bench" / "bf16_fit_speed.json"
-    speed = json.loads(speed_json.read_text()) if speed_json.is_file() else None
+    speeds = [json.loads(path.read_text()) for path in (ROOT / "bench" / "bf16_fit_speed_all.json",
+                                                        ROOT / "bench" / "bf16_fit_speed.json") if path.is_file()]
+    speed = speeds[-1] if speeds else None
     fit_json = ROOT / "bench" / "bf16_fit.json"
     if fit_json.is_file():
         data = json.loads(fit_json.read_text())
         blocks["fit"], blocks["fit_decision"] = fit_block(data), decision_block(data, speed)
-    if speed is not None:
-        data = speed
-        lo, hi = data.get("source_layers", ["?", "?"])
-        blocks["fit_speed"] = (f"Speed alone, source layers {lo}-{hi} (a shorter backward than all 29), "
-                               "`--speed-only`:\n\n" + fit_block(data))
+    if speeds:
+        parts = []
+        for data in speeds:
+            lo, hi = data.get("source_layers", ["?", "?"])
+            parts.append(f"Speed alone (`--speed-only {lo}`), source layers {lo}-{hi}:\n\n" + fit_block(data))
+        blocks["fit_speed"] = "\n".join(parts)
     readout_json = ROOT / "bench" / "bf16_readout.json"
     if readout_json.is_file():
         blocks["readout"] = readout_block(json.loads(readout_json.read_text()))
