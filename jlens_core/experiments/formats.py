@@ -57,7 +57,9 @@ def detect_format(data: Any, *, source: str = "the data") -> str:
     found = [name for name in FORMATS if not _missing(data, name)]
     if found:
         return found[0]
-    closest = min(FORMATS, key=lambda name: (len(_missing(data, name)), list(FORMATS).index(name)))
+    # the closest: the most of its fields present, then the fewest missing
+    closest = min(FORMATS, key=lambda name: (len(_missing(data, name)) - len(FORMATS[name][0]),
+                                             len(_missing(data, name)), list(FORMATS).index(name)))
     raise ValueError(f"{source} is in no known experiment format: it looks closest to {closest!r}, whose fields "
                      f"{', '.join(_missing(data, closest))} it lacks (docs/experiments.md lists the formats).")
 

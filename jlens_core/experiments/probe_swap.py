@@ -9,7 +9,7 @@ is the answer's first token. Every arm is scored on ``swap_answer`` at the last 
 * ``logit-lens swap``: the same swap along the logit lens's read directions (is the claim about the J lens?);
 * ``random directions``: the swap along two random unit directions per layer (seeded per item);
 * ``unrelated swap``: intermediate -> a seeded random word token (the null);
-* ``answer swap``: answer -> swap_answer (the ceiling);
+* ``answer swap``: the model's clean answer token -> swap_answer (the ceiling);
 * with the J-space (:mod:`jlens_core.jspace`): the probe of each intermediate (mean last-position activation over
   the set's prompts that share it, minus the mean over all intermediates' means) swapped along the full probe,
   its J part, its non-J part, the non-J part with the intermediate's J coordinates clamped to clean values, and
@@ -119,7 +119,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
             row["passed"] = True
             inter_ids = set(word_ids(model, words["intermediate"]).values())
             curve = {layer: float(ranks_of(lg, inter_ids) <= 5) for layer, lg in read.lens_logits.items()}
-            kept.append((i, item, words, ids, curve))
+            kept.append((i, item, words, ids, curve, read.greedy))
         gate_rows.append(row)
         steps.step()
     gate = pd.DataFrame(gate_rows)
@@ -138,7 +138,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
         else:
             notes.append("The probe split was not run: this build has no J-space (jlens_core.jspace, issue 49).")
     trial_rows, depth_rows = [], []
-    for i, item, words, ids, _ in kept:
+    for i, item, words, ids, _, greedy in kept:
         spelt = {k: next(iter(word_ids(model, v))) for k, v in words.items()}
         target = set(word_ids(model, words["swap_answer"]).values())
         exclude = set().union(*(set(word_ids(model, v).values()) for v in words.values()))
@@ -149,7 +149,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
             "random directions": [Swap(model, lens, spelt["intermediate"], spelt["swap_to"], alpha, layers=layers,
                                        directions=random_directions(layers, model.d_model, seed * 100003 + i))],
             "unrelated swap": [Swap(model, lens, spelt["intermediate"], null, alpha, layers=layers)],
-            "answer swap": [Swap(model, lens, spelt["answer"], spelt["swap_answer"], alpha, layers=layers)],
+            "answer swap": [Swap(model, lens, greedy, spelt["swap_answer"], alpha, layers=layers)],
         }
         if probe_plan is not None:
             arms.update(probe_plan.arms_for(words["intermediate"], words["swap_to"], spelt["intermediate"]))
@@ -169,7 +169,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
                 span = [x for x in readable if x >= start]
                 rows.append(("intermediate", start, [Swap(model, lens, spelt["intermediate"], spelt["swap_to"],
                                                           alpha, layers=span)]))
-                rows.append(("answer", start, [Swap(model, lens, spelt["answer"], spelt["swap_answer"],
+                rows.append(("answer", start, [Swap(model, lens, greedy, spelt["swap_answer"],
                                                     alpha, layers=span)]))
             logits = edited_next_logits(model, ids, [r[2] for r in rows])
             for (which, start, _), lg in zip(rows, logits):

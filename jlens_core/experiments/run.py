@@ -8,7 +8,7 @@ from typing import Any
 
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
-from .core import ExperimentResult
+from .core import ExperimentResult, resolve_band
 from .formats import EXPERIMENTS, load_experiment_items
 
 RUNNERS = {"probe-swap": ("probe_swap", "run_probe_swap"),
@@ -47,6 +47,8 @@ def run_experiment(model: LensModel, lens: Lens, name: str, items: str | Path | 
         raise ValueError(f"The {name} experiment reads its format but does not run in this version: run one of "
                          f"{', '.join(RUNNERS)}.")
     _, data = load_experiment_items(items, name)
+    if band is not None:  # a band outside the lens fails before any forward
+        resolve_band(model, lens, band)
     module_name, function = RUNNERS[name]
     import importlib
 

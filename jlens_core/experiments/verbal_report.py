@@ -143,7 +143,7 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
         for k in kept:
             a, b = pd.Series(k[6][layer], dtype=float), pd.Series(k[7], dtype=float)
             if len(a) > 2 and a.nunique() > 1 and b.nunique() > 1:
-                values.append(a.corr(b, method="spearman"))
+                values.append(a.rank().corr(b.rank()))  # Spearman: Pearson of the ranks (average ranks for ties)
         corr_rows.append({"layer": layer, "spearman": float(np.mean(values)) if values else float("nan"),
                           "categories": len(values)})
     extras = {"report_correlation": pd.DataFrame(corr_rows),
