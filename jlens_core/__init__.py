@@ -37,11 +37,17 @@ if TYPE_CHECKING:
     from .fitting.fit import FitProgress, FitState, fit
     from .fitting.tuning import train_tuned_lens
     from .interventions.compare import compare_runs
+    from .interventions.jspace_edits import AblateJSpace, ClampJ, VectorSwap
     from .interventions.lens_edits import Ablate, Steer, Swap
     from .interventions.read_directions import token_direction
     from .interventions.say import SayResult, make_it_say
     from .interventions.say_success import SaySuccessReport, load_say_set, say_success
     from .interventions.swap_success import SwapReport, load_swap_set, swap_success
+    from .jspace.concepts import concept_vector, concept_vectors
+    from .jspace.decompose import Decomposition, Split, decompose, split
+    from .jspace.dictionary import (
+        JSpace,  # the function jspace: jlens_core.jspace.jspace (the name is the package's)
+    )
     from .layerspec import resolve_layers
     from .lenses.canary import CheckResult, check_lens
     from .lenses.experts import ExpertLens
