@@ -261,3 +261,15 @@ def test_cancel_stops_between_steps(setup):
     with pytest.raises(ExperimentCancelled, match="stopped after 2 of"):
         run_experiment(model, lens, "probe-swap", {"items": probe_items(model, lens)}, band="2",
                        progress=lambda done, total: seen.append(done), stop=lambda: len(seen) >= 2)
+
+
+def test_probe_split_arms_on_the_j_space(setup):
+    model, lens = setup
+    items = probe_items(model, lens)
+    result = run_experiment(model, lens, "probe-swap", {"items": items}, band="2", depth=False)
+    arms = set(result.trials["arm"])
+    assert {"probe full", "probe J part", "probe non-J part", "probe non-J + J clamp", "probe random"} <= arms
+    # one prompt per intermediate: the probe difference is the difference of the two last tokens' embeddings, so the
+    # full probe swap turns the last residual into swap_to's embedding, which the model copies
+    assert result.rate("probe full") == 1.0
+    assert not result.notes
