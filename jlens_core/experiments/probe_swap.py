@@ -86,7 +86,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
 
     Args:
         band: layers to swap at (``"20-26"``, a list) or ``None`` to derive it from the intermediates.
-        depth: run the depth test; depth_step: start layers every this many (default ``max(1, n_layers // 15)``).
+        depth: run the depth test; depth_step: start layers every this many (default ``max(1, n_layers // 10)``).
         probes: run the probe split (needs the J-space; noted and skipped when it is not installed).
         alpha: the coordinate swaps' scale (1 exchanges the two coordinates; 0..16, as
             :class:`~jlens_core.interventions.lens_edits.Swap`).
@@ -98,7 +98,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
     items = list(data["items"])
     top = last_source_layer(lens)
     readable = [x for x in lens.layers if x <= top]
-    depth_step = depth_step or max(1, model.n_layers // 15)
+    depth_step = depth_step or max(1, model.n_layers // 10)
     starts = readable[::depth_step] if depth else []
     per_item_steps = 1 + 1 + (1 if depth else 0)
     steps = Progress(len(items) * per_item_steps, progress, stop)
