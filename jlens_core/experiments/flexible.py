@@ -68,8 +68,8 @@ def run_flexible(model: LensModel, lens: Lens, data: dict, *, band: Any = None, 
             steps.step()
             continue
         missing = not_single(model, {"arg": arg, "answer": str(answer)})
-        ids = model.encode(render_prompt(model, str(func["template"]).replace("{arg}", arg), experiment=NAME)
-                           if isinstance(func["template"], str) else render_prompt(model, func["template"]))
+        row["prompt"] = render_prompt(model, str(func["template"]).replace("{arg}", arg), experiment=NAME)
+        ids = model.encode(row["prompt"])
         read = clean_read(model, lens, ids, readable)
         row["model_says"] = model.decode([read.greedy])
         if missing:

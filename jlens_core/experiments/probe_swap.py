@@ -108,6 +108,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
         words = {k: str(item[k]) for k in WORDS}
         missing = not_single(model, words)
         text = render_prompt(model, item["prompt"], experiment=NAME)
+        row["prompt"] = text
         ids = model.encode(text)
         read = clean_read(model, lens, ids, readable)
         row["model_says"] = model.decode([read.greedy])

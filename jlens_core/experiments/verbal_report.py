@@ -73,10 +73,12 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
     steps = Progress(2 * len(candidates), progress, stop)
     gate_rows, kept, unscored = [], [], []
     for category, words in candidates.items():
-        ids = model.encode(_prompt(model, template.replace("{category}", category), prefill))
+        text = _prompt(model, template.replace("{category}", category), prefill)
+        ids = model.encode(text)
         read = clean_read(model, lens, ids, readable)
         answer = model.decode([read.greedy])
-        row = {"item": category, "category": category, "passed": False, "reason": "", "model_says": answer}
+        row = {"item": category, "category": category, "passed": False, "reason": "", "model_says": answer,
+               "prompt": text}
         single = {}
         for w in words:
             found = word_ids(model, w)
