@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from .evaluation.lens_comparison import gap_comparison, heldout_items, macro_comparison
     from .evaluation.passk import EVAL_SETS, decoy_items, load_eval_set, pass_at_k
     from .evaluation.study import Study, load_study, study
+    from .experiments.core import ExperimentResult
+    from .experiments.formats import load_experiment_items
+    from .experiments.run import run_experiment
     from .figures.evaluation import eval_curves_figure, pass_at_k_figure
     from .figures.fitting import fit_figures
     from .figures.heatmaps import heatmap_figure

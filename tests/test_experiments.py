@@ -38,6 +38,7 @@ from jlens_core.interventions.lens_edits import MAX_ALPHA, Swap
 from jlens_core.reading.edit_hooks import EditRunner
 
 WORDS = ["capital", "time", "one", "and", "cap", "The"]
+PROSE = "The capital of France is Paris, and the capital of Italy is Rome; one time, one capital."
 
 
 def copying_model():
@@ -273,3 +274,26 @@ def test_probe_split_arms_on_the_j_space(setup):
     # full probe swap turns the last residual into swap_to's embedding, which the model copies
     assert result.rate("probe full") == 1.0
     assert not result.notes
+
+
+# -- experiment 6: the ablation battery --------------------------------------------------------------------------
+def test_ablation_battery_tasks_clean_accuracy_and_zero_strength(setup):
+    model, lens = setup
+    result = run_experiment(model, lens, "ablation-battery", {"items": probe_items(model, lens)}, band="1-2",
+                            strengths=(0.0, 1.0), n_texts=1, prose=[PROSE])
+    trials = result.trials
+    assert set(trials["task"]) == {"two-hop", "copying", "induction", "prose"}
+    clean = trials[trials["arm"] == "clean"].set_index("item")
+    assert (clean.loc[clean["task"] == "two-hop", "accuracy"] == 1.0).all()  # the gated items: the model answers
+    # strength 0 is the identity: every ablation row equals the clean row of its item
+    for arm in ("J-space ablation", "random ablation"):
+        zero = trials[(trials["arm"] == arm) & (trials["strength"] == 0.0)].set_index("item")
+        assert (zero["correct"] == clean.loc[zero.index, "correct"]).all()
+    # the clean accuracy on the prose, counted from the model's own output (positions 1 .. seq-2 predict 2 .. seq-1)
+    prose = clean[clean["task"] == "prose"].iloc[0]
+    ids = model.encode(PROSE, max_length=32)
+    with torch.no_grad():
+        greedy = model.hf_model(input_ids=ids).logits[0].argmax(-1)
+    assert prose["correct"] == int((greedy[1:-1] == ids[0, 2:]).sum()) and prose["positions"] == ids.shape[1] - 2
+    table = result.extras["selective_damage"]
+    assert {"task", "strength", "clean", "J-space ablation", "random ablation"} <= set(table.columns)

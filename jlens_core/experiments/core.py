@@ -241,6 +241,19 @@ class RowEdits:
 
         return hook
 
+    def greedy_all(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[rows, seq]`` the greedy next token at every position, each row under its edits."""
+        top = self.model.n_layers - 1
+        batch = ids.expand(len(self.rows), -1)
+        handles = [register_own_thread_hook(self.model.layers[layer], self._hook(layer)) for layer in self.layers]
+        try:
+            with torch.no_grad(), ActivationRecorder(self.model.layers, [top], stop_after=top) as rec:
+                self.model.forward(batch)
+            return torch.stack([self.model.unembed(row).argmax(-1) for row in rec.activations[top]])
+        finally:
+            for handle in handles:
+                handle.remove()
+
     def next_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """``[rows, vocab]`` fp32 next-token logits at the last position, each row under its edits."""
         top = self.model.n_layers - 1
