@@ -11,6 +11,7 @@ import argparse
 import functools
 import sys
 from pathlib import Path
+from typing import Any
 
 from .eval import _advance, _bar, resolve_lenses
 from .main import CLIError, command_description, say
@@ -29,7 +30,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     model = load_model(args.model, **model_loading_options(args), progress=say)
     lenses = resolve_lenses([args.lens], model)
     lens = next(iter(lenses.values()))
-    options = {}
+    options: dict[str, Any] = {}
     if args.no_depth:
         options["depth"] = False
     if args.alpha is not None:
