@@ -14,6 +14,7 @@ batched forwards of edited trials, ranks, Wilson intervals, a bootstrap clustere
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
@@ -442,7 +443,7 @@ class ExperimentResult:
         written = [out / "result.json", out / "trials.csv", out / "summary.csv", out / "gate.csv"]
         self.to_json(written[0])
         for frame, path in zip((self.trials, self.summary, self.gate), written[1:]):
-            atomic_write_text(path, frame.to_csv(index=False))
+            atomic_write_text(path, frame.to_csv(index=False, quoting=csv.QUOTE_NONNUMERIC))  # tokens hold \r, \n
         if html:
             written.append(out / "result.html")
             self.to_html(written[-1])
