@@ -297,3 +297,19 @@ def test_ablation_battery_tasks_clean_accuracy_and_zero_strength(setup):
     assert prose["correct"] == int((greedy[1:-1] == ids[0, 2:]).sum()) and prose["positions"] == ids.shape[1] - 2
     table = result.extras["selective_damage"]
     assert {"task", "strength", "clean", "J-space ablation", "random ablation"} <= set(table.columns)
+
+
+@pytest.mark.parametrize("magnitude", ["natural", "norm_matched"])
+def test_cached_part_swaps_add_what_vector_swap_adds(setup, magnitude):
+    from jlens_core.experiments.jspace_arms import SplitArms
+    from jlens_core.interventions.jspace_edits import VectorSwap
+
+    model, lens = setup
+    gen = torch.Generator().manual_seed(5)
+    vectors = {name: {layer: torch.randn(model.d_model, generator=gen) for layer in (1, 2)} for name in "ab"}
+    arms = SplitArms(model, lens, vectors, [1, 2], 0, "concept", magnitude=magnitude, clamp=False)
+    built = arms.arms_for("a", "b")
+    for arm, part in (("concept J part", "j"), ("concept non-J part", "non_j")):
+        direct = VectorSwap(model, lens, vectors["a"], vectors["b"], part=part, magnitude=magnitude, layers=[1, 2])
+        for layer in (1, 2):
+            torch.testing.assert_close(built[arm][0].deltas[layer], direct.deltas[layer], rtol=1e-5, atol=1e-5)

@@ -2,6 +2,10 @@
 :mod:`jlens_core.interventions.jspace_edits`): swaps along a probe's or a concept vector's full vector, J part and
 non-J part, the clamp of named tokens' J coordinates, and the norm-matched random vector.
 
+Each vector is split once per layer (:func:`~jlens_core.jspace.decompose.split`, k = 25, centred gauge) and the
+swaps along a part are ``VectorSwap`` edits of the part vectors, the same difference ``VectorSwap(part=...)`` adds
+(its norm-matched form rescaled to the full difference's norm), without splitting again for every pair.
+
 Imported lazily: a build without the J-space runs every other arm and notes the ones it skipped.
 """
 
@@ -9,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +69,31 @@ class SplitArms:
     prefix: str  # "probe" or "concept"
     magnitude: str = "natural"
     clamp: bool = True
+    _split_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def _parts(self, name: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(J part, non-J part)`` of ``name``'s vector at ``layer``, split once (every swap from or to it reuses it)."""
+        from ..jspace.decompose import split
+
+        key = (name, int(layer))
+        if key not in self._split_cache:
+            found = split(self.model, self.lens, self.vectors[name][layer], int(layer), controls=False)
+            self._split_cache[key] = (found.j_part.float(), found.non_j_part.float())
+        return self._split_cache[key]
+
+    def _part_vectors(self, source: str, replacement: str, part: str) -> tuple[dict, dict]:
+        """``(source', replacement')`` whose difference is the ``part`` difference (rescaled to the full difference's
+        norm when ``magnitude="norm_matched"``): what ``VectorSwap(part="j" | "non_j")`` adds, from cached splits."""
+        index = 0 if part == "j" else 1
+        src, rep = {}, {}
+        for layer in self.layers:
+            a, b = self._parts(source, layer)[index], self._parts(replacement, layer)[index]
+            delta = b - a
+            if self.magnitude == "norm_matched" and float(delta.norm()) > 0:
+                delta = delta * (float((self.vectors[replacement][layer] - self.vectors[source][layer]).norm())
+                                 / float(delta.norm()))
+            src[layer], rep[layer] = self.vectors[source][layer], self.vectors[source][layer] + delta
+        return src, rep
 
     def arms_for(self, source: str, replacement: str, source_token: str | int | None = None) -> dict[str, list[Any]]:
         """``{arm: edits}`` for a swap ``source -> replacement`` (empty when either has no vector)."""
@@ -72,11 +101,12 @@ class SplitArms:
 
         if source not in self.vectors or replacement not in self.vectors or source == replacement:
             return {}
-        src, rep = self.vectors[source], self.vectors[replacement]
 
         def swap(part: str, random: bool = False) -> Any:
-            return VectorSwap(self.model, self.lens, src, rep, part=part, magnitude=self.magnitude,
-                              layers=self.layers, random=random, seed=self.seed)
+            src, rep = ((self.vectors[source], self.vectors[replacement]) if part == "full"
+                        else self._part_vectors(source, replacement, part))
+            return VectorSwap(self.model, self.lens, src, rep, part="full", layers=self.layers, random=random,
+                              seed=self.seed)
 
         p = self.prefix
         arms: dict[str, list[Any]] = {f"{p} full": [swap("full")], f"{p} J part": [swap("j")],
