@@ -313,3 +313,25 @@ def test_cached_part_swaps_add_what_vector_swap_adds(setup, magnitude):
         direct = VectorSwap(model, lens, vectors["a"], vectors["b"], part=part, magnitude=magnitude, layers=[1, 2])
         for layer in (1, 2):
             torch.testing.assert_close(built[arm][0].deltas[layer], direct.deltas[layer], rtol=1e-5, atol=1e-5)
+
+
+# -- experiment 4 ------------------------------------------------------------------------------------------------
+def test_verbal_introspection_injects_on_the_user_turn_only(setup):
+    from jlens_core.experiments.introspection import user_positions
+
+    model, lens = setup
+    data = {"intro_prompt": [{"role": "user", "content": "Do you notice one time?"}],
+            "prefills": {"quote": "The word is \""},
+            "concepts": [{"name": "capital", "surface": "capital"}, {"name": "long", "surface": "Parisian"}]}
+    result = run_experiment(model, lens, "verbal-introspection", data, band="1-2", strengths=(0.0, 4.0))
+    gate = result.gate.set_index("item")
+    assert gate.loc["long · quote", "reason"] == "unscored: not one token here: surface 'Parisian'"
+    text = gate.loc["capital · quote", "prompt"]
+    positions = user_positions(model, text, "Do you notice one time?")
+    pieces = model.tokenizer.convert_ids_to_tokens(model.encode(text)[0].tolist())
+    assert "".join(pieces[i] for i in positions).replace("Ġ", " ") == "Do you notice one time?"
+    # the copying model has no attention: what is added on the user turn never reaches the open quote
+    clean = gate.loc["capital · quote", "clean_rank"]
+    assert (result.trials["rank"] == clean).all() and len(result.trials) == 4
+    by = result.extras["by_strength"]
+    assert set(by["vector"]) == {"J-lens vector", "random direction"} and set(by["strength"]) == {0.0, 4.0}

@@ -14,7 +14,8 @@ from .formats import EXPERIMENTS, load_experiment_items
 RUNNERS = {"probe-swap": ("probe_swap", "run_probe_swap"),
            "verbal-report": ("verbal_report", "run_verbal_report"),
            "flexible-generalization": ("flexible", "run_flexible"),
-           "ablation-battery": ("ablation", "run_ablation_battery")}
+           "ablation-battery": ("ablation", "run_ablation_battery"),
+           "verbal-introspection": ("introspection", "run_introspection")}
 
 
 def available_experiments() -> list[str]:

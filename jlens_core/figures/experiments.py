@@ -36,6 +36,11 @@ def _second_panel(result: Any) -> tuple[str, list[Any]] | None:
         return "accuracy by ablation strength", [
             go.Scatter(x=part["strength"], y=part["accuracy"], mode="lines+markers", name=f"{task} · {arm}")
             for (task, arm), part in table.groupby(["task", "arm"])]
+    if "by_strength" in extras:
+        table = extras["by_strength"]
+        return "median reciprocal rank by strength", [
+            go.Scatter(x=part["strength"], y=part["median_reciprocal_rank"], mode="lines+markers", name=vector)
+            for vector, part in table.groupby("vector")]
     if result.band.curve:
         curve = result.band.curve
         return "band curve", [go.Scatter(x=list(curve), y=list(curve.values()), mode="lines+markers",
@@ -57,7 +62,7 @@ def experiment_figure(result: Any) -> go.Figure:
     if panel:
         for trace in panel[1]:
             fig.add_trace(trace, row=1, col=2)
-        if "damage" not in result.extras:
+        if "damage" not in result.extras and "by_strength" not in result.extras:
             fig.add_vrect(x0=result.band.layers[0] - 0.5, x1=result.band.layers[-1] + 0.5, fillcolor="#ddd",
                           opacity=0.4, line_width=0, row=1, col=2)
             fig.update_xaxes(title_text="layer", row=1, col=2)
