@@ -335,3 +335,28 @@ def test_verbal_introspection_injects_on_the_user_turn_only(setup):
     assert (result.trials["rank"] == clean).all() and len(result.trials) == 4
     by = result.extras["by_strength"]
     assert set(by["vector"]) == {"J-lens vector", "random direction"} and set(by["strength"]) == {0.0, 4.0}
+
+
+# -- experiment 5 ------------------------------------------------------------------------------------------------
+def test_directed_modulation_hits_over_the_carrier_span(setup):
+    model, lens = setup
+    data = {"phrasings": [{"name": "think", "group": "f", "text": "Think about {x}."},
+                          {"name": "avoid", "group": "s", "text": "Do not think about {x}."},
+                          {"name": "plain", "group": "c", "text": "Write {x} later."}],
+            "group_kind": {"f": "focus", "s": "suppress", "c": "control"},
+            "carrier_sentences": [" one time and", " cap and The"],
+            "math_problems": [{"expr": "two plus two", "answer": "four", "tier": 1},
+                              {"expr": "one", "answer": "one", "tier": 1}],
+            "topic_categories": [{"name": "words", "members": ["time", "capital", "Parisian"]}]}
+    result = run_experiment(model, lens, "directed-modulation", data, band="1-2")
+    gate = result.gate.set_index("item")
+    assert gate.loc["Parisian", "reason"] == "unscored: not one token here: target 'Parisian'"
+    assert gate.loc["two plus two", "reason"].startswith("unscored") and gate.loc["one", "reason"].startswith("gated out")
+    # the copying model's lens reads each carrier token as itself: ' time' is read in the first carrier only, and
+    # ' capital' in neither (' one' leans on it, but below rank 1), whatever the instruction
+    trials = result.trials
+    assert set(trials["arm"]) == {"baseline", "focus", "suppress", "control"}
+    hits = trials.groupby(["item", "carrier"])["top1"].agg(["min", "max"])
+    assert hits.loc[("time", 0)].tolist() == [True, True] and hits.loc[("time", 1)].tolist() == [False, False]
+    assert not hits.loc["capital"]["max"].any()
+    assert (result.summary["rate"] == 0.25).all()

@@ -15,7 +15,8 @@ RUNNERS = {"probe-swap": ("probe_swap", "run_probe_swap"),
            "verbal-report": ("verbal_report", "run_verbal_report"),
            "flexible-generalization": ("flexible", "run_flexible"),
            "ablation-battery": ("ablation", "run_ablation_battery"),
-           "verbal-introspection": ("introspection", "run_introspection")}
+           "verbal-introspection": ("introspection", "run_introspection"),
+           "directed-modulation": ("modulation", "run_modulation")}
 
 
 def available_experiments() -> list[str]:
