@@ -203,6 +203,10 @@ def test_verbal_report_swaps_and_report_correlation(setup):
     result = run_experiment(model, lens, "verbal-report", {"candidates": candidates}, band="1-2",
                             alpha=MAX_ALPHA, prefill=" one", concepts=False)
     assert result.n_gated == 2 and set(result.gate["model_says"]) == {" one"}
+    # the default gate keeps a category only when the model answers one of its candidates
+    with pytest.raises(ValueError, match="most often: gated out: the model answers ' one', not one of the candidates"):
+        run_experiment(model, lens, "verbal-report", {"candidates": {"thing": ["time", "and"]}}, band="1-2",
+                       prefill=" one", concepts=False)
     assert list(result.extras["unscored_words"]["word"]) == ["Parisian"]
     j = result.trials[result.trials["arm"] == "J-lens swap"]
     assert sorted(j["target"]) == sorted(["time", "and", "cap", "capital", "The", "and"])  # the answer left out

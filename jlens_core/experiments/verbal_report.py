@@ -3,12 +3,14 @@
 
 Per category the prompt ``Think of a {category}. Answer in one word.`` is a user turn (the ``template`` setting)
 through the chat template, read where the answer word comes next (after the assistant header, or after a
-``prefill`` such as ``"Answer:"``). Gate: the greedy answer is a word token; it is the swap-out token. For each of
-the first ``n_swaps`` other candidates (single-token words; the rest are reported as unscored) the answer's lens
-coordinates are swapped for the candidate's at every band layer and prompt position; success: the candidate at
-rank 1 (and top-5) of the answer position. Arms: the J lens, the logit lens, random directions, and with the
-J-space the concept-vector split (``Tell me about {concept}`` minus the mean over the other concepts, swapped
-norm-matched in full, along its J part, its non-J part, and a random vector).
+``prefill`` such as ``"Answer:"``; ``{category}`` is filled there too). The greedy answer is the swap-out token.
+The gate (``gate=``): ``"candidate"`` (default) keeps a category when the greedy answer is one of its
+candidates; ``"word"`` when it is any word but the category's own name. For each of the first ``n_swaps`` other
+candidates (single-token words; the rest are reported as unscored) the answer's lens coordinates are swapped for
+the candidate's at every band layer and prompt position; success: the candidate at rank 1 (and top-5) of the
+answer position. Arms: the J lens, the logit lens, random directions, and with the J-space the concept-vector
+split (``Tell me about {concept}`` minus the mean over the other concepts, swapped norm-matched in full, along
+its J part, its non-J part, and a random vector).
 
 The **report correlation**: per layer, the Spearman correlation between the candidates' lens ranks at the answer
 position and their output ranks, averaged over the gated categories.
@@ -47,6 +49,7 @@ NAME = "verbal-report"
 TEMPLATE = "Think of a {category}. Answer in one word."
 CONCEPT_TEMPLATE = "Tell me about {concept}"
 N_SWAPS = 10
+GATES = ("candidate", "word")
 
 
 def _prompt(model: LensModel, text: str, prefill: str) -> str:
@@ -56,6 +59,7 @@ def _prompt(model: LensModel, text: str, prefill: str) -> str:
 
 def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = None, seed: int = 0,
                       template: str = TEMPLATE, prefill: str = "", n_swaps: int = N_SWAPS, concepts: bool = True, alpha: float = 1.0,
+                      gate: str = "candidate",
                       progress: Callable[[int, int], None] | None = None,
                       stop: Callable[[], bool] | None = None) -> ExperimentResult:
     """Run experiment 2 on ``data`` (``{"candidates": {category: [words]}}``); see the module docstring.
@@ -66,6 +70,9 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
     """
     if "{category}" not in template:
         raise ValueError(f"The template {template!r} has no '{{category}}' to fill.")
+    if gate not in GATES:
+        raise ValueError(f"gate={gate!r} is not a gate: use 'candidate' (the answer is one of the category's "
+                         "candidates) or 'word' (any word but the category's name).")
     elapsed = timer()
     candidates = {str(c): [str(w) for w in words] for c, words in data["candidates"].items()}
     top = last_source_layer(lens)
@@ -73,7 +80,7 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
     steps = Progress(2 * len(candidates), progress, stop)
     gate_rows, kept, unscored = [], [], []
     for category, words in candidates.items():
-        text = _prompt(model, template.replace("{category}", category), prefill)
+        text = _prompt(model, template.replace("{category}", category), prefill.replace("{category}", category))
         ids = model.encode(text)
         read = clean_read(model, lens, ids, readable)
         answer = model.decode([read.greedy])
@@ -86,8 +93,11 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
                 single[w] = found
             else:
                 unscored.append({"category": category, "word": w, "reason": "not one token here"})
-        if not is_word_like(answer.strip()) or not answer.strip():
-            row["reason"] = f"gated out: the model answers {answer!r}, not a word"
+        own = set(word_ids(model, category).values())
+        if not is_word_like(answer.strip()) or not answer.strip() or read.greedy in own:
+            row["reason"] = f"gated out: the model answers {answer!r}, not a word other than the category's name"
+        elif gate == "candidate" and not any(read.greedy in found.values() for found in single.values()):
+            row["reason"] = f"gated out: the model answers {answer!r}, not one of the candidates"
         else:
             others = [w for w, found in single.items() if read.greedy not in found.values()][:int(n_swaps)]
             if not others:
@@ -151,7 +161,7 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
     extras = {"report_correlation": pd.DataFrame(corr_rows),
               "unscored_words": pd.DataFrame(unscored, columns=["category", "word", "reason"])}
     settings = {"band": band, "seed": seed, "alpha": alpha, "template": template, "prefill": prefill, "n_swaps": n_swaps,
-                "concepts": concepts}
+                "concepts": concepts, "gate": gate}
     return ExperimentResult(NAME, model.name, str(lens.kind), chosen, gate, trials, summary, extras, settings,
                             elapsed(), tuple(notes))
 
