@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..lenses.kinds import BASELINE, is_trained
 from .main import CLIError, say
 from .model_args import add_model_arguments, model_loading_options
 
@@ -37,9 +38,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.lens == "default" and path is None:
         raise CLIError(f"No shipped lens for {model.name!r}: give a lens file.")
     lens = load_lens_file(path) if path is not None else load_lens(args.lens)
-    if args.lens == "logit" or not hasattr(lens, "target_layer"):
+    if args.lens == BASELINE or not hasattr(lens, "target_layer"):
         raise CLIError(f"{args.lens!r} is not a fitted lens file: give one (jlens check LENS.safetensors).")
-    if str(lens.kind) == "tuned":
+    if is_trained(lens):
         raise CLIError(f"{args.lens!r} is a tuned lens: the lens check covers lenses fitted by `jlens fit` (J, R-lens, "
                        "experts).")
     try:

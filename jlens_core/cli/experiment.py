@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .eval import _advance, _bar, resolve_lenses
+from .common import advance, progress_bar, resolve_lenses
 from .main import CLIError, command_description, say
 from .model_args import LENS_HELP, add_model_command, model_loading_options
 
@@ -35,9 +35,9 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         options["depth"] = False
     if args.alpha is not None:
         options["alpha"] = args.alpha
-    bar = _bar(1, args.name, args.no_progress, unit="step")
+    bar = progress_bar(1, args.name, args.no_progress, unit="step")
     result = run_experiment(model, lens, args.name, data, band=args.band, seed=args.seed,
-                            progress=functools.partial(_advance, bar) if bar else None, **options)
+                            progress=functools.partial(advance, bar) if bar else None, **options)
     if bar:
         bar.close()
     written = result.save(Path(args.out), html=args.html)

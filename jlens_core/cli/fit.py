@@ -235,7 +235,7 @@ def _run_fit(args, model, prompts, settings: FitSettings, plan: FitPlan, checkpo
         if diag_file is not None:
             diag_file.close()
     if status is not None:  # rank 0
-        lens.settings["corpus"] = args.corpus
+        lens = lens.replace(corpus=args.corpus)
         lens.save(out, dtype=args.save_dtype)
         status.write(state="done", n_done=lens.n_prompts, stop_reason=lens.stop_reason, lens=str(out),
                      seconds=time.time() - t_start)

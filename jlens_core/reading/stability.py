@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from ..lenses.kinds import is_baseline
 from ..lenses.protocol import Lens
 
 if TYPE_CHECKING:  # torch only where marks are computed: a reading file opens without it
@@ -63,11 +64,6 @@ class Stability:
         k = int(self.stability_k)
         return (self.half_rank_even <= k) & (self.half_rank_odd <= k)
 
-    def with_k(self, stability_k: int) -> Stability:
-        """The same ranks judged with another ``stability_k``."""
-        return Stability(self.half_rank_even, self.half_rank_odd, self.half_top1_agree,
-                         check_stability_k(stability_k))
-
     def select(self, rows: slice | Sequence[int]) -> Stability:
         """The marks of some layers (rows), as copies."""
         return Stability(self.half_rank_even[rows].copy(), self.half_rank_odd[rows].copy(),
@@ -103,7 +99,7 @@ def lens_halves(lens: Lens) -> tuple[Lens, Lens] | None:
 
 def no_halves_note(lens: Lens) -> str:
     """The one sentence a reading carries when stability was asked of a lens without halves."""
-    if str(lens.kind) == "logit":
+    if is_baseline(lens):
         return "No stability marks: the logit lens fits nothing, so it has no halves to compare."
     return (f"No stability marks: this {lens.kind} lens keeps no split halves (fitted before they existed, or "
             "saved without them); refit it with `jlens fit` to get them, or pass halves=(even, odd).")
@@ -145,7 +141,7 @@ def resolve_halves(lenses: Mapping[str, Lens], *, stability: bool, halves: Halve
             own = lens_halves(lens)
             if own is None:
                 notes[name] = no_halves_note(lens)
-                log.log(logging.INFO if str(lens.kind) == "logit" else logging.WARNING, "%s", notes[name] if
+                log.log(logging.INFO if is_baseline(lens) else logging.WARNING, "%s", notes[name] if
                         len(lenses) == 1 else f"{name}: {notes[name]}")  # read_prompt's lens is named "lens"
             else:
                 chosen[name] = own
@@ -206,7 +202,7 @@ def half_marks(model: LensModel, pair: tuple[Lens, Lens], resid: Mapping[int, to
                 sl = slice(start, min(n_pos, start + per_chunk))
                 h = h_all[positions[sl].to(h_all.device)]  # [c, d_model]
                 for half_index, half in enumerate(pair):
-                    z = model.unembed(half.transport(h, layer)).float()  # [c, vocab]
+                    z = half.logits(model, h, layer).float()  # [c, vocab]
                     ranks[half_index, li, sl] = rank_of(z, shown_t[sl], None,
                                                         None if kept is None else kept.to(z.device)).cpu().numpy()
                     if mask is not None:
