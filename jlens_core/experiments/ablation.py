@@ -27,7 +27,6 @@ import torch
 
 from ..corpus import load_corpus
 from ..interventions.intervals import wilson_interval
-from ..interventions.read_directions import last_source_layer
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import TokenDisplay
@@ -38,10 +37,10 @@ from .core import (
     clean_read,
     clustered_bootstrap,
     first_ids,
-    gate_error,
+    gated_band,
     ranks_of,
+    readable_layers,
     render_prompt,
-    resolve_band,
     timer,
     word_ids,
 )
@@ -99,8 +98,7 @@ def run_ablation_battery(model: LensModel, lens: Lens, data: dict, *, band: Any 
 
     elapsed = timer()
     items = list(data["items"])
-    top = last_source_layer(lens)
-    readable = [x for x in lens.layers if x <= top]
+    readable = readable_layers(lens)
     automatic = automatic_prompts(model, seed=seed, n_texts=n_texts, prose=prose)
     steps = Progress(2 * len(items) + len(automatic), progress, stop)
     gate_rows, kept = [], []
@@ -120,11 +118,7 @@ def run_ablation_battery(model: LensModel, lens: Lens, data: dict, *, band: Any 
             kept.append((item, ids, {layer: ranks_of(lg, inter) <= 5 for layer, lg in read.lens_logits.items()}))
         gate_rows.append(row)
         steps.step()
-    gate = pd.DataFrame(gate_rows)
-    if not kept:
-        raise gate_error(NAME, gate)
-    curve = {layer: float(np.mean([c[2][layer] for c in kept])) for layer in readable}
-    chosen = resolve_band(model, lens, band, curve, concept="intermediate")
+    gate, chosen = gated_band(model, lens, band, NAME, gate_rows, [c[2] for c in kept], "intermediate")
     layers = list(chosen.layers)
 
     def edits() -> list[tuple[str, float, list]]:

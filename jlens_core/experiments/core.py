@@ -32,7 +32,7 @@ from .._atomic import atomic_write_text
 from .._version import __version__
 from ..evaluation.study import band_of
 from ..interventions.intervals import wilson_interval
-from ..interventions.read_directions import check_layers, default_layers
+from ..interventions.read_directions import check_layers, default_layers, last_source_layer
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..models.recorder import ActivationRecorder, block_output, register_own_thread_hook
@@ -168,6 +168,27 @@ def resolve_band(model: LensModel, lens: Lens, band: str | Sequence[int] | None,
                 values)
 
 
+def readable_layers(lens: Lens) -> list[int]:
+    """The lens's layers up to its last source layer: where a curve is read and a swap may go."""
+    top = last_source_layer(lens)
+    return [x for x in lens.layers if x <= top]
+
+
+def gated_band(model: LensModel, lens: Lens, band: str | Sequence[int] | None, experiment: str,
+               gate_rows: list[dict], hits: Sequence[Mapping[int, bool]], concept: str) -> tuple[pd.DataFrame, Band]:
+    """``(gate table, band)`` once the gate has run: one sentence when no item passed, else the band, given or
+    derived from ``hits`` (per gated item, ``{layer: concept in the lens's top 5 at the last position}``).
+
+    Raises:
+        ValueError: no item passed the gate.
+    """
+    gate = pd.DataFrame(gate_rows)
+    if not hits:
+        raise gate_error(experiment, gate)
+    curve = {layer: float(np.mean([h[layer] for h in hits])) for layer in hits[0]}
+    return gate, resolve_band(model, lens, band, curve, concept=concept)
+
+
 # -- clean readings and edited forwards --------------------------------------------------------------------
 def encode(model: LensModel, text: str) -> torch.Tensor:
     """``[1, seq]`` token ids of a rendered prompt."""
@@ -242,31 +263,28 @@ class RowEdits:
 
         return hook
 
-    def greedy_all(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[rows, seq]`` the greedy next token at every position, each row under its edits."""
+    def _last_layer(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[rows, seq, d_model]``: the last layer's output, each row under its edits (the head not run)."""
         top = self.model.n_layers - 1
         batch = ids.expand(len(self.rows), -1)
         handles = [register_own_thread_hook(self.model.layers[layer], self._hook(layer)) for layer in self.layers]
         try:
             with torch.no_grad(), ActivationRecorder(self.model.layers, [top], stop_after=top) as rec:
                 self.model.forward(batch)
-            return torch.stack([self.model.unembed(row).argmax(-1) for row in rec.activations[top]])
+            return rec.activations[top]
         finally:
             for handle in handles:
                 handle.remove()
 
+    def greedy_all(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[rows, seq]`` the greedy next token at every position, each row under its edits."""
+        with torch.no_grad():
+            return torch.stack([self.model.unembed(row).argmax(-1) for row in self._last_layer(ids)])
+
     def next_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """``[rows, vocab]`` fp32 next-token logits at the last position, each row under its edits."""
-        top = self.model.n_layers - 1
-        batch = ids.expand(len(self.rows), -1)
-        handles = [register_own_thread_hook(self.model.layers[layer], self._hook(layer)) for layer in self.layers]
-        try:
-            with torch.no_grad(), ActivationRecorder(self.model.layers, [top], stop_after=top) as rec:
-                self.model.forward(batch)
-            return self.model.unembed(rec.activations[top][:, -1]).float()
-        finally:
-            for handle in handles:
-                handle.remove()
+        with torch.no_grad():
+            return self.model.unembed(self._last_layer(ids)[:, -1]).float()
 
 
 def edited_next_logits(model: LensModel, ids: torch.Tensor, rows: Sequence[Sequence[Any]],
@@ -475,9 +493,11 @@ __all__ = [
     "edited_next_logits",
     "first_ids",
     "gate_error",
+    "gated_band",
     "not_single",
     "parse_band",
     "ranks_of",
+    "readable_layers",
     "render_prompt",
     "resolve_band",
     "summarise",

@@ -20,7 +20,6 @@ import pandas as pd
 
 from ..interventions.intervals import wilson_interval
 from ..interventions.lens_edits import Swap, random_directions
-from ..interventions.read_directions import last_source_layer
 from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
@@ -30,11 +29,11 @@ from .core import (
     clean_read,
     edited_next_logits,
     first_ids,
-    gate_error,
+    gated_band,
     not_single,
     ranks_of,
+    readable_layers,
     render_prompt,
-    resolve_band,
     summarise,
     timer,
     word_ids,
@@ -53,8 +52,7 @@ def run_flexible(model: LensModel, lens: Lens, data: dict, *, band: Any = None, 
     """
     elapsed = timer()
     categories = list(data["categories"])
-    top = last_source_layer(lens)
-    readable = [x for x in lens.layers if x <= top]
+    readable = readable_layers(lens)
     cells = [(c, f, str(a)) for c in categories for f in c["funcs"] for a in c["args"]]
     steps = Progress(2 * len(cells), progress, stop)
     gate_rows, gated = [], {}
@@ -83,11 +81,7 @@ def run_flexible(model: LensModel, lens: Lens, data: dict, *, band: Any = None, 
                 ids, {layer: ranks_of(lg, arg_ids) <= 5 for layer, lg in read.lens_logits.items()})
         gate_rows.append(row)
         steps.step()
-    gate = pd.DataFrame(gate_rows)
-    if not gated:
-        raise gate_error(NAME, gate)
-    curve = {layer: float(np.mean([g[1][layer] for g in gated.values()])) for layer in readable}
-    chosen = resolve_band(model, lens, band, curve, concept="argument")
+    gate, chosen = gated_band(model, lens, band, NAME, gate_rows, [g[1] for g in gated.values()], "argument")
     layers = list(chosen.layers)
     logit = LogitLens.for_model(model)
     rows = []

@@ -30,7 +30,6 @@ import numpy as np
 import pandas as pd
 
 from ..interventions.lens_edits import Swap, random_directions
-from ..interventions.read_directions import last_source_layer
 from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
@@ -41,11 +40,11 @@ from .core import (
     clean_read,
     edited_next_logits,
     first_ids,
-    gate_error,
+    gated_band,
     not_single,
     ranks_of,
+    readable_layers,
     render_prompt,
-    resolve_band,
     summarise,
     timer,
     word_ids,
@@ -96,8 +95,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
     """
     elapsed = timer()
     items = list(data["items"])
-    top = last_source_layer(lens)
-    readable = [x for x in lens.layers if x <= top]
+    readable = readable_layers(lens)
     depth_step = depth_step or max(1, model.n_layers // 10)
     starts = readable[::depth_step] if depth else []
     per_item_steps = 1 + 1 + (1 if depth else 0)
@@ -119,15 +117,11 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
         else:
             row["passed"] = True
             inter_ids = set(word_ids(model, words["intermediate"]).values())
-            curve = {layer: float(ranks_of(lg, inter_ids) <= 5) for layer, lg in read.lens_logits.items()}
+            curve = {layer: ranks_of(lg, inter_ids) <= 5 for layer, lg in read.lens_logits.items()}
             kept.append((i, item, words, ids, curve, read.greedy))
         gate_rows.append(row)
         steps.step()
-    gate = pd.DataFrame(gate_rows)
-    if not kept:
-        raise gate_error(NAME, gate)
-    curve = {layer: float(np.mean([k[4][layer] for k in kept])) for layer in readable}
-    chosen = resolve_band(model, lens, band, curve, concept="intermediate")
+    gate, chosen = gated_band(model, lens, band, NAME, gate_rows, [k[4] for k in kept], "intermediate")
     layers = list(chosen.layers)
     logit = LogitLens.for_model(model)
     notes: list[str] = []

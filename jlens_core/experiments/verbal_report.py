@@ -25,7 +25,6 @@ import numpy as np
 import pandas as pd
 
 from ..interventions.lens_edits import Swap, random_directions
-from ..interventions.read_directions import last_source_layer
 from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
@@ -35,10 +34,10 @@ from .core import (
     Progress,
     clean_read,
     edited_next_logits,
-    gate_error,
+    gated_band,
     ranks_of,
+    readable_layers,
     render_prompt,
-    resolve_band,
     summarise,
     timer,
     word_ids,
@@ -75,8 +74,7 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
                          "candidates) or 'word' (any word but the category's name).")
     elapsed = timer()
     candidates = {str(c): [str(w) for w in words] for c, words in data["candidates"].items()}
-    top = last_source_layer(lens)
-    readable = [x for x in lens.layers if x <= top]
+    readable = readable_layers(lens)
     steps = Progress(2 * len(candidates), progress, stop)
     gate_rows, kept, unscored = [], [], []
     for category, words in candidates.items():
@@ -111,12 +109,8 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
                 kept.append((category, ids, read, answer, others, single, lens_rank, out_rank))
         gate_rows.append(row)
         steps.step()
-    gate = pd.DataFrame(gate_rows)
-    if not kept:
-        raise gate_error(NAME, gate)
-    curve = {layer: float(np.mean([ranks_of(k[2].lens_logits[layer], [k[2].greedy]) <= 5 for k in kept]))
-             for layer in readable}
-    chosen = resolve_band(model, lens, band, curve, concept="reported answer")
+    hits = [{layer: ranks_of(lg, [k[2].greedy]) <= 5 for layer, lg in k[2].lens_logits.items()} for k in kept]
+    gate, chosen = gated_band(model, lens, band, NAME, gate_rows, hits, "reported answer")
     layers = list(chosen.layers)
     logit = LogitLens.for_model(model)
     notes: list[str] = []
