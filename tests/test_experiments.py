@@ -365,3 +365,29 @@ def test_directed_modulation_hits_over_the_carrier_span(setup):
     assert hits.loc[("time", 0)].tolist() == [True, True] and hits.loc[("time", 1)].tolist() == [False, False]
     assert not hits.loc["capital"]["max"].any()
     assert (result.summary["rate"] == 0.25).all()
+
+
+# -- experiment 6: selectivity -------------------------------------------------------------------------------------
+def test_selectivity_label_hits_and_the_language_swap(setup):
+    model, lens = setup
+    # the questions are words of S only, so every question position is read as its own token
+    data = {"task": {"name": "language", "explicit_q": " cap time", "automatic_q": " and cap"},
+            "passages": [{"category": "timeish", "key": "p1", "text": "Numbers like 12"},
+                         {"category": "oneish", "key": "p2", "text": "Once upon a"},
+                         {"category": "longish", "key": "p3", "text": "Parisian"}],
+            "intermediates": {"timeish": ["time"], "oneish": ["one"], "longish": ["Parisian"]},
+            "authors": {"timeish": ["cap"]}}
+    result = run_experiment(model, lens, "selectivity-language", data, band="1-2", prefill=" time")
+    gate = result.gate.set_index("item")
+    assert gate.loc["p3", "reason"] == "unscored: no label of 'longish' is one token here"
+    # the copying model answers the prefill's ' time': it names p1's language, not p2's
+    assert gate.loc["p1", "passed"] and gate.loc["p2", "reason"].startswith("gated out")
+    rates = result.summary.set_index("arm")["rate"]
+    # the explicit question holds ' time' (p1's label, read as itself), the automatic one no label
+    assert rates["label hits · explicit"] == 0.5 and rates["label hits · automatic"] == 0.0
+    assert result.extras["selectivity"]["explicit_minus_automatic"] == 0.5
+    # the swap time -> one: the report follows (p1); the continuation is the swapped word itself here (the model
+    # copies ' time'), so it does not keep (p1: time -> one; p2: one -> time)
+    assert rates["J-lens swap · explicit: report follows"] == 1.0
+    assert rates["J-lens swap · automatic: continuation keeps"] == 0.0
+    assert result.summary.set_index("arm").loc["J-lens swap · automatic: continuation keeps", "trials"] == 2

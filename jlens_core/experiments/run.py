@@ -16,7 +16,8 @@ RUNNERS = {"probe-swap": ("probe_swap", "run_probe_swap"),
            "flexible-generalization": ("flexible", "run_flexible"),
            "ablation-battery": ("ablation", "run_ablation_battery"),
            "verbal-introspection": ("introspection", "run_introspection"),
-           "directed-modulation": ("modulation", "run_modulation")}
+           "directed-modulation": ("modulation", "run_modulation"),
+           "selectivity-language": ("selectivity", "run_selectivity")}
 
 
 def available_experiments() -> list[str]:
