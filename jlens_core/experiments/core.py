@@ -158,8 +158,10 @@ def resolve_band(model: LensModel, lens: Lens, band: str | Sequence[int] | None,
     found = band_of([values[x] for x in layers]) if layers else None
     if found is None:
         fallback = default_layers(model, lens)
-        return Band(tuple(fallback), f"the {concept} never reached the lens's top {BAND_TOP_K}, so the default edit "
-                                     f"band (n_layers // 3 .. the lens's last source layer) is used", values)
+        why = (f"the {concept} never reached the lens's top {BAND_TOP_K}" if values else
+               "this experiment has no concept curve to derive a band from")
+        return Band(tuple(fallback), f"{why}, so the default edit band (n_layers // 3 .. the lens's last source "
+                                     "layer) is used", values)
     onset, end = found
     return Band(tuple(layers[onset:end + 1]),
                 f"derived by the study's band rule (docs/method.md §8.1) from the fraction of gated items whose "
