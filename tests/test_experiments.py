@@ -377,7 +377,8 @@ def test_selectivity_label_hits_and_the_language_swap(setup):
                          {"category": "longish", "key": "p3", "text": "Parisian"}],
             "intermediates": {"timeish": ["time"], "oneish": ["one"], "longish": ["Parisian"]},
             "authors": {"timeish": ["cap"]}}
-    result = run_experiment(model, lens, "selectivity-language", data, band="1-2", prefill=" time")
+    result = run_experiment(model, lens, "selectivity-language", data, band="1-2", prefill=" time",
+                            automatic_prefill=" and")
     gate = result.gate.set_index("item")
     assert gate.loc["p3", "reason"] == "unscored: no label of 'longish' is one token here"
     # the copying model answers the prefill's ' time': it names p1's language, not p2's
@@ -386,8 +387,8 @@ def test_selectivity_label_hits_and_the_language_swap(setup):
     # the explicit question holds ' time' (p1's label, read as itself), the automatic one no label
     assert rates["label hits · explicit"] == 0.5 and rates["label hits · automatic"] == 0.0
     assert result.extras["selectivity"]["explicit_minus_automatic"] == 0.5
-    # the swap time -> one: the report follows (p1); the continuation is the swapped word itself here (the model
-    # copies ' time'), so it does not keep (p1: time -> one; p2: one -> time)
+    # the swap time -> one: the report follows (p1); the automatic reply copies ' and', which neither label's
+    # coordinates touch, so it keeps (p1: time -> one; p2: one -> time)
     assert rates["J-lens swap · explicit: report follows"] == 1.0
-    assert rates["J-lens swap · automatic: continuation keeps"] == 0.0
+    assert rates["J-lens swap · automatic: continuation keeps"] == 1.0
     assert result.summary.set_index("arm").loc["J-lens swap · automatic: continuation keeps", "trials"] == 2

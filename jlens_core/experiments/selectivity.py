@@ -44,12 +44,13 @@ TASKS = ("explicit", "automatic")
 
 
 def run_selectivity(model: LensModel, lens: Lens, data: dict, *, band: Any = None, seed: int = 0,
-                    alpha: float = 1.0, prefill: str = "", progress: Callable[[int, int], None] | None = None,
+                    alpha: float = 1.0, prefill: str = "", automatic_prefill: str = "", progress: Callable[[int, int], None] | None = None,
                     stop: Callable[[], bool] | None = None) -> ExperimentResult:
     """Run the selectivity experiment on ``data`` (the selectivity-language format); see the module docstring.
 
     Args:
-        prefill: the reply's start, teacher-forced after the question (e.g. ``"The language is"``).
+        prefill: the explicit task's reply start, teacher-forced after its question (e.g. ``"The language is"``);
+            automatic_prefill: the automatic task's (default: none, the reply starts fresh).
 
     Raises:
         ValueError: fewer than two categories with a single-token label, a band outside the lens, no passage the
@@ -77,8 +78,9 @@ def run_selectivity(model: LensModel, lens: Lens, data: dict, *, band: Any = Non
             continue
         label_ids = set().union(*(set(word_ids(model, w).values()) for w in labels[category]))
         for name, question in questions.items():
+            start = prefill if name == "explicit" else automatic_prefill
             turns = [{"role": "user", "content": f"{p['text']}\n\n{question}"}] + (
-                [{"role": "assistant", "content": prefill}] if prefill else [])
+                [{"role": "assistant", "content": start}] if start else [])
             text = render_prompt(model, turns, experiment=NAME)
             prompts[(str(p["key"]), name)] = (text, model.encode(text), question, label_ids)
         text, ids, _, _ = prompts[(str(p["key"]), "explicit")]
@@ -135,7 +137,7 @@ def run_selectivity(model: LensModel, lens: Lens, data: dict, *, band: Any = Non
                               "automatic_hit_rate": float(rates.get("label hits · automatic", float("nan"))),
                               "explicit_minus_automatic": float(rates.get("label hits · explicit", float("nan"))
                                                                 - rates.get("label hits · automatic", float("nan")))}}
-    settings = {"band": band, "seed": seed, "alpha": alpha, "prefill": prefill, "task": str(task.get("name", ""))}
+    settings = {"band": band, "seed": seed, "alpha": alpha, "prefill": prefill, "automatic_prefill": automatic_prefill, "task": str(task.get("name", ""))}
     return ExperimentResult(NAME, model.name, str(lens.kind), chosen, gate, trials, summary, extras, settings,
                             elapsed(), ("authors are read with the format but not scored in this version.",))
 
