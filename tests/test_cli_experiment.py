@@ -60,6 +60,7 @@ def test_experiment_writes_the_library_result(work, capsys):
     (["--items", "{verbal}"], "is not a probe-swap file: it lacks the fields items"),
     (["--band", "2-3"], "Layer 3 is outside the lens"),
     (["--items", "probe-swap"], "The model answers none of the"),
+    (["--prefill", "Answer:"], "--prefill is for verbal-report and selectivity-language: probe-swap takes no prefill."),
 ])
 def test_bad_input_is_one_sentence_with_exit_2(work, capsys, args, sentence):
     other = work["root"] / "verbal.json"

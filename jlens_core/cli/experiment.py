@@ -17,6 +17,8 @@ from .common import advance, progress_bar, resolve_lenses
 from .main import CLIError, command_description, say
 from .model_args import LENS_HELP, add_model_command, model_loading_options
 
+PREFILLED = ("verbal-report", "selectivity-language")  # the experiments whose reply start is a setting
+
 
 def cmd_experiment(args: argparse.Namespace) -> int:
     from ..experiments.formats import load_experiment_items
@@ -35,6 +37,10 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         options["depth"] = False
     if args.alpha is not None:
         options["alpha"] = args.alpha
+    if args.prefill is not None:
+        if args.name not in PREFILLED:
+            raise CLIError(f"--prefill is for {' and '.join(PREFILLED)}: {args.name} takes no prefill.")
+        options["prefill"] = args.prefill
     bar = progress_bar(1, args.name, args.no_progress, unit="step")
     result = run_experiment(model, lens, args.name, data, band=args.band, seed=args.seed,
                             progress=functools.partial(advance, bar) if bar else None, **options)
@@ -70,6 +76,9 @@ def register(subparsers) -> None:
     e.add_argument("--lens", default="default", help=f"{LENS_HELP} (default: default)")
     e.add_argument("--alpha", type=float, default=None, help="the coordinate swaps' scale (default 1: exchanged)")
     e.add_argument("--no-depth", action="store_true", help="probe-swap: skip the depth test")
+    e.add_argument("--prefill", default=None, metavar="TEXT",
+                   help="verbal-report, selectivity-language: the reply's start before the answer is read, e.g. "
+                        "'I am thinking of a {category}:' (default: none)")
     e.add_argument("--seed", type=int, default=0, help="seed of the random controls and the bootstrap (default 0)")
     e.add_argument("--out", required=True, metavar="DIR", help="folder for result.json and the tables")
     e.add_argument("--html", action="store_true", help="also write result.html, one self-contained page")
