@@ -244,3 +244,34 @@ def test_bad_input_one_sentence_each(setup, residuals):
 
     with pytest.raises(ValueError, match="no J-space dictionary"):
         jspace(model, NoMatrix(), LAYER)
+
+
+def test_the_tuned_lens_dictionary_is_its_read_vectors(setup):
+    from jlens_core import TunedLens
+
+    _, model, _ = setup
+    gen = torch.Generator().manual_seed(7)
+    d = model.d_model
+    lens = TunedLens({layer: (0.2 * torch.randn(d, d, generator=gen), 0.5 * torch.randn(d, generator=gen))
+                      for layer in range(model.n_layers - 1)}, d, target_layer=model.n_layers - 1,
+                     n_layers=model.n_layers)
+    for gauge in ("centred", "raw"):
+        space = jspace(model, lens, LAYER, gauge=gauge)
+        for t in (4, 99):  # the bias b_l plays no part in a direction
+            torch.testing.assert_close(space.atoms([t])[0],
+                                       read_vector(model, lens, LAYER, t, centred=gauge == "centred"),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_the_word_vocabulary_keeps_the_word_tokens(setup):
+    import numpy as np
+
+    from jlens_core.reading.word_readout import word_mask
+
+    _, model, lens = setup
+    space = jspace(model, lens, LAYER, vocab="word")
+    mask = word_mask(TokenDisplay.for_model(model))[: model.vocab_size]
+    assert space.token_ids.tolist() == np.nonzero(mask)[0].tolist() and 0 < space.n_atoms < model.vocab_size
+    dec = decompose(model, lens, torch.randn(2, model.d_model, generator=torch.Generator().manual_seed(0)), LAYER,
+                    k=3, vocab="word", controls=False)
+    assert all(bool(mask[int(t)]) for t in dec.token_ids.reshape(-1) if int(t) >= 0)

@@ -156,3 +156,12 @@ def test_bad_input(setup):
         AblateJSpace(model, lens, k=0, layers=[LAYER])
     with pytest.raises(ValueError, match="outside the lens"):
         AblateJSpace(model, lens, layers=[model.n_layers - 1])
+
+
+def test_clamp_takes_a_decompositions_support(setup):
+    model, lens, ids, _ = setup
+    h = run(model, ids, None)[LAYER].float()[-1]
+    dec = decompose(model, lens, h, LAYER, k=5, controls=False)
+    clamp = ClampJ(model, lens, dec.token_ids, layers=[LAYER])  # [1, k] with -1 padding
+    assert clamp.token_ids == [int(t) for t in dec.token_ids[0] if int(t) >= 0]
+    assert clamp.bases[LAYER][0].shape == (model.d_model, len(clamp.token_ids))

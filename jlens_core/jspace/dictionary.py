@@ -124,6 +124,7 @@ class JSpace:
     _mean: torch.Tensor | None = field(repr=False)  # m_l [d] fp32 in the centred gauge
     _head: torch.Tensor = field(repr=False)  # [d, vocab] head matrix (shared, not a copy)
     _subset: torch.Tensor | None = field(repr=False)  # token ids of a sub-vocabulary
+    _inv_norms: torch.Tensor = field(repr=False)  # 1 / norms (0 for a zero atom)
 
     @property
     def n_atoms(self) -> int:
@@ -136,28 +137,32 @@ class JSpace:
             z = z - z.mean(dim=-1, keepdim=True)
         return z * self._gamma
 
-    def inner_products(self, x: Float[torch.Tensor, "n d_model"]) -> Float[torch.Tensor, "n n_atoms"]:
-        """``<atom_t, x>`` fp32 ``[n, n_atoms]`` for rows ``x [n, d_model]`` (not normalised)."""
+    def _products(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         x = x.detach().float().cpu().reshape(-1, self.d_model)
         z = self._pre_head(x).to(self._head.device)
         head = self._head
+        offset = (-(x @ self._mean))[:, None].to(head.device) if self._mean is not None else None
         if self._subset is None and head.dtype == torch.float32:
-            out = z @ head
+            # one pass over the head: the centring offset and the norms folded into the product's output
+            out = torch.addmm(offset, z, head) if offset is not None else z @ head
         else:
             cols = self._subset if self._subset is not None else torch.arange(head.shape[1])
             out = torch.cat([z @ head[:, cols[s:s + CHUNK].to(head.device)].float()
                              for s in range(0, int(cols.numel()), CHUNK)], dim=1)
-        out = out.float().cpu()
-        if self._mean is not None:
-            out = out - (x @ self._mean)[:, None]
-        return out
+            if offset is not None:
+                out += offset
+        if scale is not None:
+            out *= scale.to(out.device)
+        return out.float().cpu()
+
+    def inner_products(self, x: Float[torch.Tensor, "n d_model"]) -> Float[torch.Tensor, "n n_atoms"]:
+        """``<atom_t, x>`` fp32 ``[n, n_atoms]`` for rows ``x [n, d_model]`` (not normalised)."""
+        return self._products(x, None)
 
     def correlations(self, x: Float[torch.Tensor, "n d_model"]) -> Float[torch.Tensor, "n n_atoms"]:
         """``<atom_t / ||atom_t||, x>`` fp32 ``[n, n_atoms]``: inner products with the unit atoms (0 for an atom
         whose norm is 0)."""
-        ip = self.inner_products(x)
-        norms = self.norms
-        return torch.where(norms > 0, ip / norms.clamp_min(1e-30), 0.0)
+        return self._products(x, self._inv_norms)
 
     def atoms(self, ids: Sequence[int] | Int[torch.Tensor, " m"]) -> Float[torch.Tensor, "m d_model"]:
         """The atoms of token ids ``ids`` as rows ``[m, d_model]`` fp32 (not normalised): ``read_vector`` of each
@@ -226,7 +231,8 @@ def jspace(model: LensModel, lens: Lens, layer: int, *, gauge: str = "centred",
     mean = mean_read_vector(model, lens, layer).float().cpu() if gauge == "centred" else None
     return JSpace(layer=layer, gauge=gauge, token_ids=ids, norms=norms, d_model=int(model.d_model),
                   lens_kind=str(lens.kind), _transport=transport, _gamma=gamma.float(), _centres=bool(centres),
-                  _mean=mean, _head=head_matrix(model), _subset=subset)
+                  _mean=mean, _head=head_matrix(model), _subset=subset,
+                  _inv_norms=torch.where(norms > 0, 1.0 / norms.clamp_min(1e-30), 0.0))
 
 
 def clear_cache() -> None:

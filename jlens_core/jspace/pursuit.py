@@ -172,7 +172,7 @@ def greedy_pursuit(x: Float[torch.Tensor, "n d"], k: int, *,
             corr = correlate(r[alive].float())  # [m, n_atoms]
             if step:
                 chosen = idx[alive, :step]
-                corr = corr.scatter(1, chosen, -torch.inf)
+                corr = corr.scatter_(1, chosen, -torch.inf)
             best, pick = corr.max(-1)
             ok = best.double() > POSITIVE_TOL * xnorm[alive]
             live_rows = rows[alive]
