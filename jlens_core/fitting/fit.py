@@ -752,4 +752,7 @@ def fit(model: LensModel, prompts: Sequence, settings: FitSettings | None = None
     from ..lenses.canary import make_canary
 
     lens.canary = make_canary(model, lens)
+    from ..lenses.provenance import PROVENANCE_KEY, model_provenance
+
+    lens.settings[PROVENANCE_KEY] = model_provenance(model)  # versions, revision, capture point (docs/sharing.md)
     return lens

@@ -248,6 +248,14 @@ class MatrixTransportMixin(SourceLayersMixin):
     def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         raise NotImplementedError
 
+    def export(self, path: str | os.PathLike, format: str = "reference", **options: Any) -> Any:
+        """Write this lens in another library's format: ``reference``, ``transformer-lens``, ``neuronpedia`` or
+        ``jpp`` (:func:`jlens_core.lenses.export.export_lens`, its options and errors; docs/sharing.md). Returns
+        its :class:`~jlens_core.lenses.export.ExportResult` (the files, and what the format cannot hold)."""
+        from .export import export_lens
+
+        return export_lens(self, path, format, **options)
+
     def transport(self, h: Float[torch.Tensor, "*batch d_model"],
                   layer: int) -> Float[torch.Tensor, "*batch d_model"]:
         """``J_l @ h`` over the last axis (``J_l`` = :meth:`matrix`): ``[..., d_model] -> [..., d_model]``,
@@ -567,7 +575,8 @@ class JacobianLens(MatrixTransportMixin):
             raise FileNotFoundError(f"No lens file at {str(path)!r}.")
         with open(path, "rb") as f:
             head = f.read(8)
-        lens = cls._load_reference(path) if head[:2] == b"PK" else cls._load_safetensors(path)
+        torch_file = head[:2] == b"PK" or head[:1] == b"\x80"  # torch.save's zip, or a legacy pickle
+        lens = cls._load_reference(path) if torch_file else cls._load_safetensors(path)
         if model is not None:
             lens.check_model(model)
         return lens
@@ -644,23 +653,9 @@ class JacobianLens(MatrixTransportMixin):
 
     @classmethod
     def _load_reference(cls, path: Path) -> JacobianLens:
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise LensFileError(f"{str(path)!r} is not a readable lens file: {exc}") from exc
-        if not isinstance(data, dict) or not {"J", "n_prompts", "d_model"} <= set(data):
-            raise LensFileError(f"{str(path)!r} is a torch file but not a lens (expected keys J, n_prompts, "
-                                "source_layers, d_model).")
-        mats = data["J"]
-        layers = list(data.get("source_layers") or [])
-        if isinstance(mats, torch.Tensor):  # stacked [n_layers, d, d] in source_layers order
-            if not layers:
-                layers = list(range(mats.shape[0]))
-            mats = {int(layer): mats[i] for i, layer in enumerate(layers)}
-        else:
-            mats = {int(k): v for k, v in mats.items()}
-        return cls(mats, int(data["n_prompts"]), int(data["d_model"]), target_layer=data.get("target_layer"),
-                   settings={"source": "reference jlens file"}, model_name=data.get("model_name"))
+        from .foreign import load_foreign_lens  # the .pt layouts of other libraries (docs/sharing.md)
+
+        return load_foreign_lens(path)
 
     # -- combining -----------------------------------------------------------------------------
     @classmethod
