@@ -141,7 +141,8 @@ def refit_check(model: LensModel, lens: Any, prompts: Sequence, *, nested: bool,
     lens.check_model(model)
     settings = lens.fit_settings.replace(experts=0, cluster_prompts=0)
     started = time.perf_counter()
-    refit = fit(model, list(prompts), settings, FitPlan(halves=True), progress=progress)
+    # the model's own forward and backward (not the fused path's analytic one): what the software computes now
+    refit = fit(model, list(prompts), settings, FitPlan(halves=True, method="batched"), progress=progress)
     seconds = time.perf_counter() - started
     n_refit, n_file = int(refit.n_prompts), max(int(lens.n_prompts), 1)
     nested = nested and n_refit <= n_file  # more prompts than the lens holds: some are not among its own
