@@ -74,8 +74,8 @@ def _refit_check(args: argparse.Namespace, model, lens) -> int:
     from ..corpus import load_corpus
     from ..fitting.drift import refit_check
 
-    if args.refit < 2:
-        raise CLIError(f"--refit {args.refit} must be >= 2: the refit's halves predict the sampling error.")
+    if args.refit < 1:
+        raise CLIError(f"--refit {args.refit} must be >= 1.")
     settings = getattr(lens, "settings", {}) or {}
     recorded = settings.get("corpus")
     corpus = args.corpus or recorded
@@ -111,8 +111,9 @@ def register(subparsers) -> None:
                         "stay bit for bit): for files fitted before canaries existed")
     c.add_argument("--refit", type=int, default=None, metavar="N",
                    help="the drift check, for lenses without a canary (fitted elsewhere): refit the first N prompts of "
-                        "the lens's corpus (or --corpus) with the model as loaded now and compare per layer within the "
-                        "sampling error its split halves predict; exit 1 names the first layer out of bounds")
+                        "the lens's corpus (or --corpus) with the model as loaded now and compare per layer: row by row "
+                        "with the lens's convergence record when it keeps one, else the matrices within the sampling "
+                        "error the split halves predict; exit 1 names the first layer out of bounds")
     c.add_argument("--corpus", default=None, help="the corpus --refit reads (default: the one the lens records)")
     c.add_argument("--split", default=None, choices=["fit", "eval", "all"],
                    help="the corpus part --refit reads (default: the lens's, else 'fit')")

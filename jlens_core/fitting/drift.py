@@ -16,8 +16,17 @@ the refit's), a refit of ``N`` prompts and a file of ``n``:
 * otherwise (another corpus): ``se = s sqrt(1/N + 1/n)``.
 
 A layer is within bounds when ``rel_diff <= sigmas * se + floor`` (``floor`` = 2e-3: float16 storage and float32
-summation orders, so a refit of all ``n`` prompts of the lens's own corpus is held to that alone). The first layer
-out of bounds is named; an unchanged model passes.
+summation orders, so a refit of all ``n`` prompts of the lens's own corpus is held to that alone).
+
+Sharper, when the file keeps its fit's convergence record (jlens files do: one record per prompt x layer with
+``jacobian_norm = ||J_p,l||_F / sqrt(d)``) and the refit prompts are its own: the same prompts through the same
+model give the same per-prompt Jacobians, so each refit row is compared with the recorded one, no sampling involved:
+``rel_diff_l`` is the largest ``|norm_now - norm_then| / norm_then`` over the refit prompts, held to
+``record_tolerance``: 1e-3 when the model runs in float32 now and ran so then (as far as the lens's canary says;
+a float32 refit repeats a float32 fit to about 1e-6), else 1e-2 (a fit in bfloat16). A rope scaling applied to the
+wrong layers, 4-6 % off on every row, is caught by a refit of a few prompts this way.
+
+The first layer out of bounds is named; an unchanged model passes.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ log = logging.getLogger(__name__)
 
 SIGMAS = 4.0
 FLOOR = 2e-3
+RECORD_TOLERANCE = 1e-3  # float32 then and now
+RECORD_TOLERANCE_LOW_PRECISION = 1e-2  # a fit or a refit in bfloat16 / float16
 
 
 @dataclass(frozen=True)
@@ -68,7 +79,9 @@ class DriftResult:
         layers: per source layer, in order.
         n_refit: prompts the refit counted; n_file: prompts the lens holds.
         nested: the refit prompts are among the file's (the lens's own corpus from its first prompt).
-        se_from: ``"file halves"`` or ``"refit halves"``: where the per-prompt error came from.
+        se_from: ``"file halves"`` or ``"refit halves"``: where the per-prompt error came from; ``"none"`` when
+            compared with the convergence record.
+        compared: ``"convergence record"`` (row by row) or ``"matrices"``.
         seconds: how long the refit took.
     """
 
@@ -78,6 +91,7 @@ class DriftResult:
     nested: bool
     se_from: str
     seconds: float
+    compared: str = "matrices"
 
     @property
     def first_out_of_bounds(self) -> LayerDrift | None:
@@ -93,7 +107,8 @@ class DriftResult:
         """One sentence: passed, or the first layer out of bounds and by how much."""
         bad = self.first_out_of_bounds
         source = "prompts the lens was fitted on" if self.nested else "prompts of another corpus"
-        how = f"refit of {self.n_refit} {source}, error from the {self.se_from}"
+        how = (f"refit of {self.n_refit} {source}, compared with its convergence record" if self.compared != "matrices"
+               else f"refit of {self.n_refit} {source}, error from the {self.se_from}")
         if bad is None:
             worst = max(self.layers, key=lambda r: r.rel_diff / r.bound)
             return (f"Within sampling error at every layer: {how}; largest difference {worst.rel_diff:.3g} at layer "
@@ -113,8 +128,35 @@ def predicted_prompt_error(lens: Any) -> dict[int, float] | None:
     return {int(row.layer): float(row.predicted_rel_se) * math.sqrt(n) for row in table.itertuples()}
 
 
+def record_drift(lens: Any, refit: Any, tolerance: float = RECORD_TOLERANCE) -> list[LayerDrift] | None:
+    """Per source layer, the largest relative difference of ``jacobian_norm`` between ``refit``'s diagnostics and
+    ``lens``'s recorded ones for the same prompt indices (module docstring); ``None`` when the lens records none of
+    the refit's prompts."""
+    then = {(int(r["prompt_index"]), int(r["layer"])): float(r["jacobian_norm"])
+            for r in getattr(lens, "diagnostics", None) or [] if r.get("jacobian_norm") is not None}
+    now = [(int(r["prompt_index"]), int(r["layer"]), float(r["jacobian_norm"])) for r in refit.diagnostics]
+    if not now or any((index, layer) not in then for index, layer, _ in now):
+        return None
+    worst: dict[int, float] = {}
+    for index, layer, value in now:
+        recorded = then[(index, layer)]
+        worst[layer] = max(worst.get(layer, 0.0), abs(value - recorded) / max(abs(recorded), 1e-30))
+    return [LayerDrift(layer, worst[layer], 0.0, tolerance) for layer in sorted(worst)]
+
+
+def record_tolerance_for(model: LensModel, lens: Any) -> float:
+    """:data:`RECORD_TOLERANCE` when ``model`` runs in float32 and the lens's canary (if any) says its fit did,
+    else :data:`RECORD_TOLERANCE_LOW_PRECISION`."""
+    import torch
+
+    then = str(getattr(getattr(lens, "canary", None), "dtype", "float32"))
+    same = model.dtype == torch.float32 and then.endswith("float32")
+    return RECORD_TOLERANCE if same else RECORD_TOLERANCE_LOW_PRECISION
+
+
 def refit_check(model: LensModel, lens: Any, prompts: Sequence, *, nested: bool, sigmas: float = SIGMAS,
-                floor: float = FLOOR, progress: Callable[[Any], None] | None = None) -> DriftResult:
+                floor: float = FLOOR, record_tolerance: float | None = None,
+                progress: Callable[[Any], None] | None = None) -> DriftResult:
     """Refit ``prompts`` (the first ``N`` of a corpus) on ``model`` with ``lens``'s settings and compare per layer
     (module docstring).
 
@@ -122,11 +164,14 @@ def refit_check(model: LensModel, lens: Any, prompts: Sequence, *, nested: bool,
         model: the model as loaded now.
         lens: a Jacobian lens or R-lens (a file of any known layout), or an expert lens (its pooled lens is checked).
         prompts: the prompts to refit; ``nested``: they are among the lens's own (its corpus from its first prompt).
-        sigmas, floor: the bound, ``sigmas * se + floor``.
+        sigmas, floor: the bound of the matrices' comparison, ``sigmas * se + floor``.
+        record_tolerance: the bound of the convergence record's comparison (used when the lens records the refit
+            prompts' rows and ``nested``); default :func:`record_tolerance_for`.
         progress: :func:`~jlens_core.fitting.fit.fit`'s per-prompt callback.
 
     Raises:
-        ValueError: fewer than 2 prompts counted (no halves to predict the error from), a combined J++ / R++ lens
+        ValueError: fewer than 2 prompts counted when the matrices are compared (no halves to predict the error
+            from), a combined J++ / R++ lens
             (its maps are weighted sums of experts, which a plain refit does not give), or a lens of another model.
     """
     from ..lenses.experts import ExpertLens
@@ -146,9 +191,16 @@ def refit_check(model: LensModel, lens: Any, prompts: Sequence, *, nested: bool,
     seconds = time.perf_counter() - started
     n_refit, n_file = int(refit.n_prompts), max(int(lens.n_prompts), 1)
     nested = nested and n_refit <= n_file  # more prompts than the lens holds: some are not among its own
+    tolerance = record_tolerance if record_tolerance is not None else record_tolerance_for(model, lens)
+    rows_by_record = record_drift(lens, refit, tolerance) if nested else None
+    if rows_by_record is not None:
+        result = DriftResult(tuple(rows_by_record), n_refit, n_file, nested, "none", seconds, "convergence record")
+        log.info("%s", result.message)
+        return result
     if n_refit < 2 or refit.halves() is None:
-        raise ValueError(f"The refit counted {n_refit} prompt(s): the check needs 2 or more (its halves predict the "
-                         "sampling error): give --refit 2 or more, with prompts of at least skip_first + 2 tokens.")
+        raise ValueError(f"The refit counted {n_refit} prompt(s) and the lens records no convergence rows for them: "
+                         "comparing the matrices needs 2 or more (their halves predict the sampling error): give "
+                         "--refit 2 or more.")
     per_prompt = predicted_prompt_error(lens)
     se_from = "file halves"
     if per_prompt is None:
@@ -166,4 +218,5 @@ def refit_check(model: LensModel, lens: Any, prompts: Sequence, *, nested: bool,
     return result
 
 
-__all__ = ["FLOOR", "SIGMAS", "DriftResult", "LayerDrift", "predicted_prompt_error", "refit_check"]
+__all__ = ["FLOOR", "RECORD_TOLERANCE", "RECORD_TOLERANCE_LOW_PRECISION", "SIGMAS", "DriftResult", "LayerDrift",
+           "predicted_prompt_error", "record_drift", "record_tolerance_for", "refit_check"]
