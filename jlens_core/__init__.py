@@ -32,9 +32,11 @@ if TYPE_CHECKING:
     from .figures.interventions import comparison_figure, swap_success_figure
     from .figures.ranks import pinned_ranks_figure
     from .figures.study import study_figure
+    from .fitting.drift import DriftResult, refit_check
     from .fitting.estimator import PromptJacobian, jacobian_for_prompt, valid_position_mask
     from .fitting.expert_weights import learn_expert_weights, macro_pass_at_k, split_items
     from .fitting.fit import FitProgress, FitState, fit
+    from .fitting.reference_checkpoints import checkpoint_from_reference
     from .fitting.tuning import train_tuned_lens
     from .interventions.compare import compare_runs
     from .interventions.lens_edits import Ablate, Steer, Swap
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from .layerspec import resolve_layers
     from .lenses.canary import CheckResult, check_lens
     from .lenses.experts import ExpertLens
+    from .lenses.export import ExportResult, export_lens
     from .lenses.fit_settings import FitPlan, FitRecord, FitSettings
     from .lenses.header import LensFileError
     from .lenses.lens import JacobianLens, LogitLens

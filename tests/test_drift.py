@@ -79,6 +79,8 @@ def test_the_unchanged_model_passes():
     other = refit_check(model, lens, OTHER, nested=False)  # another corpus: matrices, wider bounds
     assert other.exit_code == 0 and other.compared == "matrices"
     assert "Within sampling error at every layer" in other.message
+    told_wrong = refit_check(model, lens, OTHER, nested=True)  # "its own corpus", but its record's texts differ
+    assert told_wrong.compared == "matrices" and not told_wrong.nested and told_wrong.exit_code == 0
 
 
 def test_rope_scaling_changed_on_some_layers_is_caught():

@@ -275,3 +275,14 @@ def test_jlens_fit_resume_from_continues_a_reference_checkpoint(tmp_path, tiny_d
     for layer in whole.source_layers:
         torch.testing.assert_close(resumed.matrix(layer), whole.matrix(layer), rtol=1e-5, atol=1e-6)
     assert whole.settings["provenance"]["capture_point"] == "block_output"
+
+
+def test_jlens_export_writes_every_format(tmp_path, capsys):
+    lens_file = fitted().save(tmp_path / "lens.safetensors")
+    for fmt in ("reference", "transformer-lens", "neuronpedia"):
+        assert main(["export", str(lens_file), "--format", fmt, "--out", str(tmp_path / fmt), "--model-id", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-llama_jacobian_lens.pt" in out and "tiny-llama_jacobian_lens.tl.pt" in out and "config.yaml" in out
+    assert (tmp_path / "neuronpedia" / "tiny" / "jlens" / "unknown-corpus" / "tiny-llama_convergence.csv").is_file()
+    assert main(["export", str(lens_file), "--format", "jpp", "--out", str(tmp_path / "jpp")]) == 2  # one sentence
+    assert "The J++ layout holds J++ and R++ lenses" in capsys.readouterr().err

@@ -128,19 +128,39 @@ def predicted_prompt_error(lens: Any) -> dict[int, float] | None:
     return {int(row.layer): float(row.predicted_rel_se) * math.sqrt(n) for row in table.itertuples()}
 
 
+def _recorded_rows(lens: Any) -> dict[tuple[int, int], dict]:
+    return {(int(r["prompt_index"]), int(r["layer"])): r for r in getattr(lens, "diagnostics", None) or []
+            if r.get("jacobian_norm") is not None and "prompt_index" in r and "layer" in r}
+
+
+def same_prompts(lens: Any, refit: Any) -> bool | None:
+    """Whether ``refit``'s prompts are the ones ``lens``'s convergence record holds at the same indices (by each
+    row's ``prompt_hash``; rows from before it by ``seq_len`` and ``n_valid``); ``None`` when the lens records none
+    of them."""
+    then = _recorded_rows(lens)
+    now = list(refit.diagnostics)
+    if not now or any((int(r["prompt_index"]), int(r["layer"])) not in then for r in now):
+        return None
+    for row in now:
+        old = then[(int(row["prompt_index"]), int(row["layer"]))]
+        keys = ("prompt_hash",) if old.get("prompt_hash") and row.get("prompt_hash") else ("seq_len", "n_valid")
+        if any(old.get(key) != row.get(key) for key in keys):
+            return False
+    return True
+
+
 def record_drift(lens: Any, refit: Any, tolerance: float = RECORD_TOLERANCE) -> list[LayerDrift] | None:
     """Per source layer, the largest relative difference of ``jacobian_norm`` between ``refit``'s diagnostics and
-    ``lens``'s recorded ones for the same prompt indices (module docstring); ``None`` when the lens records none of
-    the refit's prompts."""
-    then = {(int(r["prompt_index"]), int(r["layer"])): float(r["jacobian_norm"])
-            for r in getattr(lens, "diagnostics", None) or [] if r.get("jacobian_norm") is not None}
-    now = [(int(r["prompt_index"]), int(r["layer"]), float(r["jacobian_norm"])) for r in refit.diagnostics]
-    if not now or any((index, layer) not in then for index, layer, _ in now):
+    ``lens``'s recorded ones for the same prompts (module docstring); ``None`` unless :func:`same_prompts`."""
+    if not same_prompts(lens, refit):
         return None
+    then = _recorded_rows(lens)
     worst: dict[int, float] = {}
-    for index, layer, value in now:
-        recorded = then[(index, layer)]
-        worst[layer] = max(worst.get(layer, 0.0), abs(value - recorded) / max(abs(recorded), 1e-30))
+    for row in refit.diagnostics:
+        layer = int(row["layer"])
+        recorded = float(then[(int(row["prompt_index"]), layer)]["jacobian_norm"])
+        change = abs(float(row["jacobian_norm"]) - recorded) / max(abs(recorded), 1e-30)
+        worst[layer] = max(worst.get(layer, 0.0), change)
     return [LayerDrift(layer, worst[layer], 0.0, tolerance) for layer in sorted(worst)]
 
 
@@ -191,6 +211,10 @@ def refit_check(model: LensModel, lens: Any, prompts: Sequence, *, nested: bool,
     seconds = time.perf_counter() - started
     n_refit, n_file = int(refit.n_prompts), max(int(lens.n_prompts), 1)
     nested = nested and n_refit <= n_file  # more prompts than the lens holds: some are not among its own
+    if nested and same_prompts(lens, refit) is False:  # its record says these texts are not the ones it was fitted on
+        log.info("The refit prompts are not the ones the lens records (another corpus version?): comparing the "
+                 "matrices as for another corpus.")
+        nested = False
     tolerance = record_tolerance if record_tolerance is not None else record_tolerance_for(model, lens)
     rows_by_record = record_drift(lens, refit, tolerance) if nested else None
     if rows_by_record is not None:
@@ -219,4 +243,4 @@ def refit_check(model: LensModel, lens: Any, prompts: Sequence, *, nested: bool,
 
 
 __all__ = ["FLOOR", "RECORD_TOLERANCE", "RECORD_TOLERANCE_LOW_PRECISION", "SIGMAS", "DriftResult", "LayerDrift",
-           "predicted_prompt_error", "record_drift", "record_tolerance_for", "refit_check"]
+           "predicted_prompt_error", "record_drift", "record_tolerance_for", "refit_check", "same_prompts"]

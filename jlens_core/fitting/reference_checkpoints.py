@@ -45,11 +45,11 @@ def checkpoint_from_reference(reference: str | os.PathLike, path: str | os.PathL
     sums: dict[int, torch.Tensor] = data["jacobian_sum"]
     wanted = {"source_layers": list(settings.source_layers or ()), "target_layer": settings.target_layer,
               "skip_first": settings.skip_first, "max_seq_len": settings.max_seq_len}
-    recorded = {"source_layers": sorted(int(x) for x in data.get("source_layers", sums)),
-                "target_layer": data.get("target_layer"), "skip_first": data.get("skip_first"),
-                "max_seq_len": data.get("max_seq_len")}
+    recorded: dict[str, object] = {"source_layers": sorted(int(x) for x in data.get("source_layers", sums))}
+    recorded.update({key: None if data.get(key) is None else int(data[key])
+                     for key in ("target_layer", "skip_first", "max_seq_len")})
     for key, value in recorded.items():
-        if value is not None and key in wanted and (int(value) if key != "source_layers" else value) != wanted[key]:
+        if value is not None and value != wanted[key]:
             raise ValueError(f"The reference checkpoint {str(reference)!r} was made with {key}={value}, this fit asks "
                              f"for {key}={wanted[key]}: give the same setting (--layers, --target-layer, --skip-first, "
                              "--max-seq-len) to continue it.")

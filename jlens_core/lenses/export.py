@@ -84,6 +84,13 @@ def slug(name: str | None) -> str:
     return re.sub(r"[^0-9A-Za-z._-]+", "-", base).strip("-") or "model"
 
 
+def hub_name(source: str | None) -> str | None:
+    """``source`` when it is a Hub id (``owner/name``), else ``None`` (a local folder is no name to share)."""
+    if not source or source.startswith(("/", ".", "~", "local:")) or source.count("/") != 1:
+        return None
+    return source
+
+
 def default_file_name(lens: Any, format: str) -> str:
     """The file an export to ``format`` writes in a folder: ``<slug>_jacobian_lens.pt`` (``reference``),
     ``<slug>_jacobian_lens.tl.pt`` (``transformer-lens``), ``<slug>_jpp_lens.pt`` (``jpp``)."""
@@ -221,7 +228,7 @@ def export_lens(lens: Any, path: str | os.PathLike, format: str = "reference", *
                 payload["metadata"] = _identity(lens, provenance)
         files = (_save(target, payload),)
     if note:
-        log.warning("%s", note)
+        log.warning("%s", note)  # never silently: the result carries it too
     return ExportResult(format, files, note)
 
 
@@ -236,7 +243,7 @@ def _jpp_payload(lens: Any, matrices: dict[int, torch.Tensor], provenance: dict[
     ``relative_end_transport_layer``), with our identity under ``jlens``."""
     settings = getattr(lens, "settings", {}) or {}
     config = {"d_model": int(lens.d_model), "num_prompts_trained_on": int(lens.n_prompts),
-              "hf_model_name": provenance.get("model_source") or lens.model_name,
+              "hf_model_name": hub_name(provenance.get("model_source")) or lens.model_name,
               "max_seq_len": settings.get("max_seq_len"), "skip_first_n_positions": settings.get("skip_first"),
               # the R++ lens's relevance rules; None for J++ (the J rules: plain gradients)
               "lrp_mode": None if getattr(lens, "rules", "jacobian") == "jacobian" else "relevance",
@@ -267,7 +274,8 @@ def _neuronpedia(lens: Any, root: Path, matrices: dict[int, torch.Tensor], prove
 
     kind = lens_kind(lens)
     method = "jpp" if kind in JPP_KINDS else "jlens"
-    stem = slug(provenance.get("model_source") or lens.model_name)
+    hf_name = hub_name(provenance.get("model_source")) or lens.model_name
+    stem = slug(hf_name)
     model_id = model_id or slug(lens.model_name).lower()
     settings = getattr(lens, "settings", {}) or {}
     dataset = dataset or slug(str(settings.get("corpus") or "unknown-corpus"))
@@ -283,7 +291,7 @@ def _neuronpedia(lens: Any, root: Path, matrices: dict[int, torch.Tensor], prove
     lens_file = _save(folder / name, payload)
     csv_file = atomic_write_text(folder / f"{stem}_convergence.csv", convergence_csv(lens), shared=True)
     layers = sorted(matrices)
-    body = {"np_model_id": model_id, "hf_model_name": provenance.get("model_source") or lens.model_name,
+    body = {"np_model_id": model_id, "hf_model_name": hf_name,
             "dataset": {"name": settings.get("corpus"), "split": settings.get("split")},
             "fit": {"method": method, "kind": kind, "rules": getattr(lens, "rules", "jacobian"),
                     "n_prompts": int(lens.n_prompts), "max_seq_len": settings.get("max_seq_len"),

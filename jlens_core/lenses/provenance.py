@@ -6,7 +6,7 @@ release that changes a rope scaling changes the residuals a lens reads. Every le
 
 * ``transformers``, ``torch``, ``jlens``: the versions the fit ran under;
 * ``model_name``, ``model_revision`` (the Hub commit the weights came from, when transformers knows it, else
-  ``None``), ``model_source`` (the path or Hub id the config was read from);
+  ``None``), ``model_source`` (the Hub id the weights were read from, or ``local:<folder name>``);
 * ``capture_point``: ``"block_output"``, the output of decoder block ``l`` (the residual jlens reads at layer
   ``l``, before the final norm: the layer-``l`` entry of the reference's ``J``);
 * ``stream_reduce`` / ``stream_index``: ``"none"`` / ``None`` for a single residual stream; a multi-stream model's
@@ -19,8 +19,8 @@ marks the rest unknown (``None``).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
 
 if TYPE_CHECKING:
     from ..models.model import LensModel
@@ -31,6 +31,14 @@ FIELDS = ("transformers", "torch", "jlens", "model_name", "model_revision", "mod
           "stream_reduce", "stream_index")
 
 
+def _source(name_or_path: str | None) -> str | None:
+    """A Hub id as given; a local folder as ``local:<its name>`` (its full path is nobody else's business)."""
+    if not name_or_path:
+        return None
+    path = Path(str(name_or_path)).expanduser()
+    return f"local:{path.name}" if path.is_absolute() or path.exists() else str(name_or_path)
+
+
 def model_provenance(model: LensModel) -> dict[str, Any]:
     """The provenance record of a lens fitted now on ``model`` (the fields of :data:`FIELDS`)."""
     from .canary import versions  # the versions running now, as the canary records them
@@ -39,7 +47,7 @@ def model_provenance(model: LensModel) -> dict[str, Any]:
     readout = getattr(model, "stream_readout", None)
     record: dict[str, Any] = {**versions(), "model_name": model.name,
                               "model_revision": getattr(hf_config, "_commit_hash", None),
-                              "model_source": getattr(hf_config, "_name_or_path", None) or None,
+                              "model_source": _source(getattr(hf_config, "_name_or_path", None)),
                               "capture_point": CAPTURE_POINT, "stream_reduce": "none", "stream_index": None}
     if readout is not None:  # several streams: the residual is the model's own collapse of them
         record.update(stream_reduce="model", stream_reduce_detail=str(readout.description))
