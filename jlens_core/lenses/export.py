@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from .._atomic import atomic_write, atomic_write_text
 from .._version import __version__
 from .kinds import BY_KIND, lens_kind
 from .provenance import lens_provenance
 
 if TYPE_CHECKING:
+    import torch
+
     from ..models.model import LensModel
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,8 @@ def exportable_matrices(lens: Any, format: str) -> dict[int, torch.Tensor]:
 
 
 def _fp16(matrices: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    import torch
+
     worst = max(float(m.abs().max()) for m in matrices.values())
     if not worst < FP16_MAX or not math.isfinite(worst):
         raise ValueError(f"The lens has a value of magnitude {worst:.3g}, beyond float16's range ({FP16_MAX}), and "
@@ -141,11 +143,9 @@ def _fp16(matrices: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
 def left_out(lens: Any, format: str) -> str | None:
     """One sentence naming what ``format`` cannot hold of ``lens`` (``None``: it holds everything that matters to
     a reading)."""
-    from .experts import ExpertLens
-
     kind = lens_kind(lens)
     parts: list[str] = []
-    if isinstance(lens, ExpertLens):
+    if getattr(lens, "n_experts", None) is not None:  # an ExpertLens (not imported: it imports this module's caller)
         parts.append("its expert matrices, clustering and weights (each layer's weighted sum is written)")
     if format == "reference":
         if getattr(lens, "rules", "jacobian") != "jacobian":
@@ -178,6 +178,8 @@ def _identity(lens: Any, provenance: dict[str, Any]) -> dict[str, Any]:
 
 
 def _save(path: Path, payload: dict[str, Any]) -> Path:
+    import torch
+
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(path, lambda tmp: torch.save(payload, tmp), shared=True)
 

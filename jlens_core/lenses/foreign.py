@@ -25,7 +25,9 @@ from typing import Any
 import torch
 
 from .header import LensFileError
-from .lens import JacobianLens
+
+# The lens class is passed in by JacobianLens.load (this module does not import lens.py, which imports it).
+JacobianLens = Any
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +85,9 @@ def _unknown(path: Path, data: Any) -> LensFileError:
                          f"layouts known are {known}.")
 
 
-def load_foreign_lens(path: str | os.PathLike) -> JacobianLens:
-    """The lens in a ``.pt`` file of another library (module docstring).
+def load_foreign_lens(path: str | os.PathLike, cls: type[JacobianLens]) -> JacobianLens:
+    """The lens in a ``.pt`` file of another library (module docstring), as a ``cls`` (:class:`JacobianLens`, passed
+    by it: this module does not import it).
 
     Raises:
         LensFileError: a pickle needing code, an unknown layout (naming the keys found and the layouts known), a
@@ -99,7 +102,7 @@ def load_foreign_lens(path: str | os.PathLike) -> JacobianLens:
         raise LensFileError(f"{str(path)!r} is a reference fit checkpoint, not a lens: continue it with `jlens fit "
                             f"--resume-from {path} ...` (docs/sharing.md), which writes the lens.")
     try:
-        lens = _from_jpp(data) if layout == "jpp" else _from_reference(data)
+        lens = _from_jpp(data, cls) if layout == "jpp" else _from_reference(data, cls)
     except (ValueError, TypeError, KeyError) as exc:
         raise LensFileError(f"{str(path)!r} is a {layout} file but not a consistent lens: {exc}") from None
     if layout == "jpp":
@@ -123,8 +126,8 @@ def _ours(record: Any) -> dict[str, Any]:
     return {}
 
 
-def _lens(matrices: dict[int, torch.Tensor], n_prompts: int, d_model: int, ours: dict[str, Any],
-          settings: dict[str, Any], rules: str = "jacobian") -> JacobianLens:
+def _lens(cls: type[JacobianLens], matrices: dict[int, torch.Tensor], n_prompts: int, d_model: int,
+          ours: dict[str, Any], settings: dict[str, Any], rules: str = "jacobian") -> JacobianLens:
     if ours:
         kind = ours.get("kind")
         settings.update({k: ours[k] for k in ("skip_first", "max_seq_len", "corpus") if ours.get(k) is not None})
@@ -133,12 +136,12 @@ def _lens(matrices: dict[int, torch.Tensor], n_prompts: int, d_model: int, ours:
         if kind and kind not in ("jacobian", "relevance"):
             settings["expert_kind"] = kind
         rules = str(ours.get("rules") or rules)
-    return JacobianLens(matrices, n_prompts, d_model, target_layer=ours.get("target_layer"),
+    return cls(matrices, n_prompts, d_model, target_layer=ours.get("target_layer"),
                         n_layers=ours.get("n_layers"), settings=settings, model_name=ours.get("model_name"),
                         model_fingerprint=ours.get("model_fingerprint"), rules=rules)
 
 
-def _from_reference(data: dict[str, Any]) -> JacobianLens:
+def _from_reference(data: dict[str, Any], cls: type[JacobianLens]) -> JacobianLens:
     layers = [int(layer) for layer in data.get("source_layers") or []]
     ours = _ours(data.get("metadata")) or _ours(data.get("provenance"))
     source = ("jlens export" if ours else "Neuronpedia file" if "provenance" in data else "reference jlens file")
@@ -147,10 +150,11 @@ def _from_reference(data: dict[str, Any]) -> JacobianLens:
     if isinstance(provenance, dict) and not ours:  # Neuronpedia's own record: kept as read
         settings["provenance"] = {k: v for k, v in provenance.items() if isinstance(v, (str, int, float, bool))
                                   or v is None}
-    return _lens(_matrices(data["J"], layers), int(data.get("n_prompts", 0)), int(data["d_model"]), ours, settings)
+    return _lens(cls, _matrices(data["J"], layers), int(data.get("n_prompts", 0)), int(data["d_model"]), ours,
+                 settings)
 
 
-def _from_jpp(data: dict[str, Any]) -> JacobianLens:
+def _from_jpp(data: dict[str, Any], cls: type[JacobianLens]) -> JacobianLens:
     config = data["config"]
     ours = _ours(config)
     layers = [int(layer) for layer in data.get("source_layers") or []]
@@ -167,8 +171,8 @@ def _from_jpp(data: dict[str, Any]) -> JacobianLens:
     if not ours and int(config.get("relative_end_transport_layer", -1)) != -1:
         raise ValueError(f"its maps carry residuals to block {config['relative_end_transport_layer']} (relative), "
                          "and the file does not say how many layers the model has")
-    return _lens(matrices, int(config.get("num_prompts_trained_on", 0)), int(config["d_model"]), ours, settings,
-                 rules)
+    return _lens(cls, matrices, int(config.get("num_prompts_trained_on", 0)), int(config["d_model"]), ours,
+                 settings, rules)
 
 
 def read_reference_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

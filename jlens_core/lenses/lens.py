@@ -655,7 +655,7 @@ class JacobianLens(MatrixTransportMixin):
     def _load_reference(cls, path: Path) -> JacobianLens:
         from .foreign import load_foreign_lens  # the .pt layouts of other libraries (docs/sharing.md)
 
-        return load_foreign_lens(path)
+        return load_foreign_lens(path, cls)
 
     # -- combining -----------------------------------------------------------------------------
     @classmethod
