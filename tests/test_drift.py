@@ -127,3 +127,11 @@ def test_jlens_check_refit_exit_codes(tmp_path):
     assert main([*check, "--model", str(tmp_path / "changed")]) == 1
     assert main([*check[:3], "1", "--min-chars", "10", "--model", good]) == 0  # one prompt: its record row suffices
     assert main([*check[:3], "0", "--model", good]) == 2
+
+
+def test_each_prompt_records_the_hash_of_its_text():
+    import hashlib
+
+    _, lens = model_and_lens()
+    hashes = {r["prompt_index"]: r["prompt_hash"] for r in lens.diagnostics if "prompt_hash" in r}
+    assert hashes == {i: hashlib.sha256(text.encode() + b"\x00").hexdigest()[:12] for i, text in enumerate(PROMPTS)}

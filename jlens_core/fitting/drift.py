@@ -133,18 +133,27 @@ def _recorded_rows(lens: Any) -> dict[tuple[int, int], dict]:
             if r.get("jacobian_norm") is not None and "prompt_index" in r and "layer" in r}
 
 
+def _hashes(records: Any) -> dict[int, str]:
+    return {int(r["prompt_index"]): str(r["prompt_hash"]) for r in records or [] if r.get("prompt_hash")}
+
+
 def same_prompts(lens: Any, refit: Any) -> bool | None:
-    """Whether ``refit``'s prompts are the ones ``lens``'s convergence record holds at the same indices (by each
-    row's ``prompt_hash``; rows from before it by ``seq_len`` and ``n_valid``); ``None`` when the lens records none
-    of them."""
+    """Whether ``refit``'s prompts are the ones ``lens``'s convergence record holds at the same indices (by the
+    ``prompt_hash`` a fit records once per prompt; rows from before it by ``seq_len`` and ``n_valid``); ``None``
+    when the lens records none of them."""
     then = _recorded_rows(lens)
     now = list(refit.diagnostics)
     if not now or any((int(r["prompt_index"]), int(r["layer"])) not in then for r in now):
         return None
+    hashes_then, hashes_now = _hashes(getattr(lens, "diagnostics", None)), _hashes(now)
     for row in now:
-        old = then[(int(row["prompt_index"]), int(row["layer"]))]
-        keys = ("prompt_hash",) if old.get("prompt_hash") and row.get("prompt_hash") else ("seq_len", "n_valid")
-        if any(old.get(key) != row.get(key) for key in keys):
+        index = int(row["prompt_index"])
+        if index in hashes_then and index in hashes_now:
+            if hashes_then[index] != hashes_now[index]:
+                return False
+            continue
+        old = then[(index, int(row["layer"]))]
+        if any(old.get(key) != row.get(key) for key in ("seq_len", "n_valid")):
             return False
     return True
 

@@ -470,7 +470,7 @@ class _FitRun:
         if self.halves:
             pending.half_n[half] += 1
         records = []
-        prompt_hash = prompts_digest([self.prompts[idx]], 1)[:16]  # which text: the drift check matches rows by it
+        prompt_hash = prompts_digest([self.prompts[idx]], 1)[:12]
         for layer in self.sources:
             jac = result.jacobians[layer].double()
             rel = None
@@ -485,8 +485,10 @@ class _FitRun:
                     pending.expert_half_delta[layer][half] += result.expert_sums[layer].double()
                     pending.count_half_delta[layer][half] += result.expert_counts[layer].double()
             record = {"prompt_index": idx, "layer": layer, "seq_len": result.seq_len,
-                      "n_valid": result.n_valid, "prompt_hash": prompt_hash, "seconds": round(seconds, 4),
+                      "n_valid": result.n_valid, "seconds": round(seconds, 4),
                       "jacobian_norm": float(jac.norm() / math.sqrt(d)), "rel_change": rel}
+            if layer == self.sources[0]:  # which text, once per prompt: the drift check matches rows by it
+                record["prompt_hash"] = prompt_hash
             if self.halves:
                 pending.half_delta[layer][half] += jac
                 record["half"] = half

@@ -575,8 +575,7 @@ class JacobianLens(MatrixTransportMixin):
             raise FileNotFoundError(f"No lens file at {str(path)!r}.")
         with open(path, "rb") as f:
             head = f.read(8)
-        torch_file = head[:2] == b"PK" or head[:1] == b"\x80"  # torch.save's zip, or a legacy pickle
-        lens = cls._load_reference(path) if torch_file else cls._load_safetensors(path)
+        lens = cls._load_reference(path) if head[:2] == b"PK" else cls._load_safetensors(path)
         if model is not None:
             lens.check_model(model)
         return lens
