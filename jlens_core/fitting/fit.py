@@ -484,9 +484,9 @@ class _FitRun:
                 if self.halves:
                     pending.expert_half_delta[layer][half] += result.expert_sums[layer].double()
                     pending.count_half_delta[layer][half] += result.expert_counts[layer].double()
-            record = {"prompt_index": idx, "layer": layer, "seq_len": result.seq_len,
-                      "n_valid": result.n_valid, "seconds": round(seconds, 4),
-                      "jacobian_norm": float(jac.norm() / math.sqrt(d)), "rel_change": rel}
+            record: dict[str, Any] = {"prompt_index": idx, "layer": layer, "seq_len": result.seq_len,
+                                      "n_valid": result.n_valid, "seconds": round(seconds, 4),
+                                      "jacobian_norm": float(jac.norm() / math.sqrt(d)), "rel_change": rel}
             if layer == self.sources[0]:  # which text, once per prompt: the drift check matches rows by it
                 record["prompt_hash"] = prompt_hash
             if self.halves:
