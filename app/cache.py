@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from jlens_core.models.loading import load_model
+from jlens_core.reading.readout_protocol import Readout
 
 
 @st.cache_resource(show_spinner=False, max_entries=3)
@@ -142,28 +144,41 @@ def reading_store() -> ReadingStore:
     return ReadingStore()
 
 
-def readings_cached(model, model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, top_k: int,
-                    pinned: tuple, show_ws: bool, word_like: bool, layers: tuple | None, positions: tuple | None,
-                    max_seq_len: int, n_prompt: int | None = None, edits_key: str = "", edits=None,
-                    vocab: str = "all", stability: bool = False) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ReadSpec:
+    """What a reading asks for besides the model, the lenses, the text and the edits: :func:`readings_cached`'s
+    cache key and :func:`~jlens_core.reading.reader.read_prompts`' arguments. ``readout``: its ``k`` (tokens kept
+    per cell) and ``vocab`` (``"all"``, or ``"word"``: word tokens only in top-k lists and ranks); ``stability``
+    adds the stability marks of the lenses that keep halves (docs/method.md §6.2)."""
+
+    readout: Readout = field(default_factory=Readout)
+    pinned: tuple = ()
+    show_ws: bool = False
+    word_like: bool = False
+    layers: tuple | None = None
+    positions: tuple | None = None
+    max_seq_len: int | None = None
+    n_prompt: int | None = None
+    stability: bool = False
+
+
+def readings_cached(model, model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, spec: ReadSpec,
+                    edits_key: str = "", edits=None) -> dict[str, Any]:
     """:func:`jlens_core.reading.reader.read_prompts` of ``lenses`` (``{name: (lens, lens key)}``), cached per lens.
 
-    ``text`` is the prompt, or a tuple of token ids (a generation: the first ``n_prompt`` are the prompt);
-    ``edits`` are residual edits to read under (named by ``edits_key``); ``vocab`` is the readout (``"all"``,
-    or ``"word"``: word tokens only in top-k lists and ranks); ``stability`` adds the stability marks of the
-    lenses that keep halves (docs/method.md §6.2). Returns ``{name: PromptReading}``.
+    ``text`` is the prompt, or a tuple of token ids (a generation: the first ``spec.n_prompt`` are the prompt);
+    ``edits`` are residual edits to read under (named by ``edits_key``). Returns ``{name: PromptReading}``.
     """
     from jlens_core.reading.reader import read_prompts
 
-    settings = (text, top_k, pinned, show_ws, word_like, layers, positions, max_seq_len, n_prompt, edits_key, vocab,
-                stability)
-    keys = {name: (model_key, lens_key, *settings) for name, (_, lens_key) in lenses.items()}
+    keys = {name: (model_key, lens_key, text, spec, edits_key) for name, (_, lens_key) in lenses.items()}
 
     def compute(names: list[str]) -> dict[str, Any]:
         return read_prompts(model, {name: lenses[name][0] for name in names},
-                            list(text) if isinstance(text, tuple) else text, top_k=top_k, pinned=pinned,
-                            show_whitespace=show_ws, word_like=word_like, layers=None if layers is None else list(layers),
-                            positions=None if positions is None else list(positions), max_seq_len=max_seq_len,
-                            n_prompt=n_prompt, edits=edits, vocab=vocab, stability=stability)
+                            list(text) if isinstance(text, tuple) else text, spec.readout,
+                            layers=None if spec.layers is None else list(spec.layers),
+                            positions=None if spec.positions is None else list(spec.positions), edits=edits,
+                            stability=spec.stability, pinned=spec.pinned, show_whitespace=spec.show_ws,
+                            word_like=spec.word_like, max_seq_len=spec.max_seq_len, n_prompt=spec.n_prompt)
 
     return reading_store().get(keys, compute)

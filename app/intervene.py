@@ -238,6 +238,10 @@ def _show_run(ctx: Any, chat_text: str) -> None:
     right.markdown(marked_continuation(model, result.edited.generated_ids, first))
     st.caption("The same continuation." if first is None else
                f"They part at generated token {first} (highlighted).")
+    st.caption(f"What else moved: {result.side_effects()} (KL(edited ‖ clean); docs/interventions.md).",
+               help="Readout: the next-token distribution after the prompt, without the token the edit aims at "
+                    "(both renormalised). Downstream: the clean continuation teacher-forced with the edit, KL per "
+                    "token, mean and largest.")
     st.toggle("Heatmap of the edited run", key="iv_edited_heatmap",
               help="Draw the heatmap above from the edited forward pass over the same tokens.")
     if ss.iv_edited_heatmap:

@@ -194,7 +194,7 @@ def shipped_lens_path(model: Any) -> Path | None:
 def finished_runs(model: Any, spec: str, rules: str = "jacobian", experts: bool = False) -> list[dict]:
     """Lenses fitted by the Fit page (in the runs folder) for this model with ``rules``: ``[{"name", "path", "n"}]``;
     ``experts``: the expert lenses (``jlens fit --experts``) among them, else the plain ones."""
-    import runs
+    from jlens_core.fitting import runs
 
     out = []
     names = (spec, getattr(model, "name", None))

@@ -19,11 +19,20 @@ import common
 from jlens_core.figures.heatmaps import heatmap_figure
 from jlens_core.interventions.compare import compare_runs
 from jlens_core.interventions.say import OPS, SayResult, make_it_say
+from jlens_core.reading.readout_protocol import Readout
 
 OP_LABELS = {"steer": "steer toward X", "swap": "swap the top lens token for X", "ablate": "ablate competitors"}
 WHERE = {"readout": "the last position", "from": "every position from the clicked one"}
 DEFAULT_REPLAYS = 12
-COLUMNS = ["arm", "op", "layers", "positions", "strength", "next_token", "target_prob", "kl_bits", "minimal"]
+COLUMNS = ["arm", "op", "layers", "positions", "strength", "next_token", "target_prob", "readout_kl_bits",
+           "downstream_kl_bits", "downstream_kl_max_bits", "prompt_kl_bits", "minimal"]
+KL_COLUMNS = {"readout_kl_bits": ("readout KL (bits)", ("At the readout, over the tokens other than the target's "
+                                  "(both renormalised without them).")),
+              "downstream_kl_bits": ("downstream KL (bits)", ("The clean continuation teacher-forced with the edit: "
+                                     "KL per token, the mean.")),
+              "downstream_kl_max_bits": ("downstream max (bits)", "The largest KL over the clean continuation."),
+              "prompt_kl_bits": ("prompt KL (bits)", ("An edit from a position: KL at the prompt positions it touches "
+                                 "before the readout (empty for a readout edit, which touches none)."))}
 
 ss = st.session_state
 
@@ -95,6 +104,16 @@ def recipe_table(result: SayResult) -> tuple[pd.DataFrame, list]:
     return pd.DataFrame(rows, columns=COLUMNS + ["describe"]), [r for _, r in recipes]
 
 
+def minimal_lines(result: SayResult) -> list[str]:
+    """Each arm's minimal recipe under its own name (the same rule as the CLI and the JSON: docs/interventions.md)."""
+    lines = []
+    for name, arm in result.arms.items():
+        found = (f"{arm.minimal.describe(result.target_text)}; {arm.minimal.side_effects()}" if arm.minimal
+                 else "none found")
+        lines.append(f"**{name}** ({arm.directions}): {found}")
+    return lines
+
+
 def _picked(recipes: list) -> Any:
     selection = (ss.get("say_table") or {}).get("selection") or {}
     rows = list(selection.get("rows") or [])
@@ -106,7 +125,7 @@ def _apply(ctx: Any, name: str, lens: Any, text: str, recipe: Any, target: str) 
     model = ctx.model
     lens_key = ctx.lens_keys()[name]
     edits_key = "say:" + repr(recipe.edits)
-    settings = (text, int(ss.get("top_k") or 10), (), False, False, None, None, common.MAX_TOKENS)
+    settings = (text, cache.ReadSpec(Readout(k=int(ss.get("top_k") or 10)), max_seq_len=common.MAX_TOKENS))
     with st.spinner("Reading the clean and the edited run…"):
         clean = cache.readings_cached(model, ctx.model_key, {name: (lens, lens_key)}, *settings)[name]
         edited = cache.readings_cached(model, ctx.model_key, {name: (lens, lens_key)}, *settings,
@@ -168,10 +187,14 @@ def box(ctx: Any, name: str, lens: Any, text: str, layers: tuple[int, int], from
         table, recipes = recipe_table(result)
         if not recipes:
             return
+        st.markdown("Minimal recipe per arm (the smallest band, then readout before from, then the smallest "
+                    "relative strength):\n\n" + "\n".join(f"- {line}" for line in minimal_lines(result)))
+        kl_config = {k: st.column_config.NumberColumn(label, format="%.3f", help=why)
+                     for k, (label, why) in KL_COLUMNS.items()}
         st.dataframe(table.drop(columns=["describe"]), key="say_table", on_select="rerun",
                      selection_mode="single-row", hide_index=True,
                      column_config={"target_prob": st.column_config.NumberColumn("P(target)", format="%.3f"),
-                                    "kl_bits": st.column_config.NumberColumn("KL elsewhere (bits)", format="%.3f")})
+                                    **kl_config})
         recipe = _picked(recipes)
         if recipe is None:
             st.caption("Pick a row to apply its recipe: the edited heatmap beside the clean one, and the continuation.")

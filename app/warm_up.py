@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import common
-from cache import load_model_cached, readings_cached
+from cache import ReadSpec, load_model_cached, readings_cached
 from jlens_core.lenses.lens import LogitLens
 from jlens_core.models.loading import DEFAULT_MODEL
+from jlens_core.reading.readout_protocol import Readout
 from lens_slots import FILE, NONE, RUN, SHIPPED, SLOTS, UPLOAD, LensSlot, load_slot_file
 
 
@@ -35,11 +36,11 @@ def warm_up(spec: str | None = None) -> list[str]:
     text = common.default_prompt()
     n_tokens = min(int(model.encode(text).shape[1]), common.MAX_TOKENS)
     layers = tuple(common.view_layers(model.n_layers, (0, model.n_layers - 1), common.INSPECT_DEFAULTS["stride"]))
-    readings_cached(model, f"{spec}|auto|auto", lenses, text, common.INSPECT_DEFAULTS["top_k"], (),
-                    common.INSPECT_DEFAULTS["show_ws"], common.INSPECT_DEFAULTS["word_like"], layers,
-                    common.default_positions(n_tokens), common.MAX_TOKENS, None, "", None,
-                    "word" if common.INSPECT_DEFAULTS["vocab_word"] else "all",
-                    stability=common.stability_default(lens for lens, _ in lenses.values()))
+    readout = Readout(k=common.INSPECT_DEFAULTS["top_k"], vocab="word" if common.INSPECT_DEFAULTS["vocab_word"] else "all")
+    readings_cached(model, f"{spec}|auto|auto", lenses, text,
+                    ReadSpec(readout, (), common.INSPECT_DEFAULTS["show_ws"], common.INSPECT_DEFAULTS["word_like"],
+                             layers, common.default_positions(n_tokens), common.MAX_TOKENS, None,
+                             stability=common.stability_default(lens for lens, _ in lenses.values())))
     done.append(f"{' and '.join(lenses)} readings of the default prompt")
     return done
 

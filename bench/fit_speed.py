@@ -217,7 +217,7 @@ def random_family_model(family: str, d_model: int, n_layers: int, dtype: torch.d
 
 # -- worker: one measurement in its own process -------------------------------------------------
 def worker(args) -> None:
-    from jlens_core import jacobian_for_prompt
+    from jlens_core.fitting.estimator import jacobian_for_prompt
     from jlens_core.fitting.fused import fused_unsupported_reason, use_layer_major
     from jlens_core.models.loading import load_model
 

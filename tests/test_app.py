@@ -67,7 +67,7 @@ def runs_root(tmp_path, tmp_path_factory, monkeypatch) -> Path:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     yield root
     # A test that failed while a fit it started was running must not leave that process behind.
-    from app import runs
+    from jlens_core.fitting import runs
 
     if root.exists():
         for run in runs.list_runs(root):
@@ -378,6 +378,13 @@ def test_inspect_intervene_panel(tiny_dir, tiny_model, lens_file):
     # the first token that differs is highlighted in both continuations, and nothing when none differs
     marked = [":orange-background[**" in texts[i + 1], ":orange-background[**" in texts[i - 1]]
     assert marked == [first is not None] * 2
+    # beside the effect, what else moved: compare_runs' side effects, as the library gives them
+    from jlens_core.interventions.compare import compare_runs
+
+    effects = compare_runs(tiny_model, PROMPT, [swap], max_new_tokens=6).side_effects()
+    assert effects.startswith("readout KL ")
+    assert any(c.value == f"What else moved: {effects} (KL(edited ‖ clean); docs/interventions.md)."
+               for c in at.caption)
     # the heatmap of the edited run
     at.toggle(key="iv_edited_heatmap").set_value(True).run()
     assert chart(ok(at), "heatmap")["layout"]["title"]["text"].startswith(f"Edited run ({swap!r})")
@@ -466,6 +473,15 @@ def test_make_it_say_box(tiny_dir, tiny_model, lens_file):
     assert len(table) == len(verified) and list(table["arm"]) == [r.arm for r in verified]
     assert list(table["layers"]) == [r.band for r in verified]
     np.testing.assert_allclose(table["target_prob"], [r.target_prob for r in verified], rtol=1e-4)
+    for column in ("readout_kl_bits", "downstream_kl_bits", "prompt_kl_bits"):  # the library's side effects
+        np.testing.assert_allclose(table[column].astype(float),
+                                   [np.nan if r.row()[column] is None else r.row()[column] for r in verified],
+                                   rtol=1e-3, atol=1e-6)
+    # each arm's minimal recipe under its own name, as the CLI and the JSON give it
+    listed = next(m.value for m in at.markdown if m.value.startswith("Minimal recipe per arm"))
+    for name, arm in expected.arms.items():
+        found = arm.minimal.describe(expected.target_text) if arm.minimal else "none found"
+        assert f"- **{name}** ({arm.directions}): {found}" in listed
     # pick the first row: the recipe applied
     select_row(at, "say_table", 0)
     spec = chart(ok(at), "say_heatmap")
@@ -1079,7 +1095,7 @@ def test_paths_outside_the_workspace_are_refused_and_nothing_is_written(tiny_dir
 
 
 def test_fit_page_says_when_the_fits_allowed_at_once_are_running(tiny_dir, runs_root, monkeypatch):
-    from app import runs
+    from jlens_core.fitting import runs
 
     folder = runs_root / "busy"
     folder.mkdir(parents=True)
@@ -1281,7 +1297,7 @@ def test_fit_page_experts_and_learn_weights_build_their_commands_under_the_fits_
     try:
         monkeypatch.setenv("JLENS_APP_MAX_FITS", "1")
         at = ok(make_app(model=tiny_dir, lens="none").run())
-        monkeypatch.setattr(sys.modules["runs"], "_launch",
+        monkeypatch.setattr(sys.modules["jlens_core.fitting.runs"], "_launch",
                             lambda folder, args, command="fit", log="fit.log": launched.append((command, args))
                             or sleeper.pid)
         at.switch_page("views/fit.py").run()

@@ -9,7 +9,7 @@ import torch
 from conftest import LONG_TEXT, make_tiny
 from helpers import load_script
 
-from jlens_core import jacobian_for_prompt
+from jlens_core.fitting.estimator import jacobian_for_prompt
 
 
 @pytest.fixture(scope="module")

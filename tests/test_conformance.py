@@ -41,9 +41,10 @@ if __name__ == "__main__":  # run as a script: this checkout's jlens_core and th
 from conftest import LONG_TEXT, TINY_VOCAB, make_tokenizer
 from helpers import rel_frob
 
-from jlens_core import ActivationRecorder, HFLensModel, JacobianLens, jacobian_for_prompt, read_prompt
+from jlens_core import HFLensModel, JacobianLens, read_prompt
+from jlens_core.fitting.estimator import jacobian_for_prompt
 from jlens_core.models.model import UnsupportedModelError
-from jlens_core.models.recorder import add_to_streams, residual_of
+from jlens_core.models.recorder import ActivationRecorder, add_to_streams, residual_of
 
 SEQ, SKIP = 12, 3
 REL_TOL = 1e-4

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import FAMILIES, LONG_TEXT, make_hf_model, make_tokenizer
 
-from jlens_core import ActivationRecorder, HFLensModel
+from jlens_core import HFLensModel
 from jlens_core.models import loading
 from jlens_core.models.loading import (
     CACHE_ENV,
@@ -30,6 +30,7 @@ from jlens_core.models.loading import (
     default_gguf_path,
     load_model,
 )
+from jlens_core.models.recorder import ActivationRecorder
 
 PROMPT = "The capital of France is"
 

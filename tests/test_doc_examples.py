@@ -777,10 +777,10 @@ def test_a_moved_module_path_fails():
 
 
 def test_a_wrong_signature_in_the_prose_fails():
-    text = ("`read_prompt(model, lens, prompt, *, top_k=10, ...)` and `fit(model, prompts, *, layers=None, ...)`\n"
+    text = ("`read_prompt(model, lens, prompt, *, layers=None, ...)` and `fit(model, prompts, *, layers=None, ...)`\n"
             "`JacobianLens.load(path, model=None)` is a call that binds; `JacobianLens.load(path, model=None, *, x=1)`;\n"
             "`load_corpus(spec, *, n=None)` `fit(model, prompts, ...) -> JacobianLens` `default_lens(model, rules=2)`\n"
-            "`read_prompt(model, lens, text, *, top_k=10, ...)` `load_corpus(spec, *, n=None, min_chars=400, split=None,\n"
+            "`read_prompt(model, lens, text, *, layers=None, ...)` `load_corpus(spec, *, n=None, min_chars=400, split=None,\n"
             "field='text')` `no_such_function(x)`")
     problems = signature_problems(text)
     assert len(problems) == 7, problems

@@ -15,8 +15,9 @@ from conftest import LONG_TEXT
 from helpers import tiny
 from test_estimator import full_jacobian
 
-from jlens_core import ExpertLens, JacobianLens, fit, jacobian_for_prompt
+from jlens_core import ExpertLens, JacobianLens, fit
 from jlens_core.fitting import fit as fit_module
+from jlens_core.fitting.estimator import jacobian_for_prompt
 from jlens_core.fitting.expert_clusters import collect_residuals, fit_clustering
 from jlens_core.fitting.fused import fused_backward, prepare_layers
 from jlens_core.fitting.routing import one_hot_routes

@@ -165,7 +165,8 @@ def test_fit_figures(llama):
 
 
 def test_divergence_figure(llama, tmp_path):
-    from jlens_core import diff_dumps, divergence_curve, dump_hidden_states
+    from jlens_core import diff_dumps, dump_hidden_states
+    from jlens_core.debugging.diff import divergence_curve
 
     a = dump_hidden_states(llama, TEXT, tmp_path / "a")
     b = dump_hidden_states(llama, TEXT, tmp_path / "b")

@@ -18,8 +18,9 @@ import torch
 from conftest import LONG_TEXT
 from helpers import tiny
 
-from jlens_core import FitProgress, JacobianLens, fit, jacobian_for_prompt
-from jlens_core.fitting.fit import CHECKPOINT_SETTINGS, read_checkpoint
+from jlens_core import JacobianLens, fit
+from jlens_core.fitting.estimator import jacobian_for_prompt
+from jlens_core.fitting.fit import CHECKPOINT_SETTINGS, FitProgress, read_checkpoint
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent

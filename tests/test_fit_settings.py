@@ -222,7 +222,7 @@ def test_flags_read_back_into_the_types():
 
 def test_app_fit_arguments_round_trip_through_the_cli_parser():
     sys.path.insert(0, str(REPO))
-    from app import runs
+    from jlens_core.fitting import runs
 
     settings = FitSettings(source_layers=(0, 2), target_layer=3, max_seq_len=32, rules="relevance", experts=2,
                            cluster_prompts=3)

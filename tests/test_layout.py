@@ -289,7 +289,7 @@ def test_public_names_come_from_one_list():
     tree = ast.parse((PACKAGE / "__init__.py").read_text())
     guarded = next(node for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test))
     listed = [alias.name for node in guarded.body for alias in node.names]
-    assert len(listed) == len(set(listed)) >= 60
+    assert 30 <= len(listed) == len(set(listed)) <= 50  # a notebook's front door (the rest: jlens_core._MOVED)
     assert jlens_core.__all__ == sorted(listed)
     assert {"fit", "read_prompt", "JacobianLens", "load_lens", "pass_at_k", "evaluate"} <= set(jlens_core.__all__)
 

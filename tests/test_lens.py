@@ -13,7 +13,8 @@ from helpers import random_lens, tiny
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from jlens_core import ActivationRecorder, HFLensModel, JacobianLens, LensFileError, LogitLens, fit
+from jlens_core import HFLensModel, JacobianLens, LensFileError, LogitLens, fit
+from jlens_core.models.recorder import ActivationRecorder
 
 PROMPTS = [LONG_TEXT, "The capital of Italy is Rome. Water boils at one hundred degrees, so they say."]
 

@@ -78,3 +78,38 @@ def test_lens_comes_from_the_front_door_without_torch():
             "assert jlens_core.Lens is Lens; assert 'torch' not in sys.modules, 'torch imported'")
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_every_kind_reads_through_one_readout():
+    """``lens.logits(model, h, layer)`` is the model's output head (final norm, lm_head, taken from the HF
+    model itself) applied to the lens's transport, formed from its parts, for every kind; and the stacked
+    readout over several layers agrees with it row by row."""
+    from jlens_core.lenses.readout import layer_logits
+
+    model = tiny()
+    d, top = model.d_model, model.n_layers - 1
+    gen = torch.Generator().manual_seed(3)
+    tuned = TunedLens({layer: (0.1 * torch.randn(d, d, generator=gen), 0.1 * torch.randn(d, generator=gen))
+                       for layer in range(top)}, d, target_layer=top)
+    head = model.hf_model.lm_head
+    norm = model.hf_model.model.norm
+    h = torch.randn(4, d, generator=gen)
+    for lens in (LogitLens.for_model(model), random_lens(model, noise=0.5), tuned):
+        for layer in lens.source_layers:
+            if isinstance(lens, TunedLens):
+                a, b = lens.translators[layer]
+                carried = h + h @ a.T + b
+            elif isinstance(lens, JacobianLens):
+                carried = h @ lens.jacobians[layer].T
+            else:
+                carried = h
+            with torch.no_grad():
+                expected = head(norm(carried))
+                got = lens.logits(model, h, layer)
+            assert got.shape == (4, model.vocab_size)
+            torch.testing.assert_close(got.float(), expected.float(), rtol=1e-4, atol=1e-4)
+        resid = {layer: torch.randn(6, d, generator=gen) for layer in lens.source_layers}
+        with torch.no_grad():
+            stacked = layer_logits(lens, model, resid, lens.source_layers, [1, 4])  # [L, 2, vocab]
+            for i, layer in enumerate(lens.source_layers):
+                torch.testing.assert_close(stacked[i], lens.logits(model, resid[layer][[1, 4]], layer))

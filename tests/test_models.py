@@ -8,8 +8,10 @@ from conftest import FAMILIES, LONG_TEXT, make_hf_model, make_tokenizer
 from helpers import tiny
 from torch import nn
 
-from jlens_core import LAYOUTS, ActivationRecorder, HFLensModel, LensModel, ModelLayout
+from jlens_core import HFLensModel, LensModel
+from jlens_core.models.layouts import LAYOUTS, ModelLayout
 from jlens_core.models.model import same_fingerprint
+from jlens_core.models.recorder import ActivationRecorder
 
 EXPECTED_LAYOUT = {"llama": "llama-like", "qwen2": "llama-like", "qwen3": "llama-like", "mistral": "llama-like",
                    "gemma": "llama-like", "gemma2": "llama-like", "olmo": "llama-like", "phi": "phi",

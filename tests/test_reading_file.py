@@ -10,6 +10,7 @@ import base64
 import csv
 import io
 import json
+import math
 
 import numpy as np
 import pandas as pd
@@ -147,6 +148,18 @@ def test_a_generation_and_a_comparison_with_edits(model, lenses, tmp_path):
     assert opened.comparison.edited.edits == [repr(steer)]
     assert opened.comparison.first_difference == comparison.first_difference
     pd.testing.assert_frame_equal(opened.comparison.next_tokens, comparison.next_tokens)
+    # the side effects (docs/method.md §7.2) come back; a file saved before them opens with NaN
+    for name in ("readout_kl_bits", "downstream_kl_bits", "downstream_kl_max_bits"):
+        assert getattr(opened.comparison, name) == getattr(comparison, name) and getattr(comparison, name) >= 0
+    assert opened.comparison.readout_excluded == comparison.readout_excluded != []
+
+    def drop_figures(data):
+        for key in ("readout_kl_bits", "downstream_kl_bits", "downstream_kl_max_bits", "readout_excluded"):
+            data["comparison"].pop(key)
+
+    _rewrite(path, drop_figures)
+    older = load_readings(path).comparison
+    assert math.isnan(older.readout_kl_bits) and older.side_effects() == "side effects not computed"
 
 
 # -- bad files: one sentence each ---------------------------------------------------------------------------

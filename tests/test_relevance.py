@@ -20,7 +20,8 @@ from conftest import LONG_TEXT
 from helpers import rel_frob, tiny
 from test_conformance import SEQ, SKIP, build, definition, prompt
 
-from jlens_core import HFLensModel, JacobianLens, fit, jacobian_for_prompt
+from jlens_core import HFLensModel, JacobianLens, fit
+from jlens_core.fitting.estimator import jacobian_for_prompt
 from jlens_core.fitting.relevance import relevance_rules
 from jlens_core.lenses.header import LensFileError
 

@@ -42,7 +42,8 @@ from test_conformance import (
 )
 from test_conformance import main as conformance_table
 
-from jlens_core import HFLensModel, jacobian_for_prompt
+from jlens_core import HFLensModel
+from jlens_core.fitting.estimator import jacobian_for_prompt
 from jlens_core.fitting.relevance import relevance_rules
 from jlens_core.models.model import UnsupportedModelError
 

@@ -145,22 +145,36 @@ def test_readout_edits_leave_the_other_positions_and_the_cached_replay_is_the_fu
     target = spell_target(model, "of", PROMPT)
     ids = model.encode(PROMPT)
     n = readout(model)
-    replayer = Replayer(model, ids, target, LAYERS)
+    continuation = generate(model, PROMPT, max_new_tokens=5, top_k=1).generated_ids.tolist()
+    replayer = Replayer(model, ids, target, LAYERS, continuation)
     steer = Steer(model, lens, target.ids[0], 1.0, layers=[1, 2], positions=[n])
     cached, full = replayer.run([steer], n), replayer.run([steer], 0)
     assert cached.verified == full.verified and cached.next_id == full.next_id
     assert cached.target_prob == pytest.approx(full.target_prob, rel=1e-4)
-    assert cached.kl_bits == 0 and full.kl_bits == pytest.approx(0, abs=1e-6)  # a causal model
-    everywhere = Steer(model, lens, target.ids[0], 1.0, layers=[1, 2], positions=range(1, n + 1))
-    edited = replayer.run([everywhere], 1)
-    # independent: KL(edited || clean) per prompt position but the readout, in bits, averaged over them
+    assert cached.readout_kl_bits == pytest.approx(full.readout_kl_bits, rel=1e-3) and cached.readout_kl_bits > 0
+    assert math.isnan(cached.prompt_kl_bits)  # a readout edit touches no other prompt position
+    assert full.prompt_kl_bits == pytest.approx(0, abs=1e-6)  # computed from position 0: a causal model
+    assert replayer.downstream([steer], n)[0] > 0  # a readout edit reaches the continuation through attention
+    everywhere = Steer(model, lens, target.ids[0], 1.0, layers=[1, 2], positions=range(2, n + 1))
+    # the downstream figure, cached from position 2, against the full forward over prompt + continuation
+    tokens = torch.cat([ids, torch.tensor([continuation])], dim=1)
+    with torch.no_grad():
+        clean_lp = model.hf_model(input_ids=tokens).logits[0].float().log_softmax(-1)
+        edited_lp = EditRunner(model, [everywhere], n + 1).run(
+            lambda: model.hf_model(input_ids=tokens).logits[0].float(), torch.arange(tokens.shape[1])).log_softmax(-1)
+    kl = (edited_lp.exp() * (edited_lp - clean_lp)).sum(-1)[n + 1:] / math.log(2)
+    mean, largest = replayer.downstream([everywhere], 2)
+    assert mean == pytest.approx(float(kl.mean()), rel=1e-2) and mean > 1e-3
+    assert largest == pytest.approx(float(kl.max()), rel=1e-2)
+    edited = replayer.run([everywhere], 2)
+    # independent: KL(edited || clean) at the prompt positions the edit touches before the readout (2..n-1), bits
     with torch.no_grad():
         clean_logp = model.hf_model(ids).logits[0].float().log_softmax(-1)
         runner = EditRunner(model, [everywhere], n + 1)
         logp = runner.run(lambda: model.hf_model(input_ids=ids).logits[0].float(), torch.arange(n + 1)).log_softmax(-1)
-    kl = (logp.exp() * (logp - clean_logp)).sum(-1)[:n] / math.log(2)
-    assert edited.kl_bits == pytest.approx(float(kl.mean()), rel=1e-3) and edited.kl_bits > 0
-    assert edited.kl_max_bits == pytest.approx(float(kl.max()), rel=1e-3)
+    kl = (logp.exp() * (logp - clean_logp)).sum(-1)[2:n] / math.log(2)
+    assert edited.prompt_kl_bits == pytest.approx(float(kl.mean()), rel=1e-3) and edited.prompt_kl_bits > 0
+    assert edited.prompt_kl_max_bits == pytest.approx(float(kl.max()), rel=1e-3)
 
 
 def test_swap_and_ablate_recipes_are_the_edits_they_name(model, lens):
@@ -328,6 +342,32 @@ def test_cli_say_json_is_the_library_result(tiny_dir, capsys):
     assert out["search"]["minimal"] == json.loads(json.dumps(expected["search"]["minimal"], default=str))
     assert set(out["controls"]) == {"random"}  # the logit lens is the lens: no logit control
     assert set(out["timings"]) >= {"clean", "rank", "replay", "total"}
+
+
+def test_cli_say_text_labels_every_row_by_arm_and_gives_each_arms_minimal_recipe(tiny_dir, capsys):
+    from jlens_core.cli.main import main
+
+    args = ["say", "--model", tiny_dir, "--lens", "logit", "--prompt", PROMPT, "--target", "of", "--layers", "0:3",
+            "--max-replays", "4", "--max-new-tokens", "0", "--downstream-tokens", "3"]
+    assert main(args + ["--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    arms = {data["search"]["name"]: data["search"], **data["controls"]}
+    rows = [line for line in text.splitlines() if "P=" in line]
+    assert len(rows) == sum(len(a["verified"]) for a in arms.values())
+    for name, arm in arms.items():
+        labelled = [line for line in rows if f"[{name}]" in line]
+        assert len(labelled) == len(arm["verified"])
+        for line, recipe in zip(labelled, arm["verified"]):
+            assert f"readout KL {recipe['readout_kl_bits']:.3g} bits" in line
+    minimal = text[text.index("minimal recipe per arm"):].splitlines()[1:1 + len(arms)]
+    for line, (name, arm) in zip(minimal, arms.items()):
+        assert line.split()[0] == f"{name}:"
+        assert ("none found" in line) == (arm["minimal"] is None)
+        if arm["minimal"] is not None:
+            assert f"readout KL {arm['minimal']['readout_kl_bits']:.3g} bits" in line
+            assert f"layer{'s' if arm['minimal']['width'] > 1 else ''} {arm['minimal']['layers']}," in line
 
 
 def test_cli_say_bad_input_and_set(tiny_dir, tmp_path, capsys):

@@ -283,7 +283,7 @@ def test_fits_started_from_the_app_are_kept_when_the_server_goes(tmp_path):
     server's process group reaches it; its status file and checkpoint let the next app list and resume it."""
     import psutil
 
-    from app import runs
+    from jlens_core.fitting import runs
 
     folder = tmp_path / "run"
     folder.mkdir()

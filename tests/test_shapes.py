@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import inspect
 import subprocess
 import sys
@@ -68,8 +69,14 @@ def bare_tensors(objects: Mapping[str, Any]) -> list[str]:
     return sorted(found)
 
 
+def public_objects() -> dict[str, Any]:
+    """Every public name: the top level's and those it moved to their subpackages (``jlens_core._MOVED``)."""
+    return {name: getattr(importlib.import_module("jlens_core" + jlens_core._MOVED.get(name, "")), name)
+            for name in [*jlens_core.__all__, *jlens_core._MOVED]}
+
+
 def test_no_bare_tensor_in_the_public_api():
-    objects = {name: getattr(jlens_core, name) for name in jlens_core.__all__}
+    objects = public_objects()
     assert bare_tensors(objects) == []
     shaped = sum(bool(ann) for obj in objects.values() for _, fn in public_callables(obj)
                  for ann in inspect.get_annotations(fn).values() if isinstance(ann, str) and "Tensor," in ann)
@@ -156,7 +163,7 @@ EXEMPT = {
     "Lens.transport": "protocol signature (implementations are checked)", "Lens.matrix": "protocol signature",
     "LensModel.encode": "protocol signature", "LensModel.decode": "protocol signature",
     "LensModel.forward": "protocol signature", "LensModel.run_with_cache": "protocol signature",
-    "LensModel.unembed": "protocol signature",
+    "LensModel.unembed": "protocol signature", "Lens.logits": "protocol signature",
     "MatrixTransportMixin.matrix": "abstract: raises NotImplementedError (subclasses' are checked)",
     "macro_pass_at_k": "needs labelled pass@k items read by the model (tests/test_expert_weights.py runs it)",
 }
@@ -165,8 +172,7 @@ EXEMPT = {
 def wrap_public_api(monkeypatch) -> dict[str, int]:
     """Wrap every public callable whose annotations carry a shape (in the class or module that defines it)."""
     calls: dict[str, int] = {}
-    for name in jlens_core.__all__:
-        obj = getattr(jlens_core, name)
+    for obj in public_objects().values():
         for where, fn in public_callables(obj):
             if inspect.isclass(fn) or where in calls:
                 continue
@@ -184,7 +190,7 @@ def wrap_public_api(monkeypatch) -> dict[str, int]:
                 monkeypatch.setattr(owner, attr, classmethod(checked(raw.__func__, where, calls)))
             else:
                 monkeypatch.setattr(owner, attr, checked(fn, where, calls))
-                if not owner_name and getattr(jlens_core, attr, None) is fn:
+                if not owner_name and attr in jlens_core.__all__ and getattr(jlens_core, attr) is fn:
                     monkeypatch.setattr(jlens_core, attr, getattr(owner, attr))
     return calls
 
@@ -207,12 +213,11 @@ def test_the_shapes_hold_on_a_tiny_model(monkeypatch, tmp_path):
         dump_hidden_states,
         fit,
         generate,
-        jacobian_for_prompt,
         read_prompt,
         read_prompts,
-        token_direction,
-        valid_position_mask,
     )
+    from jlens_core.fitting.estimator import jacobian_for_prompt, valid_position_mask
+    from jlens_core.interventions.read_directions import token_direction
 
     prompts = [LONG_TEXT, LONG_TEXT.upper()]
     lens = fit(model, prompts, max_seq_len=24, skip_first=2)
@@ -231,6 +236,7 @@ def test_the_shapes_hold_on_a_tiny_model(monkeypatch, tmp_path):
     for each in (lens, weighted, tuned, logit):
         read_prompt(model, each, "The capital of France is")
         each.matrix(layer)
+        each.logits(model, torch.randn(3, model.d_model), layer)
     read_prompts(model, {"J": lens, "logit": logit}, model.encode("The capital of France is")[0])
     jacobian_for_prompt(model, model.encode(LONG_TEXT, max_length=24)[0], source_layers=[layer], skip_first=2)
     valid_position_mask(12, 2)
@@ -245,7 +251,9 @@ def test_the_shapes_hold_on_a_tiny_model(monkeypatch, tmp_path):
     generate(model, "The capital of France is", max_new_tokens=2, edits=[edits[0]])
     dump_hidden_states(model, model.encode("The capital")[0], tmp_path / "dump")
     model.decode(model.encode("The capital"))
-    state = jlens_core.FitState(jacobian_sum={0: torch.zeros(4, 4, dtype=torch.float64)}, n_done=1)
+    from jlens_core.fitting.fit import FitState
+
+    state = FitState(jacobian_sum={0: torch.zeros(4, 4, dtype=torch.float64)}, n_done=1)
     state.mean(0)
 
     never = sorted(name for name, n in calls.items() if n == 0 and name not in EXEMPT)

@@ -12,9 +12,11 @@ import torch
 from conftest import LONG_TEXT, save_tiny
 from helpers import random_lens
 
-from jlens_core import Swap, generate, jacobian_for_prompt, load_model, read_prompt, token_direction
+from jlens_core import Swap, generate, load_model, read_prompt
 from jlens_core.cli.main import main
+from jlens_core.fitting.estimator import jacobian_for_prompt
 from jlens_core.fitting.fused import fused_unsupported_reason
+from jlens_core.interventions.read_directions import token_direction
 from jlens_core.models.device_maps import PlacementError, parse_device_map, parse_max_memory
 from jlens_core.models.placement import HOOKED_FORWARD, is_dispatched, materialised
 

@@ -6,6 +6,7 @@ import functools
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from helpers import random_lens
@@ -14,7 +15,7 @@ from jlens_core import LogitLens
 from jlens_core.lenses.spectra import (
     LAYER_STATS_COLUMNS,
     effective_rank,
-    layer_spectrum,
+    jacobian_matrix,
     layer_stats,
     layer_stats_and_spectra,
     matrix_stats,
@@ -63,7 +64,7 @@ def test_shrinkage_is_applied_and_spectrum_sorted():
     lens = scaled_lens()
     full = lens.with_shrinkage(1.0)  # (1 - 1) J + 1 I = I
     assert layer_stats(full)["dist_identity"].max() == pytest.approx(0.0, abs=1e-6)
-    s = layer_spectrum(lens, 1)
+    s = singular_values(jacobian_matrix(lens, 1))
     assert s.shape == (32,) and np.all(np.diff(s) <= 1e-12)
     np.testing.assert_allclose(s, singular_values(lens.jacobians[1]), rtol=1e-6)
 
@@ -73,7 +74,7 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="logit lens"):
         layer_stats(LogitLens(4, 32))
     with pytest.raises(ValueError, match="layer 7"):
-        layer_spectrum(lens, 7)
+        jacobian_matrix(lens, 7)
     with pytest.raises(ValueError, match="matrix"):
         singular_values(torch.zeros(3))
 
@@ -84,4 +85,26 @@ def test_layer_stats_and_spectra_in_one_pass():
     pd_stats = layer_stats(lens)
     np.testing.assert_allclose(stats.drop(columns="layer").to_numpy(), pd_stats.drop(columns="layer").to_numpy())
     for layer in (0, 2):
-        np.testing.assert_allclose(singular[layer], layer_spectrum(lens, layer))
+        np.testing.assert_allclose(singular[layer], singular_values(jacobian_matrix(lens, layer)))
+
+
+def test_stored_stats_and_spectra_are_computed_once_and_read_back(tmp_path):
+    """The stored spectra equal a fresh computation, come back from the file (even once the lens's matrices are
+    gone), are not stored under an empty key, and an unreadable file is rebuilt."""
+    from jlens_core.lenses.spectra import stored_stats_and_spectra
+
+    lens = random_lens(d=6, seed=4)
+    fresh_stats, fresh = layer_stats_and_spectra(lens)
+    stats, singular = stored_stats_and_spectra(lens, "lens-a", tmp_path)
+    (stored,) = tmp_path.glob("*.npz")
+    pd.testing.assert_frame_equal(stats, fresh_stats)
+    assert singular.keys() == fresh.keys() and all(np.array_equal(singular[k], fresh[k]) for k in fresh)
+    again_stats, again = stored_stats_and_spectra(random_lens(d=6, seed=5), "lens-a", tmp_path)  # the file's, not this lens's
+    pd.testing.assert_frame_equal(again_stats, fresh_stats, check_dtype=False)
+    assert all(np.array_equal(again[k], fresh[k]) for k in fresh)
+    stored_stats_and_spectra(lens, "", tmp_path)
+    assert list(tmp_path.glob("*.npz")) == [stored]
+    stored.write_bytes(b"not an npz")
+    rebuilt_stats, _ = stored_stats_and_spectra(random_lens(d=6, seed=5), "lens-a", tmp_path)
+    other_stats, _ = layer_stats_and_spectra(random_lens(d=6, seed=5))
+    pd.testing.assert_frame_equal(rebuilt_stats, other_stats)

@@ -343,8 +343,7 @@ def test_pass_at_k_found_by_both_halves():
 
 
 def test_lens_comparison_reports_both_halves():
-    from jlens_core import macro_comparison
-    from jlens_core.evaluation.lens_comparison import COMPARISON_COLUMNS
+    from jlens_core.evaluation.lens_comparison import COMPARISON_COLUMNS, macro_comparison
     from jlens_core.evaluation.passk import pass_at_k_detail
 
     model, (full, *_) = tiny(), lenses()

@@ -17,10 +17,14 @@ from jlens_core.reading.tokens import (
     display_token,
     is_word_like,
     spellings,
-    token_display,
     token_id,
     visible,
 )
+
+
+def token_display(tokenizer, ids, *, show_whitespace: bool = False) -> list[str]:
+    """Display strings of token ``ids`` through the tokenizer's cached :class:`TokenDisplay`."""
+    return TokenDisplay.for_tokenizer(tokenizer)(ids, show_whitespace=show_whitespace)
 
 
 def _sentencepiece_tokenizer(*, byte_fallback: bool = True):

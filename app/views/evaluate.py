@@ -15,7 +15,7 @@ import common
 import lens_slots
 from jlens_core.corpus import BUILTIN_CORPUS, load_corpus
 from jlens_core.evaluation.by_layer import evaluate
-from jlens_core.evaluation.passk import EVAL_SETS, load_eval_set, macro_mean, pass_at_k
+from jlens_core.evaluation.passk import EVAL_SETS, load_eval_set, pass_at_k_sets
 from jlens_core.figures.evaluation import eval_curves_figure, pass_at_k_figure
 from jlens_core.workspace import sanitise_filename
 
@@ -171,21 +171,18 @@ if st.button("Run pass@k", icon=":material/play_arrow:", key="pak_go"):
             chosen.append((Path(uploaded_set.name).stem, _uploaded_items(uploaded_set)))
         if not chosen or not ss.pak_k:
             raise ValueError("Choose at least one evaluation set and one k.")
-        parts, details = [], []
         bar = st.progress(0.0)
-        for i, (name, items) in enumerate(chosen):
-            bar.progress(i / len(chosen), text=f"{name}…")
-            summary, detail = pass_at_k(model, lenses, items, k=sorted(ss.pak_k), return_detail=True,
-                                        readout=None if ss.pak_readout == "set" else ss.pak_readout,
-                                        vocab=ss.pak_vocab, exclude_copied=bool(ss.pak_exclude_copied))
-            parts.append(summary.assign(set=name))
-            details.append(detail.assign(set=name))
+        names = [name for name, _ in chosen]
+
+        def set_progress(name: str, done: int, total: int) -> None:
+            if done == 0:
+                bar.progress(names.index(name) / len(chosen), text=f"{name}…")
+
+        summary, detail = pass_at_k_sets(model, lenses, chosen, progress=set_progress, k=sorted(ss.pak_k),
+                                         readout=None if ss.pak_readout == "set" else ss.pak_readout,
+                                         vocab=ss.pak_vocab, exclude_copied=bool(ss.pak_exclude_copied))
         bar.empty()
-        summary = pd.concat(parts, ignore_index=True)
-        if len(chosen) > 1:
-            summary = pd.concat([summary, macro_mean(summary)], ignore_index=True)
-        ss.pak_result = {"key": _key(ctx.model_key, LENSES_KEY), "summary": summary,
-                         "detail": pd.concat(details, ignore_index=True)}
+        ss.pak_result = {"key": _key(ctx.model_key, LENSES_KEY), "summary": summary, "detail": detail}
 pak = ss.get("pak_result")
 if not (pak and pak["key"] == _key(ctx.model_key, LENSES_KEY)) and result and result.get("stored") \
         and result.get("passes") is not None:

@@ -8,9 +8,9 @@ import streamlit as st
 
 import common
 import lens_slots
-import runs
 from jlens_core.corpus import BUILTIN_CORPUS
 from jlens_core.figures.fitting import convergence_figure, half_agreement_figure, norm_heatmap
+from jlens_core.fitting import runs
 from jlens_core.fitting.diagnostics import (
     convergence_frame,
     diagnostics_frame,

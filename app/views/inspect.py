@@ -23,6 +23,7 @@ from jlens_core.figures.labels import LENS_SHORT, row_labels, shown
 from jlens_core.figures.ranks import pinned_ranks_figure
 from jlens_core.figures.tokens import topk_bars
 from jlens_core.reading.generation import generate
+from jlens_core.reading.readout_protocol import Readout
 from jlens_core.reading.summaries import most_common_tokens
 from jlens_core.reading.tokens import pin_spec, token_id
 
@@ -76,20 +77,19 @@ class Reader:
             return
         self._tried.update((name, at) for name in todo)
         v = self.view
-        settings = (v.source, int(ss.top_k), tuple(v.pins), bool(ss.show_ws), bool(ss.word_like), tuple(v.layers), at,
-                    MAX_TOKENS, v.n_prompt, self.edits_key, self.edits, vocab())
+        spec = cache.ReadSpec(Readout(k=int(ss.top_k), vocab=vocab()), tuple(v.pins), bool(ss.show_ws),
+                              bool(ss.word_like), tuple(v.layers), at, MAX_TOKENS, v.n_prompt,
+                              stability=bool(ss.get("stability")))  # docs/method.md §6.2: lenses with halves
+        settings = (v.source, spec, self.edits_key, self.edits)
         model, model_key = self.ctx.model, self.ctx.model_key
-        marks = bool(ss.get("stability"))  # docs/method.md §6.2: only lenses with halves get them
         try:
-            into.update(cache.readings_cached(model, model_key, {n: (lenses[n], keys[n]) for n in todo}, *settings,
-                                              stability=marks))
+            into.update(cache.readings_cached(model, model_key, {n: (lenses[n], keys[n]) for n in todo}, *settings))
             return
         except common.EXPECTED_ERRORS:
             pass  # then one lens at a time, to say which cannot read the prompt (the others still can)
         for name in todo:
             try:
-                into.update(cache.readings_cached(model, model_key, {name: (lenses[name], keys[name])}, *settings,
-                                                  stability=marks))
+                into.update(cache.readings_cached(model, model_key, {name: (lenses[name], keys[name])}, *settings))
             except common.EXPECTED_ERRORS as exc:
                 st.error(f"The {common.lens_label(name)} cannot read this prompt: {exc}")
 

@@ -9,10 +9,8 @@ import common
 import lens_slots
 from jlens_core.figures.fitting import convergence_figure, layer_stats_figure, norm_heatmap, spectrum_figure
 from jlens_core.figures.labels import LENS_NAMES
-from jlens_core.files import atomic_write
 from jlens_core.fitting import diagnostics
 from jlens_core.lenses import spectra
-from jlens_core.models.loading import cache_dir
 from jlens_core.reading.singular_directions import top_directions
 
 ss = st.session_state
@@ -34,32 +32,10 @@ st.caption(f"{LENS_NAMES[lens_name]}: {lens_slots.lens_summary(lens)}. Each J_l 
 
 @st.cache_resource(show_spinner=False, max_entries=8)
 def _stats_and_spectra(_lens, lens_key: str) -> tuple[pd.DataFrame, dict]:
-    """Every layer's statistics and singular values: computed once per lens file, then kept on disk
-    (``<jlens cache>/jacobian-stats``), so later visits and server starts read them."""
-    import hashlib
-
-    import numpy as np
-
-    folder = cache_dir() / "jacobian-stats"
-    path = folder / (hashlib.sha256(lens_key.encode()).hexdigest()[:20] + ".npz")
-    if path.is_file():
-        try:
-            data = np.load(path, allow_pickle=False)
-            stats = pd.DataFrame({c: data[f"stat_{c}"] for c in spectra.LAYER_STATS_COLUMNS})
-            return stats, {int(k[2:]): data[k] for k in data.files if k.startswith("s_")}
-        except (OSError, ValueError, KeyError):
-            pass  # rebuilt below
-    stats, singular = spectra.layer_stats_and_spectra(_lens)
-    if lens_key:
-        arrays = {**{f"stat_{c}": stats[c].to_numpy() for c in spectra.LAYER_STATS_COLUMNS},
-                  **{f"s_{layer}": s for layer, s in singular.items()}}
-
-        def write(tmp: str) -> None:
-            with open(tmp, "wb") as f:  # a file object: np.savez would add ".npz" to a temporary name
-                np.savez(f, **arrays)
-
-        atomic_write(path, write)  # a unique temporary name: two sessions never write the same one
-    return stats, singular
+    """Every layer's statistics and singular values: computed once per lens file, then kept on disk by the
+    library (:func:`~jlens_core.lenses.spectra.stored_stats_and_spectra`), so later visits and server starts
+    read them."""
+    return spectra.stored_stats_and_spectra(_lens, lens_key)
 
 
 @st.cache_resource(show_spinner=False, max_entries=32)

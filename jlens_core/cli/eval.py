@@ -8,61 +8,18 @@ import functools
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from .._atomic import atomic_write, atomic_write_text
+from .._atomic import atomic_write_text
+from .common import advance, parse_readout, progress_bar, resolve_lenses, vocab_choices, write_csv
 from .main import CLIError, say
 from .model_args import LENS_HELP, add_corpus_arguments, add_model_command, model_loading_options
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs
     import pandas as pd
 
-    from ..lenses.experts import ExpertLens
     from ..lenses.protocol import Lens
-    from ..lenses.tuned import TunedLens
     from ..models.model import LensModel
-
-
-def _write_csv(frame, path: Path, **options) -> None:
-    """``frame.to_csv(path, index=False, **options)``, atomically (a reader never sees half a table)."""
-    atomic_write(path, lambda tmp: frame.to_csv(tmp, index=False, **options), shared=True)
-
-
-def resolve_lenses(specs: list[str], model: LensModel, shrinkage: list[float] | None = None) -> dict[str, Lens]:
-    """``--lens`` values to ``{name: lens}``: ``logit``, ``default`` (the shipped Jacobian lens),
-    ``tuned`` (the shipped tuned lens), a lens file (Jacobian or tuned) or a tuned-lens folder.
-
-    A lens is named by its kind (``jacobian``, ``relevance``, ``tuned``, ``jacobian++`` for a combined J++
-    file, :func:`~jlens_core.lenses.kinds.lens_kind`) unless two of a kind are given, then by its file name.
-    Each Jacobian lens also appears shrunk, ``(1 - a) J + a I``, once per ``shrinkage`` value.
-    """
-    from ..lenses.kinds import lens_kind
-    from ..lenses.lens import JacobianLens, LogitLens
-    from ..lenses.loading import default_lens, default_tuned_lens, load_lens
-
-    loaded: list[tuple[str, str, Lens]] = []
-    for spec in specs:
-        if spec == "logit":
-            loaded.append(("logit", spec, LogitLens.for_model(model)))
-            continue
-        found: JacobianLens | ExpertLens | TunedLens | None
-        if spec in ("default", "tuned"):
-            found = default_lens(model) if spec == "default" else default_tuned_lens(model)
-            if found is None:
-                what = "" if spec == "default" else "tuned "
-                raise CLIError(f"No shipped {what}lens for {model.name!r}: give a lens file, or 'logit'.")
-        else:
-            found = load_lens(spec, model=model)
-        loaded.append((lens_kind(found), spec, found))  # a combined J++ / R++ file goes by its expert kind
-    kinds = [kind for kind, _, _ in loaded]
-    lenses: dict[str, Lens] = {}
-    for kind, spec, lens in loaded:
-        name = kind if kinds.count(kind) == 1 or spec in ("default", "tuned", "logit") else Path(spec).stem
-        lenses[name] = lens
-        if isinstance(lens, JacobianLens):  # shrinkage is the Jacobian lens's
-            for alpha in shrinkage or []:
-                lenses[f"{name} (shrink {alpha:g})"] = lens.with_shrinkage(alpha)
-    return lenses
 
 
 def _plot(frame, out: Path, title: str) -> Path | None:
@@ -79,12 +36,12 @@ def _run_per_layer(model: LensModel, lenses: dict[str, Lens], texts: list[str], 
     """Per-layer KL / cross-entropy of every lens on ``texts``, written to ``eval.csv``."""
     from ..evaluation.by_layer import evaluate
 
-    bar = _bar(len(texts) * len(lenses), "eval", args.no_progress)
+    bar = progress_bar(len(texts) * len(lenses), "eval", args.no_progress)
     frame = evaluate(model, lenses, texts, max_seq_len=args.max_seq_len,
-                     progress=(lambda done, total: _advance(bar, done, total)) if bar else None)
+                     progress=(lambda done, total: advance(bar, done, total)) if bar else None)
     if bar:
         bar.close()
-    _write_csv(frame, out / "eval.csv")
+    write_csv(frame, out / "eval.csv")
     return frame
 
 
@@ -92,27 +49,24 @@ def _run_pass_at_k(model: LensModel, lenses: dict[str, Lens], eval_sets: list[tu
                    args: argparse.Namespace, out: Path) -> pd.DataFrame:
     """pass@k per evaluation set (with their macro mean when several), written to ``pass_at_k.csv``;
     the per-item detail to ``pass_at_k_detail.csv``."""
-    import pandas as pd
+    from ..evaluation.passk import pass_at_k_sets
 
-    from ..evaluation.passk import macro_mean, pass_at_k
+    bars: dict[str, Any] = {}
 
-    tables, details = [], []
-    for name, items in eval_sets:
-        bar = _bar(len(items), f"pass@k {Path(name).stem}", args.no_progress, unit="item")
-        table, detail = pass_at_k(model, lenses, items, k=tuple(args.k), readout=readout, spelling=args.spelling,
-                                  progress=functools.partial(_advance, bar) if bar else None, return_detail=True,
-                                  vocab=args.vocab, exclude_copied=args.exclude_copied,
-                                  stability=getattr(args, "stability", False))
-        if bar:
-            bar.close()
-        table.insert(0, "set", Path(name).stem)
-        tables.append(table)
-        details.append(detail.assign(set=Path(name).stem))
-    passes = pd.concat(tables, ignore_index=True)
-    if len(eval_sets) > 1:
-        passes = pd.concat([passes, macro_mean(passes)], ignore_index=True)
-    _write_csv(passes, out / "pass_at_k.csv")
-    _write_csv(pd.concat(details, ignore_index=True), out / "pass_at_k_detail.csv", quoting=csv.QUOTE_NONNUMERIC)
+    def progress(name: str, done: int, total: int) -> None:
+        if done == 0:
+            bars[name] = progress_bar(total, f"pass@k {name}", args.no_progress, unit="item")
+        elif bars.get(name):
+            advance(bars[name], done, total)
+        if done == total and bars.get(name):
+            bars[name].close()
+
+    passes, details = pass_at_k_sets(model, lenses, [(Path(name).stem, items) for name, items in eval_sets],
+                                     progress=progress, k=tuple(args.k), readout=readout, spelling=args.spelling,
+                                     vocab=args.vocab, exclude_copied=args.exclude_copied,
+                                     stability=getattr(args, "stability", False))
+    write_csv(passes, out / "pass_at_k.csv")
+    write_csv(details, out / "pass_at_k_detail.csv", quoting=csv.QUOTE_NONNUMERIC)
     return passes
 
 
@@ -125,10 +79,10 @@ def _run_swaps(model: LensModel, lenses: dict[str, Lens], swap_sets: list[tuple[
 
     summaries, item_tables = [], []
     for name, items in swap_sets:
-        bar = _bar(len(items), f"swap {Path(name).stem}", args.no_progress, unit="item")
+        bar = progress_bar(len(items), f"swap {Path(name).stem}", args.no_progress, unit="item")
         report = swap_success(model, lenses, items, alphas=tuple(args.alpha), centred=args.centred,
                               seed=args.swap_seed, controls=args.swap_controls,
-                              progress=functools.partial(_advance, bar) if bar else None)
+                              progress=functools.partial(advance, bar) if bar else None)
         if bar:
             bar.close()
         summaries.append(report.summary.assign(set=Path(name).stem, items=report.n_items,
@@ -137,9 +91,9 @@ def _run_swaps(model: LensModel, lenses: dict[str, Lens], swap_sets: list[tuple[
                                                seconds_per_item=round(report.seconds_per_item, 3)))
         item_tables.append(report.items.assign(set=Path(name).stem))
     swaps = pd.concat(summaries, ignore_index=True)
-    _write_csv(swaps, out / "swap_success.csv")
+    write_csv(swaps, out / "swap_success.csv")
     # tokens may hold a bare carriage return, which pandas leaves unquoted unless asked
-    _write_csv(pd.concat(item_tables, ignore_index=True), out / "swap_items.csv", quoting=csv.QUOTE_NONNUMERIC)
+    write_csv(pd.concat(item_tables, ignore_index=True), out / "swap_items.csv", quoting=csv.QUOTE_NONNUMERIC)
     return swaps
 
 
@@ -204,31 +158,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_readout(value: str | None):
-    """``--readout``: ``last``, ``last_newline``, an integer, or ``before:TEXT``."""
-    if value is None:
-        return None
-    if value.startswith("before:"):
-        return {"before": value[len("before:"):]}
-    from ..evaluation.passk import check_readout
-
-    return check_readout(value, "--readout")
-
-
-def _bar(total: int, desc: str, disabled: bool, unit: str = "text"):
-    if disabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
-
-
-def _advance(bar, done: int, total: int) -> None:
-    bar.total = total
-    bar.n = done
-    bar.refresh()
-
-
 def register(subparsers) -> None:
     e = add_model_command(subparsers, "eval", help="per-layer KL and cross-entropy of lenses on a corpus",
                           description="Mean KL(final || lens) and next-token cross-entropy (bits) per layer and "
@@ -251,7 +180,7 @@ def register(subparsers) -> None:
     e.add_argument("--spelling", choices=["whole", "first_token"], default="whole",
                    help="pass@k word matching: complete single-token spellings (default) or the older first-token rule")
     e.add_argument("--k", type=int, nargs="+", default=[1, 5, 10], help="k values for pass@k (default 1 5 10)")
-    e.add_argument("--vocab", choices=["all", "word"], default="all",
+    e.add_argument("--vocab", choices=vocab_choices(), default="all",
                    help="pass@k readout: every token (default) or word tokens only (a letter or digit in the text; "
                         "the item's spellings are always kept)")
     e.add_argument("--exclude-copied", action="store_true",

@@ -18,6 +18,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from .common import vocab_choices
 from .main import CLIError, command_description, say
 from .model_args import LENS_HELP, add_model_command, model_loading_options
 
@@ -34,7 +35,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ..models.loading import load_model
     from ..reading.generation import check_generate_args, generate
     from ..reading.reader import read_prompts
-    from .eval import _advance, _bar, resolve_lenses
+    from .common import advance, progress_bar, resolve_lenses
 
     if not args.prompt:
         raise CLIError("--prompt is empty: give some text to read.")
@@ -60,11 +61,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     table = args.format == "table"
     source: Generation | str
     if args.generate:
-        bar = _bar(args.generate, "generating", args.no_progress, unit="token")
+        bar = progress_bar(args.generate, "generating", args.no_progress, unit="token")
         try:
             source = generate(model, args.prompt, max_new_tokens=args.generate, temperature=args.temperature,
                               seed=args.seed, chat=args.chat,
-                              progress=(lambda p: _advance(bar, p.step, p.total)) if bar is not None else None)
+                              progress=(lambda p: advance(bar, p.step, p.total)) if bar is not None else None)
         finally:
             if bar is not None:
                 bar.close()
@@ -170,7 +171,7 @@ def register(subparsers) -> None:
     i.add_argument("--no-progress", action="store_true", help="no progress bar while generating")
     i.add_argument("--width", type=int, default=9, help="characters per cell (default 9)")
     i.add_argument("--max-seq-len", type=int, default=None, help="truncate the prompt to this many tokens")
-    i.add_argument("--vocab", choices=["all", "word"], default="all",
+    i.add_argument("--vocab", choices=vocab_choices(), default="all",
                    help="top-1 among every token (default) or among word tokens (a letter or digit in the text)")
     i.add_argument("--top-k", type=int, default=10,
                    help="tokens kept per cell in json, csv and --save (default 10; the table shows the top-1)")

@@ -58,7 +58,7 @@ def cmd_intervene(args: argparse.Namespace) -> int:
     from ..interventions import Swap
     from ..interventions.compare import compare_runs
     from ..models.loading import load_model
-    from .eval import resolve_lenses
+    from .common import resolve_lenses
 
     if not args.prompt or not args.prompt.strip():
         raise CLIError("--prompt is empty: give some text for the model to continue.")
@@ -70,7 +70,7 @@ def cmd_intervene(args: argparse.Namespace) -> int:
     lens = next(iter(resolve_lenses([args.lens], model).values()))
     edits = build_edits(args, model, lens)
     result = compare_runs(model, args.prompt, edits, max_new_tokens=args.max_new_tokens, chat=args.chat,
-                          top_k=10)
+                          top_k=10, target=args.target)
     for edit in edits:
         skipped = edit.skipped_layers if isinstance(edit, Swap) else []  # a swap skips near-parallel layers
         print(f"edit: {edit!r}" + (f"; skipped layers {skipped} (|cos| > 0.999)" if skipped else ""))
@@ -84,6 +84,7 @@ def cmd_intervene(args: argparse.Namespace) -> int:
         print("The continuations are the same.")
     else:
         print(f"They part at generated token {result.first_difference}.")
+    print(f"side effects: {result.side_effects()}")
     return 0
 
 
@@ -106,4 +107,7 @@ def register(subparsers) -> None:
                    help="edit along centred read directions (each minus the mean over the vocabulary at its layer)")
     p.add_argument("--alpha", type=float, default=1.0, help="swap scale (1 exchanges the coordinates; 0..16)")
     p.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (default 20)")
+    p.add_argument("--target", default=None,
+                   help="the word the edit aims at, left out of the readout side effect (default: the token the "
+                        "edited model writes first)")
     p.set_defaults(func=cmd_intervene)

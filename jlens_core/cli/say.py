@@ -39,31 +39,37 @@ def _layers(args: argparse.Namespace, n_layers: int) -> list[int] | None:
 
 
 def _print_result(result: SayResult) -> None:
+    """Every verified recipe, each row labelled by its arm, then each arm's minimal recipe under its own name."""
     target = result.target_text
     print(f"prompt: {result.prompt!r} ({result.n_prompt} tokens); target {target!r} "
           f"({len(result.target_ids)} token{'s' if len(result.target_ids) > 1 else ''})")
     print(f"clean: the model says {result.clean_next!r}; P(target) {result.clean_prob:.3g}")
+    width = max((len(name) for name in result.arms), default=0) + 2
     for name, arm in result.arms.items():
         what = "the lens" if arm is result.search else "control"
-        print(f"\n[{name}] {arm.directions} ({what}): ranked {arm.n_ranked}, replayed {arm.n_replayed}, "
+        print(f"\n{arm.directions} ({what}): ranked {arm.n_ranked}, replayed {arm.n_replayed}, "
               f"{len(arm.recipes)} verified, {arm.seconds:.1f} s")
         for recipe in arm.recipes:
             mark = "*" if recipe is arm.minimal else " "
-            print(f"  {mark} {recipe.describe(target):<72} P={recipe.target_prob:.3f} KL={recipe.kl_bits:.3f} bits")
-        if arm.minimal is not None:
-            print(f"  minimal: {arm.minimal.describe(target)}")
+            print(f"  {mark} {'[' + name + ']':<{width}} {recipe.describe(target):<68} P={recipe.target_prob:.3f}; "
+                  f"{recipe.side_effects()}")
+    print("\nminimal recipe per arm (the smallest band, then readout before from, then the smallest relative "
+          "strength):")
+    for name, arm in result.arms.items():
+        found = f"{arm.minimal.describe(target)}; {arm.minimal.side_effects()}" if arm.minimal else "none found"
+        print(f"  {name + ':':<{width}} {found}")
     if result.clean_continuation is not None:
         print(f"\nclean : {result.clean_continuation!r}")
-        print(f"edited: {result.edited_continuation!r}")
+        print(f"edited: {result.edited_continuation!r} (the {result.search.name} minimal recipe)")
     stages = ", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items())
     print(f"\n{result.message}\ntime: {stages}; {result.n_ranked} candidates ranked, {result.n_replayed} replayed")
 
 
 def _run_one(args: argparse.Namespace, model: Any, lens: Any) -> int:
     from ..interventions.say import DEFAULT_MAX_REPLAYS, make_it_say
-    from .eval import _bar
+    from .common import progress_bar
 
-    bar = _bar(1, "say", args.no_progress or args.format == "json", unit="pass")
+    bar = progress_bar(1, "say", args.no_progress or args.format == "json", unit="pass")
 
     def progress(p) -> None:
         if bar is not None:
@@ -76,7 +82,8 @@ def _run_one(args: argparse.Namespace, model: Any, lens: Any) -> int:
                              ops=args.ops.split(","), positions=args.positions.split(","),
                              from_position=args.from_position, grids=_grids(args),
                              max_replays=args.max_replays or DEFAULT_MAX_REPLAYS, controls=[] if args.no_controls else ["random", "logit"],
-                             continuation_tokens=args.max_new_tokens, seed=args.seed, progress=progress)
+                             continuation_tokens=args.max_new_tokens, seed=args.seed, progress=progress,
+                             downstream_tokens=args.downstream_tokens)
     finally:
         if bar is not None:
             bar.close()
@@ -93,19 +100,19 @@ def _run_set(args: argparse.Namespace, model: Any, lenses: dict) -> int:
     items = load_say_set(args.set)
     if args.n_items:
         items = items[: args.n_items]
-    from .eval import _advance, _bar
+    from .common import advance, progress_bar
 
-    bar = _bar(1, f"say {Path(args.set).stem}", args.no_progress or args.format == "json", unit="item")
+    bar = progress_bar(1, f"say {Path(args.set).stem}", args.no_progress or args.format == "json", unit="item")
 
     def progress(done: int, total: int) -> None:
         if bar is not None:
-            _advance(bar, done, total)
+            advance(bar, done, total)
 
     try:
         report = say_success(model, lenses, items, layers=_layers(args, model.n_layers), ops=args.ops.split(","),
                              positions=args.positions.split(","), from_position=args.from_position,
                              grids=_grids(args), max_replays=args.max_replays or DEFAULT_MAX_REPLAYS, random_control=not args.no_controls,
-                             seed=args.seed, progress=progress)
+                             seed=args.seed, progress=progress, downstream_tokens=args.downstream_tokens)
     finally:
         if bar is not None:
             bar.close()
@@ -127,7 +134,7 @@ def _run_set(args: argparse.Namespace, model: Any, lenses: dict) -> int:
 
 def cmd_say(args: argparse.Namespace) -> int:
     from ..models.loading import load_model
-    from .eval import resolve_lenses
+    from .common import resolve_lenses
 
     if args.set is None:
         if args.prompt is None or not args.prompt.strip():
@@ -138,6 +145,8 @@ def cmd_say(args: argparse.Namespace) -> int:
         raise CLIError("--set runs a set of items: leave out --prompt and --target (or leave out --set).")
     if args.max_replays is not None and args.max_replays < 1:
         raise CLIError(f"--max-replays {args.max_replays} must be at least 1.")
+    if not 0 <= args.downstream_tokens <= 256:
+        raise CLIError(f"--downstream-tokens {args.downstream_tokens} must be from 0 (no downstream figure) to 256.")
     if args.layers:
         from ..layerspec import check_layer_spec
 
@@ -182,6 +191,9 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random-direction control")
     p.add_argument("--max-new-tokens", type=int, default=12,
                    help="continuation written with and without the minimal recipe (0: none; default 12)")
+    p.add_argument("--downstream-tokens", type=int, default=12,
+                   help="clean continuation teacher-forced with each verified recipe for its downstream side effect "
+                        "(KL in bits; 0: none; default 12)")
     p.add_argument("--format", choices=["text", "json"], default="text", help="text (default) or json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_say)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from .._atomic import atomic_write_text
-from .eval import _advance, _bar, _write_csv, parse_readout, resolve_lenses
+from .common import advance, parse_readout, progress_bar, resolve_lenses, vocab_choices, write_csv
 from .main import CLIError, command_description, say
 from .model_args import add_model_command, model_loading_options
 
@@ -55,22 +55,22 @@ def cmd_study(args: argparse.Namespace) -> int:
     model = load_model(args.model, **model_loading_options(args), progress=say)
     lenses = resolve_lenses(args.lens or _default_lenses(model), model)
     n_items = sum(len(items) for items in sets.values())
-    bar = _bar(n_items, "study", args.no_progress, unit="item")
+    bar = progress_bar(n_items, "study", args.no_progress, unit="item")
     started = time.perf_counter()
     result = study(model, lenses, sets, k=args.k, answered_only=False if args.no_filter else None,
                    all_positions=args.all_positions, readout=readout, vocab=args.vocab, role=args.role,
                    n_boot=args.n_boot, seed=args.seed,
-                   progress=functools.partial(_advance, bar) if bar else None)
+                   progress=functools.partial(advance, bar) if bar else None)
     if bar:
         bar.close()
     seconds = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)
     comparisons = result.comparisons()
-    _write_csv(result.table, out / "table.csv", quoting=csv.QUOTE_NONNUMERIC)
-    _write_csv(result.items, out / "items.csv", quoting=csv.QUOTE_NONNUMERIC)
-    _write_csv(result.by_layer, out / "by_layer.csv", quoting=csv.QUOTE_NONNUMERIC)
-    _write_csv(result.summary, out / "summary.csv", quoting=csv.QUOTE_NONNUMERIC)
-    _write_csv(comparisons, out / "comparisons.csv", quoting=csv.QUOTE_NONNUMERIC)
+    write_csv(result.table, out / "table.csv", quoting=csv.QUOTE_NONNUMERIC)
+    write_csv(result.items, out / "items.csv", quoting=csv.QUOTE_NONNUMERIC)
+    write_csv(result.by_layer, out / "by_layer.csv", quoting=csv.QUOTE_NONNUMERIC)
+    write_csv(result.summary, out / "summary.csv", quoting=csv.QUOTE_NONNUMERIC)
+    write_csv(comparisons, out / "comparisons.csv", quoting=csv.QUOTE_NONNUMERIC)
     result.save(out / "study.json")
     written = [out / name for name in ("table.csv", "items.csv", "by_layer.csv", "summary.csv", "comparisons.csv",
                                        "study.json")]
@@ -119,7 +119,7 @@ def register(subparsers) -> None:
     s.add_argument("--readout", default=None,
                    help="readout for every item: last, last_newline, a token position, or before:TEXT "
                         "(default: each set's own)")
-    s.add_argument("--vocab", choices=["all", "word"], default="all",
+    s.add_argument("--vocab", choices=vocab_choices(), default="all",
                    help="ranks over every token (default) or word tokens only")
     s.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates of the intervals (default 1000)")
     s.add_argument("--seed", type=int, default=0, help="the bootstrap's seed (default 0)")

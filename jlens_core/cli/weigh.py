@@ -10,10 +10,12 @@ pooled lens, uniform expert weights and the learned weights on both sides of the
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
 
+from .common import advance, progress_bar, vocab_choices
 from .main import CLIError, say
 from .model_args import add_model_arguments, add_save_dtype_argument, model_loading_options
 
@@ -60,19 +62,13 @@ def cmd_weigh(args: argparse.Namespace) -> int:
                        "`jlens fit --experts 8 ...` first.")
     model = load_model(args.model, **model_loading_options(args), progress=say)
     lens = ExpertLens.load(lens_path, model=model)
-    bar = _bar(args, "read items", "item")
-
-    def read_progress(done: int, total: int) -> None:
-        if bar is not None:
-            bar.total = total
-            bar.n = done
-            bar.refresh()
-
-    items = read_labelled_items(model, sets, lens.source_layers, vocab=args.vocab, progress=read_progress)
+    bar = progress_bar(0, "read items", args.no_progress, unit="item")
+    items = read_labelled_items(model, sets, lens.source_layers, vocab=args.vocab,
+                                progress=functools.partial(advance, bar) if bar is not None else None)
     if bar is not None:
         bar.close()
     train, heldout = split_items(items, args.heldout_fraction, seed=args.seed)
-    bar = _bar(args, "learn weights", "step")
+    bar = progress_bar(0, "learn weights", args.no_progress, unit="step")
 
     def learn_progress(p) -> None:
         if bar is not None:
@@ -118,12 +114,6 @@ def cmd_weigh(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bar(args: argparse.Namespace, desc: str, unit: str):
-    if args.no_progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=0, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
 
 
 def register(subparsers) -> None:
@@ -147,7 +137,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
     p.add_argument("--steps", type=int, default=200, help="Adam steps per start (default 200)")
     p.add_argument("--lr", type=float, default=0.05, help="Adam learning rate (default 0.05)")
-    p.add_argument("--vocab", choices=["all", "word"], default="all",
+    p.add_argument("--vocab", choices=vocab_choices(), default="all",
                    help="the readout ranks are counted under: all tokens, or word tokens (default all)")
     p.add_argument("--basis-memory", default=None, metavar="SIZE",
                    help="memory the fast path's precomputed logits may take, e.g. 12GiB (default 6GiB; 0: always "

@@ -165,7 +165,7 @@ def evaluate(model: LensModel, lenses: Mapping[str, Lens], texts: Iterable[str] 
                             if layer == top:
                                 logits = final_logits.clone()
                             else:
-                                logits = model.unembed(lens.transport(resid[layer][sel], layer)).float()
+                                logits = lens.logits(model, resid[layer][sel], layer).float()
                             _, _, kl, ce = centred_logit_stats(logits, final_p, final_neg_entropy, nxt, scratch)
                             kl_acc[name, layer].add(torch.zeros_like(kl) if layer == top else kl)
                             ce_acc[name, layer].add(ce)

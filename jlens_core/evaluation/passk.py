@@ -36,29 +36,36 @@ Sets are JSON files in the reference format ``{"items": [...], "readout"?, "syno
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import pandas as pd
 import torch
 
 from .._paths import ASSETS_DIR
+from ..interventions.intervals import bootstrap_interval
 from ..layerspec import wrap_index
 from ..lenses.protocol import Lens
+from ..lenses.readout import layer_logits
 from ..models.model import LensModel
 from ..reading.inputs import checked_lenses, encode_prompt, record_residuals
 from ..reading.logit_stats import rank_of
+from ..reading.readout_protocol import Readout, no_other_keywords
 from ..reading.stability import HalvesArg, check_halves, resolve_halves
 from ..reading.tokens import TokenDisplay, spellings
 from ..reading.word_readout import check_vocab, kept_ids_mask
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +251,7 @@ def _check_synonyms(value: Any) -> str | None:
     return str(value)
 
 
-def _check_readout_options(readout: Any, synonyms: Any, vocab: Any) -> tuple[Any, str | None]:
+def check_readout_options(readout: Any, synonyms: Any, vocab: Any) -> tuple[Any, str | None]:
     """The call-wide ``readout`` rule, ``synonyms`` set and ``vocab`` of :func:`pass_at_k` and the study, checked
     in that order; returns ``(readout, synonyms)`` normalised. Raises a one-sentence ``ValueError`` on a bad one."""
     if readout is not None:
@@ -254,7 +261,12 @@ def _check_readout_options(readout: Any, synonyms: Any, vocab: Any) -> tuple[Any
     return readout, synonyms
 
 
-def _check_items(items: Any) -> list[dict]:
+def check_items(items: Any) -> list[dict]:
+    """Items checked (:func:`check_item`), or the set ``items`` names loaded (:func:`load_eval_set`).
+
+    Raises:
+        ValueError: no items, or a malformed one (the message names it).
+    """
     if isinstance(items, (str, os.PathLike)):
         return load_eval_set(items)
     items = list(items)
@@ -421,7 +433,7 @@ def item_kept_ids(kept_np: np.ndarray | None, spellings: Sequence[Mapping[str, i
 
 
 # -- pass@k ------------------------------------------------------------------------------------------------
-def _best_rank(logits: torch.Tensor, candidates: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+def best_rank(logits: torch.Tensor, candidates: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
     """``LongTensor[n]``: per row of ``logits [n, vocab]``, the best 1-based rank among ``candidates``.
 
     ``kept``: ``[vocab]`` 0/1, the ids counted above a candidate (None: all).
@@ -431,16 +443,140 @@ def _best_rank(logits: torch.Tensor, candidates: torch.Tensor, kept: torch.Tenso
     return ranks.min(-1).values
 
 
-def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str, *,
-                     layers: Iterable[int] | None = None, readout: Any = None, spelling: str = "whole",
-                     synonyms: str | None = None, progress: Progress | None = None, vocab: str = "all",
-                     stability: bool = False, halves: HalvesArg = None) -> pd.DataFrame:
+# -- the item scan: one forward per item, ranks per lens and layer (pass@k's and the study's) ---------------
+@dataclass(frozen=True)
+class ItemScan:
+    """One item read once (:class:`ItemScanner`): its protocol, the model's own logits and every lens's.
+
+    Attributes:
+        read: the item's words, spellings and readout position (:func:`item_readout`).
+        positions: the positions read (the readout alone, or every position of the prompt).
+        final: ``[n_pos, vocab]`` fp32, the model's own logits at ``positions``.
+        logits: ``{lens name: [n_layers, n_pos, vocab]}`` fp32 along that lens's layers (the output
+            layer's row is ``final``: every lens is the model there).
+        half_logits: ``{lens name: (even, odd)}``, each like ``logits``, for the lenses read with halves.
+        kept: ``[vocab]`` 0/1 the ids the ranks count (``None``: all; :func:`item_kept_ids`).
+        greedy: the model's greedy next token after the whole prompt (``None`` unless asked for).
+    """
+
+    read: ItemReadout
+    positions: list[int]
+    final: torch.Tensor
+    logits: dict[str, torch.Tensor]
+    half_logits: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    kept: torch.Tensor | None
+    greedy: int | None = None
+
+    def ranks(self, lens: str, spelled: Mapping[str, int], *, half: int | None = None) -> np.ndarray:
+        """``int64 [n_layers, n_pos]``: the best 1-based rank of a word's spellings (``{text: id}``, not
+        empty) under ``lens`` (or its ``half``: 0 even, 1 odd) at each layer and position."""
+        logits = self.logits[lens] if half is None else self.half_logits[lens][half]
+        cands = torch.tensor(list(spelled.values()), dtype=torch.long, device=logits.device)
+        ranks = best_rank(logits.reshape(-1, logits.shape[-1]), cands, self.kept)
+        return ranks.reshape(logits.shape[0], logits.shape[1]).cpu().numpy()
+
+    def final_ranks(self, spelled: Mapping[str, int]) -> np.ndarray:
+        """``int64 [n_pos]``: the word's best rank in the model's own output at each position."""
+        cands = torch.tensor(list(spelled.values()), dtype=torch.long, device=self.final.device)
+        return best_rank(self.final, cands, self.kept).cpu().numpy()
+
+
+@dataclass(frozen=True)
+class ItemScanner:
+    """The scan pass@k and the study share (docs/method.md §8): per item, its readout (:func:`item_readout`),
+    one forward, and every lens's logits at every layer (the readout, :func:`~jlens_core.lenses.readout.layer_logits`).
+
+    Args:
+        model: the model the lenses belong to.
+        lenses, lens_layers: ``{name: lens}`` and ``{name: layers read}`` (:func:`checked_lenses`).
+        readout, spelling, synonyms: the checked protocol (:func:`check_readout_options`).
+        kept_np: the readout's vocabulary mask (:func:`~jlens_core.reading.word_readout.kept_ids_mask`).
+        halves: ``{lens name: (even, odd)}`` also read (``ItemScan.half_logits``).
+        all_positions: read every position, not the readout alone.
+        greedy: run the whole prompt and keep the model's greedy next token (else the forward stops at
+            the last position read: causal, nothing after it is needed).
+    """
+
+    model: LensModel
+    lenses: Mapping[str, Lens]
+    lens_layers: Mapping[str, list[int]]
+    readout: Any = None
+    spelling: str = "whole"
+    synonyms: str | None = None
+    kept_np: np.ndarray | None = None
+    halves: Mapping[str, tuple[Lens, Lens]] = field(default_factory=dict)
+    all_positions: bool = False
+    greedy: bool = False
+
+    def __call__(self, item: Mapping, index: int) -> ItemScan:
+        """Scan one checked item (``index``: its place in the set, the name of an unnamed item).
+
+        Raises:
+            ValueError: a readout rule that does not fit the prompt (the message names the item).
+        """
+        model, top = self.model, self.model.n_layers - 1
+        read = item_readout(model, item, index, readout=self.readout, spelling=self.spelling, synonyms=self.synonyms)
+        seq = int(read.ids.shape[1])
+        positions = list(range(seq)) if self.all_positions else [read.position]
+        all_layers = sorted({layer for ls in self.lens_layers.values() for layer in ls})
+        end = seq if self.greedy else max(positions) + 1
+        resid = record_residuals(model, read.ids[:, :end], all_layers)  # one forward: {layer: [end, d_model]}
+        with torch.no_grad():
+            final = model.unembed(resid[top][positions]).float()  # [n_pos, vocab]
+            greedy = int(model.unembed(resid[top][seq - 1]).float().argmax()) if self.greedy else None
+
+            def read_lens(lens: Lens, ls: list[int]) -> torch.Tensor:  # [n_layers, n_pos, vocab]
+                logits = layer_logits(lens, model, resid, ls, positions).float()
+                if top in ls:
+                    logits[ls.index(top)] = final
+                return logits
+
+            logits = {name: read_lens(lens, self.lens_layers[name]) for name, lens in self.lenses.items()}
+            half_logits = {name: (read_lens(pair[0], self.lens_layers[name]), read_lens(pair[1], self.lens_layers[name]))
+                           for name, pair in self.halves.items()}
+        return ItemScan(read=read, positions=positions, final=final, logits=logits, half_logits=half_logits,
+                        kept=item_kept_ids(self.kept_np, read.spellings, final.device), greedy=greedy)
+
+
+class ProtocolKeywords(TypedDict, total=False):
+    """The :class:`~jlens_core.reading.readout_protocol.Readout`'s fields as keywords, one by one (a keyword wins
+    over the readout's field)."""
+
+    spelling: str
+    synonyms: str | None
+    vocab: str
+
+
+class PassAtKOptions(ProtocolKeywords, total=False):
+    """:func:`pass_at_k`'s further keywords (see its Args)."""
+
+    k: Sequence[int] | int
+    exclude_copied: bool
+    set_name: str | None
+    stability: bool
+    halves: HalvesArg
+
+
+def readout_of(readout: Readout | Any, keywords: dict[str, Any]) -> Readout:
+    """The call's :class:`Readout`: ``readout`` itself, or a readout rule (the older spelling) as its position,
+    with the fields ``keywords`` names (``spelling=``, ``vocab=``, ``k=``, ...) taken out of it."""
+    base = readout if isinstance(readout, Readout) else Readout(position=readout)
+    return base.updated(keywords)
+
+
+def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str,
+                     readout: Readout | Any = None, *, layers: Iterable[int] | None = None,
+                     progress: Progress | None = None, stability: bool = False, halves: HalvesArg = None,
+                     **options: Unpack[ProtocolKeywords]) -> pd.DataFrame:
     """Best ranks of each item's intermediate and target words, per lens, at the readout position.
 
     Args:
         items: items (dicts), or the name / path of a set (:func:`load_eval_set`).
+        readout: the :class:`~jlens_core.reading.readout_protocol.Readout` (position, spelling, synonyms, vocab;
+            its ``k`` is not used here), or a readout rule alone (its ``position``; the older spelling);
+            ``spelling=``, ``synonyms=``, ``vocab=`` give its fields one by one.
         layers: layers searched (default: every readable layer of each lens, the output included).
-        readout: a readout rule for every item (overrides the set's and the items'); default: the
+        readout's position: a readout rule for every item (overrides the set's and the items'); default: the
             item's, else the set's, else ``"last"``.
         spelling: ``"whole"`` (complete single-token spellings) or ``"first_token"``.
         synonyms: ``"numbers_ops"`` or ``None``; default: the item's (from its set).
@@ -465,80 +601,52 @@ def pass_at_k_detail(model: LensModel, lenses: Mapping[str, Lens], items: Iterab
             that keeps no token.
         LensFileError: a lens belongs to another model.
     """
+    keywords: dict[str, Any] = dict(options)
+    protocol = readout_of(readout, keywords)
+    no_other_keywords("pass_at_k_detail", keywords)
+    spelling, vocab = protocol.spelling, protocol.vocab
     if spelling not in SPELLINGS:
         raise ValueError(f"Unknown spelling {spelling!r}: use 'whole' (complete single-token spellings) or "
                          "'first_token'.")
-    readout, synonyms = _check_readout_options(readout, synonyms, vocab)
+    readout, synonyms = check_readout_options(protocol.position, protocol.synonyms, vocab)
     lenses, lens_layers = checked_lenses(model, lenses, layers)
     chosen_halves, _ = resolve_halves(lenses, stability=bool(stability), halves=halves)
     for lens_name, pair in chosen_halves.items():
         check_halves(lens_name, lenses[lens_name], pair, lens_layers[lens_name])
     with_halves = bool(chosen_halves) or bool(stability)  # the columns, NaN for a lens without halves
-    items = _check_items(items)
-    kept_np = kept_ids_mask(TokenDisplay.for_model(model), vocab, model.vocab_size)  # bool[vocab_size] or None
-    top = model.n_layers - 1
-    all_layers = sorted({layer for ls in lens_layers.values() for layer in ls})
+    items = check_items(items)
     display = TokenDisplay.for_model(model)
+    scan = ItemScanner(model, lenses, lens_layers, readout=readout, spelling=spelling, synonyms=synonyms,
+                       kept_np=kept_ids_mask(display, vocab, model.vocab_size), halves=chosen_halves)
     rows = []
     for index, item in enumerate(items):
-        read = item_readout(model, item, index, readout=readout, spelling=spelling, synonyms=synonyms)
-        name, words, spellings, copied, ids, position = (read.name, read.words, read.spellings, read.copied,
-                                                         read.ids, read.position)
-        resid = record_residuals(model, ids[:, : position + 1], all_layers)  # causal: nothing after is needed
-        device = resid[top].device
-        kept = item_kept_ids(kept_np, spellings, device)
-        with torch.no_grad():
-            final_logits = model.unembed(resid[top][position:position + 1]).float()  # [1, vocab]
-            for lens_name, lens in lenses.items():
-                ls = lens_layers[lens_name]
-                h = torch.stack([lens.transport(resid[layer][position], layer) for layer in ls])  # [n_layers, d]
-                logits = model.unembed(h).float()  # [n_layers, vocab]
-                if top in ls:
-                    logits[ls.index(top)] = final_logits[0]
-                half_logits = [_half_logits(model, half, resid, ls, position, final_logits, top)
-                               for half in chosen_halves.get(lens_name, ())]  # [2] x [n_layers, vocab], or none
-                for (role, word), spelled in zip(words, spellings):
-                    row = {"item": int(item.get("index", index)), "name": name, "lens": lens_name, "role": role, "word": word,
-                           "scored": bool(spelled), "copied": copied[word],
-                           "spellings": list(spelled), "token_ids": list(spelled.values()),
-                           "position": position, "readout_token": display.texts[int(ids[0, position])],
-                           "best_rank": math.nan, "best_layer": None, "final_rank": math.nan, "vocab": vocab}
-                    if spelled:
-                        cands = torch.tensor(list(spelled.values()), dtype=torch.long, device=device)
-                        per_layer = _best_rank(logits, cands, kept)  # [n_layers]
-                        best = int(per_layer.min())
-                        row.update(best_rank=best, best_layer=ls[int(torch.argmax((per_layer == best).int()))],
-                                   final_rank=int(_best_rank(final_logits, cands, kept)[0]))
-                    if with_halves:
-                        row.update(best_rank_even=math.nan, best_rank_odd=math.nan)
-                        if spelled and half_logits:
-                            row.update(best_rank_even=int(_best_rank(half_logits[0], cands, kept).min()),
-                                       best_rank_odd=int(_best_rank(half_logits[1], cands, kept).min()))
-                    rows.append(row)
-        del resid
+        seen = scan(item, index)
+        read, position = seen.read, seen.read.position
+        for lens_name in lenses:
+            ls = lens_layers[lens_name]
+            for (role, word), spelled in zip(read.words, read.spellings):
+                row = {"item": int(item.get("index", index)), "name": read.name, "lens": lens_name, "role": role,
+                       "word": word, "scored": bool(spelled), "copied": read.copied[word],
+                       "spellings": list(spelled), "token_ids": list(spelled.values()),
+                       "position": position, "readout_token": display.texts[int(read.ids[0, position])],
+                       "best_rank": math.nan, "best_layer": None, "final_rank": math.nan, "vocab": vocab}
+                if spelled:
+                    per_layer = seen.ranks(lens_name, spelled)[:, 0]  # [n_layers]
+                    best = int(per_layer.min())
+                    row.update(best_rank=best, best_layer=ls[int(np.argmax(per_layer == best))],
+                               final_rank=int(seen.final_ranks(spelled)[0]))
+                if with_halves:
+                    row.update(best_rank_even=math.nan, best_rank_odd=math.nan)
+                    if spelled and lens_name in seen.half_logits:
+                        row.update(best_rank_even=int(seen.ranks(lens_name, spelled, half=0).min()),
+                                   best_rank_odd=int(seen.ranks(lens_name, spelled, half=1).min()))
+                rows.append(row)
+        del seen
         if progress is not None:
             progress(index + 1, len(items))
     return pd.DataFrame(rows, columns=list(DETAIL_COLUMNS) + (list(HALF_COLUMNS) if with_halves else []))
 
 
-def _half_logits(model: LensModel, half: Lens, resid: Mapping[int, torch.Tensor], layers: Sequence[int], position: int,
-                 final_logits: torch.Tensor, top: int) -> torch.Tensor:
-    """``[n_layers, vocab]`` fp32 logits of one half lens at ``position`` (the model's own at the output layer)."""
-    h = torch.stack([half.transport(resid[layer][position], layer) for layer in layers])  # [n_layers, d]
-    logits = model.unembed(h).float()
-    if top in layers:
-        logits[list(layers).index(top)] = final_logits[0]
-    return logits
-
-
-def bootstrap_interval(values: Sequence[float], *, n_boot: int = N_BOOT, seed: int = 0) -> tuple[float, float]:
-    """The 95 % percentile bootstrap interval of the mean of ``values`` (``(nan, nan)`` when empty)."""
-    arr = np.asarray(values, dtype=np.float64)
-    if arr.size == 0:
-        return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    means = arr[rng.integers(0, arr.size, size=(int(n_boot), arr.size))].mean(axis=1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
 def summarize_pass_at_k(detail: pd.DataFrame, k: Sequence[int] | int = (1, 5, 10), *, n_boot: int = N_BOOT,
@@ -605,17 +713,18 @@ def _both_halves(scored: pd.DataFrame, k: int, *, n_boot: int, seed: int) -> dic
     return {"found_by_both_halves": float(both.mean()), "both_ci_low": low, "both_ci_high": high}
 
 
-def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str, *,
-              k: Sequence[int] | int = (1, 5, 10), layers: Iterable[int] | None = None, readout: Any = None,
-              spelling: str = "whole", synonyms: str | None = None, n_boot: int = N_BOOT, seed: int = 0,
-              progress: Progress | None = None, return_detail: bool = False, vocab: str = "all",
-              exclude_copied: bool = False, set_name: str | None = None, stability: bool = False,
-              halves: HalvesArg = None) -> pd.DataFrame | tuple[pd.DataFrame, pd.DataFrame]:
+def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapping] | str,
+              readout: Readout | Any = None, *, layers: Iterable[int] | None = None, n_boot: int = N_BOOT,
+              seed: int = 0, progress: Progress | None = None, return_detail: bool = False,
+              **options: Unpack[PassAtKOptions]) -> pd.DataFrame | tuple[pd.DataFrame, pd.DataFrame]:
     """pass@k of latent intermediate steps, per lens, with the protocol of the module docstring.
 
     Args:
         items: the items, or the name of a shipped set or a ``.json`` / ``.jsonl`` path.
-        k: one or more cut-offs.
+        readout: the :class:`~jlens_core.reading.readout_protocol.Readout` (its ``k``: the cut-offs), or a readout
+            rule alone (the older spelling); ``k=``, ``spelling=``, ``synonyms=``, ``vocab=`` give its fields one
+            by one.
+        k: one or more cut-offs (default 1, 5, 10).
         layers: layers searched (default: every readable layer of each lens).
         readout, spelling, synonyms: see :func:`pass_at_k_detail` (default: the set's own).
         n_boot, seed: the bootstrap of the interval over items.
@@ -636,15 +745,58 @@ def pass_at_k(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[Mapp
         DataFrame with columns :data:`PASS_COLUMNS` (one row per lens x k); with ``return_detail``,
         the pair ``(summary, detail)``.
     """
+    keywords: dict[str, Any] = dict(options)
+    protocol = readout_of(readout, keywords)
+    exclude_copied, set_name = bool(keywords.pop("exclude_copied", False)), keywords.pop("set_name", None)
+    stability, halves = bool(keywords.pop("stability", False)), keywords.pop("halves", None)
+    no_other_keywords("pass_at_k", keywords)
+    k = (1, 5, 10) if protocol.k is None else protocol.k
     ks = [k] if isinstance(k, int) else list(k)
     if not ks or any(int(x) < 1 for x in ks):
         raise ValueError(f"k={k} must be one or more integers >= 1 (ranks are 1-based: k=1 is top-1).")
-    detail = pass_at_k_detail(model, lenses, items, layers=layers, readout=readout, spelling=spelling,
-                              synonyms=synonyms, progress=progress, vocab=vocab, stability=stability, halves=halves)
+    detail = pass_at_k_detail(model, lenses, items, protocol, layers=layers, progress=progress, stability=stability,
+                              halves=halves)
     summary = summarize_pass_at_k(detail, ks, n_boot=n_boot, seed=seed, exclude_copied=exclude_copied)
     if set_name is None:
         set_name = Path(items).stem if isinstance(items, str) else "items"
     return (summary, detail.assign(set=set_name)[["set", *detail.columns]]) if return_detail else summary
+
+
+def pass_at_k_sets(model: LensModel, lenses: Mapping[str, Lens], sets: Sequence[tuple[str, Iterable[Mapping] | str]], *,
+                   progress: Callable[[str, int, int], None] | None = None,
+                   **options: Any) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """pass@k over several sets, as ``jlens eval`` and the app's Evaluate page run it.
+
+    Args:
+        sets: ``(set name, items)`` pairs (items as :func:`pass_at_k` takes them).
+        progress: called as ``progress(set name, items_done, n_items)``: with 0 before a set's first item,
+            then after every item.
+        options: :func:`pass_at_k`'s keywords (``k``, ``readout``, ``vocab``, ``exclude_copied``, ...).
+
+    Returns:
+        ``(summary, detail)``: the sets' summaries with a ``set`` column first, followed by their
+        :func:`macro_mean` when there are several sets; the per-word details with their ``set``.
+
+    Raises:
+        ValueError: no sets, or what :func:`pass_at_k` raises.
+    """
+    if not sets:
+        raise ValueError("No evaluation sets given: give at least one (name, items) pair.")
+    tables, details = [], []
+    for name, items in sets:
+        items = check_items(items)
+        if progress is not None:
+            progress(name, 0, len(items))
+        report = None if progress is None else functools.partial(progress, name)
+        table, detail = pass_at_k(model, lenses, items, progress=report, return_detail=True, set_name=name,
+                                  **options)
+        table.insert(0, "set", name)
+        tables.append(table)
+        details.append(detail)
+    summary = pd.concat(tables, ignore_index=True)
+    if len(sets) > 1:
+        summary = pd.concat([summary, macro_mean(summary)], ignore_index=True)
+    return summary, pd.concat(details, ignore_index=True)
 
 
 def macro_mean(per_set: pd.DataFrame) -> pd.DataFrame:
@@ -666,8 +818,40 @@ def macro_mean(per_set: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-__all__ = ["BOTH_COLUMNS", "DETAIL_COLUMNS", "EVAL_DIR", "EVAL_SETS", "HALF_COLUMNS", "PASS_COLUMNS", "READOUT_RULES",
-           "SPELLINGS", "SYNONYM_SETS", "ItemReadout", "appears_in_prompt", "bootstrap_interval", "check_item",
-           "check_readout", "decoy_items", "item_kept_ids", "item_readout", "load_eval_set", "macro_mean",
-           "number_synonyms", "pass_at_k", "pass_at_k_detail", "readout_position", "shipped_sets", "summarize_pass_at_k",
-           "word_spellings"]
+__all__ = [
+    "BOTH_COLUMNS",
+    "DETAIL_COLUMNS",
+    "EVAL_DIR",
+    "EVAL_SETS",
+    "HALF_COLUMNS",
+    "PASS_COLUMNS",
+    "READOUT_RULES",
+    "SPELLINGS",
+    "SYNONYM_SETS",
+    "ItemReadout",
+    "ItemScan",
+    "ItemScanner",
+    "PassAtKOptions",
+    "ProtocolKeywords",
+    "appears_in_prompt",
+    "best_rank",
+    "bootstrap_interval",
+    "check_item",
+    "check_items",
+    "check_readout",
+    "check_readout_options",
+    "decoy_items",
+    "item_kept_ids",
+    "item_readout",
+    "load_eval_set",
+    "macro_mean",
+    "number_synonyms",
+    "pass_at_k",
+    "pass_at_k_detail",
+    "pass_at_k_sets",
+    "readout_of",
+    "readout_position",
+    "shipped_sets",
+    "summarize_pass_at_k",
+    "word_spellings",
+]

@@ -35,30 +35,33 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import torch
 
 from .._atomic import atomic_write_text
 from .._version import __version__
 from ..interventions.intervals import wilson_interval
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
-from ..reading.inputs import checked_lenses, record_residuals
+from ..reading.inputs import checked_lenses
+from ..reading.readout_protocol import Readout, no_other_keywords
 from ..reading.tokens import TokenDisplay
 from ..reading.word_readout import kept_ids_mask
 from .labelled_items import set_name_of
 from .lens_comparison import _stratified_draws
 from .passk import (
-    _best_rank,
-    _check_items,
-    _check_readout_options,
-    item_kept_ids,
-    item_readout,
+    ItemScanner,
+    ProtocolKeywords,
+    check_items,
+    check_readout_options,
+    readout_of,
     word_spellings,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +104,12 @@ def study_sets(items: ItemsSpec) -> dict[str, list[dict]]:
         FileNotFoundError: no such set or file. ValueError: malformed items, or no set at all.
     """
     if isinstance(items, (str, os.PathLike)):
-        return {set_name_of(str(items)): _check_items(items)}
+        return {set_name_of(str(items)): check_items(items)}
     if isinstance(items, Mapping):
         if not items:
             raise ValueError("items is an empty mapping: give {set name: items} with at least one set.")
-        return {str(name): _check_items(value) for name, value in items.items()}
-    return {"items": _check_items(items)}
+        return {str(name): check_items(value) for name, value in items.items()}
+    return {"items": check_items(items)}
 
 
 def _answer(item: Mapping) -> str | None:
@@ -160,11 +163,18 @@ def _percentiles(values: Sequence[float]) -> tuple[float, float]:
 
 
 # -- the study --------------------------------------------------------------------------------------------
-def study(model: LensModel, lenses: Mapping[str, Lens] | Lens, items: ItemsSpec, *, k: int = 10,
-          answered_only: bool | None = None, all_positions: bool = False, layers: Iterable[int] | None = None,
-          readout: Any = None, spelling: str = "whole", synonyms: str | None = None, vocab: str = "all",
-          role: str = "intermediate", n_boot: int = N_BOOT, seed: int = 0, progress: Progress | None = None,
-          stop: Callable[[], bool] | None = None) -> Study:
+class StudyOptions(ProtocolKeywords, total=False):
+    """:func:`study`'s further keywords (see its Args)."""
+
+    k: int
+    n_boot: int
+    seed: int
+    stop: Callable[[], bool] | None
+
+
+def study(model: LensModel, lenses: Mapping[str, Lens] | Lens, items: ItemsSpec, readout: Readout | Any = None, *,
+          layers: Iterable[int] | None = None, role: str = "intermediate", answered_only: bool | None = None,
+          all_positions: bool = False, progress: Progress | None = None, **options: Unpack[StudyOptions]) -> Study:
     """Study where each item's concepts enter every lens's top ``k``, layer by layer (module docstring).
 
     Args:
@@ -172,13 +182,16 @@ def study(model: LensModel, lenses: Mapping[str, Lens] | Lens, items: ItemsSpec,
         lenses: ``{name: lens}`` (or one lens, named by its kind).
         items: a shipped set's name, a ``.json`` / ``.jsonl`` path, a list of items, or ``{set name: items}``
             (:func:`study_sets`).
+        readout: the :class:`~jlens_core.reading.readout_protocol.Readout` (its ``k``: the top-k cut-off, default 10),
+            or a readout rule alone (the older spelling); ``k=``, ``spelling=``, ``synonyms=``, ``vocab=`` give its
+            fields one by one.
         k: the top-k cut-off (>= 1; ranks are 1-based).
         answered_only: keep only items the model answers (greedy next token = a first token of the answer);
             ``None``: on when some item carries an ``answer`` or ``target``.
         all_positions: also keep every concept's rank at every position of the prompt (the tidy table's
             ``readout`` column marks the readout position; the statistics use it alone).
         layers: layers read (default: every readable layer of each lens, the output included).
-        readout, spelling, synonyms, vocab: pass@k's protocol (:func:`~jlens_core.evaluation.passk.pass_at_k_detail`).
+        spelling, synonyms, vocab: pass@k's protocol (:func:`~jlens_core.evaluation.passk.pass_at_k_detail`).
         role: the concepts studied: ``"intermediate"`` (default), ``"target"`` or ``"both"``.
         n_boot, seed: the bootstrap of the band's and the comparisons' intervals (replicates, seed).
         progress: called as ``progress(items_done, n_items)`` over every set's items.
@@ -194,19 +207,25 @@ def study(model: LensModel, lenses: Mapping[str, Lens] | Lens, items: ItemsSpec,
             ``info["notes"]``). FileNotFoundError: no such set. LensFileError: a lens of another model.
         StudyCancelled: ``stop()`` returned True.
     """
+    keywords: dict[str, Any] = dict(options)
+    protocol = readout_of(readout, keywords)
+    n_boot, seed = keywords.pop("n_boot", N_BOOT), keywords.pop("seed", 0)
+    stop = keywords.pop("stop", None)
+    no_other_keywords("study", keywords)
+    k, spelling, vocab = 10 if protocol.k is None else protocol.k, protocol.spelling, protocol.vocab
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k={k!r} must be an integer >= 1 (ranks are 1-based: k=1 is top-1).")
     if role not in ROLES:
         raise ValueError(f"role={role!r} is not a role: use one of {list(ROLES)}.")
-    readout, synonyms = _check_readout_options(readout, synonyms, vocab)
+    readout, synonyms = check_readout_options(protocol.position, protocol.synonyms, vocab)
     lens_map, lens_layers = checked_lenses(model, lenses, layers)
     sets = study_sets(items)
     roles = ("intermediate", "target") if role == "both" else (role,)
     n_total = sum(len(v) for v in sets.values())
     display = TokenDisplay.for_model(model)
-    kept_np = kept_ids_mask(display, vocab, model.vocab_size)  # bool[vocab] or None
-    top = model.n_layers - 1
-    all_layers = sorted({layer for ls in lens_layers.values() for layer in ls})
+    scan = ItemScanner(model, lens_map, lens_layers, readout=readout, spelling=spelling, synonyms=synonyms,
+                       kept_np=kept_ids_mask(display, vocab, model.vocab_size), all_positions=all_positions,
+                       greedy=True)
     table_parts: list[pd.DataFrame] = []
     item_rows: list[dict] = []
     set_info: dict[str, dict] = {}
@@ -219,52 +238,37 @@ def study(model: LensModel, lenses: Mapping[str, Lens] | Lens, items: ItemsSpec,
         for index, item in enumerate(set_items):
             if stop is not None and stop():
                 raise StudyCancelled(f"The study was stopped after {done} of {n_total} items.")
-            read = item_readout(model, item, index, readout=readout, spelling=spelling, synonyms=synonyms)
-            ids = read.ids  # [1, seq]
-            seq = int(ids.shape[1])
-            resid = record_residuals(model, ids, all_layers)  # one forward: {layer: [seq, d_model]}
-            device = resid[top].device
-            positions = list(range(seq)) if all_positions else [read.position]
             answer = _answer(item)
+            seen = scan(item, index)
+            read, positions = seen.read, seen.positions
             answered: bool | None = None
-            with torch.no_grad():
-                final = model.unembed(resid[top][positions]).float()  # [n_pos, vocab]
-                if answer is not None:
-                    greedy = int(model.unembed(resid[top][seq - 1]).float().argmax())
-                    item_synonyms = synonyms if synonyms is not None else item.get("synonyms")
-                    firsts = word_spellings(model.tokenizer, answer, spelling="first_token", synonyms=item_synonyms,
-                                            vocab_size=model.vocab_size)
-                    answered = greedy in set(firsts.values())
+            if answer is not None:
+                item_synonyms = synonyms if synonyms is not None else item.get("synonyms")
+                firsts = word_spellings(model.tokenizer, answer, spelling="first_token", synonyms=item_synonyms,
+                                        vocab_size=model.vocab_size)
+                answered = seen.greedy in set(firsts.values())
             kept = answered is not False or not use_filter
             if answer is None:
                 counts["no_answer"] += 1
             counts["kept" if kept else "dropped"] += 1
             words = [(r, w, s) for (r, w), s in zip(read.words, read.spellings) if r in roles]
-            kept_ids = item_kept_ids(kept_np, read.spellings, device)
             read_pos = positions.index(read.position)
-            for lens_name, lens in lens_map.items():
+            for lens_name in lens_map:
                 ls = lens_layers[lens_name]
-                with torch.no_grad():
-                    h = torch.stack([lens.transport(resid[layer][positions], layer) for layer in ls])  # [L, P, d]
-                    logits = model.unembed(h).float()  # [L, P, vocab]
-                    if top in ls:
-                        logits[ls.index(top)] = final
                 for concept_role, word, spelled in words:
                     row = {"set": set_name, "item": index, "name": read.name, "prompt": item["prompt"],
                            "lens": lens_name, "role": concept_role, "concept": word, "scored": bool(spelled),
                            "spellings": list(spelled), "position": read.position,
-                           "readout_token": display.texts[int(ids[0, read.position])], "answer": answer,
+                           "readout_token": display.texts[int(read.ids[0, read.position])], "answer": answer,
                            "answered": answered, "kept": kept, "first_layer": math.nan, "last_layer": math.nan,
                            "best_rank": math.nan, "best_layer": math.nan, "final_rank": math.nan}
                     if spelled:
-                        cands = torch.tensor(list(spelled.values()), dtype=torch.long, device=device)
-                        ranks = _best_rank(logits.reshape(-1, logits.shape[-1]), cands, kept_ids)
-                        ranks_np = ranks.reshape(len(ls), len(positions)).cpu().numpy()  # [L, P]
+                        ranks_np = seen.ranks(lens_name, spelled)  # [L, P]
                         at_readout = ranks_np[:, read_pos]  # [L]
                         first, last = _first_run((at_readout <= k)[None, :])
                         best = int(at_readout.min())
                         row.update(best_rank=best, best_layer=ls[int(np.argmax(at_readout == best))],
-                                   final_rank=int(_best_rank(final[read_pos:read_pos + 1], cands, kept_ids)[0]))
+                                   final_rank=int(seen.final_ranks(spelled)[read_pos]))
                         if first[0] >= 0:
                             row.update(first_layer=ls[int(first[0])], last_layer=ls[int(last[0])])
                         grid_layers = np.repeat(np.asarray(ls), len(positions))
@@ -274,7 +278,7 @@ def study(model: LensModel, lenses: Mapping[str, Lens] | Lens, items: ItemsSpec,
                             "layer": grid_layers, "position": grid_pos, "readout": grid_pos == read.position,
                             "rank": ranks_np.reshape(-1)}))
                     item_rows.append(row)
-            del resid
+            del seen
             done += 1
             if progress is not None:
                 progress(done, n_total)

@@ -62,6 +62,7 @@ from torch import nn
 
 from ..corpus import check_heldout_fraction, heldout_score
 from ..lenses.experts import ExpertLens
+from ..lenses.readout import transported_logits
 from ..models.model import HFLensModel, LensModel, weight_of
 from ..models.placement import is_offloaded
 from .relevance import recognise_norm
@@ -471,7 +472,7 @@ class ItemBatch:
 def _unembed_combined(model: LensModel, transported: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``[n_items, vocab]`` fp32: ``model.unembed(sum_e w_e y_e)`` for ``transported [n_items, E, d]``."""
     h = torch.einsum("nei,e->ni", transported, weights.to(transported))  # [n, d]
-    return model.unembed(h.to(model.dtype)).float()
+    return transported_logits(model, h.to(model.dtype)).float()
 
 
 def layer_logits(model: LensModel, batch: ItemBatch, layer: int, weights: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch
 
 from .._atomic import atomic_write
 from ..layerspec import normalise_layers
+from ..lenses.readout import transported_logits
 from ..lenses.tuned import TunedLens
 from ..models.model import LensModel
 from ..models.recorder import ActivationRecorder
@@ -148,7 +149,7 @@ def heldout_kl(model: LensModel, lens: TunedLens, texts: Sequence[str], *, max_s
         final = final[skip_first:]
         with torch.no_grad():
             for layer in layers:
-                logits = model.unembed(lens.transport(resid[layer][skip_first:].float(), layer))
+                logits = lens.logits(model, resid[layer][skip_first:].float(), layer)
                 sums[layer] += float(_kl_nats(final, logits)) * final.shape[0]
         count += int(final.shape[0])
     if count == 0:
@@ -273,7 +274,7 @@ class _TuneRun:
         for layer in self.layers:
             a, b = self.params[layer]
             h = resid[layer].float()  # [T, d]
-            logits = model.unembed(h + h @ a.T + b)  # [T, vocab]
+            logits = transported_logits(model, h + h @ a.T + b)  # [T, vocab]: the translator being trained
             loss = _kl_nats(final, logits)
             loss.backward()
             total += float(loss.detach())

@@ -7,6 +7,9 @@
   (``0/10 -> [0, 0.3085]``), where a bootstrap over the trials collapses to ``[0, 0]``. The tables use it.
 * :func:`wilson_interval` — the Wilson score interval, narrower and approximate; kept beside it.
 
+And of a mean (pass@k rates, side-effect divergences): :func:`bootstrap_interval`, the seeded 95 % percentile
+bootstrap.
+
 No scipy: the beta quantile is a bisection on the regularised incomplete beta function ``I_x(a, b)``,
 evaluated with its continued fraction (modified Lentz, as in Numerical Recipes §6.4), in float64.
 """
@@ -14,7 +17,11 @@ evaluated with its continued fraction (modified Lentz, as in Numerical Recipes �
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import numpy as np
+
+N_BOOT = 2000  # bootstrap resamples of a mean
 Z_95 = 1.959964  # the standard normal's 0.975 quantile
 _CF_EPS = 1e-15
 _CF_TINY = 1e-300
@@ -123,4 +130,15 @@ def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-__all__ = ["beta_quantile", "clopper_pearson_interval", "regularized_incomplete_beta", "wilson_interval"]
+def bootstrap_interval(values: Sequence[float], *, n_boot: int = N_BOOT, seed: int = 0) -> tuple[float, float]:
+    """The 95 % percentile bootstrap interval of the mean of ``values`` (``(nan, nan)`` when empty), from
+    ``n_boot`` resamples drawn with ``numpy.random.default_rng(seed)``."""
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    means = arr[rng.integers(0, arr.size, size=(int(n_boot), arr.size))].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+__all__ = ["N_BOOT", "beta_quantile", "bootstrap_interval", "clopper_pearson_interval", "regularized_incomplete_beta", "wilson_interval"]

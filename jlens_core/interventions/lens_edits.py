@@ -24,11 +24,12 @@ docs/method.md §9.1):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from jaxtyping import Bool, Float, Int
 
+from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.edit_hooks import PositionRule
@@ -199,11 +200,11 @@ class Swap(_LensEdit):
                 va, vb = (x.float() / x.float().norm() for x in directions[layer])
             else:
                 va, vb = (token_direction(model, lens, layer, t, centred=self.centred) for t in (a, b))
-            if abs(float(va @ vb)) > COLLINEAR_COS:
+            pair = swap_basis(va, vb)
+            if pair is None:
                 self.skipped_layers.append(layer)
-                continue
-            basis = torch.stack([va, vb], dim=1).double()  # [d, 2]
-            self.bases[layer] = (basis.float(), torch.linalg.pinv(basis).float())
+            else:
+                self.bases[layer] = pair
 
     def apply(self, layer: int, h: Float[torch.Tensor, "rows d_model"],
               clean: Float[torch.Tensor, "rows d_model"] | None) -> Float[torch.Tensor, "rows d_model"]:
@@ -213,7 +214,7 @@ class Swap(_LensEdit):
             raise ValueError("Swap needs the clean residuals (it is a needs_clean edit).")
         basis, pinv = (x.to(h.device) for x in self.bases[layer])
         c = clean.float() @ pinv.T  # [n, 2] clean coordinates
-        target = c + self.alpha * (c.flip(-1) - c)  # [n, 2]
+        target = c + self.alpha * swap_step(c)  # [n, 2]
         hf = h.float()
         return hf + (target - hf @ pinv.T) @ basis.T
 
@@ -227,16 +228,61 @@ class Swap(_LensEdit):
         return f"Swap({self.source!r} -> {self.replacement!r}, alpha={self.alpha:g}, {self._where(self.centred, self.random)})"
 
 
-def random_directions(layers: Sequence[int], d_model: int,
-                      seed: int) -> dict[int, tuple[Float[torch.Tensor, " d_model"],
-                                                    Float[torch.Tensor, " d_model"]]]:
-    """Two random unit directions per layer (Gaussian, seeded): the swap's floor control."""
-    gen = torch.Generator().manual_seed(int(seed))
-    out = {}
-    for layer in layers:
-        pair = torch.randn(2, int(d_model), generator=gen)
-        out[int(layer)] = (pair[0] / pair[0].norm(), pair[1] / pair[1].norm())
+def swap_basis(va: Float[torch.Tensor, " d_model"],
+               vb: Float[torch.Tensor, " d_model"]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The swap's basis of two unit directions: ``(V [d, 2], V⁺ [2, d])`` fp32, ``V = [va vb]`` and its
+    pseudo-inverse taken in float64; ``None`` where ``|cos(va, vb)| > COLLINEAR_COS`` (``V`` nearly singular: the
+    layer is skipped). :class:`Swap` edits with it and make-it-say's first-order ranking predicts with it, so
+    the prediction and the replay cannot drift apart."""
+    if abs(float(va @ vb)) > COLLINEAR_COS:
+        return None
+    basis = torch.stack([va, vb], dim=1).double()  # [d, 2]
+    return basis.float(), torch.linalg.pinv(basis).float()
+
+
+def swap_step(c: Float[torch.Tensor, "*batch 2"]) -> Float[torch.Tensor, "*batch 2"]:
+    """``swap(c) - c``: the move of read coordinates ``c [..., 2]`` that exchanges them (``alpha = 1``)."""
+    return c.flip(-1) - c
+
+
+def with_logit_control(model: LensModel, lenses: Mapping[str, Lens]) -> dict[str, Lens]:
+    """``lenses`` as a new dict, with the logit lens added as ``"logit"`` (last) when none of them is one: the
+    control every success run (swap, make-it-say) compares a lens with."""
+    out = dict(lenses)
+    if not any(lens.kind == "logit" for lens in out.values()):
+        out["logit"] = LogitLens.for_model(model)
     return out
 
 
-__all__ = ["MAX_ALPHA", "MAX_STRENGTH", "Ablate", "Steer", "Swap", "random_directions"]
+# -- the seeded random directions (the controls of the swap and of make-it-say) ------------------------------
+ITEM_SEED_STRIDE = 100003
+
+
+def item_seed(seed: int, index: int) -> int:
+    """The seed of item ``index`` of a success run seeded with ``seed``: ``seed * 100003 + index``."""
+    return int(seed) * ITEM_SEED_STRIDE + int(index)
+
+
+def random_unit_directions(n: int, d_model: int, generator: torch.Generator) -> Float[torch.Tensor, "n d_model"]:
+    """``n`` Gaussian directions drawn from ``generator`` (one ``randn(n, d_model)``), each scaled to unit length:
+    norm-matched stand-ins for unit read directions (every edit uses unit vectors, so a random edit has the
+    same size)."""
+    draws = torch.randn(int(n), int(d_model), generator=generator)
+    return torch.stack([v / v.norm() for v in draws])
+
+
+def random_directions(layers: Sequence[int], d_model: int,
+                      seed: int) -> dict[int, tuple[Float[torch.Tensor, " d_model"],
+                                                    Float[torch.Tensor, " d_model"]]]:
+    """Two random unit directions per layer (:func:`random_unit_directions`, one generator seeded with ``seed``
+    drawing the layers in order): the swap's floor control."""
+    gen = torch.Generator().manual_seed(int(seed))
+    out = {}
+    for layer in layers:
+        pair = random_unit_directions(2, d_model, gen)
+        out[int(layer)] = (pair[0], pair[1])
+    return out
+
+
+__all__ = ["COLLINEAR_COS", "ITEM_SEED_STRIDE", "MAX_ALPHA", "MAX_STRENGTH", "Ablate", "Steer", "Swap", "item_seed",
+           "random_directions", "random_unit_directions", "swap_basis", "swap_step", "with_logit_control"]

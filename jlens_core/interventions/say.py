@@ -50,6 +50,7 @@ from .say_ranking import (
     spell_target,
 )
 from .say_replay import Outcome, Replayer, build_edits, edited_positions
+from .side_effects import DOWNSTREAM_TOKENS, check_downstream_tokens, clean_continuation
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,13 @@ CONTROLS = (RANDOM, LOGIT)
 DEFAULT_MAX_REPLAYS = 12
 STRENGTH_BISECTIONS = 3  # the minimal strength to 1/8 of the verified one
 MAX_GRID = {"steer": 4.0, "swap": 16.0, "ablate": 64.0}  # Steer's and Swap's own limits; 64 competitors at most
+SIDE_EFFECT_FIELDS = ("readout_kl_bits", "downstream_kl_bits", "downstream_kl_max_bits", "prompt_kl_bits",
+                      "prompt_kl_max_bits")  # a Recipe's side-effect figures (docs/method.md §7.2), bits
+
+
+def _figure(value: float) -> float | None:
+    """A figure for a table or JSON: ``None`` where it is not defined (NaN)."""
+    return None if value is None or math.isnan(value) else float(value)
 
 
 @dataclass
@@ -90,11 +98,15 @@ class Recipe:
         strength: steer ``s`` (multiples of ``||h||``), swap ``α`` or the number of competitors ablated.
         predicted_margin: the first-order ``z_X - z_c`` (logits) the ranking expected; verified: the replay
         made the model write X. next_token: the edited greedy token at the readout. target_prob: the
-        teacher-forced probability of X's full tokenisation under the edit. kl_bits, kl_max_bits: mean and
-        largest ``KL(edited || clean)`` over the prompt positions other than the readout (bits). tokens: what the
-        edit names besides X (swap: ``{layer: token swapped out}``; ablate: the competitors). edits: the edit
-        objects (give them to ``generate``, ``read_prompt`` or ``compare_runs`` to apply the recipe).
-        stage: ``"search"`` or ``"minimise"``.
+        teacher-forced probability of X's full tokenisation under the edit. The side effects (docs/method.md §7.2,
+        bits): readout_kl_bits: ``KL(edited || clean)`` at the readout over the tokens other than X's spellings,
+        both renormalised without them; downstream_kl_bits, downstream_kl_max_bits: the mean and the largest
+        ``KL(edited || clean)`` over the clean continuation teacher-forced with the edit (NaN for a recipe that
+        did not verify, or with no continuation); prompt_kl_bits, prompt_kl_max_bits: the same over the prompt
+        positions a ``"from"`` edit touches before the readout (NaN for a readout edit: it touches none).
+        tokens: what the edit names besides X (swap: ``{layer: token swapped out}``; ablate: the competitors).
+        edits: the edit objects (give them to ``generate``, ``read_prompt`` or ``compare_runs`` to apply the
+        recipe). stage: ``"search"`` or ``"minimise"``.
     """
 
     arm: str
@@ -107,8 +119,11 @@ class Recipe:
     verified: bool
     next_token: str
     target_prob: float
-    kl_bits: float
-    kl_max_bits: float
+    readout_kl_bits: float
+    downstream_kl_bits: float
+    downstream_kl_max_bits: float
+    prompt_kl_bits: float
+    prompt_kl_max_bits: float
     tokens: Any = None
     edits: list = field(default_factory=list, repr=False)
     stage: str = "search"
@@ -133,16 +148,27 @@ class Recipe:
             what = f"ablate the {int(self.strength)} best competitor{'s' if self.strength > 1 else ''}"
         return f"{what} at {where}"
 
+    def side_effects(self) -> str:
+        """The side effects in words: ``readout KL 0.124 bits, downstream KL 0.0312 bits (max 0.2)``, three significant digits, and the
+        touched prompt positions' for an edit from a position (a figure that is not defined is left out)."""
+        parts = [f"readout KL {self.readout_kl_bits:.3g} bits"]
+        if not math.isnan(self.downstream_kl_bits):
+            parts.append(f"downstream KL {self.downstream_kl_bits:.3g} bits (max {self.downstream_kl_max_bits:.3g})")
+        if not math.isnan(self.prompt_kl_bits):
+            parts.append(f"prompt KL {self.prompt_kl_bits:.3g} bits (max {self.prompt_kl_max_bits:.3g})")
+        return ", ".join(parts)
+
     def row(self) -> dict[str, Any]:
-        """The recipe as a flat dict (a table row, JSON)."""
+        """The recipe as a flat dict (a table row, JSON; a side-effect figure that is not defined is ``None``)."""
         tokens = self.tokens
         if isinstance(tokens, dict):
             tokens = {str(k): v for k, v in tokens.items()}
         return {"arm": self.arm, "op": self.op, "layers": self.band, "width": self.width,
                 "positions": self.position_mode, "first_position": self.positions[0], "strength": self.strength,
                 "verified": self.verified, "next_token": self.next_token, "target_prob": self.target_prob,
-                "kl_bits": self.kl_bits, "kl_max_bits": self.kl_max_bits, "predicted_margin": self.predicted_margin,
-                "stage": self.stage, "tokens": tokens, "edits": [repr(e) for e in self.edits]}
+                **{k: _figure(getattr(self, k)) for k in SIDE_EFFECT_FIELDS},
+                "predicted_margin": self.predicted_margin, "stage": self.stage, "tokens": tokens,
+                "edits": [repr(e) for e in self.edits]}
 
 
 @dataclass
@@ -188,6 +214,7 @@ class SayResult:
         lens is the logit lens). clean_continuation, edited_continuation: greedy continuations without and with
         the minimal recipe (``None`` when nothing was found or continuations were not asked for).
         timings: seconds per stage (``clean``, ``rank``, ``replay``, ``minimise``, ``continuation``, ``total``).
+        n_downstream: the clean continuation's length in tokens that the downstream side effects are over.
         stopped: the progress callback asked to stop (the result holds what was done). message: one sentence:
         what was found, or what was tried when nothing was.
     """
@@ -212,6 +239,7 @@ class SayResult:
     timings: dict[str, float] = field(default_factory=dict)
     stopped: bool = False
     message: str = ""
+    n_downstream: int = 0
 
     @property
     def readout(self) -> int:
@@ -246,8 +274,7 @@ class SayResult:
                 if recipe.verified or not verified_only:
                     rows.append(recipe.row() | {"minimal": recipe is arm.minimal})
         columns = ["arm", "op", "layers", "width", "positions", "first_position", "strength", "verified", "minimal",
-                   "next_token", "target_prob", "kl_bits", "kl_max_bits", "predicted_margin", "stage", "tokens",
-                   "edits"]
+                   "next_token", "target_prob", *SIDE_EFFECT_FIELDS, "predicted_margin", "stage", "tokens", "edits"]
         return pd.DataFrame(rows, columns=columns)
 
     def to_dict(self) -> dict[str, Any]:
@@ -267,7 +294,7 @@ class SayResult:
                 "search": arm(self.search), "controls": {k: arm(v) for k, v in self.controls.items()},
                 "clean_continuation": self.clean_continuation, "edited_continuation": self.edited_continuation,
                 "n_ranked": self.n_ranked, "n_replayed": self.n_replayed, "timings": dict(self.timings),
-                "stopped": self.stopped, "message": self.message}
+                "stopped": self.stopped, "message": self.message, "n_downstream": self.n_downstream}
 
 
 class _Stop(Exception):
@@ -340,6 +367,8 @@ def _recipe(run: _Run, arm: _Arm, ranking: Ranking, cand: Candidate, stage: str)
     edits = build_edits(run.model, arm.lens, cand, run.target, arm.directions, ranking.sources, ranking.competitors,
                         positions)
     outcome: Outcome = run.replayer.run(edits, positions[0])
+    # the downstream figure costs a forward over the continuation: only for a recipe that is reported (verified)
+    downstream = run.replayer.downstream(edits, positions[0]) if outcome.verified else (math.nan, math.nan)
     tokens: Any = None
     if cand.op == "swap":
         tokens = {layer: run.model.decode([ranking.sources[layer]]) for layer in cand.layers}
@@ -348,7 +377,9 @@ def _recipe(run: _Run, arm: _Arm, ranking: Ranking, cand: Candidate, stage: str)
     return Recipe(arm=arm.name, op=cand.op, layers=cand.layers, position_mode=cand.positions,
                   positions=tuple(positions), strength=float(cand.strength), predicted_margin=float(cand.predicted),
                   verified=outcome.verified, next_token=run.model.decode([outcome.next_id]),
-                  target_prob=outcome.target_prob, kl_bits=outcome.kl_bits, kl_max_bits=outcome.kl_max_bits,
+                  target_prob=outcome.target_prob, readout_kl_bits=outcome.readout_kl_bits,
+                  downstream_kl_bits=downstream[0], downstream_kl_max_bits=downstream[1],
+                  prompt_kl_bits=outcome.prompt_kl_bits, prompt_kl_max_bits=outcome.prompt_kl_max_bits,
                   tokens=tokens, edits=edits, stage=stage)
 
 
@@ -388,15 +419,23 @@ def _replay_arm(run: _Run, arm: _Arm, search: SaySearch, ranking: Ranking) -> No
         run.clock("replay", started)
 
 
+def minimal_key(recipe: Recipe, grids: Mapping[str, Sequence[float]]) -> tuple[int, bool, float]:
+    """The order that names the minimal recipe (docs/method.md §7.1): the smallest band, then a readout edit before
+    one from a position, then the smallest strength relative to the largest of its edit's grid."""
+    return recipe.width, recipe.position_mode != "readout", recipe.strength / max(grids[recipe.op])
+
+
+def minimal_recipe(recipes: Sequence[Recipe], grids: Mapping[str, Sequence[float]]) -> Recipe | None:
+    """The minimal one of ``recipes`` by :func:`minimal_key` (the first found on a tie; ``None`` when empty): what
+    a finished search bisects from and keeps after bisecting, and what a stopped search keeps."""
+    return min(recipes, key=lambda r: minimal_key(r, grids), default=None)
+
+
 def _minimise(run: _Run, arm: _Arm, search: SaySearch, ranking: Ranking) -> None:
-    """From the verified recipe with the smallest band (then strength), bisect the band, then the strength."""
-    verified = search.recipes
-    if not verified:
-        return
-    grids = run.grids
-    best = min(verified, key=lambda r: (r.width, r.position_mode != "readout", r.strength / max(grids[r.op])))
-    search.minimal = best
-    if not run.minimise:
+    """From the minimal verified recipe (:func:`minimal_recipe`), bisect the band, then the strength (the arm's
+    minimal recipe is then picked by the same rule among every verified recipe, the bisected ones included)."""
+    best = minimal_recipe(search.recipes, run.grids)
+    if best is None or not run.minimise:
         return
     started = time.perf_counter()
 
@@ -434,7 +473,6 @@ def _minimise(run: _Run, arm: _Arm, search: SaySearch, ranking: Ranking) -> None
                 middle = (low + high) / 2
                 tried = attempt(current.layers, middle)
                 low, high, current = (low, middle, tried) if tried.verified else (middle, high, current)
-        search.minimal = current
     finally:
         run.clock("minimise", started)
 
@@ -450,8 +488,8 @@ def _search_arm(run: _Run, arm: _Arm, search: SaySearch) -> None:
         _minimise(run, arm, search, ranking)
     finally:
         search.seconds = time.perf_counter() - started
-        if search.minimal is None and search.recipes:
-            search.minimal = min(search.recipes, key=lambda r: (r.width, r.strength))
+        # one rule, finished or stopped: the bisected recipe when the bisection ran (smaller on every count)
+        search.minimal = minimal_recipe(search.recipes, run.grids)
 
 
 def _message(result: SayResult, grids: dict[str, tuple[float, ...]], ops: list[str], modes: list[str],
@@ -463,8 +501,9 @@ def _message(result: SayResult, grids: dict[str, tuple[float, ...]], ops: list[s
     controls = ", ".join(f"{name}: {'found' if a.found else 'none'}" for name, a in result.controls.items())
     stopped = " (stopped early)" if result.stopped else ""
     if arm.found and arm.minimal is not None:
-        return (f"{len(arm.recipes)} verified recipe{'s' if len(arm.recipes) != 1 else ''}{stopped}; the minimal one: "
-                f"{arm.minimal.describe(result.target_text)}" + (f" (controls: {controls})." if controls else "."))
+        return (f"{len(arm.recipes)} verified recipe{'s' if len(arm.recipes) != 1 else ''} along the {arm.directions}"
+                f"{stopped}; its minimal one ({arm.name}): {arm.minimal.describe(result.target_text)}; side effects: "
+                f"{arm.minimal.side_effects()}" + (f" (controls: {controls})." if controls else "."))
     span = f"{result.layers[0]}..{result.layers[-1]}" if len(result.layers) > 1 else str(result.layers[0])
     tried = "; ".join(f"{op} up to {max(grids[op]):g}" + (" competitors" if op == "ablate" else "") for op in ops)
     where = " and ".join("the readout" if m == "readout" else f"every position from {result.from_position}"
@@ -501,7 +540,8 @@ def check_say_input(model: LensModel, prompt: str, *, ops: Sequence[str], positi
 def _execute(model: LensModel, prompt: str, ids: torch.Tensor, spelled: SayTarget, searched: list[int],
              arms: list[_Arm], *, ops: list[str], modes: list[str], from_position: int,
              grids: dict[str, tuple[float, ...]], max_replays: int, minimise: bool, continuation_tokens: int,
-             progress: Callable[[SayProgress], bool | None] | None) -> SayResult:
+             progress: Callable[[SayProgress], bool | None] | None,
+             downstream_tokens: int = DOWNSTREAM_TOKENS) -> SayResult:
     """Run every arm of one search on one clean pass; the first arm is the result's ``search``."""
     started = time.perf_counter()
     n = int(ids.shape[1])
@@ -509,7 +549,8 @@ def _execute(model: LensModel, prompt: str, ids: torch.Tensor, spelled: SayTarge
     run = _Run(model, ids, spelled, searched, ops, modes, int(from_position), grids, max_replays, minimise,
                progress, budget)
     t0 = time.perf_counter()
-    run.replayer = Replayer(model, ids, spelled, searched)
+    continuation = clean_continuation(model, ids, downstream_tokens)  # the downstream side effect's tokens
+    run.replayer = Replayer(model, ids, spelled, searched, continuation)
     clean = run.replayer.clean()
     run.clock("clean", t0)
     result = SayResult(prompt=prompt, target=spelled.word, target_text=spelled.text, target_ids=list(spelled.ids),
@@ -517,7 +558,7 @@ def _execute(model: LensModel, prompt: str, ids: torch.Tensor, spelled: SayTarge
                        n_prompt=n, clean_next=model.decode([clean.next_id]), clean_next_id=int(clean.next_id),
                        clean_margin=math.nan,
                        clean_prob=clean.target_prob, already=clean.verified,
-                       search=SaySearch(arms[0].name, arms[0].label))
+                       search=SaySearch(arms[0].name, arms[0].label), n_downstream=len(continuation))
     run.result = result
     try:
         run.tick("rank", arms[0].name, "clean run")
@@ -561,7 +602,8 @@ def make_it_say(model: LensModel, lens: Lens, prompt: str, target: str, *, layer
                 ops: Sequence[str] = OPS, positions: Sequence[str] = POSITION_MODES, from_position: int = 1,
                 grids: Mapping[str, Sequence[float]] | None = None, max_replays: int = DEFAULT_MAX_REPLAYS,
                 minimise: bool = True, controls: Sequence[str] = CONTROLS, continuation_tokens: int = 12,
-                seed: int = 0, progress: Callable[[SayProgress], bool | None] | None = None) -> SayResult:
+                seed: int = 0, progress: Callable[[SayProgress], bool | None] | None = None,
+                downstream_tokens: int = DOWNSTREAM_TOKENS) -> SayResult:
     """Search the edits along ``lens``'s read directions that make ``model`` say ``target`` after ``prompt``.
 
     Args:
@@ -583,16 +625,21 @@ def make_it_say(model: LensModel, lens: Lens, prompt: str, target: str, *, layer
         continuation_tokens: greedy tokens written with and without the minimal recipe (0: none).
         progress: called with a :class:`SayProgress` after every forward pass; returning ``True`` stops the search
             (``stopped=True``; what was done is kept).
+        downstream_tokens: the clean greedy continuation (this many tokens, 12 by default: the one written with
+            ``continuation_tokens=12``) that every verified recipe is teacher-forced on for its downstream side
+            effect (docs/method.md §7.2; 0: none, the figure is NaN).
 
     Returns:
         A :class:`SayResult`.
 
     Raises:
         ValueError: an empty prompt, a target the tokenizer cannot spell, a layer outside the model or the lens, a
-            ``from_position`` outside the prompt, an unknown op, position mode or control, a bad grid.
+            ``from_position`` outside the prompt, an unknown op, position mode or control, a bad grid, a
+            ``downstream_tokens`` outside 0..256.
     """
     ids, chosen_ops, modes, grid = check_say_input(model, prompt, ops=ops, positions=positions, grids=grids,
                                                    max_replays=max_replays, from_position=from_position)
+    check_downstream_tokens(downstream_tokens)
     chosen_controls = _check_choice(controls, CONTROLS, "Control") if controls else []
     spelled = spell_target(model, target, prompt)
     searched = check_layers(model, lens, layers) if layers is not None else default_layers(model, lens)
@@ -605,8 +652,9 @@ def make_it_say(model: LensModel, lens: Lens, prompt: str, target: str, *, layer
         arms.append(lens_arm(model, LOGIT, logit))
     return _execute(model, prompt, ids, spelled, searched, arms, ops=chosen_ops, modes=modes,
                     from_position=int(from_position), grids=grid, max_replays=max_replays, minimise=minimise,
-                    continuation_tokens=continuation_tokens, progress=progress)
+                    continuation_tokens=continuation_tokens, progress=progress, downstream_tokens=downstream_tokens)
 
 
-__all__ = ["CONTROLS", "DEFAULT_GRIDS", "DEFAULT_MAX_REPLAYS", "LOGIT", "OPS", "POSITION_MODES", "RANDOM", "Recipe",
-           "SayProgress", "SayResult", "SaySearch", "check_say_input", "lens_arm", "make_it_say", "random_arm"]
+__all__ = ["CONTROLS", "DEFAULT_GRIDS", "DEFAULT_MAX_REPLAYS", "LOGIT", "OPS", "POSITION_MODES", "RANDOM",
+           "SIDE_EFFECT_FIELDS", "Recipe", "SayProgress", "SayResult", "SaySearch", "check_say_input", "lens_arm",
+           "make_it_say", "minimal_key", "minimal_recipe", "random_arm"]

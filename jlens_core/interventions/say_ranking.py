@@ -30,7 +30,7 @@ from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.edit_hooks import EditRunner, PositionRule
 from ..reading.tokens import encode_plain, spellings
-from .lens_edits import COLLINEAR_COS
+from .lens_edits import random_unit_directions, swap_basis, swap_step
 from .read_directions import token_directions
 
 OPS = ("steer", "swap", "ablate")
@@ -142,8 +142,7 @@ class RandomDirections(Directions):
 
     def _make(self, layer: int, tid: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(((self.seed * 1_000_003 + layer) * 1_000_003 + tid) % 2**63)
-        v = torch.randn(self.d_model, generator=gen)
-        return v / v.norm()
+        return random_unit_directions(1, self.d_model, gen)[0]
 
 
 # -- the clean pass -------------------------------------------------------------------------------------
@@ -219,7 +218,7 @@ def lens_top_tokens(model: LensModel, lens: Lens, state: CleanPass, layers: Sequ
     with torch.no_grad():
         for layer in layers:
             h = state.h[layer][-1:].to(model.device)  # [1, d]
-            logits = model.unembed(lens.transport(h, int(layer)))[0].float().cpu()  # [vocab]
+            logits = lens.logits(model, h, int(layer))[0].float().cpu()  # [vocab]
             logits[list(exclude)] = -math.inf
             out[int(layer)] = int(logits.argmax())
     return out
@@ -272,13 +271,13 @@ def _per_layer(state: CleanPass, layer: int, directions: Directions, target_id: 
     out = {"steer": h.norm(dim=-1) * (g @ u)}
     if source is not None:
         a = table[1]
-        if abs(float(a @ u)) > COLLINEAR_COS:  # Swap skips such a layer
+        pair = swap_basis(a, u)  # the Swap's own basis
+        if pair is None:  # Swap skips such a layer
             out["swap"] = torch.zeros(state.n)
         else:
-            basis = torch.stack([a, u], dim=1)  # [d, 2]
-            pinv = torch.linalg.pinv(basis.double()).float()  # [2, d]
+            basis, pinv = pair  # [d, 2], [2, d]
             c = h @ pinv.T  # [n, 2]
-            out["swap"] = (g * ((c.flip(-1) - c) @ basis.T)).sum(-1)
+            out["swap"] = (g * (swap_step(c) @ basis.T)).sum(-1)
     rows = []
     for w in table[len(wanted) - len(competitors):]:
         rows.append(-(h @ w) * (g @ w))

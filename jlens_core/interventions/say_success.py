@@ -12,8 +12,9 @@ bisection; the logit lens is added when missing) and the random-direction contro
 and swap tokens, seeded random unit directions). An arm **succeeds** on an item when it finds a verified
 recipe. Per arm: the success rate over the scored items with its 95 % Clopper-Pearson interval
 (:mod:`~jlens_core.interventions.intervals`), the same over the items the model answered correctly (its
-clean greedy token spells ``answer``), and over the successes the median minimal band width and the median
-minimal strength of each kind of edit.
+clean greedy token spells ``answer``), and over the successes the median minimal band width, the median
+minimal strength of each kind of edit, and the minimal recipes' side effects (docs/method.md §7.2: the readout
+and downstream divergences, in bits; mean, 95 % bootstrap interval and median).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from typing import Any
 
 import pandas as pd
 
-from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import spellings
 from .intervals import clopper_pearson_interval
 from .item_sets import load_item_set
+from .lens_edits import item_seed, with_logit_control
 from .read_directions import check_layers, default_layers
 from .say import (
     CONTROLS,
@@ -48,6 +49,7 @@ from .say import (
     random_arm,
 )
 from .say_ranking import spell_target
+from .side_effects import DOWNSTREAM_TOKENS, SET_FIGURES, check_downstream_tokens, set_columns, set_figures
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,9 @@ SAY_SETS = {"say": "written for jlens: capitals, languages, opposites, weekdays,
 DEFAULT_MAX_REPLAYS = 8
 SUMMARY_COLUMNS = ("arm", "items", "successes", "rate", "ci_low", "ci_high", "answered", "answered_successes",
                    "answered_rate", "answered_ci_low", "answered_ci_high", "median_width", "median_steer",
-                   "median_swap", "median_ablate", "median_replays")
+                   "median_swap", "median_ablate", "median_replays", *set_columns())
+ITEM_FIGURES = {"readout_kl": "readout_kl_bits", "downstream_kl": "downstream_kl_bits",
+                "downstream_kl_max": "downstream_kl_max_bits"}  # item column suffix: the minimal Recipe's field
 
 
 def load_say_set(spec: str | Path = "say") -> list[dict]:
@@ -78,10 +82,11 @@ class SaySuccessReport:
             the scored items (``rate``, 95 % Clopper-Pearson ``ci_low, ci_high``), the same over the items the model
             answered (``answered_*``), and over the successes the median minimal band width and the median minimal
             strength per kind of edit (steer ``s``, swap ``α``, ablate: competitors; NaN where none), the median
-            replays spent.
+            replays spent, and the minimal recipes' side effects in bits (``readout_kl_bits``, its 95 % bootstrap
+            ``readout_kl_low, readout_kl_high``, ``readout_kl_median``; the same for ``downstream_kl``).
         items: one row per item: ``name, relation, scored, answered, clean_next`` and per arm ``<arm>`` (success),
             ``<arm> recipe`` (the minimal one, described), ``<arm> width``, ``<arm> op``, ``<arm> strength``,
-            ``<arm> replays``.
+            ``<arm> replays``, ``<arm> readout_kl``, ``<arm> downstream_kl``, ``<arm> downstream_kl_max`` (bits).
         n_items, n_scored: counts. seconds: wall time; layers: the layers searched; settings: the search's settings.
     """
 
@@ -117,6 +122,8 @@ def _item_row(model: LensModel, item: dict, i: int, result: SayResult | None, re
         row[f"{name} op"] = minimal.op if minimal else None
         row[f"{name} strength"] = minimal.strength if minimal else None
         row[f"{name} replays"] = arm.n_replayed
+        for suffix, figure in ITEM_FIGURES.items():
+            row[f"{name} {suffix}"] = getattr(minimal, figure) if minimal else None
     return row
 
 
@@ -141,7 +148,9 @@ def _summary_row(items: pd.DataFrame, arm: str) -> dict[str, Any]:
             "answered_ci_low": a_low, "answered_ci_high": a_high,
             "median_width": _median(found[f"{arm} width"]) if n else math.nan,
             "median_steer": medians["steer"], "median_swap": medians["swap"], "median_ablate": medians["ablate"],
-            "median_replays": _median(scored[f"{arm} replays"]) if n and f"{arm} replays" in scored else math.nan}
+            "median_replays": _median(scored[f"{arm} replays"]) if n and f"{arm} replays" in scored else math.nan,
+            **{k: v for name in SET_FIGURES
+               for k, v in set_figures(found[f"{arm} {name}"] if n and f"{arm} {name}" in found else [], name).items()}}
 
 
 def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[dict], *,
@@ -149,7 +158,8 @@ def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[di
                 positions: Sequence[str] = POSITION_MODES, from_position: int = 1,
                 grids: Mapping[str, Sequence[float]] | None = None, max_replays: int = DEFAULT_MAX_REPLAYS,
                 random_control: bool = True, seed: int = 0,
-                progress: Callable[[int, int], bool | None] | None = None) -> SaySuccessReport:
+                progress: Callable[[int, int], bool | None] | None = None,
+                downstream_tokens: int = DOWNSTREAM_TOKENS) -> SaySuccessReport:
     """Say success of each lens on ``items`` (see the module docstring).
 
     Args:
@@ -162,6 +172,8 @@ def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[di
             budget per arm and item (the bisection adds up to about 8).
         random_control: add the random-direction control (``"random"``; seeded per item with ``seed * 100003 + i``).
         progress: called as ``progress(done, total)`` after each item; returning ``True`` stops after that item.
+        downstream_tokens: the clean continuation each verified recipe is teacher-forced on for its downstream side
+            effect (:func:`make_it_say`; 0: none).
 
     Raises:
         ValueError: no lenses, a layer outside a lens, or a bad search setting (one sentence, before any work).
@@ -169,15 +181,14 @@ def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[di
     items = list(items)
     if not lenses:
         raise ValueError("No lenses given: pass {name: lens}, e.g. {'jacobian': lens}.")
-    all_lenses = dict(lenses)
-    if not any(lens.kind == "logit" for lens in all_lenses.values()):
-        all_lenses["logit"] = LogitLens.for_model(model)
+    all_lenses = with_logit_control(model, lenses)
     first = next(iter(all_lenses.values()))
     searched = check_layers(model, first, layers) if layers is not None else default_layers(model, first)
     for lens in all_lenses.values():
         check_layers(model, lens, searched)
     check_say_input(model, "check", ops=ops, positions=("readout",), grids=grids, max_replays=max_replays,
                     from_position=0)
+    check_downstream_tokens(downstream_tokens)
     start = time.perf_counter()
     rows = []
     for i, item in enumerate(items):
@@ -191,10 +202,10 @@ def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[di
             continue
         arms = [lens_arm(model, name, lens) for name, lens in all_lenses.items()]
         if random_control:
-            arms.append(random_arm(model, first, seed * 100003 + i))
+            arms.append(random_arm(model, first, item_seed(seed, i)))
         result = _execute(model, prompt, ids, spelled, searched, arms, ops=chosen_ops, modes=modes,
                           from_position=from_position, grids=grid, max_replays=max_replays, minimise=True,
-                          continuation_tokens=0, progress=None)
+                          continuation_tokens=0, progress=None, downstream_tokens=downstream_tokens)
         rows.append(_item_row(model, item, i, result, ""))
         if progress is not None and progress(i + 1, len(items)):
             break
@@ -206,7 +217,8 @@ def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[di
     log.info("say success: %d items, %d scored, %.1f s", len(rows), n_scored, seconds)
     settings = {"ops": list(ops), "positions": list(positions), "from_position": int(from_position),
                 "grids": {k: list(v) for k, v in (grids or {}).items()}, "max_replays": int(max_replays),
-                "random_control": bool(random_control), "seed": int(seed), "controls": list(CONTROLS)}
+                "random_control": bool(random_control), "seed": int(seed), "controls": list(CONTROLS),
+                "downstream_tokens": int(downstream_tokens)}
     return SaySuccessReport(summary=summary, items=table, n_items=len(rows), n_scored=n_scored, seconds=seconds,
                             layers=list(searched), settings=settings)
 

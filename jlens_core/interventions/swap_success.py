@@ -31,6 +31,11 @@ layers (``controls="each"``: a norm-matched control per lens, with that lens's d
 
 Both random draws of item ``i`` use a generator seeded with ``seed * 100003 + i``; the report records
 ``seed``, and each item its seed and drawn token.
+
+Beside each arm's rate, its side effects (docs/method.md §7.2, :mod:`~jlens_core.interventions.side_effects`):
+per eligible item, the readout divergence over the tokens other than ``swap_answer``'s spellings and the
+downstream divergence over the clean greedy continuation (``downstream_tokens``) teacher-forced with the swap;
+per arm and alpha their mean over the items, its 95 % bootstrap interval and the median (bits).
 """
 
 from __future__ import annotations
@@ -46,15 +51,24 @@ from typing import Any
 import pandas as pd
 import torch
 
-from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.edit_hooks import EditRunner
 from ..reading.tokens import spellings, token_id
 from .intervals import clopper_pearson_interval, wilson_interval
 from .item_sets import load_item_set
-from .lens_edits import MAX_ALPHA, Swap, random_directions
+from .lens_edits import MAX_ALPHA, Swap, item_seed, random_directions, with_logit_control
 from .read_directions import check_layers, default_layers, read_vector_norms
+from .side_effects import (
+    DOWNSTREAM_TOKENS,
+    SET_FIGURES,
+    check_downstream_tokens,
+    clean_continuation,
+    set_columns,
+    set_figures,
+    side_effects_of,
+    teacher_forced_logits,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +81,7 @@ CONTROLS = ("first", "each")  # which lenses get a norm-matched control
 NORM_TOLERANCE = 0.10  # the norm-matched control's token: read-direction norm within 10 % of the replacement's
 INTERVAL = "clopper-pearson"  # what ci_low, ci_high hold (wilson_low, wilson_high beside them)
 SUMMARY_COLUMNS = ("lens", "alpha", "eligible", "successes", "rate", "ci_low", "ci_high", "wilson_low",
-                   "wilson_high")
+                   "wilson_high", *set_columns())
 
 
 def load_swap_set(spec: str | Path) -> list[dict]:
@@ -95,11 +109,13 @@ class SwapReport:
         summary: one row per (lens, alpha), columns :data:`SUMMARY_COLUMNS` (``lens`` includes the
             controls ``"random"`` and ``"norm-matched"``); rates over the eligible items the arm scored
             (``eligible``), ``ci_low, ci_high`` the 95 % Clopper-Pearson interval, ``wilson_low,
-            wilson_high`` the 95 % Wilson interval.
+            wilson_high`` the 95 % Wilson interval; ``readout_kl_bits`` (mean), ``readout_kl_low, readout_kl_high``
+            (95 % bootstrap), ``readout_kl_median`` and the same for ``downstream_kl``: the side effects, in bits.
         best: one row per lens: the alpha with the highest rate, its rate and intervals.
         items: one row per item: ``name, eligible, reason`` (why not eligible / skipped), the clean
             next token, ``seed``, ``control_id`` and ``control_token`` (the norm-matched draw, ``None`` when no
-            token is within 10 %), and per lens x alpha the edited next token and success.
+            token is within 10 %), and per lens x alpha the edited next token and success (``<lens>@<alpha>``,
+            ``... next``) and the side effects (``... readout_kl``, ``... downstream_kl``, bits).
         n_items, n_eligible, n_skipped: counts (skipped: a word with no single-token spelling).
         n_unmatched: eligible items with no norm-matched control token.
         layers: the edited layers per lens; seconds: wall time; seconds_per_item.
@@ -174,6 +190,7 @@ class _SwapPlan:
     centred: bool
     seed: int
     controls: str = "first"
+    downstream_tokens: int = DOWNSTREAM_TOKENS
 
     @property
     def matched_lenses(self) -> dict[str, str]:
@@ -222,9 +239,7 @@ def _plan_swaps(model: LensModel, lenses: Mapping[str, Lens], layers: Sequence[i
     alpha_list = [float(a) for a in alphas]
     if not alpha_list:
         raise ValueError("alphas is empty: give at least one swap scale.")
-    all_lenses = dict(lenses)
-    if not any(lens.kind == "logit" for lens in all_lenses.values()):
-        all_lenses["logit"] = LogitLens.for_model(model)
+    all_lenses = with_logit_control(model, lenses)
     for alpha in alpha_list:
         if not 0 <= alpha <= MAX_ALPHA:
             raise ValueError(f"Swap scale alpha={alpha:g} is out of range: give numbers in [0, {MAX_ALPHA:g}].")
@@ -250,21 +265,43 @@ def _draw_norm_matched(model: LensModel, norms: torch.Tensor, source: str, repla
                               torch.Generator().manual_seed(item_seed))
 
 
-def _score_arm(model: LensModel, name: str, arm: _Arm, source: str, ids: torch.Tensor, swap_ids: set[int],
+def _score_arm(model: LensModel, name: str, arm: _Arm, source: str, run: _CleanRun, swap_ids: set[int],
                plan: _SwapPlan) -> dict[str, Any]:
-    """Per alpha, whether the edited greedy next token spells the swap answer, and that token:
-    the columns ``{name}@{alpha}`` and ``{name}@{alpha} next`` of the item's row."""
+    """Per alpha, whether the edited greedy next token spells the swap answer, that token and the side effects:
+    the columns ``{name}@{alpha}``, ``{name}@{alpha} next``, ``... readout_kl`` and ``... downstream_kl``."""
     swap = Swap(model, arm.lens, source, arm.target, 1.0, layers=arm.layers, directions=arm.directions,
                 centred=plan.centred)
-    runner = EditRunner(model, [swap], int(ids.shape[1]))
-    clean = runner.clean_residuals(lambda: model.hf_model(input_ids=ids))
+    runner = EditRunner(model, [swap], run.n_prompt)
+    clean = runner.clean_residuals(lambda: model.hf_model(input_ids=run.ids))
     cells: dict[str, Any] = {}
     for alpha in plan.alphas:
         swap.alpha = alpha
-        edited = _greedy_next(model, ids, [swap], clean=clean)
+        logits = teacher_forced_logits(model, run.ids, run.n_prompt, [swap], clean=clean)  # [n + N, vocab]
+        edited = int(logits[run.n_prompt - 1].argmax())
+        effects = side_effects_of(logits, run.logits, run.n_prompt, swap_ids)
         cells[f"{name}@{alpha:g}"] = edited in swap_ids
         cells[f"{name}@{alpha:g} next"] = model.decode([edited])
+        cells[f"{name}@{alpha:g} readout_kl"] = effects.readout_bits
+        cells[f"{name}@{alpha:g} downstream_kl"] = effects.downstream_bits
     return cells
+
+
+@dataclass
+class _CleanRun:
+    """An eligible item's clean run: the prompt and its clean greedy continuation ``ids [1, n + N]``, their logits
+    ``[n + N, vocab]`` (the side effects' reference) and the prompt's length ``n``."""
+
+    ids: torch.Tensor
+    logits: torch.Tensor
+    n_prompt: int
+
+    @classmethod
+    def of(cls, model: LensModel, prompt_ids: torch.Tensor, n_tokens: int) -> _CleanRun:
+        continuation = torch.tensor([clean_continuation(model, prompt_ids, n_tokens)], dtype=torch.long,
+                                    device=prompt_ids.device)
+        ids = torch.cat([prompt_ids, continuation], dim=1)
+        n = int(prompt_ids.shape[1])
+        return cls(ids, teacher_forced_logits(model, ids, n), n)
 
 
 def _control_columns(plan: _SwapPlan, arm: str) -> tuple[str, str]:
@@ -276,7 +313,7 @@ def _control_columns(plan: _SwapPlan, arm: str) -> tuple[str, str]:
 
 
 def _score_eligible(model: LensModel, plan: _SwapPlan, norms: Mapping[str, torch.Tensor], words: Mapping[str, str],
-                    ids: torch.Tensor, answer_ids: set[int], swap_ids: set[int], item_seed: int) -> dict[str, Any]:
+                    run: _CleanRun, answer_ids: set[int], swap_ids: set[int], item_seed: int) -> dict[str, Any]:
     """An eligible item's row cells: the norm-matched draw, then every arm's success and edited token."""
     source, replacement = words["source"], words["replacement"]
     arms = {name: _Arm(plan.lenses[name], plan.layers[name], None, replacement) for name in plan.lenses}
@@ -292,7 +329,7 @@ def _score_eligible(model: LensModel, plan: _SwapPlan, norms: Mapping[str, torch
         if drawn is not None:
             arms[arm_name] = _Arm(plan.lenses[lens_name], plan.layers[lens_name], None, drawn)
     for name, arm in arms.items():
-        cells.update(_score_arm(model, name, arm, source, ids, swap_ids, plan))
+        cells.update(_score_arm(model, name, arm, source, run, swap_ids, plan))
     return cells
 
 
@@ -314,10 +351,11 @@ def _score_item(model: LensModel, plan: _SwapPlan, norms: Mapping[str, torch.Ten
         row["reason"] = f"not eligible: the model says {row['clean_next']!r}"
         return row
     row["eligible"] = True
-    item_seed = plan.seed * 100003 + i
-    row["seed"] = item_seed
+    seed_i = item_seed(plan.seed, i)
+    row["seed"] = seed_i
     spelt = {k: str(v) for k, v in words.items()}
-    row.update(_score_eligible(model, plan, norms, spelt, ids, answer_ids, swap_ids, item_seed))
+    run = _CleanRun.of(model, ids, plan.downstream_tokens)
+    row.update(_score_eligible(model, plan, norms, spelt, run, answer_ids, swap_ids, seed_i))
     return row
 
 
@@ -327,8 +365,11 @@ def _arm_summary(eligible: pd.DataFrame, name: str, alpha: float) -> dict[str, A
     wins, n = _arm_rates(eligible[col]) if col in eligible else (0, 0)
     low, high = clopper_pearson_interval(wins, n)
     w_low, w_high = wilson_interval(wins, n)
+    figures = {k: v for figure in SET_FIGURES
+               for k, v in set_figures(eligible[f"{col} {figure}"].dropna() if f"{col} {figure}" in eligible else [],
+                                       figure).items()}
     return {"lens": name, "alpha": alpha, "eligible": n, "successes": wins, "rate": wins / n if n else math.nan,
-            "ci_low": low, "ci_high": high, "wilson_low": w_low, "wilson_high": w_high}
+            "ci_low": low, "ci_high": high, "wilson_low": w_low, "wilson_high": w_high, **figures}
 
 
 def _summarise(eligible: pd.DataFrame, plan: _SwapPlan) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -365,7 +406,8 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
                  layers: Sequence[int] | None = None, alphas: Sequence[float] = DEFAULT_ALPHAS,
                  random_control: bool = True, norm_matched_control: bool = True, centred: bool = False,
                  seed: int = 0, controls: str = "first",
-                 progress: Callable[[int, int], None] | None = None) -> SwapReport:
+                 progress: Callable[[int, int], None] | None = None,
+                 downstream_tokens: int = DOWNSTREAM_TOKENS) -> SwapReport:
     """Swap success of each lens on ``items`` (see the module docstring).
 
     Args:
@@ -383,13 +425,17 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
             ``"each"``: one per lens (``"norm-matched (<lens>)"``), each drawn from that lens's norms
             with the item's seed, so a lens is compared with a control in its own geometry.
         progress: called as ``progress(done, total)`` after each item.
+        downstream_tokens: the clean greedy continuation teacher-forced with each swap for its downstream side
+            effect (0: none, NaN).
 
     Raises:
-        ValueError: no alphas, an alpha out of range, a layer outside a lens, an unknown ``controls``.
+        ValueError: no alphas, an alpha out of range, a layer outside a lens, an unknown ``controls``, a
+            ``downstream_tokens`` outside 0..256.
     """
     items = list(items)
     plan = _plan_swaps(model, lenses, layers, alphas, random_control=random_control,
                        norm_matched_control=norm_matched_control, centred=centred, seed=seed, controls=controls)
+    plan.downstream_tokens = check_downstream_tokens(downstream_tokens)
     start = time.perf_counter()
     norms = {lens: _mean_norms(model, plan.lenses[lens], plan.layers[lens], centred)
              for lens in dict.fromkeys(plan.matched_lenses.values())}

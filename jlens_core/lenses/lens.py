@@ -22,6 +22,7 @@ from .fit_settings import FitPlan, FitRecord, FitSettings
 from .header import FORMAT_NAME, LensFileError, half_prompts_of, read_header
 from .kinds import RULES
 from .protocol import FittedLens, Lens
+from .readout import ReadoutMixin
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -103,7 +104,7 @@ def cached_on_device(cache: dict[tuple[int, torch.device, torch.dtype], _T], lay
     return value
 
 
-class SourceLayersMixin:
+class SourceLayersMixin(ReadoutMixin):
     """``layers`` from ``source_layers`` and ``target_layer``: shared by the fitted and trained lenses."""
 
     target_layer: int
@@ -367,7 +368,7 @@ def prompt_weighted_mean(weighted: Iterable[tuple[torch.Tensor, int]], total: in
     return functools.reduce(operator.add, [mat.double() * n for mat, n in weighted]).div(total).float()
 
 
-class LogitLens:
+class LogitLens(ReadoutMixin):
     """The logit lens: ``J_l = I`` at every layer. Same reading interface as :class:`JacobianLens`.
 
     Args:

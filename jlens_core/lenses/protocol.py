@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class Lens(Protocol):
-    """A lens: read layer ``l``'s residual ``h`` as ``unembed(transport(h, l))``.
+    """A lens: read layer ``l``'s residual ``h`` as ``unembed(transport(h, l))`` (:meth:`logits`).
 
     Attributes (read-only here; a plain attribute implements each):
         kind: ``"logit"``, ``"jacobian"`` or ``"tuned"`` (names the lens in readings and tables).
@@ -76,6 +76,18 @@ class Lens(Protocol):
 
     def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """The linear part of the transport at ``layer``: fp32 ``[d_model, d_model]`` (CPU).
+
+        Raises:
+            KeyError: ``layer`` is not one of :attr:`layers`.
+        """
+        ...
+
+    def logits(self, model: LensModel, h: Float[torch.Tensor, "*batch d_model"],
+               layer: int) -> Float[torch.Tensor, "*batch vocab"]:
+        """The readout: ``model.unembed(self.transport(h, layer))``, ``[..., d_model] -> [..., vocab]`` in the
+        model's dtype (its output row: final norm and unembedding). Every caller reads through it; the lens
+        classes inherit it from :class:`~jlens_core.lenses.readout.ReadoutMixin` (one implementation for every
+        kind).
 
         Raises:
             KeyError: ``layer`` is not one of :attr:`layers`.

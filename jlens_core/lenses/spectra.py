@@ -17,9 +17,12 @@ Decoding the singular directions into tokens needs the token display, so it live
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -120,14 +123,41 @@ def layer_stats_and_spectra(lens: Lens) -> tuple[pd.DataFrame, dict[int, np.ndar
     return pd.DataFrame(rows, columns=list(LAYER_STATS_COLUMNS)), spectra
 
 
-def layer_spectrum(lens: Lens, layer: int) -> np.ndarray:
-    """Singular values of ``J_layer`` (shrinkage applied), descending, ``float64[d_model]``.
+def stored_stats_and_spectra(lens: Lens, key: str, folder: str | os.PathLike | None = None,
+                             ) -> tuple[pd.DataFrame, dict[int, np.ndarray]]:
+    """:func:`layer_stats_and_spectra`, computed once per lens and kept on disk: ``<folder>/<sha256(key)>.npz``
+    (default folder ``<jlens cache>/jacobian-stats``), so later calls and processes read it.
 
-    Raises:
-        ValueError: a logit lens, or a layer the lens was not fitted at.
+    Args:
+        key: what names the lens (its file and version); ``""``: computed, not stored.
+        folder: where the files go.
+
+    A file that cannot be read is rebuilt; it is written atomically (two writers never share a temporary name).
     """
-    return singular_values(jacobian_matrix(lens, layer))
+    from .._atomic import atomic_write
+    from ..models.loading import cache_dir
+
+    where = Path(folder) if folder is not None else cache_dir() / "jacobian-stats"
+    path = where / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".npz")
+    if key and path.is_file():
+        try:
+            data = np.load(path, allow_pickle=False)
+            stats = pd.DataFrame({c: data[f"stat_{c}"] for c in LAYER_STATS_COLUMNS})
+            return stats, {int(k[2:]): data[k] for k in data.files if k.startswith("s_")}
+        except (OSError, ValueError, KeyError):
+            log.info("rebuilding the unreadable stored spectra %s", path)
+    stats, singular = layer_stats_and_spectra(lens)
+    if key:
+        arrays = {**{f"stat_{c}": stats[c].to_numpy() for c in LAYER_STATS_COLUMNS},
+                  **{f"s_{layer}": s for layer, s in singular.items()}}
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:  # a file object: np.savez would add ".npz" to a temporary name
+                np.savez(f, **arrays)
+
+        atomic_write(path, write)
+    return stats, singular
 
 
-__all__ = ["LAYER_STATS_COLUMNS", "effective_rank", "jacobian_matrix", "layer_spectrum", "layer_stats", "layer_stats_and_spectra", "matrix_stats",
-           "singular_values"]
+__all__ = ["LAYER_STATS_COLUMNS", "effective_rank", "jacobian_matrix", "layer_stats", "layer_stats_and_spectra", "matrix_stats",
+           "singular_values", "stored_stats_and_spectra"]

@@ -11,6 +11,7 @@ it): a reading is read through its attributes and rebuilt by the class the calle
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -44,6 +45,7 @@ READING_ARRAYS = {"input_ids": np.int64, "positions": np.int64, "next_ids": np.i
 GRID_ARRAYS = ("entropy_bits", "kl_bits", "ce_bits", "next_token_rank", "final_top1_rank")  # [n_layers, n_positions]
 TOP_ARRAYS = ("top_ids", "top_probs")  # [n_layers, n_positions, top_k]
 STABILITY_ARRAYS = {"half_rank_even": np.int64, "half_rank_odd": np.int64, "half_top1_agree": bool}
+COMPARISON_FIGURES = ("readout_kl_bits", "downstream_kl_bits", "downstream_kl_max_bits")  # RunComparison's, bits
 GENERATION_ARRAYS = {"prompt_ids": np.int64, "generated_ids": np.int64, "top_ids": np.int64, "top_probs": np.float32}
 # lens metadata left out of the file: per-prompt fit records, as long as the fit
 LEFT_OUT_LENS_METADATA = ("diagnostics",)
@@ -145,7 +147,13 @@ def _encode_generation(generation: Generation) -> dict[str, Any]:
 def _encode_comparison(comparison: RunComparison) -> dict[str, Any]:
     return {"clean": _encode_generation(comparison.clean), "edited": _encode_generation(comparison.edited),
             "next_tokens": jsonable(comparison.next_tokens.to_dict(orient="records")),
-            "first_difference": None if comparison.first_difference is None else int(comparison.first_difference)}
+            "first_difference": None if comparison.first_difference is None else int(comparison.first_difference),
+            **{name: _finite_or_none(getattr(comparison, name)) for name in COMPARISON_FIGURES},
+            "readout_excluded": list(comparison.readout_excluded)}
+
+
+def _finite_or_none(value: float) -> float | None:
+    return None if math.isnan(value) else float(value)
 
 
 # -- reading ------------------------------------------------------------------------------------------------
@@ -335,11 +343,14 @@ def _decode_comparison(doc: _Document, entry: Any, where: str) -> RunComparison:
 
     rows = doc.need(entry, "next_tokens", f"{where}.next_tokens", list)
     first = doc.need(entry, "first_difference", f"{where}.first_difference", (int, type(None)))
+    # the side-effect figures are newer than the format: a file without them opens with NaN
+    figures = {name: math.nan if entry.get(name) is None else float(entry[name]) for name in COMPARISON_FIGURES}
     return RunComparison(clean=_decode_generation(doc, doc.need(entry, "clean", f"{where}.clean"), f"{where}.clean"),
                          edited=_decode_generation(doc, doc.need(entry, "edited", f"{where}.edited"),
                                                    f"{where}.edited"),
                          next_tokens=pd.DataFrame(rows, columns=list(NEXT_TOKEN_COLUMNS) if not rows else None),
-                         first_difference=first)
+                         first_difference=first, **figures,
+                         readout_excluded=[str(t) for t in entry.get("readout_excluded") or []])
 
 
 def pick_reading(path: str | os.PathLike, readings: Mapping[str, R], name: str | None) -> R:

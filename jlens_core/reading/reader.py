@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from .edit_hooks import check_edits
 from .generation import Generation
 from .inputs import checked_lenses, encode_prompt, model_vocab_size, record_residuals, resolve_positions
 from .prompt_reading import PromptReading, lens_skip_first
+from .readout_protocol import Readout, no_other_keywords
 from .row_arrays import ReadingArrays, RowGroupReader, RowLayout, Targets, read_rows
 from .stability import (
     STABILITY_K,
@@ -51,6 +52,9 @@ from .stability import (
 )
 from .tokens import TokenDisplay, display_ids, encode_plain, token_id
 from .word_readout import check_vocab, kept_ids_mask
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +78,24 @@ def _resolve_pinned(model: LensModel, display: TokenDisplay, pinned: Iterable[st
 
 
 
-def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | Int[torch.Tensor, "*shape"] | Generation, *,
-                top_k: int = 10,
-                layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
-                pinned: Iterable[str | int] = (), show_whitespace: bool = False,
-                max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
-                edits: Iterable[Any] | None = None, vocab: str = "all", stability: bool = False,
-                halves: tuple[Lens, Lens] | None = None, stability_k: int = STABILITY_K) -> PromptReading:
+class ReadOptions(TypedDict, total=False):
+    """:func:`read_prompt`'s further keywords (see its Args); ``top_k`` and ``vocab`` are the :class:`Readout`'s
+    ``k`` and ``vocab`` given one by one (a keyword wins over the readout's field)."""
+
+    top_k: int
+    vocab: str
+    pinned: Iterable[str | int]
+    show_whitespace: bool
+    max_seq_len: int | None
+    word_like: bool
+    n_prompt: int | None
+    stability_k: int
+
+
+def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | Int[torch.Tensor, "*shape"] | Generation,
+                readout: Readout | None = None, *, layers: Iterable[int] | None = None,
+                positions: Iterable[int] | None = None, edits: Iterable[Any] | None = None, stability: bool = False,
+                halves: tuple[Lens, Lens] | None = None, **options: Unpack[ReadOptions]) -> PromptReading:
     """Read a prompt through a lens at every layer x position (docs/method.md §6).
 
     Args:
@@ -89,6 +104,8 @@ def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | Int[to
         text: the prompt (or its token ids, ``[seq]`` or ``[1, seq]``), tokenized with the model's
             special tokens (e.g. BOS); or a :class:`~jlens_core.reading.generation.Generation`, read as
             prompt + continuation in one pass.
+        readout: the :class:`~jlens_core.reading.readout_protocol.Readout` (its ``k``: tokens kept per cell, default
+            10; its ``vocab``); ``top_k=`` and ``vocab=`` give the same one by one.
         top_k: tokens kept per cell (capped at the vocabulary size).
         layers: layers to read (default all of ``lens.layers``; negatives count from the end).
             Layers a Jacobian lens was not fitted at are absent, never read as a logit lens.
@@ -128,19 +145,15 @@ def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | Int[to
             halves that do not fit the lens.
         LensFileError: the lens belongs to another model.
     """
-    return read_prompts(model, {"lens": lens}, text, top_k=top_k, layers=layers, positions=positions,
-                        pinned=pinned, show_whitespace=show_whitespace, max_seq_len=max_seq_len,
-                        word_like=word_like, n_prompt=n_prompt, edits=edits, vocab=vocab, stability=stability,
-                        halves=halves, stability_k=stability_k)["lens"]
+    return read_prompts(model, {"lens": lens}, text, readout, layers=layers, positions=positions, edits=edits,
+                        stability=stability, halves=halves, **options)["lens"]
 
 
 def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
                  text: str | Sequence[int] | Int[torch.Tensor, "*shape"] | Generation,
-                 *, top_k: int = 10, layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
-                 pinned: Iterable[str | int] = (), show_whitespace: bool = False,
-                 max_seq_len: int | None = None, word_like: bool = False, n_prompt: int | None = None,
-                 edits: Iterable[Any] | None = None, vocab: str = "all", stability: bool = False,
-                 halves: HalvesArg = None, stability_k: int = STABILITY_K) -> dict[str, PromptReading]:
+                 readout: Readout | None = None, *, layers: Iterable[int] | None = None,
+                 positions: Iterable[int] | None = None, edits: Iterable[Any] | None = None, stability: bool = False,
+                 halves: HalvesArg = None, **options: Unpack[ReadOptions]) -> dict[str, PromptReading]:
     """Read one prompt through several lenses at once: :func:`read_prompt` for each, sharing the work.
 
     The lenses share one forward pass, the model's final distribution and its output row (the same
@@ -164,6 +177,13 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
             an unknown ``vocab`` or a ``"word"`` readout that keeps no token.
         LensFileError: a lens belongs to another model.
     """
+    keywords: dict[str, Any] = dict(options)
+    readout = (readout or Readout()).updated(keywords, {"top_k": "k"})
+    top_k, vocab = 10 if readout.k is None else readout.k, readout.vocab
+    pinned, show_whitespace = keywords.pop("pinned", ()), keywords.pop("show_whitespace", False)
+    max_seq_len, word_like = keywords.pop("max_seq_len", None), keywords.pop("word_like", False)
+    n_prompt, stability_k = keywords.pop("n_prompt", None), keywords.pop("stability_k", STABILITY_K)
+    no_other_keywords("read_prompts", keywords)
     check_vocab(vocab)
     stability_k = check_stability_k(stability_k)
     lens_map, lens_layers = checked_lenses(model, lenses, layers)

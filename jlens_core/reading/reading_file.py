@@ -107,14 +107,5 @@ def load_readings(path: str | os.PathLike) -> ReadingFile:
     return ReadingFile(**read_file(path, PromptReading))
 
 
-def load_reading(path: str | os.PathLike, name: str | None = None) -> PromptReading:
-    """One reading of a reading file: ``name``'s, or the file's only one.
-
-    Raises:
-        ReadingFileError: as :func:`load_readings`, or no reading ``name`` / several and no ``name``.
-    """
-    return PromptReading.load(path, name)
-
-
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "SUFFIX", "ReadingFile", "ReadingFileError", "lens_identity",
-           "load_reading", "load_readings", "save_readings"]
+           "load_readings", "save_readings"]

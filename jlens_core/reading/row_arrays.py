@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..lenses.protocol import Lens
+from ..lenses.readout import transported_logits
 from ..models.model import LensModel
 from . import logit_stats
 from .logit_stats import centred_logit_stats, chunk_size, final_distribution, rank_of
@@ -229,9 +230,9 @@ class RowGroupReader:
 
     def _unembed(self, carried: torch.Tensor, scratch: dict[str, torch.Tensor]) -> torch.Tensor:
         if not self.takes_out:
-            return self.model.unembed(carried)
+            return transported_logits(self.model, carried)
         out = reused_array(scratch, "logits", (carried.shape[0], self.vocab), self.model.dtype, carried.device)
-        return self.model.unembed(carried, out=out)
+        return transported_logits(self.model, carried, out=out)
 
 
 def read_rows(model: LensModel, reader: RowGroupReader) -> None:

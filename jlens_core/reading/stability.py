@@ -63,11 +63,6 @@ class Stability:
         k = int(self.stability_k)
         return (self.half_rank_even <= k) & (self.half_rank_odd <= k)
 
-    def with_k(self, stability_k: int) -> Stability:
-        """The same ranks judged with another ``stability_k``."""
-        return Stability(self.half_rank_even, self.half_rank_odd, self.half_top1_agree,
-                         check_stability_k(stability_k))
-
     def select(self, rows: slice | Sequence[int]) -> Stability:
         """The marks of some layers (rows), as copies."""
         return Stability(self.half_rank_even[rows].copy(), self.half_rank_odd[rows].copy(),
@@ -206,7 +201,7 @@ def half_marks(model: LensModel, pair: tuple[Lens, Lens], resid: Mapping[int, to
                 sl = slice(start, min(n_pos, start + per_chunk))
                 h = h_all[positions[sl].to(h_all.device)]  # [c, d_model]
                 for half_index, half in enumerate(pair):
-                    z = model.unembed(half.transport(h, layer)).float()  # [c, vocab]
+                    z = half.logits(model, h, layer).float()  # [c, vocab]
                     ranks[half_index, li, sl] = rank_of(z, shown_t[sl], None,
                                                         None if kept is None else kept.to(z.device)).cpu().numpy()
                     if mask is not None:

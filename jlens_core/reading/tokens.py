@@ -363,11 +363,6 @@ def _as_id_list(ids: Any) -> list[int]:
     return out
 
 
-def token_display(tokenizer: Any, ids: Iterable[int] | int, *, show_whitespace: bool = False) -> list[str]:
-    """Display strings of token ``ids`` (see the module docstring), via the cached :class:`TokenDisplay`."""
-    return TokenDisplay.for_tokenizer(tokenizer)(ids, show_whitespace=show_whitespace)
-
-
 def encode_plain(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` without special tokens (BOS/EOS)."""
     if hasattr(tokenizer, "encode") and type(tokenizer).__name__ == "Tokenizer":  # bare tokenizers.Tokenizer
@@ -572,5 +567,5 @@ def display_ids(strings: TokenDisplay | Sequence[str], ids: Iterable[int], *,
 
 
 __all__ = ["KINDS", "TOKEN_RULES", "TokenDisplay", "bytes_to_unicode", "detect_kind", "display_ids", "display_token",
-           "encode_plain", "id_label", "is_word_like", "pin_spec", "spelling_variants", "spellings", "token_display", "token_id",
+           "encode_plain", "id_label", "is_word_like", "pin_spec", "spelling_variants", "spellings", "token_id",
            "visible"]

@@ -23,9 +23,8 @@ import weakref
 
 import numpy as np
 
+from .readout_protocol import VOCABS
 from .tokens import TokenDisplay, id_label
-
-VOCABS = ("all", "word")
 
 # how TokenDisplay.texts writes a byte that does not decode (``errors="backslashreplace"``)
 _UNDECODED_BYTE = re.compile(r"\\x[0-9a-f]{2}")
@@ -89,4 +88,4 @@ def kept_ids_mask(display: TokenDisplay, vocab: str, width: int) -> np.ndarray |
     return mask
 
 
-__all__ = ["VOCABS", "check_vocab", "is_word_token", "kept_ids_mask", "word_mask"]
+__all__ = ["check_vocab", "is_word_token", "kept_ids_mask", "word_mask"]

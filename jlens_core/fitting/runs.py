@@ -1,4 +1,5 @@
-"""Fits started from the app: ``jlens fit`` subprocesses, found again from their files.
+"""Fits run in the background (the app's Fit page draws them): ``jlens fit`` and ``jlens weigh`` subprocesses,
+a registry of them found again from their files, and their process management (pids, ``/proc``, signals).
 
 Each run lives in its own folder under the runs folder (``$JLENS_RUNS_DIR`` or
 ``~/.cache/jlens/runs``)::
@@ -36,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jlens_core.fitting.runfiles import diagnostics_path, status_path
-from jlens_core.lenses.fit_settings import FitPlan, FitSettings
+from ..lenses.fit_settings import FitPlan, FitSettings
+from .runfiles import diagnostics_path, status_path
 
 RUN_FILE = "run.json"
 LENS_FILE = "lens.safetensors"
@@ -252,7 +253,7 @@ def weigh_arguments(*, lens: Path, model: str, out: Path, sets: list[str] | None
 
 def _launch(run_folder: Path, args: list[str], command: str = "fit", log: str = LOG_FILE) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     if (repo / "jlens_core").is_dir():  # a source checkout: the fit runs this jlens_core, installed or not
         env["PYTHONPATH"] = str(repo) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with open(run_folder / log, "ab") as log_file:
@@ -412,7 +413,7 @@ def start_weigh(run: Run, *, sets: list[str] | None = None, max_active: int | No
         ValueError: the fit is not a finished expert fit of the app, its weights are being learned already, or
             ``max_active`` fits and weight runs are running.
     """
-    from jlens_core.lenses.experts import is_expert_lens_file
+    from ..lenses.experts import is_expert_lens_file
 
     if run.followed or run.state != "done" or not run.lens_path.is_file():
         raise ValueError(f"The run {run.name!r} is not a finished fit of this app: learn weights once it is done.")
