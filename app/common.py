@@ -23,7 +23,7 @@ import streamlit as st
 
 from jlens_core.files import assets_dir, atomic_write
 from jlens_core.lenses.header import LensFileError
-from jlens_core.lenses.kinds import BY_KIND
+from jlens_core.lenses.kinds import BASELINE, BY_KIND, PLAIN, SINGLE_KINDS, TRAINED
 from jlens_core.lenses.lens import JacobianLens, LogitLens
 from jlens_core.models.loading import DEFAULT_MODEL
 from jlens_core.reading.generation import MAX_NEW_TOKENS
@@ -41,7 +41,7 @@ ENV_RUNS = "JLENS_RUNS_DIR"  # where the Fit page keeps its runs
 # ("three": the name a shared URL keeps; its label counts the lenses)
 # (a lens loaded by name, e.g. "J++" or an added file's lens, is a mode of its own too)
 # the built-in slots' lens names in Context.lenses(), in panel order (expert and added lenses follow, by name)
-LENS_KINDS = ("logit", "jacobian", "relevance", "tuned")
+LENS_KINDS = SINGLE_KINDS  # ("logit", "jacobian", "relevance", "tuned"): the kinds that are no expert lens
 MODES = {kind: BY_KIND[kind].label for kind in LENS_KINDS} | {"side": "Side by side", "diff": "Difference",
                                                               "three": "All lenses"}
 VOCABS = {"all": "every token", "word": "word tokens only"}  # the readout (jlens_core.reading.word_readout)
@@ -207,11 +207,11 @@ class Context:
     @property
     def lens(self) -> JacobianLens | None:
         """The Jacobian lens, when one is loaded."""
-        return self._lens("jacobian")
+        return self._lens(PLAIN)
 
     @property
     def lens_key(self) -> str:
-        return self.loaded["jacobian"].key if "jacobian" in self.loaded else ""
+        return self.loaded[PLAIN].key if PLAIN in self.loaded else ""
 
     @property
     def relevance(self) -> JacobianLens | None:
@@ -221,11 +221,11 @@ class Context:
     @property
     def tuned(self) -> Any:
         """The tuned lens, when one is loaded."""
-        return self._lens("tuned")
+        return self._lens(TRAINED)
 
     @property
     def tuned_key(self) -> str:
-        return self.loaded["tuned"].key if "tuned" in self.loaded else ""
+        return self.loaded[TRAINED].key if TRAINED in self.loaded else ""
 
     def _lens(self, key: str) -> Any:
         return self.loaded[key].lens if key in self.loaded else None
@@ -233,11 +233,11 @@ class Context:
     def lenses(self) -> dict[str, Any]:
         """``{"logit": ..., "jacobian": ..., "relevance": ..., "J++": ..., "tuned": ..., "<extra>": ...}``: the logit
         lens and every lens loaded, by name (a slot's key, or the name of an expert lens or an added one)."""
-        return {"logit": self.logit, **{item.name or key: item.lens for key, item in self.loaded.items()}}
+        return {BASELINE: self.logit, **{item.name or key: item.lens for key, item in self.loaded.items()}}
 
     def lens_keys(self) -> dict[str, str]:
         """The cache key of every lens in :meth:`lenses`."""
-        return {"logit": "logit", **{item.name or key: item.key for key, item in self.loaded.items()}}
+        return {BASELINE: BASELINE, **{item.name or key: item.key for key, item in self.loaded.items()}}
 
 
 def stability_default(lenses: Iterable[Any]) -> bool:

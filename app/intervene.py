@@ -17,6 +17,7 @@ from jlens_core.figures.interventions import comparison_figure
 from jlens_core.interventions import Ablate, Steer, Swap
 from jlens_core.interventions.compare import compare_runs
 from jlens_core.interventions.read_directions import default_layers
+from jlens_core.lenses.kinds import BASELINE, KINDS, is_trained
 from jlens_core.reading.tokens import TokenDisplay, is_word_like
 
 OPS = {"swap": "Swap A → B", "steer": "Steer toward a token", "ablate": "Ablate a token"}
@@ -38,20 +39,21 @@ def init(model: Any, lens: Any) -> None:
         ss.iv_layers = (band[0], band[-1])
 
 
-DIRECTION_LENSES = ("jacobian", "relevance", "logit")  # lenses with read directions, in order of preference
+# lenses with read directions, in order of preference: the plain fitted kinds (J, R), then the logit lens
+DIRECTION_LENSES = (*(k.kind for k in KINDS if k.fitted and not k.experts), BASELINE)
 
 
 def has_directions(lens: Any) -> bool:
     """Whether an edit can use ``lens``'s read directions: a linear lens (logit, J, R, an expert lens: one matrix
     per layer); a tuned lens has none (it is affine)."""
-    return getattr(lens, "kind", None) != "tuned" and callable(getattr(lens, "matrix", None))
+    return not is_trained(lens) and callable(getattr(lens, "matrix", None))
 
 
 def direction_choices(ctx: Any) -> list[str]:
     """The loaded lenses whose read directions an edit can use: J, R, then the expert and added lenses, then logit."""
     lenses = ctx.lenses()
     others = [name for name, lens in lenses.items() if name not in DIRECTION_LENSES and has_directions(lens)]
-    return [name for name in DIRECTION_LENSES[:2] if name in lenses] + others + ["logit"]
+    return [name for name in DIRECTION_LENSES[:-1] if name in lenses] + others + [BASELINE]
 
 
 def directions_lens(ctx: Any) -> tuple[str, Any]:
@@ -67,7 +69,8 @@ def prefill_token(model: Any, readings: dict, layer: int, position: int) -> None
     if ss.get("_iv_prefill_for") == (layer, position):
         return
     ss._iv_prefill_for = (layer, position)
-    reading = next((readings[name] for name in DIRECTION_LENSES[:2] if readings.get(name) is not None), readings["logit"])
+    reading = next((readings[name] for name in DIRECTION_LENSES[:-1] if readings.get(name) is not None),
+                   readings[BASELINE])
     if layer in reading.layers:
         ss.iv_token = model.decode([reading.cell(layer, position)["top_ids"][0]])
 

@@ -27,7 +27,18 @@ import common
 from common import ENV_LENS, LoadedLens
 from jlens_core.lenses.experts import is_expert_lens_file
 from jlens_core.lenses.header import header_or_none
-from jlens_core.lenses.kinds import BY_KIND, KINDS, lens_kind
+from jlens_core.lenses.kinds import (
+    BY_KIND,
+    KINDS,
+    PLAIN_RULES,
+    RULES,
+    capabilities,
+    expert_kind,
+    is_trained,
+    lens_kind,
+    plain_kind,
+    relevance_backward,
+)
 from jlens_core.lenses.lens import JacobianLens
 from jlens_core.lenses.shipped import KIND_NAMES, is_tuned_lens_file
 
@@ -177,7 +188,8 @@ def load_slot_file(slot: LensSlot, path: Path, label: str, model: Any) -> Loaded
 
 def refusal(slot: LensSlot, kind: str) -> str:
     """Why ``slot`` refuses a lens of ``kind``, and the slot that takes it."""
-    if slot.wrong_kind and kind in ("jacobian", "relevance"):
+    row = capabilities(kind)
+    if slot.wrong_kind and row is not None and row.fitted and not row.experts:  # the other plain fitted slot's
         return slot.wrong_kind.format(kind=kind)
     home = next((other for other in SLOTS if kind in other.kinds), None)
     where = f": pick it in the {home.label} slot" if home is not None else ""
@@ -223,9 +235,11 @@ def _jacobian_sources(model: Any, spec: str) -> list[Source]:
 def slot_for_rules(rules: str | None, experts: bool = False) -> LensSlot:
     """The slot a Jacobian lens fitted with ``rules`` loads into (the R-lens slot for ``"relevance"``); with
     ``experts``, the slot of an expert lens fitted so (J++ or R++)."""
-    if experts:
-        return RPP if rules == "relevance" else JPP
-    return RELEVANCE if rules == "relevance" else JACOBIAN
+    slots = (JPP, RPP) if experts else (JACOBIAN, RELEVANCE)
+    if rules not in RULES:
+        return slots[0]
+    kind = expert_kind(rules, weighted=True) if experts else plain_kind(rules)
+    return next((slot for slot in slots if kind in slot.kinds), slots[0])
 
 
 def slot_for_file(path: str | Path, rules: str | None = None) -> LensSlot:
@@ -275,19 +289,19 @@ def _expert_sources(rules: str, variant: str, what: str) -> Callable[[Any, str],
 def lens_summary(lens: Any) -> str:
     """One line about a fitted lens (a J lens, an R-lens, an expert lens): prompts, layers, target, experts and
     the settings that shape it."""
-    s = lens.settings
+    fit, record = lens.fit_settings, lens.record
     layers = lens.source_layers
     span = f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else str(layers[0])
     parts = [f"{lens.n_prompts} prompts", f"layers {span} → {lens.target_layer}"]
     # a one-matrix file is a combination of experts only when it says so (ExpertLens.to_jacobian_lens)
-    experts = getattr(lens, "n_experts", None) or (s.get("experts") if s.get("expert_kind") else None)
+    experts = getattr(lens, "n_experts", None) or (fit.experts if record.combined_from is not None else None)
     if experts:
         weighted = BY_KIND[lens_kind(lens)].weighted
         parts.append(f"{experts} experts, {'learned' if weighted else 'uniform'} weights"
                      + (", combined into one matrix" if isinstance(lens, JacobianLens) else ""))
-    for key in ("max_seq_len", "skip_first", "corpus"):
-        if s.get(key) is not None:
-            parts.append(f"{key} {s[key]}")
+    recorded = {"max_seq_len": fit.max_seq_len if record.settings_recorded else None, "skip_first": lens.skip_first,
+                "corpus": record.corpus}
+    parts += [f"{key} {value}" for key, value in recorded.items() if value is not None]
     if getattr(lens, "shrinkage", 0):
         parts.append(f"shrinkage {lens.shrinkage:g}")
     if lens.stop_reason:
@@ -347,7 +361,7 @@ JACOBIAN = _lens_file_slot(
               "Hugging Face Hub (its cache; HF_HUB_OFFLINE honoured).",
     upload_types=("safetensors", "pt"), env=ENV_LENS,
     empty_note="No Jacobian lens loaded: the logit lens only. Fit one on the Fit page or load a lens file.",
-    kinds=("jacobian",), wrong_kind="this file is an R-lens (fitted with rules={kind!r}): pick it in the R-lens "
+    kinds=(plain_kind(PLAIN_RULES),), wrong_kind="this file is an R-lens (fitted with rules={kind!r}): pick it in the R-lens "
                                     "slot below.")
 RELEVANCE = _lens_file_slot(
     "R-lens", "an", key="relevance", param="rlens", default=NONE, variant="relevance", sources=_relevance_sources,
@@ -357,7 +371,7 @@ RELEVANCE = _lens_file_slot(
               "hf://owner/repo[@revision]/path on the Hugging Face Hub.",
     picker_help="The relevance lens: the same average Jacobian, fitted with LRP-style backward rules "
                 "(docs/method.md §9.1). Fit one on the Fit page (rules: Relevance).",
-    kinds=("relevance",), wrong_kind="this file is a lens fitted with rules={kind!r}, not an R-lens: pick it in the "
+    kinds=tuple(plain_kind(rules) for rules in RULES if relevance_backward(rules)), wrong_kind="this file is a lens fitted with rules={kind!r}, not an R-lens: pick it in the "
                                      "Lens slot above.")
 TUNED = LensSlot(
     key="tuned", param="tuned", default=NONE, sources=_tuned_sources, loader=cache.load_tuned_cached,
@@ -379,7 +393,7 @@ def _expert_slot(key: str, rules: str, short: str) -> LensSlot:
         none_label="None", unshipped_label=f"None (no shipped {what} for this model)",
         path_placeholder="/path/to/experts.safetensors or hf://owner/repo/lens",
         path_help=f"An expert lens fitted with {rules} rules (`jlens fit --experts E"
-                  + (" --rules relevance" if rules == "relevance" else "") + "`, weights from `jlens weigh`), or its "
+                  + ("" if rules == PLAIN_RULES else f" --rules {rules}") + "`, weights from `jlens weigh`), or its "
                   "combined one-matrix file, or hf://owner/repo[@revision]/path on the Hugging Face Hub.",
         picker_help=f"The {short} lens: one Jacobian per cluster of residuals, combined with learned weights "
                     f"(docs/method.md §9.1, experts); without learned weights it shows as "
@@ -464,7 +478,7 @@ def draw_extras(model: Any, taken: set[str]) -> dict[str, LoadedLens]:
         item.name = name
         taken.add(name)
         loaded[f"extra{i}"] = item
-        summary = tuned_summary(item.lens) if item.lens.kind == "tuned" else lens_summary(item.lens)
+        summary = tuned_summary(item.lens) if is_trained(item.lens) else lens_summary(item.lens)
         row.caption(f"**{name}** · {summary}")
     sb.text_input("Add a lens from a file", key="extra_path", disabled=disabled,
                   placeholder="/path/to/lens.safetensors or hf://owner/repo/lens",

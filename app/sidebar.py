@@ -14,6 +14,7 @@ import streamlit as st
 import opened_reading
 from cache import load_model_cached
 from common import DTYPES, Context, confine, confine_spec, error_text
+from jlens_core.lenses.kinds import BASELINE, is_trained
 from jlens_core.lenses.lens import LogitLens
 from jlens_core.models.loading import DEFAULT_ALIASES, DEFAULT_MODEL
 from lens_slots import SLOTS, draw_extras, draw_slot
@@ -41,10 +42,10 @@ def sidebar() -> Context:
     sb.markdown("### More lenses")
     ctx.loaded.update(draw_extras(ctx.model, {"logit", *ctx.lenses()}))
     # the Jacobian-type lenses loaded (J, R, J++, R++, added): with one, Inspect starts side by side with the logit lens
-    fitted_keys = "|".join(item.key for key, item in ctx.loaded.items() if key != "tuned" and item.lens.kind != "tuned")
+    fitted_keys = "|".join(item.key for key, item in ctx.loaded.items() if not is_trained(item.lens))
     if ss.get("mode") is None:
-        ss.mode = "side" if fitted_keys else "logit"
-    elif fitted_keys and ss.get("_lens_key") == "" and ss.mode == "logit":
+        ss.mode = "side" if fitted_keys else BASELINE
+    elif fitted_keys and ss.get("_lens_key") == "" and ss.mode == BASELINE:
         ss.mode = "side"  # a lens was just loaded: compare the two
     ss._lens_key = fitted_keys
     opened_reading.open_controls()

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
             fit = learn_expert_weights(model, stack, train, steps=args.steps, basis_budget=budget, progress=advance)
         learned = stack.with_weights(fit.weights, fit.items).to_jacobian_lens()
-        learned.settings["weights_learned_without"] = group
+        learned = learned.replace(provenance={**learned.record.provenance, "weights_learned_without": group})
         learned.save(out / f"fold{i}.safetensors", dtype="float16")
         print(f"group {i} ({','.join(group)}): learned on {len(train)} items of the other sets in "
               f"{time.perf_counter() - began:.0f} s (start {fit.start}, step {fit.step})", flush=True)

@@ -105,7 +105,7 @@ def test_a_lens_whose_canary_disagrees_shows_a_banner(tiny_dir, tiny_model, lens
         hf.model.layers[1].input_layernorm.weight.mul_(1.01)
     changed = HFLensModel(hf, tiny_model.tokenizer, name="changed")
     lens = JacobianLens.load(lens_file)
-    lens.canary = make_canary(changed, lens)  # as if fitted on a model that differs from the one loaded
+    lens = lens.replace(canary=make_canary(changed, lens))  # as if fitted on a model that differs from the one loaded
     path = lens.save(tmp_path / "drifted.safetensors")
     at = ok(make_app(model=tiny_dir, lens=str(path), prompt=PROMPT).run())
     banner = [w.value for w in at.warning if "Lens check failed" in w.value]

@@ -170,7 +170,7 @@ def test_cli_check(folders, capsys):
 def test_merge_keeps_a_canary():
     lens = fitted()
     bare = lens.with_shrinkage(0.0)
-    bare.canary = None  # a slice saved before canaries existed
+    bare = bare.replace(canary=None)  # a slice saved before canaries existed
     merged = JacobianLens.merge([bare, lens])
     assert merged.canary is lens.canary
     assert check_lens(tiny(), merged).status == "same"
@@ -183,7 +183,7 @@ def test_a_parameter_on_one_side_only_is_left_out():
     fewer = dataclasses.replace(canary, param_names=canary.param_names[1:], param_layers=canary.param_layers[1:],
                                 param_norms=canary.param_norms[1:])  # as if offloaded (meta) at fit time
     lens = fitted().with_shrinkage(0.0)
-    lens.canary = fewer
+    lens = lens.replace(canary=fewer)
     result = check_lens(tiny(), lens)
     weights = next(p for p in result.parts if p.part == "weights fingerprint")
     assert result.status == "same" and "1 parameter(s) on one side only" in weights.detail

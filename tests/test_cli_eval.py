@@ -159,8 +159,8 @@ def test_shipped_lens_when_present_belongs_to_the_default_model():
         pytest.skip("no shipped lens in assets/lenses/ yet")
     lens = JacobianLens.load(path)
     assert lens.model_name == "smollm2-135m" and lens.d_model == 576 and lens.target_layer == 29
-    assert lens.source_layers == list(range(29)) and lens.settings["max_seq_len"] == 128
-    assert lens.n_prompts >= 100 and lens.settings["skip_first"] == 16
+    assert lens.source_layers == list(range(29)) and lens.fit_settings.max_seq_len == 128
+    assert lens.n_prompts >= 100 and lens.skip_first == 16
     assert len(lens.diagnostics) == lens.n_prompts * 29
 
 

@@ -204,12 +204,12 @@ def test_layers_and_target_layer_options_select_what_is_fitted(work, tmp_path, r
 
 def test_method_option_changes_speed_not_the_lens(work, tmp_path, reference):
     default = reference(3)  # --method auto: the fused backward on this llama
-    assert default.settings["method"] == "auto"
+    assert default.fit_plan.method == "auto"
     for method in ("fused", "batched"):
         out = tmp_path / f"{method}.safetensors"
         assert main(fit_args(work, out, "--n-prompts", "3", "--method", method)) == 0
         lens = JacobianLens.load(out)
-        assert lens.settings["method"] == method
+        assert lens.fit_plan.method == method
         assert max_abs_diff(lens, default) <= 1e-6
 
 
@@ -669,7 +669,7 @@ def test_resume_with_other_settings_says_which_and_how_to_start_over(work, tmp_p
     assert "Traceback" not in err
     assert "was made with skip_first=4, this fit asks for skip_first=5" in err and "--no-resume" in err
     assert main(fit_args(work, out, "--n-prompts", "2", "--skip-first", "5", "--no-resume")) == 0
-    assert JacobianLens.load(out).settings["skip_first"] == 5
+    assert JacobianLens.load(out).fit_settings.skip_first == 5
 
 
 @pytest.mark.slow  # a real jlens process each

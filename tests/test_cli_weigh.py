@@ -46,10 +46,10 @@ def test_weigh_writes_a_weighted_lens_that_loads_with_its_items(work, capsys):
     flat = JacobianLens.load(combined, model=model)
     for layer in lens.source_layers:
         assert torch.allclose(flat.matrix(layer), lens.matrix(layer), atol=5e-3, rtol=1e-2)  # fp16 storage
-    assert flat.settings["weight_items"] == lens.weight_items
+    assert list(flat.record.combined_from.weight_items) == lens.weight_items
     record = json.loads((work["root"] / "jpp.weigh.json").read_text())
     assert record["heldout_items"] == [item.key for item in heldout]
-    assert record["n_train"] == len(train) and lens.settings["weighting"]["seed"] == 3
+    assert record["n_train"] == len(train) and lens.record.weighting["seed"] == 3
     # the printed held-out row of the learned weights is the exact macro of the saved weights (fp32 in the file)
     mats = {layer: lens.expert_matrices(layer) for layer in lens.source_layers}
     expected = macro_pass_at_k(model, mats, heldout, lens.weights)

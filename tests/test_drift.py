@@ -9,7 +9,6 @@ import pytest
 import torch
 from conftest import CORPUS, make_tiny, save_tiny
 
-from jlens_core import JacobianLens
 from jlens_core.cli.main import main
 from jlens_core.fitting.drift import predicted_prompt_error, refit_check
 from jlens_core.fitting.fit import fit
@@ -31,11 +30,9 @@ def model_and_lens():
     return model, fit(model, PROMPTS, **FIT)
 
 
-def without_record(lens) -> JacobianLens:
+def without_record(lens):
     """The lens as a file of another library holds it: its matrices and halves, no convergence record."""
-    return JacobianLens(lens.jacobians, lens.n_prompts, lens.d_model, target_layer=lens.target_layer,
-                        n_layers=lens.n_layers, settings=lens.settings, model_name=lens.model_name,
-                        model_fingerprint=lens.model_fingerprint, halves=lens.raw_halves)
+    return lens.replace(diagnostics=())
 
 
 class RopeScaling:

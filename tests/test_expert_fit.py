@@ -174,7 +174,7 @@ def test_expert_fit_resumes_exactly_from_its_checkpoint(tmp_path, monkeypatch):
 def test_expert_fit_file_roundtrip(tmp_path):
     lens = _expert_fit()
     back = ExpertLens.load(lens.save(tmp_path / "experts.safetensors"))
-    assert back.settings["experts"] == E and back.settings["cluster_prompts"] == 3
+    assert back.fit_settings.experts == E and back.fit_settings.cluster_prompts == 3
     for layer in lens.source_layers:
         assert torch.equal(back.experts[layer], lens.experts[layer])
         assert back.clustering[layer].same_as(lens.clustering[layer])
@@ -225,7 +225,7 @@ def test_cli_fit_experts_writes_an_expert_lens_whose_pooled_lens_is_the_plain_fi
     from jlens_core.cli.main import main
 
     lens = _cli_expert_fit(cli_work)
-    assert lens.n_experts == 2 and lens.settings["cluster_prompts"] == 3 and lens.n_prompts == 7
+    assert lens.n_experts == 2 and lens.fit_settings.cluster_prompts == 3 and lens.n_prompts == 7
     plain_out = cli_work["root"] / "plain.safetensors"
     assert main(_cli_fit_args(cli_work, plain_out)) == 0
     plain = JacobianLens.load(plain_out)

@@ -125,8 +125,11 @@ def test_expert_lens_matrices_fallback_and_weights() -> None:
     plain = weighted.to_jacobian_lens()
     assert isinstance(plain, JacobianLens) and plain.kind == "jacobian"
     assert torch.equal(plain.matrix(0), weighted.matrix(0))
-    assert plain.settings["experts"] == 3 and plain.settings["expert_kind"] == "jacobian++"
-    assert plain.settings["weight_items"] == ["a", "b"] and plain.settings["expert_weights"]["1"] == [0.0, -1.0, 0.0]
+    origin = plain.record.combined_from
+    assert plain.fit_settings.experts == 3 and origin.kind == "jacobian++"
+    assert origin.weight_items == ("a", "b") and origin.weights["1"] == [0.0, -1.0, 0.0]
+    settings = plain.settings_dict()  # what its file records
+    assert settings["experts"] == 3 and settings["expert_kind"] == "jacobian++" and settings["weight_items"] == ["a", "b"]
 
 
 def test_expert_lens_file_roundtrip_and_errors(tmp_path) -> None:
@@ -162,7 +165,7 @@ def test_expert_lens_file_roundtrip_and_errors(tmp_path) -> None:
 def test_expert_lens_merge_adds_sums_and_counts() -> None:
     a = _expert_lens(counts=(100, 0, 60), seed=0)
     b = _expert_lens(counts=(30, 70, 10), seed=0)
-    b = b._copy(experts={k: v + 1.0 for k, v in b.experts.items()}, n_prompts=2)
+    b = b.replace(experts={k: v + 1.0 for k, v in b.experts.items()}, n_prompts=2)
     merged = ExpertLens.merge([a, b])
     assert merged.n_prompts == 6 and merged.counts[0].tolist() == [130, 70, 70]
     want = (a.experts[0][0].double() * 100 + b.experts[0][0].double() * 30) / 130

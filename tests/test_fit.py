@@ -58,7 +58,7 @@ def test_fit_is_the_plain_mean_over_prompts_that_count():
     events: list[FitProgress] = []
     lens = fit(tiny(), PROMPTS, progress=events.append, **SETTINGS)
     counted = [i for i in range(len(PROMPTS)) if i != 2]
-    assert lens.n_prompts == 5 and lens.settings["n_skipped"] == 1
+    assert lens.n_prompts == 5 and lens.record.n_skipped == 1
     assert lens.source_layers == [0, 1, 2] and lens.target_layer == 3 and lens.d_model == 32
     assert lens.model_name == "tiny-llama" and lens.model_fingerprint == tiny().fingerprint()
     for layer in lens.source_layers:
@@ -158,7 +158,7 @@ def test_merge_of_shards_equals_one_fit(tmp_path):
     assert_same_lens(merged, uninterrupted())
     assert len(merged.diagnostics) == len(uninterrupted().diagnostics) == 5 * 3
     assert merged.target_layer == 3 and merged.model_fingerprint == tiny().fingerprint()
-    assert merged.settings["n_skipped"] == uninterrupted().settings["n_skipped"] == 1  # the short one, shard 2
+    assert merged.record.n_skipped == uninterrupted().record.n_skipped == 1  # the short one, shard 2
 
 
 # -- checkpoints and resume --------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_skipped_prompt_is_not_redone_on_resume(tmp_path):
     lens = fit(tiny(), PROMPTS, checkpoint_path=ckpt, progress=second.append, **SETTINGS)
     assert [e.prompt_index for e in second] == [4, 5]  # neither the skipped prompt 2 nor the ones before
     assert [e.n_done for e in second] == [4, 5]
-    assert lens.settings["n_skipped"] == 1
+    assert lens.record.n_skipped == 1
     assert [r["prompt_index"] for r in lens.diagnostics] == [r["prompt_index"] for r in uninterrupted().diagnostics]
     assert_same_lens(lens, uninterrupted())
 
@@ -292,7 +292,7 @@ def test_fit_killed_mid_run_and_resumed_equals_uninterrupted(tmp_path):
     lens = fit(tiny(), PROMPTS, checkpoint_path=ckpt, progress=resumed_events.append, **SETTINGS)
     assert [e.prompt_index for e in resumed_events] == list(range(payload["next_idx"], len(PROMPTS)))
     assert_same_lens(lens, uninterrupted())  # bitwise equal here; allow fp32 noise
-    assert lens.settings["n_skipped"] == 1
+    assert lens.record.n_skipped == 1
     assert [(r["prompt_index"], r["layer"]) for r in lens.diagnostics] == [
         (r["prompt_index"], r["layer"]) for r in uninterrupted().diagnostics]
     for got, want in zip(lens.diagnostics, uninterrupted().diagnostics):
@@ -310,7 +310,7 @@ def test_checkpoint_rebuilt_from_a_saved_lens_resumes_the_fit(tmp_path):
     events: list[FitProgress] = []
     lens = fit(tiny(), PROMPTS, checkpoint_path=ckpt, progress=events.append, **SETTINGS)
     assert [e.prompt_index for e in events] == [3, 4, 5]
-    assert lens.settings["n_skipped"] == 1
+    assert lens.record.n_skipped == 1
     assert_same_lens(lens, uninterrupted(), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"counted 3 prompts .* only 2 were given"):
         checkpoint_from_lens(partial, PROMPTS[:2], tmp_path / "other.ckpt")

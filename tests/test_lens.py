@@ -96,8 +96,9 @@ def test_save_load_round_trip_fp32_is_exact(tmp_path):
     assert (back.n_prompts, back.d_model, back.target_layer, back.n_layers) == (2, 32, 3, 4)
     assert back.model_name == "tiny-llama"
     assert back.model_fingerprint == tiny().fingerprint()
-    assert back.settings == json.loads(json.dumps(lens.settings))
-    assert back.settings["skip_first"] == 2 and back.settings["max_seq_len"] == 16
+    assert back.settings_dict() == json.loads(json.dumps(lens.settings_dict()))
+    assert back.fit_settings == lens.fit_settings and back.record == lens.record
+    assert back.skip_first == 2 and back.fit_settings.max_seq_len == 16
     assert back.diagnostics == lens.diagnostics and len(back.diagnostics) == 2 * 3
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["jlens"])
@@ -121,7 +122,7 @@ def test_save_fp16_is_within_2e_3_and_stored_as_fp16(tmp_path):
         assert back.jacobians[layer].dtype == torch.float32
         torch.testing.assert_close(back.jacobians[layer], lens.jacobians[layer], rtol=2e-3, atol=2e-3)
     bare = lens.with_shrinkage(0.0)
-    bare.canary = None  # the matrices' storage alone: a tiny model's canary is as large as its matrices
+    bare = bare.replace(canary=None)  # the matrices' storage alone: a tiny model's canary is as large as its matrices
     assert (bare.save(tmp_path / "b16", dtype="float16").stat().st_size
             < 0.6 * bare.save(tmp_path / "b32").stat().st_size)
 

@@ -91,12 +91,12 @@ def test_the_lens_is_the_same_whatever_the_budget(method):
     for lens in (small, large):
         for layer in reference.source_layers:
             torch.testing.assert_close(lens.jacobians[layer], reference.jacobians[layer], rtol=1e-5, atol=1e-6)
-    memory = small.settings["memory"]
+    memory = small.record.provenance["memory"]
     assert memory["method"] == method and memory["budget_bytes"] == _budget_for_rows(3)
     if method == "fused":  # the small budget ran row-major in chunks of about 3 rows; the large one layer-major
         assert memory["dim_batch_at_max_seq_len"] == 3 and memory["layer_major"] is False
-        assert large.settings["memory"]["layer_major"] is True
-        assert large.settings["memory"]["dim_batch_at_max_seq_len"] == 32
+        assert large.record.provenance["memory"]["layer_major"] is True
+        assert large.record.provenance["memory"]["dim_batch_at_max_seq_len"] == 32
     assert all(e.dim_batch is not None and e.dim_batch < 8 for e in events) or method == "batched"
     assert all(e.peak_memory_bytes and e.peak_memory_bytes > 0 for e in events)
     assert memory["peak_bytes"] == events[-1].peak_memory_bytes
@@ -130,10 +130,10 @@ def test_cli_fit_memory_sets_the_budget_and_reports_the_peak(tmp_path, capsys):
     plain, budget = (JacobianLens.load(tmp_path / f"{name}.safetensors") for name in ("plain", "budget"))
     for layer in plain.source_layers:
         torch.testing.assert_close(budget.jacobians[layer], plain.jacobians[layer], rtol=1e-5, atol=1e-6)
-    memory = budget.settings["memory"]
-    assert memory["budget_bytes"] == 300 * 1024 and budget.settings["dim_batch"] == "auto"
+    memory = budget.record.provenance["memory"]
+    assert memory["budget_bytes"] == 300 * 1024 and budget.fit_plan.dim_batch == "auto"
     assert memory["layer_major"] is False and 1 <= memory["dim_batch_at_max_seq_len"] < 8
-    assert "memory" not in plain.settings
+    assert "memory" not in plain.record.provenance
     status = json.loads((tmp_path / "budget.status.json").read_text())
     assert status["peak_memory_bytes"] > 0 and status["dim_batch"] >= 1
     capsys.readouterr()

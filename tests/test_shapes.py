@@ -230,6 +230,8 @@ def test_the_shapes_hold_on_a_tiny_model(monkeypatch, tmp_path):
     weighted.uniform_weights()
     one = weighted.to_jacobian_lens()
     JacobianLens(dict(one.jacobians), 1, model.d_model)
+    ExpertLens(experts.pooled, experts.experts, experts.counts, experts.clustering, 1, model.d_model,
+               target_layer=experts.target_layer)
     tuned = TunedLens.zeros(model)
     TunedLens(dict(tuned.translators), model.d_model, target_layer=tuned.target_layer)
     logit = LogitLens.for_model(model)

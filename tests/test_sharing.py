@@ -114,7 +114,7 @@ def test_round_trip_export_load_gives_identical_readings(tmp_path, fmt):
         assert torch.equal(our_logits(model, back, h, layer), our_logits(model, rounded, h, layer))
     if fmt != "reference":  # these keep our identity: model, target, settings, provenance
         assert back.model_fingerprint == lens.model_fingerprint and back.n_layers == lens.n_layers
-        assert back.settings["provenance"] == lens.settings["provenance"]
+        assert back.record.provenance["provenance"] == lens.record.provenance["provenance"]
         assert back.fit_settings.skip_first == FIT["skip_first"]
 
 
@@ -134,7 +134,7 @@ def test_jpp_export_and_import_round_trip(tmp_path):
         torch.testing.assert_close(reader_logits(model, matrix, h), our_logits(model, lens, h, layer))
     assert "expert matrices, clustering and weights" in result.left_out
     back = load_lens(str(result.path), model=model)
-    assert lens_kind(back) == "jacobian++" and "cannot be re-weighted" in back.settings["import_note"]
+    assert lens_kind(back) == "jacobian++" and "cannot be re-weighted" in back.record.provenance["import_note"]
     for layer in lens.source_layers:
         h = residuals(model, layer)
         assert torch.equal(our_logits(model, back, h, layer), our_logits(model, lens, h, layer))
@@ -274,7 +274,8 @@ def test_jlens_fit_resume_from_continues_a_reference_checkpoint(tmp_path, tiny_d
     assert min(r["prompt_index"] for r in resumed.diagnostics) == 2  # went on from the reference checkpoint
     for layer in whole.source_layers:
         torch.testing.assert_close(resumed.matrix(layer), whole.matrix(layer), rtol=1e-5, atol=1e-6)
-    assert whole.settings["provenance"]["capture_point"] == "block_output"
+    assert whole.record.provenance["provenance"]["capture_point"] == "block_output"
+    assert whole.record.provenance["split"] == "all" and whole.record.corpus == str(corpus)
 
 
 def test_jlens_export_writes_every_format(tmp_path, capsys):

@@ -41,11 +41,13 @@ def test_load_lens_reads_expert_and_combined_files(llama, experts, tmp_path):
     assert torch.allclose(combined.matrix(layer), weighted.matrix(layer), atol=1e-6)
     pooled = experts.pooled_lens()
     assert lens_kind(pooled) == "jacobian"  # a plain lens stays a J lens
-    assert "experts" not in pooled.settings and "cluster_prompts" not in pooled.settings
-    assert {k: v for k, v in experts.settings.items() if k not in ("experts", "cluster_prompts")} == pooled.settings
+    assert "experts" not in pooled.settings_dict() and "cluster_prompts" not in pooled.settings_dict()
+    assert pooled.fit_settings == experts.fit_settings.replace(experts=0) and pooled.record == experts.record
+    assert {k: v for k, v in experts.settings_dict().items() if k not in ("experts", "cluster_prompts")} == \
+        pooled.settings_dict()
     # an expert file for another model is refused like any lens file
     other = ExpertLens.load(tmp_path / "experts.safetensors")
-    other.model_fingerprint = dict(other.model_fingerprint or {}, d_model=999)
+    other = other.replace(model_fingerprint=dict(other.model_fingerprint or {}, d_model=999))
     other.save(tmp_path / "other.safetensors")
     with pytest.raises(LensFileError):
         load_lens_file(tmp_path / "other.safetensors", model=llama)

@@ -86,8 +86,7 @@ def test_bad_training_input(llama):
 
 
 def test_file_round_trip_and_load_lens(llama, tmp_path):
-    lens = random_tuned(llama)
-    lens.metrics = {"heldout_kl_bits": {"0": 1.5}}
+    lens = random_tuned(llama).replace(metrics={"heldout_kl_bits": {"0": 1.5}})
     path = lens.save(tmp_path / "t.safetensors")
     back = load_lens(str(path), model=llama)
     assert isinstance(back, TunedLens) and back.source_layers == lens.source_layers

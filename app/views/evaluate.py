@@ -17,6 +17,7 @@ from jlens_core.corpus import BUILTIN_CORPUS, load_corpus
 from jlens_core.evaluation.by_layer import evaluate
 from jlens_core.evaluation.passk import EVAL_SETS, load_eval_set, pass_at_k_sets
 from jlens_core.figures.evaluation import eval_curves_figure, pass_at_k_figure
+from jlens_core.lenses.kinds import BASELINE, PLAIN
 from jlens_core.workspace import sanitise_filename
 
 ss = st.session_state
@@ -108,7 +109,7 @@ def _stored_evaluation() -> dict | None:
         info = json.loads((folder / "eval.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    keep = {"logit", "jacobian"} | {slot_key for slot_key, param in (("relevance", "rlens"), ("tuned", "tuned"))
+    keep = {BASELINE, PLAIN} | {slot_key for slot_key, param in (("relevance", "rlens"), ("tuned", "tuned"))
                                      if ss.get(f"{param}_choice") == "shipped"}
     frame = frame[frame["lens"].isin(keep)].reset_index(drop=True)
     passes = None

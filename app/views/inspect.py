@@ -22,6 +22,7 @@ from jlens_core.figures.heatmaps import cell_from_point, heatmap_figure
 from jlens_core.figures.labels import LENS_SHORT, row_labels, shown
 from jlens_core.figures.ranks import pinned_ranks_figure
 from jlens_core.figures.tokens import topk_bars
+from jlens_core.lenses.kinds import BASELINE, PLAIN
 from jlens_core.reading.generation import generate
 from jlens_core.reading.readout_protocol import Readout
 from jlens_core.reading.summaries import most_common_tokens
@@ -213,7 +214,7 @@ def lens_controls(ctx: common.Context, pins: list[str]) -> tuple[str, str]:
         ss.stat = "top1_prob"
     available = list(ctx.lenses())
     # the Jacobian lens is always offered (without one, Inspect says so); the other lenses once loaded
-    singles = ["logit", "jacobian"] + [k for k in available if k not in ("logit", "jacobian")]
+    singles = [BASELINE, PLAIN] + [k for k in available if k not in (BASELINE, PLAIN)]
     mode_options = singles + ["side", "diff"] + (["three"] if len(available) >= 3 else [])
     if ss.get("mode_request") in mode_options:  # a lens's name from the URL, now loaded
         ss.mode = ss.pop("mode_request")
@@ -251,8 +252,8 @@ def _pick_pair(available: list[str], default: tuple[str, str] = ("logit", "jacob
     tuned, added). A pair member that is not loaded gives way to a loaded lens outside the pair, when there
     is one (else the heatmap says what is missing).
     """
-    fitted = [k for k in available if k != "logit"]
-    second = default[1] if default[1] in fitted else (fitted[0] if fitted else "jacobian")
+    fitted = [k for k in available if k != BASELINE]
+    second = default[1] if default[1] in fitted else (fitted[0] if fitted else PLAIN)
     for key, value in (("pair_a", default[0]), ("pair_b", second)):
         if not isinstance(ss.get(key), str) or not ss.get(key):
             ss[key] = value
@@ -399,12 +400,12 @@ def heatmap(view: View, reader: Reader, edits: list | None) -> tuple[Any, str]:
     reading_note = st.empty()
     reading_note.caption("Reading the prompt…")
     read_started = time.perf_counter()
-    reader.read(["logit"] + shown_now)
+    reader.read([BASELINE] + shown_now)
     read_seconds = time.perf_counter() - read_started
     reading_note.caption(f"{len(view.positions)} positions × {len(view.layers)} layers"
                          + (f", read in {read_seconds:.1f} s" if read_seconds >= 0.05 else ""))
     readings = reader.readings
-    if "logit" not in readings:
+    if BASELINE not in readings:
         st.stop()
     missing = [name for name in shown_now if name not in readings]
     if missing or (mode in ("side", "diff") and pair[0] == pair[1]):
@@ -416,7 +417,7 @@ def heatmap(view: View, reader: Reader, edits: list | None) -> tuple[Any, str]:
     fig = heatmap_figure(readings, mode, ss.stat, layers=view.layers, pair=pair,
                          selected=(int(ss.cell_layer), int(ss.cell_pos)), stability=bool(ss.stability))
     if ss.stability:
-        notes = {readings[n].stability_note for n in shown_now if n in readings and n != "logit"}
+        notes = {readings[n].stability_note for n in shown_now if n in readings and n != BASELINE}
         for note in sorted(n for n in notes if n):
             st.caption(note)
     if edits:
@@ -500,12 +501,12 @@ def cell_detail(view: View, reader: Reader) -> tuple[dict, int, int]:
     p2.selectbox("Position", view.positions, key="cell_pos", format_func=lambda p: f"{p}: {view.tokens[p]}")
     layer, position = int(ss.cell_layer), int(ss.cell_pos)
     cells = {name: (r.cell(layer, position) if layer in r.layers else None) for name, r in detail.items()}
-    base = cells["logit"]
-    final_top1 = readings["logit"].final_top1_tokens[readings["logit"].position_index(position)]
+    base = cells[BASELINE]
+    final_top1 = readings[BASELINE].final_top1_tokens[readings[BASELINE].position_index(position)]
     p3.markdown(f"Token **`{base['token']}`** at position {position}"
                 + (f", next token **`{base['next_token']}`**" if base["next_token"] else "")
                 + f"; the model's own top-1 is **`{final_top1}`**.")
-    if cells.get("jacobian") is None and "jacobian" in detail:
+    if cells.get(PLAIN) is None and PLAIN in detail:
         st.caption(f"The Jacobian lens was not fitted at layer {layer}.")
     st.plotly_chart(topk_bars({k: v for k, v in cells.items() if v is not None}, k=int(ss.top_k)),
                     key="cell_bars", config={"displaylogo": False})

@@ -11,12 +11,13 @@ from jlens_core.figures.fitting import convergence_figure, layer_stats_figure, n
 from jlens_core.figures.labels import LENS_NAMES
 from jlens_core.fitting import diagnostics
 from jlens_core.lenses import spectra
+from jlens_core.lenses.kinds import KINDS, relevance_backward
 from jlens_core.reading.singular_directions import top_directions
 
 ss = st.session_state
 ctx = common.require_model()
 st.title("The Jacobians")
-fitted = [name for name in ("jacobian", "relevance") if name in ctx.loaded]  # the J lens, the R-lens
+fitted = [k.kind for k in KINDS if k.fitted and not k.experts and k.kind in ctx.loaded]  # the J lens, the R-lens
 if not fitted:
     st.info("No Jacobian lens is loaded (the logit lens is J = I everywhere). Pick the shipped lens or a lens "
             "file in the sidebar, or fit one on the Fit page.")
@@ -27,7 +28,7 @@ lens_name = ss.get("jac_lens") if ss.get("jac_lens") in fitted else fitted[0]
 lens, lens_key = ctx.loaded[lens_name].lens, ctx.loaded[lens_name].key
 st.caption(f"{LENS_NAMES[lens_name]}: {lens_slots.lens_summary(lens)}. Each J_l is the average Jacobian of "
            "the target layer's residual with respect to layer l's residual (d × d)"
-           + (", its backward under relevance rules (docs/method.md §9.1)." if lens_name == "relevance" else "."))
+           + (", its backward under relevance rules (docs/method.md §9.1)." if relevance_backward(lens.rules) else "."))
 
 
 @st.cache_resource(show_spinner=False, max_entries=8)

@@ -77,7 +77,7 @@ if train:
         lens = train_tuned_lens(model, texts, steps=settings["steps"], tokens_per_step=settings["tokens"],
                                 lr=settings["lr"], heldout_texts=heldout, heldout_every=max(1, settings["steps"] // 6),
                                 checkpoint_path=ckpt, checkpoint_every=5, progress=progress)
-        lens.settings.update(corpus=BUILTIN_CORPUS, split="fit", n_texts=len(texts))
+        lens = lens.replace(settings={**lens.settings, "corpus": BUILTIN_CORPUS, "split": "fit", "n_texts": len(texts)})
         lens.save(out)
         bar_slot.empty()
         st.success(f"Trained: {out.name}. Pick it in the sidebar (Tuned lens), or use it now.")

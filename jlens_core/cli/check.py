@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..lenses.kinds import BASELINE, is_trained
 from .main import CLIError, say
 from .model_args import add_model_arguments, model_loading_options
 
@@ -38,9 +39,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.lens == "default" and path is None:
         raise CLIError(f"No shipped lens for {model.name!r}: give a lens file.")
     lens = load_lens_file(path) if path is not None else load_lens(args.lens)
-    if args.lens == "logit" or not hasattr(lens, "target_layer"):
+    if args.lens == BASELINE or not hasattr(lens, "target_layer"):
         raise CLIError(f"{args.lens!r} is not a fitted lens file: give one (jlens check LENS.safetensors).")
-    if str(lens.kind) == "tuned":
+    if is_trained(lens):
         raise CLIError(f"{args.lens!r} is a tuned lens: the lens check covers lenses fitted by `jlens fit` (J, R-lens, "
                        "experts).")
     try:
@@ -76,7 +77,9 @@ def _refit_check(args: argparse.Namespace, model, lens) -> int:
 
     if args.refit < 1:
         raise CLIError(f"--refit {args.refit} must be >= 1.")
-    settings = getattr(lens, "settings", {}) or {}
+    from ..lenses.provenance import file_settings
+
+    settings = file_settings(lens)
     recorded = settings.get("corpus")
     corpus = args.corpus or recorded
     if corpus is None:

@@ -38,14 +38,14 @@ def resolve_lenses(specs: list[str], model: LensModel, shrinkage: list[float] | 
     file, :func:`~jlens_core.lenses.kinds.lens_kind`) unless two of a kind are given, then by its file name.
     Each Jacobian lens also appears shrunk, ``(1 - a) J + a I``, once per ``shrinkage`` value.
     """
-    from ..lenses.kinds import lens_kind
+    from ..lenses.kinds import BASELINE, lens_kind
     from ..lenses.lens import JacobianLens, LogitLens
     from ..lenses.loading import default_lens, default_tuned_lens, load_lens
 
     loaded: list[tuple[str, str, Lens]] = []
     for spec in specs:
-        if spec == "logit":
-            loaded.append(("logit", spec, LogitLens.for_model(model)))
+        if spec == BASELINE:  # the word "logit": the logit lens
+            loaded.append((BASELINE, spec, LogitLens.for_model(model)))
             continue
         found: JacobianLens | ExpertLens | TunedLens | None
         if spec in ("default", "tuned"):

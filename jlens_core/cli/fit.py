@@ -256,7 +256,8 @@ def _run_fit(args, model, prompts, settings: FitSettings, plan: FitPlan, checkpo
         if diag_file is not None:
             diag_file.close()
     if status is not None:  # rank 0
-        lens.settings.update(corpus=args.corpus, split=args.split)  # where jlens check --refit reads
+        # where jlens check --refit reads its prompts (docs/sharing.md)
+        lens = lens.replace(corpus=args.corpus, provenance={**lens.record.provenance, "split": args.split})
         lens.save(out, dtype=args.save_dtype)
         status.write(state="done", n_done=lens.n_prompts, stop_reason=lens.stop_reason, lens=str(out),
                      seconds=time.time() - t_start)

@@ -18,6 +18,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from ..lenses.kinds import is_baseline
 from .common import vocab_choices
 from .main import CLIError, command_description, say
 from .model_args import LENS_HELP, add_model_command, model_loading_options
@@ -77,7 +78,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                             show_whitespace=True, vocab=args.vocab, pinned=args.pin or (), stability=args.stability,
                             stability_k=args.stability_k)
     for name, reading in readings.items():
-        if reading.stability_note and (reading.lens_kind != "logit" or len(readings) == 1):
+        if reading.stability_note and (not is_baseline(reading.lens_kind) or len(readings) == 1):
             print(f"{name}: {reading.stability_note}", file=sys.stderr)
     if args.save:
         from ..reading.reading_file import save_readings

@@ -68,7 +68,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return 130
     if bar is not None:
         bar.close()
-    lens.settings.update(corpus=args.corpus, split=args.split, n_texts=len(texts), heldout_texts=len(heldout))
+    lens = lens.replace(settings={**lens.settings, "corpus": args.corpus, "split": args.split, "n_texts": len(texts),
+                                  "heldout_texts": len(heldout)})
     lens.save(out, dtype=args.save_dtype)
     kl = lens.metrics.get("heldout_kl_bits")
     note = f"; held-out KL {sum(kl.values()) / len(kl):.3f} bits (mean over layers)" if kl else ""

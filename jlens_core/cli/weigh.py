@@ -97,7 +97,7 @@ def cmd_weigh(args: argparse.Namespace) -> int:
               "heldout_items": [item.key for item in heldout],
               "macro": {f"{name}/{split}": {str(k): round(v, 6) for k, v in ks.items()}
                         for (name, split), ks in scores.items()}}
-    weighted.settings["weighting"] = {key: value for key, value in record.items() if key != "heldout_items"}
+    weighted = weighted.replace(weighting={key: value for key, value in record.items() if key != "heldout_items"})
     weighted.save(out, dtype=args.save_dtype)
     sidecar = out.with_suffix(".weigh.json")
     sidecar.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")

@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from ..lenses.protocol import Lens
+from ..lenses.protocol import Lens, recorded_skip_first
 from ..models.model import LensModel
 from ..reading.inputs import checked_lenses, encode_prompt, model_vocab_size, record_residuals
 from ..reading.logit_stats import centred_logit_stats, chunk_size, final_distribution
@@ -34,12 +34,10 @@ Progress = Callable[[int, int], None]
 def default_skip_first(lenses: Mapping[str, Lens]) -> int:
     """The ``skip_first`` :func:`evaluate` uses when none is given.
 
-    The largest ``settings["skip_first"]`` among the Jacobian lenses (the positions they were fitted
-    at, so every lens is judged on the same tokens), or :data:`DEFAULT_SKIP_FIRST` (16, the fit's
-    default) when no lens records one.
+    The largest ``skip_first`` among the lenses (the positions they were fitted at, so every lens is judged
+    on the same tokens), or :data:`DEFAULT_SKIP_FIRST` (16, the fit's default) when no lens records one.
     """
-    values = [int(lens.settings["skip_first"]) for lens in lenses.values()
-              if lens.settings.get("skip_first") is not None]
+    values = [value for value in map(recorded_skip_first, lenses.values()) if value is not None]
     return max(values) if values else DEFAULT_SKIP_FIRST
 
 

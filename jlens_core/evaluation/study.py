@@ -43,6 +43,7 @@ import pandas as pd
 from .._atomic import atomic_write_text
 from .._version import __version__
 from ..interventions.intervals import wilson_interval
+from ..lenses.kinds import is_baseline
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.inputs import checked_lenses
@@ -527,7 +528,7 @@ class Study:
     def comparisons(self, baseline: str | None = None) -> pd.DataFrame:
         """Every other lens against ``baseline`` (default: the logit lens when studied, else the first lens)."""
         if baseline is None:
-            baseline = next((n for n in self.lenses if self.kind(n) == "logit"), self.lenses[0])
+            baseline = next((n for n in self.lenses if is_baseline(self.kind(n))), self.lenses[0])
         if baseline not in self._comparisons:  # the CLI, its HTML page and every app rerun ask again
             parts = [self.compare(name, baseline) for name in self.lenses if name != baseline]
             self._comparisons[baseline] = (pd.concat(parts, ignore_index=True) if parts

@@ -123,7 +123,7 @@ def norm_matrix(diagnostics: pd.DataFrame | Iterable[dict]) -> pd.DataFrame:
 def half_agreement_frame(records: Iterable[dict]) -> pd.DataFrame:
     """The split halves' agreement by layer (docs/method.md §3.3) from a fit's records, as it stands after the
     last prompt: per layer its last ``half_rel_diff`` and the ``predicted_rel_se`` of the full mean that gives
-    (``half_rel_diff * sqrt(n_even n_odd) / n``, with the prompts of each half counted in the records). The same
+    (:func:`~jlens_core.lenses.lens.predicted_rel_se`, with the prompts of each half counted in the records). The same
     numbers as :meth:`~jlens_core.lenses.lens.JacobianLens.half_diagnostics` of the fit's lens in one process;
     under ``torchrun``, each record is its rank's view between syncs.
 
@@ -131,6 +131,8 @@ def half_agreement_frame(records: Iterable[dict]) -> pd.DataFrame:
         DataFrame ``layer, n_even, n_odd, half_rel_diff, predicted_rel_se``; empty when no record has both
         halves yet (a fit without halves, or before its second prompt).
     """
+    from ..lenses.lens import predicted_rel_se  # the one formula (torch: imported when a frame is made)
+
     columns = ["layer", "n_even", "n_odd", "half_rel_diff", "predicted_rel_se"]
     rows = [r for r in records if r.get("half") in (0, 1)]
     halves = {r["prompt_index"]: r["half"] for r in rows}
@@ -142,9 +144,8 @@ def half_agreement_frame(records: Iterable[dict]) -> pd.DataFrame:
             last[int(r["layer"])] = float(r["half_rel_diff"])
     if not last or not n_even or not n_odd:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in columns})
-    scale = (n_even * n_odd) ** 0.5 / (n_even + n_odd)
     return pd.DataFrame([{"layer": layer, "n_even": n_even, "n_odd": n_odd, "half_rel_diff": rel,
-                          "predicted_rel_se": rel * scale} for layer, rel in sorted(last.items())])
+                          "predicted_rel_se": predicted_rel_se(rel, n_even, n_odd)} for layer, rel in sorted(last.items())])
 
 
 __all__ = ["DIAGNOSTIC_COLUMNS", "convergence_frame", "diagnostics_frame", "half_agreement_frame", "norm_matrix",

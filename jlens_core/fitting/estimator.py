@@ -45,6 +45,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from ..layerspec import resolve_layers
+from ..lenses.kinds import relevance_backward
 from ..models.model import LensModel, kv_cache_problem
 from ..models.recorder import ActivationRecorder
 from .fused import (
@@ -219,7 +220,7 @@ def _forward_suffix(model: LensModel, ids: torch.Tensor, sources: list[int], tar
     """
     seq_len = ids.shape[1]
     ids = ids.expand(batch, -1)
-    rules_on = relevance_rules(model) if rules == "relevance" else contextlib.nullcontext()
+    rules_on = relevance_rules(model) if relevance_backward(rules) else contextlib.nullcontext()
     if not _prefix_cache_usable(model, ids[:1], target, skip_first):
         with rules_on, torch.enable_grad(), ActivationRecorder(model.layers, sources + [target],
                                                      start_graph_at=sources[0], stop_after=target) as rec:
@@ -305,7 +306,7 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | Int[torc
     ids = prompt_ids(model, prompt, max_seq_len)
     seq_len = ids.shape[1]
     valid_position_mask(seq_len, skip_first)  # raises on a too-short prompt
-    if rules == "relevance":
+    if relevance_backward(rules):
         reason = relevance_unsupported_reason(model)
         if reason is not None:
             raise ValueError(unsupported_message(model, reason))

@@ -17,8 +17,9 @@ from jaxtyping import Float, Int
 
 from .._atomic import atomic_write
 from ..lenses.experts import Clustering, ExpertLens
-from ..lenses.fit_settings import FitPlan, FitSettings, lens_settings
-from ..lenses.lens import JacobianLens
+from ..lenses.fit_settings import FitPlan, FitRecord, FitSettings, plan_provenance
+from ..lenses.kinds import relevance_backward
+from ..lenses.lens import JacobianLens, half_rel_diff
 from ..models.model import LensModel
 from .estimator import jacobian_for_prompt
 from .expert_clusters import cluster_source_layers, clustering_from_payload, clustering_payload
@@ -511,7 +512,7 @@ class _FitRun:
             return None
         sums = state.half_sum[layer] + pending.half_delta[layer]  # [2, d, d]
         full = (sums[0] + sums[1]) / (n[0] + n[1])
-        return float((sums[0] / n[0] - sums[1] / n[1]).norm() / full.norm().clamp_min(1e-300))
+        return half_rel_diff(full, sums[0] / n[0], sums[1] / n[1])
 
     def _sync(self, final: bool) -> list[FitProgress]:
         """Fold every rank's pending part into the state and ask ``should_stop``; returns the progress events."""
@@ -553,50 +554,39 @@ class _FitRun:
         Raises:
             ValueError: no prompt counted.
         """
-        state, settings, skip_first = self.state, self.settings, self.settings.skip_first
+        state, skip_first = self.state, self.settings.skip_first
         if state.n_done == 0:
             raise ValueError(f"No prompt counted: all {len(self.prompts)} prompts were skipped (each needs at least "
                              f"{skip_first + 2} tokens with skip_first={skip_first}). Give longer prompts.")
         memory = None if self.memory is None else {**self.memory, "peak_bytes": self.peak_bytes,
                                                    "peak_measure": peak_measure(self.model.device)}
-        file_settings = lens_settings(settings, self.plan, n_skipped=state.n_skipped, memory=memory)
-        halves = self._half_lenses(file_settings) if self.halves else None
-        if self.experts:
-            return ExpertLens({layer: state.mean(layer).float() for layer in self.sources},
-                              {layer: (state.expert_sum[layer] / state.expert_count[layer].clamp_min(1)[:, None, None])
-                               .float() for layer in self.sources},
-                              {layer: state.expert_count[layer].round().long() for layer in self.sources},
-                              state.clustering, state.n_done, self.model.d_model, target_layer=self.target,
-                              rules=settings.rules, n_layers=self.model.n_layers, settings=file_settings,
-                              model_name=self.model.name, model_fingerprint=self.model_fingerprint,
-                              diagnostics=state.diagnostics, stop_reason=state.stop_reason, halves=halves)  # type: ignore[arg-type]
-        return JacobianLens({layer: state.mean(layer).float() for layer in self.sources}, state.n_done,
-                            self.model.d_model, target_layer=self.target, n_layers=self.model.n_layers,
-                            settings=file_settings, model_name=self.model.name,
-                            model_fingerprint=self.model_fingerprint, diagnostics=state.diagnostics,
-                            stop_reason=state.stop_reason, rules=settings.rules, halves=halves)  # type: ignore[arg-type]
+        record = FitRecord(model_name=self.model.name, model_fingerprint=self.model_fingerprint,
+                           n_prompts=state.n_done, n_skipped=state.n_skipped, diagnostics=tuple(state.diagnostics),
+                           stop_reason=state.stop_reason, provenance=plan_provenance(self.plan, memory=memory))
+        halves = None
+        if self.halves:  # the even and odd halves: the means of their own prompts (zeros for a half without any)
+            halves = tuple(self._lens_of_sums(h, record.for_half(state.half_n[h])) for h in (0, 1))
+        return self._lens_of_sums(None, record, halves=halves)
 
-    def _half_lenses(self, file_settings: dict) -> tuple[JacobianLens, JacobianLens] | tuple[ExpertLens, ExpertLens]:
-        """The even and odd halves as lenses of the fit's class (docs/method.md §3.3): the means of their own
-        prompts (zeros for a half without prompts), no diagnostics of their own."""
-        state, d = self.state, self.model.d_model
-        common: dict[str, Any] = {"target_layer": self.target, "n_layers": self.model.n_layers,
-                                  "settings": file_settings, "model_name": self.model.name,
-                                  "model_fingerprint": self.model_fingerprint, "rules": self.settings.rules}
-
-        def pooled(h: int) -> dict[int, torch.Tensor]:
-            return {layer: (state.half_sum[layer][h] / max(state.half_n[h], 1)).float() for layer in self.sources}
-
-        if self.experts:
-            return tuple(ExpertLens(  # type: ignore[return-value]
-                pooled(h),
-                {layer: (state.expert_half_sum[layer][h]
-                         / state.expert_half_count[layer][h].clamp_min(1)[:, None, None]).float()
-                 for layer in self.sources},
-                {layer: state.expert_half_count[layer][h].round().long() for layer in self.sources},
-                state.clustering, state.half_n[h], d, **common) for h in (0, 1))
-        return tuple(JacobianLens(pooled(h), state.half_n[h], d, **common)  # type: ignore[return-value]
-                     for h in (0, 1))
+    def _lens_of_sums(self, half: int | None, record: FitRecord, *, halves: tuple | None = None
+                      ) -> JacobianLens | ExpertLens:
+        """A lens of the fit's class from its running sums: the whole fit's (``half=None``), or the even (0) or odd
+        (1) prompts' (docs/method.md §3.3), with ``record`` (its prompts: ``record.n_prompts``) and ``halves``."""
+        state, n = self.state, record.n_prompts
+        shape: dict[str, Any] = {"d_model": self.model.d_model, "n_layers": self.model.n_layers}
+        if half is None:
+            pooled = {layer: state.mean(layer).float() for layer in self.sources}
+        else:
+            pooled = {layer: (state.half_sum[layer][half] / max(n, 1)).float() for layer in self.sources}
+        if not self.experts:
+            return JacobianLens.from_fit(pooled, self.settings, record, halves=halves, **shape)
+        sums, counts = ((state.expert_sum, state.expert_count) if half is None else
+                        ({layer: state.expert_half_sum[layer][half] for layer in self.sources},
+                         {layer: state.expert_half_count[layer][half] for layer in self.sources}))
+        return ExpertLens.from_fit(pooled, {layer: (sums[layer] / counts[layer].clamp_min(1)[:, None, None]).float()
+                                            for layer in self.sources},
+                                   {layer: counts[layer].round().long() for layer in self.sources}, state.clustering,
+                                   self.settings, record, halves=halves, **shape)
 
 
 def _plan_fit_memory(model: LensModel, settings: FitSettings, plan: FitPlan) -> dict:
@@ -731,7 +721,7 @@ def fit(model: LensModel, prompts: Sequence, settings: FitSettings | None = None
         keywords = {**keywords, "experts": experts}  # type: ignore[typeddict-unknown-key]
     settings, plan = fit_settings_and_plan(settings, plan, **keywords)
     settings = settings.resolved(model.n_layers)
-    if settings.rules == "relevance":  # before any prompt: per prompt it would read as "skipped"
+    if relevance_backward(settings.rules):  # before any prompt: per prompt it would read as "skipped"
         reason = relevance_unsupported_reason(model)
         if reason is not None:
             raise ValueError(unsupported_message(model, reason))
@@ -754,8 +744,8 @@ def fit(model: LensModel, prompts: Sequence, settings: FitSettings | None = None
     # -- lens check (docs/method.md §4.2): the forward canary, made once the matrices are done -- #
     from ..lenses.canary import make_canary
 
-    lens.canary = make_canary(model, lens)
+    lens = lens.replace(canary=make_canary(model, lens))
     from ..lenses.provenance import PROVENANCE_KEY, model_provenance
 
-    lens.settings[PROVENANCE_KEY] = model_provenance(model)  # versions, revision, capture point (docs/sharing.md)
-    return lens
+    # versions, revision, capture point (docs/sharing.md): one entry of the record's provenance, the file's settings
+    return lens.replace(provenance={**lens.record.provenance, PROVENANCE_KEY: model_provenance(model)})

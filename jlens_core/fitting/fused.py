@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..lenses.kinds import relevance_backward
 from ..models.layouts import get_path
 from ..models.model import LensModel
 from ..models.placement import execution_device, is_offloaded, materialised
@@ -256,7 +257,7 @@ def _layer_forward(layout: FusedLayout, layer: nn.Module, x: torch.Tensor,
     """Re-run one decoder layer on ``x`` [S, d] (its weights real tensors); return its output at the
     valid positions [n, d] and its coefficients. ``rules="relevance"``: the coefficients of
     docs/method.md §9.1 (the forward is the same)."""
-    relevance = rules == "relevance"
+    relevance = relevance_backward(rules)
     dtype = x.dtype
     kind = layout.norm
 

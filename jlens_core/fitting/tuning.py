@@ -25,7 +25,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,41 @@ log = logging.getLogger(__name__)
 
 LN2 = math.log(2.0)
 # Settings that shape the result: a checkpoint written with others cannot be resumed.
-TUNE_SETTINGS = ("layers", "tokens_per_step", "lr", "warmup_steps", "max_seq_len", "skip_first", "seed",
-                 "corpus_digest")
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """What shapes a tuned lens's training (a checkpoint resumes only under the same values): its lens file's and
+    checkpoint's ``settings`` (:meth:`to_dict`, with the steps done added to the lens's).
+
+    Attributes:
+        layers: the source layers translated (concrete, ascending).
+        tokens_per_step: tokens per optimisation step.
+        lr: Adam's learning rate after the warm-up.
+        warmup_steps: steps of linear warm-up.
+        max_seq_len: each text truncated to this many tokens.
+        skip_first: positions before this are left out (the lens's :attr:`~jlens_core.lenses.tuned.TunedLens.skip_first`).
+        seed: reserved for data order.
+        corpus_digest: the training texts' digest (:func:`~jlens_core.fitting.resume.prompts_digest`).
+    """
+
+    layers: tuple[int, ...]
+    tokens_per_step: int
+    lr: float
+    warmup_steps: int
+    max_seq_len: int
+    skip_first: int
+    seed: int
+    corpus_digest: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``settings`` dict a checkpoint records (``layers`` as a list), in field order."""
+        return {f.name: list(getattr(self, f.name)) if f.name == "layers" else getattr(self, f.name)
+                for f in fields(self)}
+
+
+# the settings a training checkpoint must match to resume: every field of TuneSettings
+TUNE_SETTINGS = tuple(f.name for f in fields(TuneSettings))
 
 
 @dataclass
@@ -198,9 +231,9 @@ def train_tuned_lens(model: LensModel, texts: Sequence[str], *, layers: Sequence
     if stream.total == 0:
         raise ValueError(f"Zero training tokens: no text has more than skip_first={skip_first} tokens (max_seq_len "
                          f"{max_seq_len}); give longer or more texts.")
-    settings = {"layers": chosen, "tokens_per_step": int(tokens_per_step), "lr": float(lr),
-                "warmup_steps": int(warmup_steps), "max_seq_len": int(max_seq_len), "skip_first": int(skip_first),
-                "seed": int(seed), "corpus_digest": prompts_digest(list(texts), len(texts))}
+    settings = TuneSettings(layers=tuple(chosen), tokens_per_step=int(tokens_per_step), lr=float(lr),
+                            warmup_steps=int(warmup_steps), max_seq_len=int(max_seq_len), skip_first=int(skip_first),
+                            seed=int(seed), corpus_digest=prompts_digest(list(texts), len(texts)))
     run = _TuneRun(model, stream, settings, checkpoint_path)
     if resume:
         run.resume()
@@ -225,26 +258,25 @@ def train_tuned_lens(model: LensModel, texts: Sequence[str], *, layers: Sequence
         raise
     if heldout and last_heldout is None:  # resumed a finished run
         last_heldout = run.heldout(heldout)
-    lens = run.snapshot()
-    lens.metrics = {"history": run.history}
+    metrics: dict[str, Any] = {"history": run.history}
     if last_heldout is not None:
-        lens.metrics["heldout_kl_bits"] = {str(k): v for k, v in last_heldout.items()}
-    return lens
+        metrics["heldout_kl_bits"] = {str(k): v for k, v in last_heldout.items()}
+    return run.snapshot().replace(metrics=metrics)
 
 
 class _TuneRun:
     """The training state: the translators ``A_l, b_l`` (from zero: the logit lens), Adam, the steps done
     and their history; written to and resumed from ``checkpoint_path`` (None: no checkpoint)."""
 
-    def __init__(self, model: LensModel, stream: _Stream, settings: dict[str, Any],
+    def __init__(self, model: LensModel, stream: _Stream, settings: TuneSettings,
                  checkpoint_path: str | os.PathLike | None) -> None:
         self.model, self.stream, self.settings = model, stream, settings
-        self.layers: list[int] = settings["layers"]
+        self.layers: list[int] = list(settings.layers)
         self.checkpoint = Path(checkpoint_path) if checkpoint_path is not None else None
         d = model.d_model
         self.params = {layer: (torch.zeros(d, d, requires_grad=True), torch.zeros(d, requires_grad=True))
                        for layer in self.layers}
-        self.optimizer = torch.optim.Adam([p for pair in self.params.values() for p in pair], lr=settings["lr"])
+        self.optimizer = torch.optim.Adam([p for pair in self.params.values() for p in pair], lr=settings.lr)
         self.done = 0
         self.history: list[dict] = []
 
@@ -253,7 +285,8 @@ class _TuneRun:
         if self.checkpoint is None or not self.checkpoint.is_file():
             return
         state = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
-        check_same_settings(self.checkpoint, state["settings"], self.settings, TUNE_SETTINGS, run="training")
+        check_same_settings(self.checkpoint, state["settings"], self.settings.to_dict(), TUNE_SETTINGS,
+                            run="training")
         with torch.no_grad():
             for layer, (a, b) in self.params.items():
                 a.copy_(state["A"][layer])
@@ -266,10 +299,10 @@ class _TuneRun:
         """One optimisation step on step ``done``'s tokens, one layer's backward at a time; its history record."""
         settings, model = self.settings, self.model
         for group in self.optimizer.param_groups:  # linear warm-up
-            group["lr"] = settings["lr"] * min(1.0, (self.done + 1) / max(1, settings["warmup_steps"]))
+            group["lr"] = settings.lr * min(1.0, (self.done + 1) / max(1, settings.warmup_steps))
         self.optimizer.zero_grad(set_to_none=True)
-        resid, final = _batch(model, self.stream, self.done, settings["tokens_per_step"], self.layers,
-                              settings["skip_first"])
+        resid, final = _batch(model, self.stream, self.done, settings.tokens_per_step, self.layers,
+                              settings.skip_first)
         total = 0.0
         for layer in self.layers:
             a, b = self.params[layer]
@@ -291,20 +324,20 @@ class _TuneRun:
         return TunedLens({layer: (a.detach().clone(), b.detach().clone()) for layer, (a, b) in self.params.items()},
                          model.d_model, target_layer=model.n_layers - 1, n_layers=model.n_layers,
                          model_name=model.name, model_fingerprint=model.fingerprint(),
-                         settings={**self.settings, "steps": self.done})
+                         settings={**self.settings.to_dict(), "steps": self.done})
 
     def heldout(self, texts: Sequence[str]) -> dict[int, float]:
-        return heldout_kl(self.model, self.snapshot(), texts, max_seq_len=self.settings["max_seq_len"],
-                          skip_first=self.settings["skip_first"])
+        return heldout_kl(self.model, self.snapshot(), texts, max_seq_len=self.settings.max_seq_len,
+                          skip_first=self.settings.skip_first)
 
     def save_checkpoint(self) -> None:
         if self.checkpoint is None:
             return
         state = {"A": {layer: a.detach().clone() for layer, (a, _) in self.params.items()},
                  "b": {layer: b.detach().clone() for layer, (_, b) in self.params.items()},
-                 "optimizer": self.optimizer.state_dict(), "step": self.done, "settings": self.settings,
+                 "optimizer": self.optimizer.state_dict(), "step": self.done, "settings": self.settings.to_dict(),
                  "history": self.history}
         atomic_write(self.checkpoint, lambda tmp: torch.save(state, tmp))
 
 
-__all__ = ["TUNE_SETTINGS", "TuneProgress", "heldout_kl", "train_tuned_lens"]
+__all__ = ["TUNE_SETTINGS", "TuneProgress", "TuneSettings", "heldout_kl", "train_tuned_lens"]

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from jaxtyping import Bool, Float, Int
 
+from ..lenses.kinds import is_baseline
 from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
@@ -249,7 +250,7 @@ def with_logit_control(model: LensModel, lenses: Mapping[str, Lens]) -> dict[str
     """``lenses`` as a new dict, with the logit lens added as ``"logit"`` (last) when none of them is one: the
     control every success run (swap, make-it-say) compares a lens with."""
     out = dict(lenses)
-    if not any(lens.kind == "logit" for lens in out.values()):
+    if not any(is_baseline(lens) for lens in out.values()):
         out["logit"] = LogitLens.for_model(model)
     return out
 

@@ -28,6 +28,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from ..lenses.kinds import BASELINE, is_baseline
 from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
@@ -55,7 +56,7 @@ from .side_effects import DOWNSTREAM_TOKENS, check_downstream_tokens, clean_cont
 log = logging.getLogger(__name__)
 
 RANDOM = "random"
-LOGIT = "logit"
+LOGIT = BASELINE  # the logit lens as a control: the kinds' baseline ("logit")
 CONTROLS = (RANDOM, LOGIT)
 DEFAULT_MAX_REPLAYS = 12
 STRENGTH_BISECTIONS = 3  # the minimal strength to 1/8 of the verified one
@@ -589,7 +590,7 @@ def _execute(model: LensModel, prompt: str, ids: torch.Tensor, spelled: SayTarge
 
 def lens_arm(model: LensModel, name: str, lens: Lens) -> _Arm:
     """The arm that searches along ``lens``'s read directions."""
-    label = "logit lens" if lens.kind == "logit" else f"{name} lens" if name != lens.kind else f"{lens.kind} lens"
+    label = "logit lens" if is_baseline(lens) else f"{name} lens" if name != lens.kind else f"{lens.kind} lens"
     return _Arm(name, lens, LensDirections(model, lens), label)
 
 
@@ -646,7 +647,7 @@ def make_it_say(model: LensModel, lens: Lens, prompt: str, target: str, *, layer
     arms = [lens_arm(model, str(lens.kind), lens)]
     if RANDOM in chosen_controls:
         arms.append(random_arm(model, lens, seed))
-    if LOGIT in chosen_controls and lens.kind != "logit":
+    if LOGIT in chosen_controls and not is_baseline(lens):
         logit = LogitLens.for_model(model)
         check_layers(model, logit, searched)
         arms.append(lens_arm(model, LOGIT, logit))

@@ -18,7 +18,7 @@ import logging
 import math
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,19 +27,18 @@ import torch
 from jaxtyping import Float, Int
 
 from ..models.model import LensModel
+from .fit_settings import DEFAULT_CLUSTER_PROMPTS, ExpertOrigin, FitRecord, FitSettings
 from .header import EXPERTS_FORMAT_NAME, LensFileError, half_prompts_of, header_or_none
-from .kinds import expert_kind
+from .kinds import PLAIN_RULES, expert_kind
 from .lens import (
     HALF_NAMES,
     HALF_PREFIX,
-    LENS_RULES,
     JacobianLens,
     MatrixTransportMixin,
     check_made_for,
-    check_mergeable,
     checked_rules,
     extra_tensors,
-    merged_prompts,
+    fit_types,
     own_tensors,
     prompt_weighted_mean,
     read_lens_safetensors,
@@ -150,21 +149,63 @@ class ExpertLens(MatrixTransportMixin):
             expert lenses of these layers.
     """
 
-    def __init__(self, pooled: dict[int, Float[torch.Tensor, "d_model d_model"]],
-                 experts: dict[int, Float[torch.Tensor, "experts d_model d_model"]],
-                 counts: dict[int, Int[torch.Tensor, " experts"]], clustering: dict[int, Clustering], n_prompts: int,
-                 d_model: int, *, target_layer: int, rules: str = "jacobian",
-                 weights: dict[int, Float[torch.Tensor, " experts"]] | None = None,
-                 weight_items: list[str] | None = None,
-                 min_positions: int = MIN_POSITIONS, n_layers: int | None = None, settings: dict | None = None,
+    _FIELDS = ("pooled", "experts", "counts", "clustering", "d_model", "n_layers", "fit_settings", "record",
+               "weights", "weight_items", "min_positions", "halves")
+    pooled: dict[int, Float[torch.Tensor, "d_model d_model"]]
+    experts: dict[int, Float[torch.Tensor, "experts d_model d_model"]]
+    counts: dict[int, Int[torch.Tensor, " experts"]]
+    clustering: dict[int, Clustering]
+    n_experts: int
+    weights: dict[int, Float[torch.Tensor, " experts"]] | None
+    weight_items: list[str]
+    min_positions: int
+
+    def __init__(self, pooled: Mapping[int, Float[torch.Tensor, "d_model d_model"]],
+                 experts: Mapping[int, Float[torch.Tensor, "experts d_model d_model"]],
+                 counts: Mapping[int, Int[torch.Tensor, " experts"]], clustering: Mapping[int, Clustering],
+                 n_prompts: int, d_model: int, *, target_layer: int, rules: str = PLAIN_RULES,
+                 weights: Mapping[int, Float[torch.Tensor, " experts"]] | None = None,
+                 weight_items: Sequence[str] | None = None,
+                 min_positions: int = MIN_POSITIONS, n_layers: int | None = None, settings: Mapping | None = None,
                  model_name: str | None = None, model_fingerprint: dict | None = None,
                  diagnostics: list[dict] | None = None, stop_reason: str | None = None,
                  halves: tuple[ExpertLens, ExpertLens] | None = None) -> None:
         if not pooled:
             raise ValueError("An ExpertLens needs at least one layer's matrices.")
-        if rules not in LENS_RULES:
-            raise ValueError(f"rules={rules!r} is not one of {LENS_RULES}.")
-        self.rules = rules
+        fit_settings, record = fit_types(settings, layers=sorted(int(layer) for layer in pooled),
+                                         target_layer=target_layer, rules=rules, n_prompts=n_prompts,
+                                         model_name=model_name, model_fingerprint=model_fingerprint,
+                                         diagnostics=diagnostics, stop_reason=stop_reason)
+        self._setup(pooled=pooled, experts=experts, counts=counts, clustering=clustering, d_model=d_model,
+                    n_layers=n_layers, fit_settings=fit_settings, record=record, weights=weights,
+                    weight_items=weight_items, min_positions=min_positions, halves=halves)
+
+    @classmethod
+    def from_fit(cls, pooled: Mapping[int, Float[torch.Tensor, "d_model d_model"]],
+                 experts: Mapping[int, Float[torch.Tensor, "experts d_model d_model"]],
+                 counts: Mapping[int, Int[torch.Tensor, " experts"]], clustering: Mapping[int, Clustering],
+                 fit_settings: FitSettings, record: FitRecord, *, d_model: int, n_layers: int | None = None,
+                 weights: Mapping[int, Float[torch.Tensor, " experts"]] | None = None, weight_items: Sequence[str] | None = None,
+                 min_positions: int = MIN_POSITIONS, halves: tuple[ExpertLens, ExpertLens] | None = None) -> ExpertLens:
+        """The expert lens of these tensors with its types: what shaped it (``fit_settings``) and what its fit
+        recorded (``record``); the other arguments as the constructor's.
+
+        Raises:
+            ValueError: as the constructor.
+        """
+        lens = object.__new__(cls)
+        lens._setup(pooled=pooled, experts=experts, counts=counts, clustering=clustering, d_model=d_model,
+                    n_layers=n_layers, fit_settings=fit_settings, record=record, weights=weights,
+                    weight_items=weight_items, min_positions=min_positions, halves=halves)
+        return lens
+
+    def _setup(self, *, pooled: Mapping[int, torch.Tensor], experts: Mapping[int, torch.Tensor],
+               counts: Mapping[int, torch.Tensor], clustering: Mapping[int, Clustering], d_model: int,
+               n_layers: int | None, fit_settings: FitSettings, record: FitRecord,
+               weights: Mapping[int, torch.Tensor] | None, weight_items: Sequence[str] | None, min_positions: int,
+               halves: Sequence[ExpertLens] | None) -> None:
+        if not pooled:
+            raise ValueError("An ExpertLens needs at least one layer's matrices.")
         self.d_model = d = int(d_model)
         layers = sorted(int(layer) for layer in pooled)
         for name, table in (("experts", experts), ("counts", counts), ("clustering", clustering)):
@@ -188,19 +229,18 @@ class ExpertLens(MatrixTransportMixin):
                     raise ValueError(f"The {name} of layer {layer} have shape {got}, expected {want} "
                                      f"(E={n_experts}, d_model={d}).")
         self.n_experts = int(n_experts)
-        self.weights: dict[int, torch.Tensor] | None = None
+        checked = None
         if weights is not None:
             missing = sorted(set(layers) - {int(k) for k in weights})
             if missing:
                 raise ValueError(f"The weights lack layers {missing}: give one [E] vector per source layer.")
-            self.weights = {layer: self._checked_weights(weights[layer], layer) for layer in layers}
+            checked = {layer: self._checked_weights(weights[layer], layer) for layer in layers}
+        self.weights = checked
         self.weight_items = list(weight_items or [])
         self.min_positions = int(min_positions)
-        self._set_fit_record(n_prompts, target_layer, n_layers, settings, model_name, model_fingerprint,
-                             diagnostics, stop_reason)
         self._matrix_cache: dict[int, torch.Tensor] = {}
-        self._set_halves(halves)
         self._weighted_halves: tuple[ExpertLens, ExpertLens] | None = None  # halves(), with this lens's weights
+        self._set_fit(layers=layers, n_layers=n_layers, fit_settings=fit_settings, record=record, halves=halves)
 
     def _checked_weights(self, w: torch.Tensor, layer: int) -> torch.Tensor:
         w = torch.as_tensor(w, dtype=torch.float32).cpu()
@@ -289,7 +329,7 @@ class ExpertLens(MatrixTransportMixin):
         return self._weighted_halves
 
     def _weighted_half(self, half: ExpertLens) -> ExpertLens:
-        return half._copy(weights=self.weights, weight_items=self.weight_items, min_positions=self.min_positions)
+        return half.replace(weights=self.weights, weight_items=self.weight_items, min_positions=self.min_positions)
 
     def check_model(self, model: LensModel) -> None:
         """Raise :class:`LensFileError` if this lens was fitted for another model than ``model``."""
@@ -297,20 +337,7 @@ class ExpertLens(MatrixTransportMixin):
                        remedy="fit an expert lens for this model, or load its own lens")
 
     # -- variants ------------------------------------------------------------------------------
-    def _copy(self, **changes: Any) -> ExpertLens:
-        args: dict[str, Any] = {
-            "pooled": self.pooled, "experts": self.experts, "counts": self.counts, "clustering": self.clustering,
-            "n_prompts": self.n_prompts, "d_model": self.d_model, "target_layer": self.target_layer,
-            "rules": self.rules, "weights": self.weights, "weight_items": self.weight_items,
-            "min_positions": self.min_positions, "n_layers": self.n_layers, "settings": self.settings,
-            "model_name": self.model_name, "model_fingerprint": self.model_fingerprint,
-            "diagnostics": self.diagnostics, "stop_reason": self.stop_reason, "halves": self.raw_halves}
-        args.update(changes)
-        copy = ExpertLens(**args)
-        copy.canary = self.canary  # the same model: the same canary (docs/method.md §4.2)
-        return copy
-
-    def with_weights(self, weights: dict[int, Float[torch.Tensor, " experts"]] | None,
+    def with_weights(self, weights: Mapping[int, Float[torch.Tensor, " experts"]] | None,
                      items: Sequence[str] = ()) -> ExpertLens:
         """A copy that reads with ``weights`` (``{layer: Tensor[E]}``, renormalised to unit L2 norm), learned
         on the labelled ``items`` (their names, recorded in the file); ``None`` goes back to uniform weights.
@@ -318,51 +345,45 @@ class ExpertLens(MatrixTransportMixin):
         Raises:
             ValueError: a layer without weights, a vector that is not ``[E]``, or one of norm 0 or not finite.
         """
-        return self._copy(weights=weights, weight_items=list(items) if weights is not None else [])
+        return self.replace(weights=weights, weight_items=list(items) if weights is not None else [])
 
     def to_jacobian_lens(self) -> JacobianLens:
         """A plain :class:`JacobianLens` whose matrix per layer is :meth:`matrix` (reads at a J lens's cost).
 
-        Its ``settings`` record where it came from: ``experts`` (E), ``expert_kind`` (:attr:`kind`),
-        ``expert_weights`` (``{layer: [E floats]}``), ``weight_items``, ``min_positions`` and the positions
-        per expert (``expert_counts``). Save it with ``dtype="float16"`` to ship it.
+        Its record says where it came from (:attr:`~jlens_core.lenses.fit_settings.FitRecord.combined_from`, an
+        :class:`~jlens_core.lenses.fit_settings.ExpertOrigin`: the kind, the weights ``{layer: [E floats]}``, the
+        items they were learned on, ``min_positions`` and the positions per expert), and its fit settings ``experts``
+        (E); its file's settings record them as ``expert_kind``, ``expert_weights``, ``weight_items``,
+        ``min_positions``, ``expert_counts``. Save it with ``dtype="float16"`` to ship it.
         """
-        settings = dict(self.settings, experts=self.n_experts, expert_kind=self.kind,
-                        expert_weights={str(layer): [round(float(x), 7) for x in self.layer_weights(layer)]
-                                        for layer in self.source_layers},
-                        weight_items=list(self.weight_items), min_positions=self.min_positions,
-                        expert_counts={str(layer): self.counts[layer].tolist() for layer in self.source_layers})
+        origin = ExpertOrigin(kind=self.kind, weights={str(layer): [round(float(x), 7) for x in self.layer_weights(layer)]
+                                                       for layer in self.source_layers},
+                              weight_items=tuple(self.weight_items), min_positions=self.min_positions,
+                              counts={str(layer): self.counts[layer].tolist() for layer in self.source_layers})
+        fit = self.fit_settings.replace(experts=self.n_experts,
+                                        cluster_prompts=self.fit_settings.cluster_prompts or DEFAULT_CLUSTER_PROMPTS)
         raw = self.raw_halves
         halves = None if raw is None else tuple(self._weighted_half(h).to_jacobian_lens() for h in raw)
-        lens = JacobianLens({layer: self.matrix(layer) for layer in self.source_layers}, self.n_prompts,
-                            self.d_model, target_layer=self.target_layer, n_layers=self.n_layers,
-                            settings=settings, model_name=self.model_name, model_fingerprint=self.model_fingerprint,
-                            diagnostics=self.diagnostics, stop_reason=self.stop_reason, rules=self.rules,
-                            halves=halves)  # type: ignore[arg-type]
-        lens.canary = self.canary  # the same model (docs/method.md §4.2)
-        return lens
+        return JacobianLens.from_fit({layer: self.matrix(layer) for layer in self.source_layers}, fit,
+                                     self.record.replace(combined_from=origin), d_model=self.d_model,
+                                     n_layers=self.n_layers, halves=halves)  # type: ignore[arg-type]
 
     def pooled_lens(self) -> JacobianLens:
         """The plain lens of the same fit (the per-prompt mean of docs/method.md §3), as a :class:`JacobianLens`.
 
-        Its settings are the fit's without ``experts`` and ``cluster_prompts``: it is the lens a fit without
-        experts gives, and a reader of those keys would take it for a combination of experts."""
-        settings = {key: value for key, value in self.settings.items() if key not in ("experts", "cluster_prompts")}
+        Its fit settings are the fit's without experts: it is the lens a fit without experts gives, and a reader of
+        ``experts`` would take it for a combination of experts."""
         raw = self.raw_halves
-        lens = JacobianLens(self.pooled, self.n_prompts, self.d_model, target_layer=self.target_layer,
-                            n_layers=self.n_layers, settings=settings, model_name=self.model_name,
-                            model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
-                            stop_reason=self.stop_reason, rules=self.rules,
-                            halves=None if raw is None else (raw[0].pooled_lens(), raw[1].pooled_lens()))
-        lens.canary = self.canary  # the same model (docs/method.md §4.2)
-        return lens
+        return JacobianLens.from_fit(self.pooled, self.fit_settings.replace(experts=0), self.record,
+                                     d_model=self.d_model, n_layers=self.n_layers,
+                                     halves=None if raw is None else (raw[0].pooled_lens(), raw[1].pooled_lens()))
 
     # -- files ---------------------------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:
         return {"format": EXPERTS_FORMAT_NAME, "format_version": EXPERTS_FORMAT_VERSION, "kind": self.kind,
                 "model_name": self.model_name, "model_fingerprint": self.model_fingerprint,
                 "d_model": self.d_model, "n_layers": self.n_layers, "source_layers": self.source_layers,
-                "target_layer": self.target_layer, "n_prompts": self.n_prompts, "settings": self.settings,
+                "target_layer": self.target_layer, "n_prompts": self.n_prompts, "settings": self.settings_dict(),
                 "rules": self.rules, "experts": self.n_experts, "min_positions": self.min_positions,
                 "weighted": self.weights is not None, "weight_items": self.weight_items,
                 "stop_reason": self.stop_reason, "diagnostics": self.diagnostics}
@@ -432,103 +453,74 @@ class ExpertLens(MatrixTransportMixin):
         if weighted and any(f"weights.{layer}" not in tensors for layer in layers):
             raise LensFileError(f"{str(path)!r} says it has learned weights but lacks some: learn them again "
                                 "(jlens weigh).")
-        try:
-            halves = None
-            half_prompts = half_prompts_of(info)
-            if half_prompts is not None:
-                halves = tuple(cls._half_from_file(extra_tensors(every, f"{HALF_PREFIX}{name}."), layers, n, tensors,
-                                                   info, rules) for name, n in zip(HALF_NAMES, half_prompts))
-            lens = cls({layer: tensors[f"J.{layer}"] for layer in layers},
-                       {layer: tensors[f"experts.{layer}"] for layer in layers},
-                       {layer: tensors[f"counts.{layer}"] for layer in layers},
-                       {layer: Clustering(tensors[f"clustering.mean.{layer}"],
-                                          tensors[f"clustering.components.{layer}"],
-                                          tensors[f"clustering.centroids.{layer}"]) for layer in layers},
-                       info["n_prompts"], info["d_model"], target_layer=info["target_layer"], rules=rules,
-                       weights={layer: tensors[f"weights.{layer}"] for layer in layers} if weighted else None,
-                       weight_items=info.get("weight_items"), min_positions=info.get("min_positions", MIN_POSITIONS),
-                       n_layers=info.get("n_layers"), settings=info.get("settings"),
-                       model_name=info.get("model_name"), model_fingerprint=info.get("model_fingerprint"),
-                       diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"),
-                       halves=halves)  # type: ignore[arg-type]
-        except (ValueError, KeyError) as exc:
-            raise LensFileError(f"{str(path)!r} is not a consistent expert lens: {exc}") from exc
         from .canary import read_canary
 
-        lens.canary = read_canary(path)
+        clustering = {layer: Clustering(tensors[f"clustering.mean.{layer}"], tensors[f"clustering.components.{layer}"],
+                                        tensors[f"clustering.centroids.{layer}"]) for layer in layers}
+
+        def part(named: dict[str, torch.Tensor]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor],
+                                                          dict[int, torch.Tensor]]:
+            """The pooled matrices, experts and counts in ``named`` (a file's, or a half's)."""
+            pooled, experts, counts = ({layer: named[f"{name}.{layer}"] for layer in layers}
+                                       for name in ("J", "experts", "counts"))
+            return pooled, experts, counts
+
+        try:
+            fit_settings, record = fit_types(info.get("settings"), layers=layers, target_layer=info["target_layer"],
+                                             rules=rules, n_prompts=info["n_prompts"],
+                                             model_name=info.get("model_name"),
+                                             model_fingerprint=info.get("model_fingerprint"),
+                                             diagnostics=info.get("diagnostics"), stop_reason=info.get("stop_reason"))
+            shape: dict[str, Any] = {"d_model": info["d_model"], "n_layers": info.get("n_layers")}
+            halves = None
+            half_prompts = half_prompts_of(info)
+            if half_prompts is not None:  # each half: its J, experts and counts, with the lens's clustering
+                halves = tuple(cls.from_fit(*part(extra_tensors(every, f"{HALF_PREFIX}{name}.")), clustering,
+                                            fit_settings, record.for_half(n), **shape)
+                               for name, n in zip(HALF_NAMES, half_prompts))
+            lens = cls.from_fit(*part(tensors), clustering, fit_settings, record.replace(canary=read_canary(path)),
+                                weights={layer: tensors[f"weights.{layer}"] for layer in layers} if weighted else None,
+                                weight_items=info.get("weight_items"),
+                                min_positions=info.get("min_positions", MIN_POSITIONS),
+                                halves=halves, **shape)  # type: ignore[arg-type]
+        except (ValueError, KeyError) as exc:
+            raise LensFileError(f"{str(path)!r} is not a consistent expert lens: {exc}") from exc
         if model is not None:
             lens.check_model(model)
         return lens
 
-    @classmethod
-    def _half_from_file(cls, half: dict[str, torch.Tensor], layers: list[int], n_prompts: int,
-                        tensors: dict[str, torch.Tensor], info: dict[str, Any], rules: str) -> ExpertLens:
-        """One half from its tensors in a file (``J``, ``experts``, ``counts``), with the lens's clustering."""
-        return cls({layer: half[f"J.{layer}"] for layer in layers},
-                   {layer: half[f"experts.{layer}"] for layer in layers},
-                   {layer: half[f"counts.{layer}"] for layer in layers},
-                   {layer: Clustering(tensors[f"clustering.mean.{layer}"], tensors[f"clustering.components.{layer}"],
-                                      tensors[f"clustering.centroids.{layer}"]) for layer in layers},
-                   n_prompts, info["d_model"], target_layer=info["target_layer"], rules=rules,
-                   n_layers=info.get("n_layers"), settings=info.get("settings"), model_name=info.get("model_name"),
-                   model_fingerprint=info.get("model_fingerprint"))
-
     # -- combining -----------------------------------------------------------------------------
     @classmethod
-    def merge(cls, lenses: Sequence[ExpertLens]) -> ExpertLens:
-        """Lenses fitted on disjoint prompt sets with one clustering, as one: the pooled matrices'
-        ``n_prompts``-weighted mean, each expert's position sums and counts added (in float64).
-
-        Raises:
-            ValueError: no lenses; lenses with learned weights; or lenses of different rules, E, layers,
-                widths, result settings, models or clusterings.
-        """
-        lenses = list(lenses)
-        if not lenses:
-            raise ValueError("merge needs at least one lens.")
+    def _check_merge(cls, lenses: Sequence[ExpertLens]) -> None:
+        """Expert lenses merge without learned weights, with one E and one clustering."""
         if any(lens.weights is not None for lens in lenses):
             raise ValueError("Cannot merge expert lenses with learned weights: merge the fits, then learn the "
                              "weights on the merged lens.")
         first = lenses[0]
         for other in lenses[1:]:
-            if other.rules != first.rules:
-                raise ValueError(f"Cannot merge a {first.rules} lens with a {other.rules} lens (docs/method.md §9.1).")
             if (other.d_model, other.source_layers, other.n_experts) != (first.d_model, first.source_layers,
                                                                           first.n_experts):
                 raise ValueError(f"Cannot merge expert lenses of widths/layers/E {first.d_model}/"
                                  f"{first.source_layers}/{first.n_experts} and {other.d_model}/"
                                  f"{other.source_layers}/{other.n_experts}.")
-            check_mergeable(first, other)
             bad = [layer for layer in first.source_layers
                    if not first.clustering[layer].same_as(other.clustering[layer])]
             if bad:
                 raise ValueError(f"Cannot merge expert lenses with different clusterings (layers {bad}): fit the "
                                  "shards with the same cluster_prompts, so they compute the same clustering.")
-        _total, settings = merged_prompts(lenses)
-        halves = None
-        if all(lens.raw_halves is not None for lens in lenses):  # the halves add up like the lens (§3.3)
-            halves = tuple(_merged(first.raw_halves[h], [lens.raw_halves[h] for lens in lenses],  # type: ignore[index]
-                                   settings=settings, diagnostics=[]) for h in (0, 1))
-        elif any(lens.raw_halves is not None for lens in lenses):
-            log.info("Merged without split halves: some of the lenses keep none.")
-        return _merged(first, lenses, settings=settings, diagnostics=[rec for lens in lenses for rec in lens.diagnostics],
-                       halves=halves)
 
-
-def _merged(first: ExpertLens, lenses: Sequence[ExpertLens], **changes: Any) -> ExpertLens:
-    """``first`` with the pooled matrices' ``n_prompts``-weighted mean of ``lenses`` and their experts' position sums
-    and counts added (float64); zeros where none holds a prompt (a merged half may)."""
-    total = sum(lens.n_prompts for lens in lenses)
-    pooled, experts, counts = {}, {}, {}
-    for layer in first.source_layers:
-        pooled[layer] = prompt_weighted_mean([(lens.pooled[layer], lens.n_prompts) for lens in lenses], max(total, 1))
-        count = functools.reduce(operator.add, [lens.counts[layer] for lens in lenses])  # [E]
-        sums = functools.reduce(operator.add, [lens.experts[layer].double()
-                                               * lens.counts[layer].double()[:, None, None] for lens in lenses])
-        experts[layer] = (sums / count.clamp_min(1).double()[:, None, None]).float()
-        counts[layer] = count
-    return first._copy(pooled=pooled, experts=experts, counts=counts, n_prompts=total, stop_reason=None,
-                       **{"halves": None, **changes})
+    @classmethod
+    def _merged_matrices(cls, lenses: Sequence[ExpertLens], total: int) -> dict[str, Any]:
+        """The pooled matrices' ``n_prompts``-weighted mean, the experts' position sums and counts added (float64)."""
+        pooled, experts, counts = {}, {}, {}
+        for layer in lenses[0].source_layers:
+            pooled[layer] = prompt_weighted_mean([(lens.pooled[layer], lens.n_prompts) for lens in lenses], total)
+            count = functools.reduce(operator.add, [lens.counts[layer] for lens in lenses])  # [E]
+            sums = functools.reduce(operator.add, [lens.experts[layer].double()
+                                                   * lens.counts[layer].double()[:, None, None] for lens in lenses])
+            experts[layer] = (sums / count.clamp_min(1).double()[:, None, None]).float()
+            counts[layer] = count
+        return {"pooled": pooled, "experts": experts, "counts": counts}
 
 
 def is_expert_lens_file(path: str | os.PathLike) -> bool:

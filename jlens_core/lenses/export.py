@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from .._atomic import atomic_write, atomic_write_text
 from .._version import __version__
 from .kinds import BY_KIND, lens_kind
-from .provenance import lens_provenance
+from .provenance import file_settings, lens_provenance
 
 if TYPE_CHECKING:
     import torch
@@ -167,7 +167,7 @@ def left_out(lens: Any, format: str) -> str | None:
 
 def _identity(lens: Any, provenance: dict[str, Any]) -> dict[str, Any]:
     """The model identity, fit settings and provenance an export records (plain values only)."""
-    settings = getattr(lens, "settings", {}) or {}
+    settings = file_settings(lens)
     return {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION, "jlens": __version__,
             "kind": lens_kind(lens), "rules": getattr(lens, "rules", "jacobian"),
             "model_name": lens.model_name, "model_fingerprint": lens.model_fingerprint,
@@ -243,7 +243,7 @@ def _jpp_payload(lens: Any, matrices: dict[int, torch.Tensor], provenance: dict[
     """The J++ layout as published (fp32 maps under ``parameters.jacobians``; its config's names: ``d_model``,
     ``num_prompts_trained_on``, ``hf_model_name``, ``max_seq_len``, ``skip_first_n_positions``, ``lrp_mode``,
     ``relative_end_transport_layer``), with our identity under ``jlens``."""
-    settings = getattr(lens, "settings", {}) or {}
+    settings = file_settings(lens)
     config = {"d_model": int(lens.d_model), "num_prompts_trained_on": int(lens.n_prompts),
               "hf_model_name": hub_name(provenance.get("model_source")) or lens.model_name,
               "max_seq_len": settings.get("max_seq_len"), "skip_first_n_positions": settings.get("skip_first"),
@@ -279,7 +279,7 @@ def _neuronpedia(lens: Any, root: Path, matrices: dict[int, torch.Tensor], prove
     hf_name = hub_name(provenance.get("model_source")) or lens.model_name
     stem = slug(hf_name)
     model_id = model_id or slug(lens.model_name).lower()
-    settings = getattr(lens, "settings", {}) or {}
+    settings = file_settings(lens)
     dataset = dataset or slug(str(settings.get("corpus") or "unknown-corpus"))
     folder = root / model_id / method / dataset
     name = f"{stem}_{'jpp' if method == 'jpp' else 'jacobian'}_lens.pt"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .kinds import (
-    RULES,  # "jacobian" (docs/method.md §2), "relevance" (the R-lens, §9.1): from the lens kinds
+    RULES,  # "jacobian" (docs/method.md §2), "relevance" (the R-lens, §9.1): the lens kinds' table
 )
 
 if TYPE_CHECKING:
@@ -256,13 +256,12 @@ class FitSettings(_Fields):
     @classmethod
     def from_lens(cls, source_layers: list[int], target_layer: int, rules: str,
                   settings: Mapping[str, Any]) -> FitSettings:
-        """The settings a lens file records: its layers and rules, and its ``settings`` dict (whose other keys,
-        the plan's and the record's, are ignored). A key missing from an old file takes its default."""
-        experts = int(settings.get("experts") or 0)
-        return cls(source_layers=tuple(source_layers), target_layer=int(target_layer),
-                   skip_first=int(settings.get("skip_first", 16)), max_seq_len=int(settings.get("max_seq_len", 128)),
-                   rules=rules, experts=experts,
-                   cluster_prompts=int(settings.get("cluster_prompts", DEFAULT_CLUSTER_PROMPTS)) if experts else 0)
+        """The settings a lens file records: its layers and rules, and its ``settings`` dict's entries of the other
+        fields (:data:`FILE_SETTINGS`; the plan's and the record's entries are ignored). A field missing from an old
+        file takes its default (``cluster_prompts``: set to 0 without experts)."""
+        recorded = {name: settings[name] for name in FILE_SETTINGS if settings.get(name) is not None}
+        return cls(**{**recorded, "source_layers": tuple(source_layers), "target_layer": int(target_layer),
+                      "rules": rules})
 
     @classmethod
     def from_checkpoint(cls, saved: Mapping[str, Any]) -> FitSettings:
@@ -344,8 +343,53 @@ class FitPlan(_Fields):
 
 
 @dataclass(frozen=True)
+class ExpertOrigin(_Fields):
+    """Where a plain one-matrix lens combined from an expert lens came from
+    (:meth:`~jlens_core.lenses.experts.ExpertLens.to_jacobian_lens`, docs/method.md §9.1): its file's settings
+    record these as ``expert_kind``, ``expert_weights``, ``weight_items``, ``min_positions``, ``expert_counts``.
+
+    Attributes:
+        kind: the expert lens's kind (``"jacobian++"``, ``"relevance-experts"``, ...): the kind the combined lens
+            reads as (:func:`~jlens_core.lenses.kinds.lens_kind`).
+        weights: ``{layer: [E floats]}`` (layers as strings, as JSON keeps them), the weights it was combined with.
+        weight_items: the labelled items the weights were learned on.
+        min_positions: experts with fewer positions read with the pooled matrix.
+        counts: ``{layer: [E ints]}``, the positions averaged into each expert.
+    """
+
+    _what: ClassVar[str] = "expert origin entry"
+
+    kind: str | None = None
+    weights: dict | None = None
+    weight_items: tuple[str, ...] | None = None
+    min_positions: int | None = None
+    counts: dict | None = None
+
+    # the lens file's settings key of each field
+    KEYS: ClassVar[dict[str, str]] = {"kind": "expert_kind", "weights": "expert_weights",
+                                      "weight_items": "weight_items", "min_positions": "min_positions",
+                                      "counts": "expert_counts"}
+
+    def __post_init__(self) -> None:
+        if self.weight_items is not None:
+            object.__setattr__(self, "weight_items", tuple(self.weight_items))
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> ExpertOrigin | None:
+        """The origin a lens file's ``settings`` record (``None`` unless they name an ``expert_kind``)."""
+        if not settings.get("expert_kind"):
+            return None
+        return cls(**{name: settings[key] for name, key in cls.KEYS.items() if key in settings})
+
+    def to_settings(self) -> dict[str, Any]:
+        """The entries of a lens file's ``settings`` (the fields given, under their file keys)."""
+        return {key: _plain(getattr(self, name)) for name, key in self.KEYS.items() if getattr(self, name) is not None}
+
+
+@dataclass(frozen=True)
 class FitRecord(_Fields):
-    """What a fit recorded: the model it ran on, the prompts, the diagnostics and why it stopped.
+    """What a fit recorded: the model it ran on, the prompts, the diagnostics, why it stopped, and what happened to
+    the lens since (merged, weighted, combined from experts).
 
     Attributes:
         model_name: the model's name.
@@ -356,7 +400,19 @@ class FitRecord(_Fields):
         stop_reason: why the fit stopped early (``None``: it read every prompt).
         half_prompts: ``(n_even, n_odd)``, the prompts in each half when the lens keeps its halves
             (docs/method.md §3.3); ``None`` otherwise.
-        canary: the lens check's canary summary, when the lens has one; ``None`` otherwise.
+        canary: the lens check's canary (:class:`~jlens_core.lenses.canary.Canary`, docs/method.md §4.2), when the
+            lens has one; ``None`` otherwise. Not compared, and left out of :meth:`to_dict` (its file keeps it).
+        settings_recorded: whether a jlens fit recorded the lens's :class:`FitSettings` (``skip_first`` and the
+            rest); ``False`` for a lens built by hand from matrices or read from another library's file: its
+            readings then count every position as fitted, and its fit settings are the defaults.
+        provenance: the other entries its file's settings record, JSON-ready: how the fit ran (``dim_batch``,
+            ``method``, ``first_prompt``, ``memory``: the plan, :class:`FitPlan`) and any entry this jlens gives no
+            field (an older or foreign file's, e.g. ``source``).
+        corpus: the corpus the prompts came from (``jlens fit``'s ``--corpus``), when recorded.
+        weighting: how the expert weights were learned (``jlens weigh``: items, seed, scores), when they were.
+        merged_from: how many lenses :meth:`~jlens_core.lenses.lens.JacobianLens.merge` made it from (``None``:
+            not merged).
+        combined_from: the expert lens a one-matrix lens was combined from (:class:`ExpertOrigin`), or ``None``.
     """
 
     _what: ClassVar[str] = "record entry"
@@ -368,7 +424,13 @@ class FitRecord(_Fields):
     diagnostics: tuple[dict, ...] = ()
     stop_reason: str | None = None
     half_prompts: tuple[int, int] | None = None
-    canary: dict | None = None
+    canary: Any = field(default=None, compare=False, metadata={"json": False})
+    settings_recorded: bool = True
+    provenance: dict = field(default_factory=dict)
+    corpus: str | None = None
+    weighting: dict | None = None
+    merged_from: int | None = None
+    combined_from: ExpertOrigin | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_prompts", "n_skipped"):
@@ -376,10 +438,76 @@ class FitRecord(_Fields):
             if not _int(value) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an integer >= 0.")
         object.__setattr__(self, "diagnostics", tuple(self.diagnostics))
+        object.__setattr__(self, "provenance", dict(self.provenance))
+        if isinstance(self.combined_from, Mapping):
+            object.__setattr__(self, "combined_from", ExpertOrigin.from_dict(self.combined_from))
         if self.half_prompts is not None:
             object.__setattr__(self, "half_prompts", tuple(int(n) for n in self.half_prompts))
             if len(self.half_prompts) != 2:
                 raise ValueError(f"half_prompts={self.half_prompts!r} must be (n_even, n_odd).")
+
+    def for_half(self, n_prompts: int) -> FitRecord:
+        """The record of one of its lens's split halves (docs/method.md §3.3): ``n_prompts`` prompts, and no
+        diagnostics, stop reason, canary or halves of its own."""
+        return self.replace(n_prompts=n_prompts, diagnostics=(), stop_reason=None, canary=None, half_prompts=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field but the canary, JSON-ready (tuples as lists, :attr:`combined_from` as a dict)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.metadata.get("json", True):
+                value = getattr(self, f.name)
+                out[f.name] = value.to_dict() if isinstance(value, ExpertOrigin) else _plain(value)
+        return out
+
+
+# The entries of a lens file's settings dict (docs/method.md §4.1) that typed fields own: every FitSettings field
+# but its layers and rules (the lens's own fields; an expert fit's ``experts`` and ``cluster_prompts`` only with
+# experts), so a new fit setting is recorded and read back without more code; and the record's.
+FILE_SETTINGS = tuple(name for name in FitSettings.field_names() if name not in ("source_layers", "rules"))
+_EXPERT_SETTINGS = ("experts", "cluster_prompts")
+_RECORD_KEYS = ("n_skipped", "corpus", "weighting", "merged_from", *ExpertOrigin.KEYS.values())
+
+
+def split_lens_settings(settings: Mapping[str, Any] | None, *, source_layers: list[int], target_layer: int,
+                        rules: str) -> tuple[FitSettings, dict[str, Any]]:
+    """A lens file's ``settings`` dict (or a hand-built lens's) as types: its :class:`FitSettings` (defaults where it
+    records none) and the :class:`FitRecord` fields it holds (``settings_recorded``, ``n_skipped``, ``provenance``,
+    ``corpus``, ``weighting``, ``merged_from``, ``combined_from``), as keyword arguments.
+
+    :func:`settings_view` gives the dict back, the same entries (the inverse, up to key order). A dict that
+    records no ``skip_first`` was not made by a jlens fit: its other entries stay as they are in ``provenance``.
+    """
+    settings = dict(settings or {})
+    recorded = "skip_first" in settings
+    fit = FitSettings.from_lens(source_layers, target_layer, rules, settings)
+    owned = (*FILE_SETTINGS, *_RECORD_KEYS) if recorded else ("target_layer", *_RECORD_KEYS[1:])
+    record: dict[str, Any] = {
+        "settings_recorded": recorded, "n_skipped": int(settings.get("n_skipped", 0)),
+        "provenance": {key: value for key, value in settings.items() if key not in owned},
+        "corpus": settings.get("corpus"), "weighting": settings.get("weighting"),
+        "merged_from": settings.get("merged_from"), "combined_from": ExpertOrigin.from_settings(settings)}
+    return fit, record
+
+
+def settings_view(fit: FitSettings, record: FitRecord) -> dict[str, Any]:
+    """The ``settings`` dict a lens file records (docs/method.md §4.1), from the lens's types: the result settings
+    that are not the lens's own fields, ``n_skipped``, the plan and other :attr:`~FitRecord.provenance`,
+    ``experts`` / ``cluster_prompts`` for an expert fit, and the record's ``corpus``, ``merged_from``,
+    ``weighting`` and expert origin when it has them. A fresh dict."""
+    out: dict[str, Any]
+    if record.settings_recorded:
+        out = {name: _plain(getattr(fit, name)) for name in FILE_SETTINGS if fit.experts or name not in _EXPERT_SETTINGS}
+        out.update(record.provenance)
+        out["n_skipped"] = record.n_skipped
+    else:
+        out = {**record.provenance, "target_layer": fit.target_layer}
+    for key in ("corpus", "merged_from", "weighting"):
+        if getattr(record, key) is not None:
+            out[key] = _plain(getattr(record, key))
+    if record.combined_from is not None:
+        out.update(record.combined_from.to_settings())
+    return out
 
 
 def add_fit_arguments(parser: argparse.ArgumentParser | Any) -> None:
@@ -388,22 +516,16 @@ def add_fit_arguments(parser: argparse.ArgumentParser | Any) -> None:
     FitPlan.add_arguments(parser)
 
 
-def lens_settings(settings: FitSettings, plan: FitPlan, *, n_skipped: int,
-                  memory: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The ``settings`` dict a fitted lens records in its file (docs/method.md §4.1): the result settings
-    that are not the lens's own fields (its layers and rules are), the plan, ``n_skipped``, the memory plan
-    when a budget was given, and ``experts`` / ``cluster_prompts`` for an expert fit."""
-    out: dict[str, Any] = {"skip_first": settings.skip_first, "max_seq_len": settings.max_seq_len,
-                           "target_layer": settings.target_layer, "dim_batch": plan.dim_batch, "n_skipped": n_skipped,
-                           "method": plan.method}
+def plan_provenance(plan: FitPlan, *, memory: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What a fit records of its plan (:attr:`FitRecord.provenance`, its file's settings, docs/method.md §4.1):
+    ``dim_batch`` and ``method``, ``first_prompt`` when not 0, and the memory plan when a budget was given."""
+    out: dict[str, Any] = {"dim_batch": plan.dim_batch, "method": plan.method}
     if plan.first_prompt:
         out["first_prompt"] = plan.first_prompt
     if memory is not None:
         out["memory"] = dict(memory)
-    if settings.experts:
-        out.update(experts=settings.experts, cluster_prompts=settings.cluster_prompts)
     return out
 
 
-__all__ = ["DEFAULT_CLUSTER_PROMPTS", "METHODS", "RULES", "FitPlan", "FitRecord", "FitSettings", "add_fit_arguments",
-           "check_rules", "lens_settings"]
+__all__ = ["DEFAULT_CLUSTER_PROMPTS", "FILE_SETTINGS", "METHODS", "ExpertOrigin", "FitPlan", "FitRecord", "FitSettings",
+           "add_fit_arguments", "check_rules", "plan_provenance", "settings_view", "split_lens_settings"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -11,21 +12,22 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import torch
 from jaxtyping import Float
 
 from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
-from .fit_settings import FitPlan, FitRecord, FitSettings
+from .fit_settings import FitPlan, FitRecord, FitSettings, settings_view, split_lens_settings
 from .header import FORMAT_NAME, LensFileError, half_prompts_of, read_header
-from .kinds import RULES
+from .kinds import BASELINE, PLAIN_RULES, RULES, plain_kind
 from .protocol import FittedLens, Lens
 from .readout import ReadoutMixin
 
 if TYPE_CHECKING:
     import pandas as pd
+    from typing_extensions import Self  # typing's own from Python 3.11
 
     from .canary import Canary
 
@@ -33,10 +35,8 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 FP16_MAX = 65504.0
-# Fit settings that shape the result: lenses that differ in any of them cannot be merged.
-RESULT_SETTINGS = ("skip_first", "max_seq_len", "target_layer")
-# The backward rules a lens can be fitted with (docs/method.md §9.1): "jacobian" is the J-lens, "relevance" the R-lens.
-LENS_RULES = RULES  # ("jacobian", "relevance"): the rules of the lens kinds' table
+# The version that removes a fitted lens's deprecated ``settings`` dict view (read fit_settings and record instead).
+SETTINGS_REMOVED_IN = "0.3.0"
 # Split halves in a lens file (docs/method.md §3.3): each half's own tensors under "half.even." / "half.odd.",
 # and a "halves" field in the header's metadata.
 HALF_PREFIX = "half."
@@ -104,6 +104,35 @@ def cached_on_device(cache: dict[tuple[int, torch.device, torch.dtype], _T], lay
     return value
 
 
+class ReadOnlySettings(dict):
+    """A lens's settings dict (the fitted lens's deprecated ``lens.settings`` view, a tuned lens's ``settings`` and
+    ``metrics``): a dict (JSON-ready, ``isinstance(x, dict)``) that refuses changes, since the lens is an immutable
+    value (derive a copy with ``lens.replace``)."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("A lens's settings are a read-only view (of lens.fit_settings and lens.record for a fitted "
+                        "lens): derive a changed lens with lens.replace(...) (e.g. lens.replace(corpus=...)).")
+
+    __setitem__ = __delitem__ = __ior__ = update = setdefault = pop = popitem = clear = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickle and deepcopy rebuild it whole (item by item would be refused)
+        return (type(self), (dict(self),))
+
+
+class FrozenAttributes:
+    """A lens is an immutable value: once made (:meth:`_freeze`), setting a public attribute raises; derive a copy
+    with ``lens.replace(...)`` instead. Private attributes (caches) stay settable."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("_") and self.__dict__.get("_frozen"):
+            raise AttributeError(f"{type(self).__name__} is an immutable value: derive a copy with "
+                                 f"lens.replace({name}=...) instead of setting {name}.")
+        object.__setattr__(self, name, value)
+
+    def _freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+
 class SourceLayersMixin(ReadoutMixin):
     """``layers`` from ``source_layers`` and ``target_layer``: shared by the fitted and trained lenses."""
 
@@ -119,29 +148,135 @@ class SourceLayersMixin(ReadoutMixin):
         return self.source_layers + [self.target_layer]
 
 
-class MatrixTransportMixin(SourceLayersMixin):
-    """The transport of a lens that reads with one matrix per source layer (:meth:`matrix`), kept on the
-    reading's device and dtype: shared by :class:`JacobianLens` and the expert lens."""
+class MatrixTransportMixin(FrozenAttributes, SourceLayersMixin):
+    """A lens fitted by ``jlens fit`` that reads with one matrix per source layer (:meth:`matrix`): shared by
+    :class:`JacobianLens` and the expert lens.
+
+    An immutable value (docs/method.md §4): its matrices, its :attr:`fit_settings`
+    (:class:`~jlens_core.lenses.fit_settings.FitSettings`, what shaped it), its :attr:`record`
+    (:class:`~jlens_core.lenses.fit_settings.FitRecord`, what its fit recorded: model, prompts, diagnostics, stop
+    reason, provenance, halves, canary, corpus, weighting, merge history) and its split halves. A derived lens is a
+    copy with some of those replaced (:meth:`replace`, as ``dataclasses.replace``); setting an attribute raises.
+    Each class lists its constructor's fields in ``_FIELDS`` and builds itself in ``_setup`` (the one place its
+    fields are checked); ``__init__`` and every copy go through it.
+    """
 
     d_model: int
-    rules: str
+    n_layers: int
+    fit_settings: FitSettings
+    record: FitRecord
     _device_cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor]
+    _halves: tuple[Any, Any] | None
+    # the fields of the class's constructor (``_setup``'s keywords), which :meth:`replace` copies
+    _FIELDS: ClassVar[tuple[str, ...]] = ()
 
-    def _set_fit_record(self, n_prompts: int, target_layer: int, n_layers: int | None, settings: dict | None,
-                        model_name: str | None, model_fingerprint: dict | None, diagnostics: list[dict] | None,
-                        stop_reason: str | None) -> None:
-        """Set what a fit records besides its matrices (the constructors' arguments of those names)."""
-        self.n_prompts = int(n_prompts)
-        self.target_layer = int(target_layer)
-        self.n_layers = int(n_layers) if n_layers is not None else self.target_layer + 1
-        self.settings = dict(settings or {})
-        self.settings.setdefault("target_layer", self.target_layer)
-        self.model_name = model_name
-        self.model_fingerprint = model_fingerprint
-        self.diagnostics = list(diagnostics or [])
-        self.stop_reason = stop_reason
+    def _fields(self) -> dict[str, Any]:
+        """This lens's constructor fields (``_FIELDS``), as held (``halves`` as kept: :attr:`raw_halves`)."""
+        return {name: self._halves if name == "halves" else getattr(self, name) for name in self._FIELDS}
+
+    # the class's constructor: its fields (``_FIELDS``) by keyword, checked; every lens is built by it
+    _setup: Callable[..., None]
+
+    def _set_fit(self, *, layers: Sequence[int], n_layers: int | None, fit_settings: FitSettings, record: FitRecord,
+                 halves: Sequence[Any] | None) -> None:
+        """Set the fields every fitted lens has (``layers``: its source layers, sorted), check its halves and freeze
+        it. The settings take the lens's layers (and a target above them when they name none); the record takes the
+        halves' prompt counts."""
+        if not isinstance(fit_settings, FitSettings) or not isinstance(record, FitRecord):
+            raise TypeError(f"A {type(self).__name__} takes a FitSettings and a FitRecord, not "
+                            f"{type(fit_settings).__name__} and {type(record).__name__}.")
+        target = fit_settings.target_layer if fit_settings.target_layer is not None else max(layers) + 1
+        if fit_settings.source_layers != tuple(layers) or fit_settings.target_layer != target:
+            fit_settings = dataclasses.replace(fit_settings, source_layers=tuple(layers), target_layer=target)
+        self.fit_settings = fit_settings
+        self.n_layers = int(n_layers) if n_layers is not None else target + 1
+        self._set_halves(halves)
+        half_prompts = None if self._halves is None else (self._halves[0].n_prompts, self._halves[1].n_prompts)
+        self.record = record if record.half_prompts == half_prompts else record.replace(half_prompts=half_prompts)
         self._device_cache = {}
-        self.canary: Canary | None = None  # the forward canary of the lens check (docs/method.md §4.2), set by fit
+        self._freeze()
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with ``changes`` (as ``dataclasses.replace``), checked like a new lens: any of the class's
+        constructor fields (``_FIELDS``: its matrices, ``d_model``, ``n_layers``, ``fit_settings``, ``record``,
+        ``halves``, ...), or a field of :attr:`record` by name (``lens.replace(canary=c)`` is
+        ``lens.replace(record=lens.record.replace(canary=c))``).
+
+        Raises:
+            TypeError: a name that is neither.
+            ValueError: a bad value (as the constructor).
+        """
+        fields = self._fields()
+        record_changes = {k: v for k, v in changes.items() if k not in fields and k in FitRecord.field_names()}
+        unknown = [k for k in changes if k not in fields and k not in record_changes]
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.replace has no field {unknown[0]!r}: the known ones are "
+                            f"{', '.join(fields)} and the record's ({', '.join(FitRecord.field_names())}).")
+        fields.update({k: v for k, v in changes.items() if k in fields})
+        if record_changes:
+            fields["record"] = fields["record"].replace(**record_changes)
+        copy = object.__new__(type(self))
+        copy._setup(**fields)
+        return copy
+
+    # -- what its fit recorded (read from the types) ------------------------------------------------
+    @property
+    def target_layer(self) -> int:  # type: ignore[override]  # the settings' (a plain attribute elsewhere)
+        """The layer the lens carries residuals to (:attr:`fit_settings`)."""
+        return int(self.fit_settings.target_layer)  # type: ignore[arg-type]  # set by _set_fit
+
+    @property
+    def rules(self) -> str:
+        """The fit's backward rules (:data:`~jlens_core.lenses.kinds.RULES`)."""
+        return self.fit_settings.rules
+
+    @property
+    def n_prompts(self) -> int:
+        """Prompts averaged into the lens (:attr:`record`)."""
+        return self.record.n_prompts
+
+    @property
+    def model_name(self) -> str | None:
+        return self.record.model_name
+
+    @property
+    def model_fingerprint(self) -> dict | None:
+        return self.record.model_fingerprint
+
+    @property
+    def diagnostics(self) -> list[dict]:
+        """One record per prompt x source layer (docs/method.md §3): a fresh list of the record's."""
+        return list(self.record.diagnostics)
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self.record.stop_reason
+
+    @property
+    def canary(self) -> Canary | None:
+        """The forward canary of the lens check (docs/method.md §4.2), made by the fit: the record's."""
+        return self.record.canary  # type: ignore[no-any-return]
+
+    @property
+    def skip_first(self) -> int | None:
+        """The first position a reading counts as fitted: the fit's ``skip_first``; ``None`` when no jlens fit
+        recorded its settings (a lens built by hand from matrices, an imported file)."""
+        return self.fit_settings.skip_first if self.record.settings_recorded else None
+
+    @property
+    def settings(self) -> Mapping[str, Any]:
+        """Deprecated: the ``settings`` dict its file records, as a read-only view of :attr:`fit_settings` and
+        :attr:`record` (:func:`~jlens_core.lenses.fit_settings.settings_view`). Goes in jlens
+        :data:`SETTINGS_REMOVED_IN`."""
+        warnings.warn(f"{type(self).__name__}.settings is deprecated and goes in jlens {SETTINGS_REMOVED_IN}: read "
+                      "lens.fit_settings (FitSettings), lens.record (FitRecord: n_skipped, provenance, corpus, "
+                      "weighting, merged_from, combined_from) or lens.skip_first instead.", DeprecationWarning,
+                      stacklevel=2)
+        return ReadOnlySettings(self.settings_dict())
+
+    def settings_dict(self) -> dict[str, Any]:
+        """The ``settings`` dict its file's header records (docs/method.md §4.1), made from the types: a fresh dict."""
+        return settings_view(self.fit_settings, self.record)
 
     def _set_halves(self, halves: Sequence[Any] | None) -> None:
         """Keep the split halves (docs/method.md §3.3): two lenses of this class and layers (a half may hold 0
@@ -150,7 +285,7 @@ class MatrixTransportMixin(SourceLayersMixin):
         Raises:
             ValueError: not two lenses of this class, width and layers.
         """
-        self._halves: tuple[Any, Any] | None = None
+        self._halves = None
         if halves is None:
             return
         halves = tuple(halves)
@@ -169,7 +304,7 @@ class MatrixTransportMixin(SourceLayersMixin):
     @property
     def half_prompts(self) -> tuple[int, int] | None:
         """``(n_even, n_odd)``: the prompts in each half, or ``None`` without halves."""
-        return None if self._halves is None else (self._halves[0].n_prompts, self._halves[1].n_prompts)
+        return self.record.half_prompts
 
     def halves(self) -> tuple[Any, Any] | None:
         """The split halves (docs/method.md §3.3): ``(even, odd)``, lenses of this class and layers, the means
@@ -182,10 +317,8 @@ class MatrixTransportMixin(SourceLayersMixin):
     def half_diagnostics(self) -> pd.DataFrame:
         """Per source layer, how far the halves agree and what that predicts for the lens (docs/method.md §3.3).
 
-        Columns: ``layer``, ``n_even``, ``n_odd``, ``half_rel_diff`` = ``||J_even - J_odd||_F / ||J||_F`` and
-        ``predicted_rel_se`` = ``||J_even - J_odd||_F sqrt(n_even n_odd) / (n ||J||_F)``, the predicted relative
-        standard error (Frobenius) of the full mean of ``n`` prompts (``half_rel_diff / 2`` for equal halves).
-        Matrices as read (:meth:`matrix`).
+        Columns: ``layer``, ``n_even``, ``n_odd``, ``half_rel_diff`` and ``predicted_rel_se``
+        (:func:`half_agreement`). Matrices as read (:meth:`matrix`).
 
         Raises:
             ValueError: the lens has no halves (one sentence: how to get them).
@@ -198,14 +331,11 @@ class MatrixTransportMixin(SourceLayersMixin):
                              "or a half has no prompt): fit it again to get them (docs/method.md §3.3).")
         even, odd = halves
         n_even, n_odd = even.n_prompts, odd.n_prompts
-        n = n_even + n_odd
         rows = []
         for layer in self.source_layers:
-            full = self.matrix(layer).double()
-            diff = float((even.matrix(layer).double() - odd.matrix(layer).double()).norm())
-            rel = diff / max(float(full.norm()), 1e-300)
+            rel, se = half_agreement(self.matrix(layer), even.matrix(layer), odd.matrix(layer), n_even, n_odd)
             rows.append({"layer": layer, "n_even": n_even, "n_odd": n_odd, "half_rel_diff": rel,
-                         "predicted_rel_se": rel * (n_even * n_odd) ** 0.5 / n})
+                         "predicted_rel_se": se})
         return pd.DataFrame(rows)
 
     def _half_extras(self, extras: FileExtras, store: torch.dtype) -> None:
@@ -226,25 +356,10 @@ class MatrixTransportMixin(SourceLayersMixin):
         raise NotImplementedError
 
     @property
-    def fit_settings(self) -> FitSettings:
-        """What shaped this lens (:class:`~jlens_core.lenses.fit_settings.FitSettings`): its layers and rules, and
-        the ``settings`` its fit recorded (defaults where an old file has none)."""
-        return FitSettings.from_lens(self.source_layers, self.target_layer, self.rules, self.settings)
-
-    @property
     def fit_plan(self) -> FitPlan:
-        """How its fit ran (:class:`~jlens_core.lenses.fit_settings.FitPlan`), as far as its settings record it;
-        ``halves`` says whether it keeps its halves."""
-        return FitPlan.from_lens(self.settings).replace(halves=self._halves is not None)
-
-    @property
-    def record(self) -> FitRecord:
-        """What its fit recorded (:class:`~jlens_core.lenses.fit_settings.FitRecord`): model, prompts counted and
-        skipped, diagnostics, stop reason."""
-        return FitRecord(model_name=self.model_name, model_fingerprint=self.model_fingerprint,
-                         n_prompts=self.n_prompts, n_skipped=int(self.settings.get("n_skipped", 0)),
-                         diagnostics=tuple(self.diagnostics), stop_reason=self.stop_reason,
-                         half_prompts=self.half_prompts)
+        """How its fit ran (:class:`~jlens_core.lenses.fit_settings.FitPlan`), as far as its record's provenance
+        says; ``halves`` says whether it keeps its halves."""
+        return FitPlan.from_lens(self.record.provenance).replace(halves=self._halves is not None)
 
     def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         raise NotImplementedError
@@ -273,6 +388,49 @@ class MatrixTransportMixin(SourceLayersMixin):
         mat = cached_on_device(self._device_cache, layer, h,
                                lambda: self.matrix(layer).to(device=h.device, dtype=h.dtype))
         return h @ mat.T
+
+    # -- combining -----------------------------------------------------------------------------
+    @classmethod
+    def _check_merge(cls, lenses: Sequence[Any]) -> None:
+        """Raise ``ValueError`` if ``lenses`` cannot be merged for a reason of the class's own (none here)."""
+
+    @classmethod
+    def _merged_matrices(cls, lenses: Sequence[Any], total: int) -> dict[str, Any]:
+        """The class's matrix fields of the merge of ``lenses`` (``total``: their prompts, at least 1)."""
+        raise NotImplementedError
+
+    @classmethod
+    def merge(cls, lenses: Sequence[Self]) -> Self:
+        """Lenses fitted on disjoint prompt sets as one (docs/method.md §3): the ``n_prompts``-weighted mean of their
+        matrices (an expert lens adds its experts' position sums and counts), in float64; their halves merged
+        alike when every lens keeps them (the halves add up like the lens, §3.3).
+
+        Raises:
+            ValueError: no lenses, lenses of different rules, widths, layers, fit settings or models (an expert
+                lens: also learned weights, E or clusterings), or lenses that hold no prompt.
+        """
+        lenses = list(lenses)
+        if not lenses:
+            raise ValueError("merge needs at least one lens.")
+        cls._check_merge(lenses)
+        for other in lenses[1:]:
+            check_mergeable(lenses[0], other)
+        record = merged_record(lenses)
+        halves = None
+        if all(lens.raw_halves is not None for lens in lenses):
+            parts = [[lens.raw_halves[h] for lens in lenses] for h in (0, 1)]  # type: ignore[index]  # all kept
+            halves = (cls._merged_part(parts[0], record.for_half(0)), cls._merged_part(parts[1], record.for_half(0)))
+        elif any(lens.raw_halves is not None for lens in lenses):
+            log.info("Merged without split halves: some of the lenses keep none.")
+        return cls._merged_part(lenses, record, halves=halves)
+
+    @classmethod
+    def _merged_part(cls, lenses: Sequence[Self], record: FitRecord, *, halves: tuple[Self, Self] | None = None) -> Self:
+        """The lens (or one half: ``lenses`` are the lenses' halves of one parity) of a merge, with ``record`` and
+        the prompts of ``lenses``; zeros where none of them holds a prompt (a merged half may)."""
+        total = sum(lens.n_prompts for lens in lenses)
+        return lenses[0].replace(record=record.replace(n_prompts=total), halves=halves,
+                                 **cls._merged_matrices(lenses, max(total, 1)))
 
 
 def storage_dtype(dtype: str | torch.dtype, matrices: Iterable[torch.Tensor]) -> torch.dtype:
@@ -329,25 +487,36 @@ def checked_rules(path: Path, info: dict[str, Any], *, what: str, version: int) 
         raise LensFileError(f"{str(path)!r} has {what} format version {info['format_version']}; this jlens "
                             f"reads up to {version}. Upgrade jlens.")
     rules = info.get("rules", "jacobian")  # files from before the R-lens are J-lenses
-    if rules not in LENS_RULES:
+    if rules not in RULES:
         raise LensFileError(f"{str(path)!r} records rules={rules!r}, which this jlens does not know "
-                            f"(it reads {' and '.join(LENS_RULES)}): upgrade jlens or refit the lens.")
+                            f"(it reads {' and '.join(RULES)}): upgrade jlens or refit the lens.")
     return rules
 
 
 def check_mergeable(first: MatrixTransportMixin, other: MatrixTransportMixin) -> None:
-    """Raise ``ValueError`` unless both fitted lenses (Jacobian or expert lenses) were fitted with the same result settings on one model."""
-    for key in RESULT_SETTINGS:
-        if first.settings.get(key) != other.settings.get(key):
-            raise ValueError(f"Cannot merge lenses fitted with different {key}: "
-                             f"{first.settings.get(key)} vs {other.settings.get(key)}.")
+    """Raise ``ValueError`` unless both fitted lenses (Jacobian or expert lenses) average the same quantity: one
+    class, the same rules, width, layers and :class:`~jlens_core.lenses.fit_settings.FitSettings` (what shapes the
+    result), on one model (and what the class checks of its own, ``_check_merge``)."""
+    if other.rules != first.rules:
+        raise ValueError(f"Cannot merge a {first.rules} lens with a {other.rules} lens: they average different "
+                         "quantities (docs/method.md §9.1), so merge lenses of one kind only.")
+    if other.d_model != first.d_model:
+        raise ValueError(f"Cannot merge lenses of widths {first.d_model} and {other.d_model}.")
+    if other.source_layers != first.source_layers:
+        raise ValueError(f"Cannot merge lenses of layers {first.source_layers} and {other.source_layers}.")
+    for key in FitSettings.field_names():  # what shapes the result: FitSettings' own fields
+        a, b = getattr(first.fit_settings, key), getattr(other.fit_settings, key)
+        if a != b:
+            raise ValueError(f"Cannot merge lenses fitted with different {key}: {a} vs {b}.")
     if not same_fingerprint(first.model_fingerprint, other.model_fingerprint):
         raise ValueError(f"Cannot merge lenses of different models ({first.model_name!r} and "
                          f"{other.model_name!r}).")
 
 
-def merged_prompts(lenses: Sequence[MatrixTransportMixin]) -> tuple[int, dict[str, Any]]:
-    """The prompts fitted lenses (Jacobian or expert lenses) on disjoint prompt sets hold together, and their merged settings.
+def merged_record(lenses: Sequence[MatrixTransportMixin]) -> FitRecord:
+    """The record of the merge of fitted lenses on disjoint prompt sets: the first's, with the prompts and skipped
+    prompts of all, their diagnostics in order, ``merged_from``, the first canary (one model: one canary,
+    docs/method.md §4.2), no stop reason, and where slices of one prompt list start (``first_prompt``).
 
     Raises:
         ValueError: they hold no prompt.
@@ -355,12 +524,49 @@ def merged_prompts(lenses: Sequence[MatrixTransportMixin]) -> tuple[int, dict[st
     total = sum(lens.n_prompts for lens in lenses)
     if total <= 0:
         raise ValueError("Cannot merge lenses that hold zero prompts.")
-    settings = dict(lenses[0].settings, merged_from=len(lenses))
-    if any("first_prompt" in lens.settings for lens in lenses):  # slices of one list: where the first one starts
-        settings["first_prompt"] = min(int(lens.settings.get("first_prompt", 0)) for lens in lenses)
-    if all("n_skipped" in lens.settings for lens in lenses):
-        settings["n_skipped"] = sum(int(lens.settings["n_skipped"]) for lens in lenses)
-    return total, settings
+    first = lenses[0].record
+    provenance = dict(first.provenance)
+    if any("first_prompt" in lens.record.provenance for lens in lenses):  # slices of one list: where the first starts
+        provenance["first_prompt"] = min(int(lens.record.provenance.get("first_prompt", 0)) for lens in lenses)
+    return first.replace(n_prompts=total, n_skipped=sum(lens.record.n_skipped for lens in lenses),
+                         diagnostics=tuple(rec for lens in lenses for rec in lens.record.diagnostics),
+                         stop_reason=None, merged_from=len(lenses), provenance=provenance,
+                         canary=next((lens.canary for lens in lenses if lens.canary is not None), None))
+
+
+def half_rel_diff(full: torch.Tensor, even: torch.Tensor, odd: torch.Tensor) -> float:
+    """``||J_even - J_odd||_F / ||J||_F`` (docs/method.md §3.3), in the matrices' dtype (pass float64): how far a
+    lens's split halves disagree, relative to the lens."""
+    return float((even - odd).norm() / full.norm().clamp_min(1e-300))
+
+
+def predicted_rel_se(rel_diff: float, n_even: int, n_odd: int) -> float:
+    """The predicted relative standard error (Frobenius) of the full mean of ``n = n_even + n_odd`` prompts from its
+    halves' :func:`half_rel_diff` (docs/method.md §3.3): ``rel_diff sqrt(n_even n_odd) / n`` (``rel_diff / 2`` for
+    equal halves)."""
+    return rel_diff * (n_even * n_odd) ** 0.5 / (n_even + n_odd)
+
+
+def half_agreement(full: torch.Tensor, even: torch.Tensor, odd: torch.Tensor, n_even: int,
+                   n_odd: int) -> tuple[float, float]:
+    """``(half_rel_diff, predicted_rel_se)`` of one layer's matrices (in float64), :func:`half_rel_diff` and
+    :func:`predicted_rel_se`."""
+    rel = half_rel_diff(full.double(), even.double(), odd.double())
+    return rel, predicted_rel_se(rel, n_even, n_odd)
+
+
+def fit_types(settings: Mapping[str, Any] | None, *, layers: Sequence[int], target_layer: int, rules: str,
+              n_prompts: int, model_name: str | None, model_fingerprint: dict | None,
+              diagnostics: Iterable[dict] | None, stop_reason: str | None) -> tuple[FitSettings, FitRecord]:
+    """The :class:`FitSettings` and :class:`FitRecord` of a lens given by loose fields and a ``settings`` dict (the
+    classes' documented constructors, a file's header: :func:`~jlens_core.lenses.fit_settings.split_lens_settings`).
+
+    Raises:
+        ValueError: unknown ``rules``, or a bad value in ``settings``.
+    """
+    fit, parts = split_lens_settings(settings, source_layers=list(layers), target_layer=int(target_layer), rules=rules)
+    return fit, FitRecord(model_name=model_name, model_fingerprint=model_fingerprint, n_prompts=int(n_prompts),
+                          diagnostics=tuple(diagnostics or ()), stop_reason=stop_reason, **parts)
 
 
 def prompt_weighted_mean(weighted: Iterable[tuple[torch.Tensor, int]], total: int) -> torch.Tensor:
@@ -368,7 +574,7 @@ def prompt_weighted_mean(weighted: Iterable[tuple[torch.Tensor, int]], total: in
     return functools.reduce(operator.add, [mat.double() * n for mat, n in weighted]).div(total).float()
 
 
-class LogitLens(ReadoutMixin):
+class LogitLens(FrozenAttributes, ReadoutMixin):
     """The logit lens: ``J_l = I`` at every layer. Same reading interface as :class:`JacobianLens`.
 
     Args:
@@ -376,13 +582,22 @@ class LogitLens(ReadoutMixin):
         d_model: residual width.
     """
 
-    kind = "logit"
+    kind = BASELINE  # "logit" (the kinds' table)
 
     def __init__(self, n_layers: int, d_model: int) -> None:
         self.n_layers = int(n_layers)
         self.d_model = int(d_model)
         self.target_layer = self.n_layers - 1
-        self.settings: dict[str, Any] = {}  # nothing fitted: every position is read as it is
+        self._freeze()
+
+    skip_first: int | None = None  # nothing fitted: every position is read as it is
+
+    @property
+    def settings(self) -> Mapping[str, Any]:
+        """Deprecated: ``{}`` (it fits nothing); read :attr:`skip_first`. Goes in jlens :data:`SETTINGS_REMOVED_IN`."""
+        warnings.warn(f"LogitLens.settings is deprecated and goes in jlens {SETTINGS_REMOVED_IN}: read "
+                      "lens.skip_first (None: it fits nothing).", DeprecationWarning, stacklevel=2)
+        return ReadOnlySettings()
 
     @classmethod
     def for_model(cls, model: LensModel) -> LogitLens:
@@ -425,59 +640,95 @@ class LogitLens(ReadoutMixin):
 
 
 class JacobianLens(MatrixTransportMixin):
-    """A fitted Jacobian lens: ``lens_l(h) = unembed(J_l @ h)``.
+    """A fitted Jacobian lens: ``lens_l(h) = unembed(J_l @ h)``. An immutable value (:class:`MatrixTransportMixin`):
+    derive copies with :meth:`replace`, :meth:`with_shrinkage`, :meth:`with_halves`.
+
+    This constructor makes a lens from a ``{layer: matrix}`` dict and loose fields (an importer of another
+    library's lens file, a test); a fit, a file and a merge make theirs from the types, :meth:`from_fit`.
 
     Args:
         jacobians: ``{source_layer: Tensor[d_model, d_model]}``; row ``i`` is target dimension ``i``.
         n_prompts: prompts averaged into the lens.
         d_model: residual width.
-        target_layer: the layer the lens carries residuals to (non-negative index).
+        target_layer: the layer the lens carries residuals to (non-negative index; default: above the last source).
         n_layers: decoder layers of the model (default ``target_layer + 1``).
-        settings: fit settings (``skip_first``, ``max_seq_len``, ``dim_batch``, ...).
+        settings: a lens file's settings dict (``skip_first``, ``max_seq_len``, ``dim_batch``, ...), read into
+            :attr:`fit_settings` and :attr:`record` (:func:`~jlens_core.lenses.fit_settings.split_lens_settings`);
+            without ``skip_first`` the lens records no fit settings (readings count every position as fitted).
         model_name / model_fingerprint: model identity (see ``HFLensModel.fingerprint``).
         diagnostics: per prompt x layer fit records (docs/method.md §3).
         shrinkage: ``a`` in ``(1 - a) J + a I`` applied by :meth:`transport` (default 0).
+        stop_reason: why its fit stopped early, if it did.
         rules: the backward rules of the fit: ``"jacobian"`` (the J-lens, default) or ``"relevance"``
-            (the R-lens, docs/method.md §9.1). :attr:`kind` is the same word.
+            (the R-lens, docs/method.md §9.1). :attr:`kind` names the lens by them.
         halves: the split halves ``(even, odd)``, two :class:`JacobianLens` of the same layers (docs/method.md
             §3.3), or ``None``; read them with :meth:`halves`.
 
     Raises:
-        ValueError: a matrix that is not ``[d_model, d_model]``, no matrices, unknown ``rules``, or halves that
-            are not two lenses of these layers.
+        ValueError: a matrix that is not ``[d_model, d_model]``, no matrices, unknown ``rules``, a bad setting, or
+            halves that are not two lenses of these layers.
     """
 
-    def __init__(self, jacobians: dict[int, Float[torch.Tensor, "d_model d_model"]], n_prompts: int, d_model: int,
+    _FIELDS = ("jacobians", "d_model", "n_layers", "fit_settings", "record", "shrinkage", "halves")
+    jacobians: dict[int, Float[torch.Tensor, "d_model d_model"]]
+    shrinkage: float
+
+    def __init__(self, jacobians: Mapping[int, Float[torch.Tensor, "d_model d_model"]], n_prompts: int, d_model: int,
                  *,
-                 target_layer: int | None = None, n_layers: int | None = None, settings: dict | None = None,
+                 target_layer: int | None = None, n_layers: int | None = None, settings: Mapping | None = None,
                  model_name: str | None = None, model_fingerprint: dict | None = None,
                  diagnostics: list[dict] | None = None, shrinkage: float = 0.0, stop_reason: str | None = None,
-                 rules: str = "jacobian", halves: tuple[JacobianLens, JacobianLens] | None = None) -> None:
+                 rules: str = PLAIN_RULES, halves: tuple[JacobianLens, JacobianLens] | None = None) -> None:
         if not jacobians:
             raise ValueError("A JacobianLens needs at least one layer's matrix.")
-        if rules not in LENS_RULES:
-            raise ValueError(f"rules={rules!r} is not one of {LENS_RULES}.")
-        self.rules = rules
+        layers = sorted(int(layer) for layer in jacobians)
+        target = int(target_layer) if target_layer is not None else layers[-1] + 1
+        fit_settings, record = fit_types(settings, layers=layers, target_layer=target, rules=rules,
+                                         n_prompts=n_prompts, model_name=model_name,
+                                         model_fingerprint=model_fingerprint, diagnostics=diagnostics,
+                                         stop_reason=stop_reason)
+        self._setup(jacobians=jacobians, d_model=d_model, n_layers=n_layers, fit_settings=fit_settings, record=record,
+                    shrinkage=shrinkage, halves=halves)
+
+    @classmethod
+    def from_fit(cls, jacobians: Mapping[int, Float[torch.Tensor, "d_model d_model"]], fit_settings: FitSettings,
+                 record: FitRecord, *, d_model: int, n_layers: int | None = None,
+                 halves: tuple[JacobianLens, JacobianLens] | None = None, shrinkage: float = 0.0) -> JacobianLens:
+        """The lens of ``jacobians`` with its types: what shaped it (``fit_settings``: its layers are the matrices',
+        its rules the lens's) and what its fit recorded (``record``).
+
+        Raises:
+            ValueError: as the constructor.
+        """
+        lens = object.__new__(cls)
+        lens._setup(jacobians=jacobians, d_model=d_model, n_layers=n_layers, fit_settings=fit_settings,
+                    record=record, shrinkage=shrinkage, halves=halves)
+        return lens
+
+    def _setup(self, *, jacobians: Mapping[int, torch.Tensor], d_model: int, n_layers: int | None,
+               fit_settings: FitSettings, record: FitRecord, shrinkage: float,
+               halves: Sequence[JacobianLens] | None) -> None:
+        if not jacobians:
+            raise ValueError("A JacobianLens needs at least one layer's matrix.")
         self.d_model = int(d_model)
-        self.jacobians: dict[int, torch.Tensor] = {}
+        mats: dict[int, torch.Tensor] = {}
         for layer, mat in sorted(jacobians.items()):
             mat = torch.as_tensor(mat)
             if tuple(mat.shape) != (self.d_model, self.d_model):
                 raise ValueError(f"The matrix of layer {layer} has shape {tuple(mat.shape)}, expected "
                                  f"({self.d_model}, {self.d_model}).")
-            self.jacobians[int(layer)] = mat.float().cpu()
-        self._set_fit_record(n_prompts, target_layer if target_layer is not None else max(self.jacobians) + 1,
-                             n_layers, settings, model_name, model_fingerprint, diagnostics, stop_reason)
+            mats[int(layer)] = mat.float().cpu()
+        self.jacobians = mats
         self.shrinkage = float(shrinkage)
-        self._set_halves(halves)
+        self._set_fit(layers=sorted(mats), n_layers=n_layers, fit_settings=fit_settings, record=record, halves=halves)
 
     @property
     def kind(self) -> str:
         """``"jacobian"`` (the J-lens) or ``"relevance"`` (the R-lens): names the lens in readings and tables."""
-        return self.rules
+        return plain_kind(self.rules)
 
     def __repr__(self) -> str:
-        rules = "" if self.rules == "jacobian" else f", rules={self.rules!r}"
+        rules = "" if self.rules == PLAIN_RULES else f", rules={self.rules!r}"
         return (f"JacobianLens(model={self.model_name!r}, layers={self.source_layers[0]}..{self.source_layers[-1]}"
                 f" ({len(self.source_layers)}), target={self.target_layer}, d_model={self.d_model}, "
                 f"n_prompts={self.n_prompts}{rules})")
@@ -503,12 +754,12 @@ class JacobianLens(MatrixTransportMixin):
         return mat
 
     def with_shrinkage(self, alpha: float) -> JacobianLens:
-        """A copy whose :meth:`transport` uses ``(1 - alpha) J + alpha I`` (``0 <= alpha <= 1``)."""
+        """A copy whose :meth:`transport` uses ``(1 - alpha) J + alpha I`` (``0 <= alpha <= 1``), its halves too."""
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"shrinkage alpha={alpha} must lie in [0, 1].")
         halves = None if self._halves is None else (self._halves[0].with_shrinkage(alpha),
                                                     self._halves[1].with_shrinkage(alpha))
-        return self._copy(shrinkage=alpha, halves=halves)
+        return self.replace(shrinkage=alpha, halves=halves)
 
     def with_halves(self, halves: tuple[JacobianLens, JacobianLens] | None) -> JacobianLens:
         """A copy with the same matrices, record and canary that keeps ``halves`` (the even and the odd prompts'
@@ -517,15 +768,7 @@ class JacobianLens(MatrixTransportMixin):
         Raises:
             ValueError: not two lenses of this class, width and layers.
         """
-        return self._copy(shrinkage=self.shrinkage, halves=halves)
-
-    def _copy(self, *, shrinkage: float, halves: tuple[JacobianLens, JacobianLens] | None) -> JacobianLens:
-        copy = JacobianLens(self.jacobians, self.n_prompts, self.d_model, target_layer=self.target_layer,
-                            n_layers=self.n_layers, settings=self.settings, model_name=self.model_name,
-                            model_fingerprint=self.model_fingerprint, diagnostics=self.diagnostics,
-                            shrinkage=shrinkage, stop_reason=self.stop_reason, rules=self.rules, halves=halves)
-        copy.canary = self.canary  # the same model: the same canary (docs/method.md §4.2)
-        return copy
+        return self.replace(halves=halves)
 
     def check_model(self, model: LensModel) -> None:
         """Raise :class:`LensFileError` if this lens was fitted for another model than ``model``."""
@@ -537,7 +780,7 @@ class JacobianLens(MatrixTransportMixin):
         return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "model_name": self.model_name,
                 "model_fingerprint": self.model_fingerprint, "d_model": self.d_model,
                 "n_layers": self.n_layers, "source_layers": self.source_layers,
-                "target_layer": self.target_layer, "n_prompts": self.n_prompts, "settings": self.settings,
+                "target_layer": self.target_layer, "n_prompts": self.n_prompts, "settings": self.settings_dict(),
                 "rules": self.rules, "stop_reason": self.stop_reason, "diagnostics": self.diagnostics}
 
     def _file_tensors(self, store: torch.dtype, *, for_half: bool = False) -> dict[str, torch.Tensor]:
@@ -635,21 +878,24 @@ class JacobianLens(MatrixTransportMixin):
         missing = [layer for layer in info.get("source_layers", []) if layer not in own]
         if missing or not own:
             raise LensFileError(f"{str(path)!r} lacks the matrices of layers {missing or 'all'}.")
-        common: dict[str, Any] = {"target_layer": info.get("target_layer"), "n_layers": info.get("n_layers"),
-                                  "settings": info.get("settings"), "model_name": info.get("model_name"),
-                                  "model_fingerprint": info.get("model_fingerprint"), "rules": rules}
-        halves = None
-        half_prompts = half_prompts_of(info)
-        if half_prompts is not None:
-            halves = tuple(cls(matrices(extra_tensors(tensors, f"{HALF_PREFIX}{name}.")), n, info["d_model"],
-                               **common) for name, n in zip(HALF_NAMES, half_prompts))
         try:
-            lens = cls(own, info["n_prompts"], info["d_model"], diagnostics=info.get("diagnostics"),
-                       stop_reason=info.get("stop_reason"), halves=halves, **common)  # type: ignore[arg-type]
+            target = info.get("target_layer")
+            fit_settings, record = fit_types(
+                info.get("settings"), layers=sorted(own), target_layer=int(target) if target is not None else max(own) + 1,
+                rules=rules, n_prompts=info["n_prompts"], model_name=info.get("model_name"),
+                model_fingerprint=info.get("model_fingerprint"), diagnostics=info.get("diagnostics"),
+                stop_reason=info.get("stop_reason"))
+            shape: dict[str, Any] = {"d_model": info["d_model"], "n_layers": info.get("n_layers")}
+            halves = None
+            half_prompts = half_prompts_of(info)
+            if half_prompts is not None:
+                halves = tuple(cls.from_fit(matrices(extra_tensors(tensors, f"{HALF_PREFIX}{name}.")), fit_settings,
+                                            record.for_half(n), **shape) for name, n in zip(HALF_NAMES, half_prompts))
+            # the lens check's canary (docs/method.md §4.2), when the file has one
+            return cls.from_fit(own, fit_settings, record.replace(canary=read_canary(path)), halves=halves,  # type: ignore[arg-type]
+                                **shape)
         except ValueError as exc:
             raise LensFileError(f"{str(path)!r} is not a consistent lens: {exc}") from exc
-        lens.canary = read_canary(path)  # the lens check's canary (docs/method.md §4.2), when the file has one
-        return lens
 
     @classmethod
     def _load_reference(cls, path: Path) -> JacobianLens:
@@ -659,52 +905,11 @@ class JacobianLens(MatrixTransportMixin):
 
     # -- combining -----------------------------------------------------------------------------
     @classmethod
-    def merge(cls, lenses: Sequence[JacobianLens]) -> JacobianLens:
-        """The ``n_prompts``-weighted mean of lenses fitted on disjoint prompt sets.
-
-        Raises:
-            ValueError: no lenses, or lenses of different rules, layers, widths, target, settings or model.
-        """
-        lenses = list(lenses)
-        if not lenses:
-            raise ValueError("merge needs at least one lens.")
-        first = lenses[0]
-        for other in lenses[1:]:
-            if other.rules != first.rules:
-                raise ValueError(f"Cannot merge a {first.rules} lens with a {other.rules} lens: they average "
-                                 "different quantities (docs/method.md §9.1), so merge lenses of one kind only.")
-            if other.d_model != first.d_model:
-                raise ValueError(f"Cannot merge lenses of widths {first.d_model} and {other.d_model}.")
-            if other.source_layers != first.source_layers:
-                raise ValueError(f"Cannot merge lenses of layers {first.source_layers} and {other.source_layers}.")
-            check_mergeable(first, other)
-        total, settings = merged_prompts(lenses)
-        mats = {layer: prompt_weighted_mean([(lens.jacobians[layer], lens.n_prompts) for lens in lenses], total)
-                for layer in first.source_layers}
-        diagnostics = [rec for lens in lenses for rec in lens.diagnostics]
-        halves = None
-        if all(lens.raw_halves is not None for lens in lenses):  # the halves add up like the lens (§3.3)
-            halves = tuple(_merged_half(cls, [lens.raw_halves[h] for lens in lenses], settings)  # type: ignore[index]
-                           for h in (0, 1))
-        elif any(lens.raw_halves is not None for lens in lenses):
-            log.info("Merged without split halves: some of the lenses keep none.")
-        merged = cls(mats, total, first.d_model, target_layer=first.target_layer, n_layers=first.n_layers,
-                     settings=settings, model_name=first.model_name, model_fingerprint=first.model_fingerprint,
-                     diagnostics=diagnostics, rules=first.rules, halves=halves)  # type: ignore[arg-type]
-        merged.canary = next((lens.canary for lens in lenses if lens.canary is not None), None)  # one model (§4.2)
-        return merged
-
-
-def _merged_half(cls: type[JacobianLens], halves: Sequence[JacobianLens], settings: dict) -> JacobianLens:
-    """One half of a merge: the ``n_prompts``-weighted mean of that half of each lens (zeros when none of
-    them holds a prompt of it)."""
-    first = halves[0]
-    total = sum(h.n_prompts for h in halves)
-    mats = {layer: prompt_weighted_mean([(h.jacobians[layer], h.n_prompts) for h in halves], max(total, 1))
-            for layer in first.source_layers}
-    return cls(mats, total, first.d_model, target_layer=first.target_layer, n_layers=first.n_layers,
-               settings=settings, model_name=first.model_name, model_fingerprint=first.model_fingerprint,
-               rules=first.rules)
+    def _merged_matrices(cls, lenses: Sequence[JacobianLens], total: int) -> dict[str, Any]:
+        """The ``n_prompts``-weighted mean of the lenses' matrices (float64, kept fp32), unshrunk."""
+        return {"jacobians": {layer: prompt_weighted_mean([(lens.jacobians[layer], lens.n_prompts) for lens in lenses],
+                                                          total) for layer in lenses[0].source_layers},
+                "shrinkage": 0.0}
 
 
 def write_lens_file(path: str | os.PathLike, format_name: str, info: dict[str, Any], lens: MatrixTransportMixin,

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from jaxtyping import Float
 
     from ..models.model import LensModel
+    from .fit_settings import FitRecord, FitSettings
 
 
 @runtime_checkable
@@ -35,9 +36,12 @@ class Lens(Protocol):
         n_layers: decoder layers of the model it belongs to.
         target_layer: the layer it carries residuals to (the model's output; the transport is the
             identity there).
-        settings: how it was fitted or trained (``skip_first``, ``max_seq_len``, ...); ``{}`` for the
-            logit lens. ``settings["skip_first"]``, when present, is the first position a reading
-            counts as ``fitted``.
+        skip_first: the first position a reading counts as ``fitted`` (the leading positions its fit or
+            training left out); ``None`` when it records none (the logit lens, a lens built by hand).
+
+    A lens fitted by ``jlens fit`` (:class:`~jlens_core.JacobianLens`, the expert lens) also carries its types:
+    ``fit_settings`` (:class:`~jlens_core.lenses.fit_settings.FitSettings`, what shaped it) and ``record``
+    (:class:`~jlens_core.lenses.fit_settings.FitRecord`, what its fit recorded): :class:`FitRecordLens`.
     """
 
     @property
@@ -53,7 +57,7 @@ class Lens(Protocol):
     def target_layer(self) -> int: ...
 
     @property
-    def settings(self) -> dict[str, Any]: ...
+    def skip_first(self) -> int | None: ...
 
     @property
     def layers(self) -> list[int]:
@@ -118,4 +122,25 @@ class FittedLens(Lens, Protocol):
         ...
 
 
-__all__ = ["FittedLens", "Lens"]
+def recorded_skip_first(lens: object) -> int | None:
+    """``lens.skip_first``: the first position its fit or training counted (``None``: it records none). A lens
+    written to this protocol before it had ``skip_first`` (a ``settings`` dict only) gives its dict's entry."""
+    if hasattr(lens, "skip_first"):
+        value = lens.skip_first
+    else:  # the protocol before 0.2: a plain settings dict
+        value = (getattr(lens, "settings", None) or {}).get("skip_first")
+    return None if value is None else int(value)
+
+
+@runtime_checkable
+class FitRecordLens(FittedLens, Protocol):
+    """A lens fitted by ``jlens fit`` (Jacobian or expert lens): its settings and its fit's record, as types."""
+
+    @property
+    def fit_settings(self) -> FitSettings: ...
+
+    @property
+    def record(self) -> FitRecord: ...
+
+
+__all__ = ["FitRecordLens", "FittedLens", "Lens", "recorded_skip_first"]

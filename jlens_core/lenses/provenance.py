@@ -31,6 +31,13 @@ FIELDS = ("transformers", "torch", "jlens", "model_name", "model_revision", "mod
           "stream_reduce", "stream_index")
 
 
+def file_settings(lens: Any) -> dict[str, Any]:
+    """The ``settings`` dict ``lens``'s file records (``settings_dict()``, docs/method.md §4.1); ``{}`` for a lens
+    without one (the logit lens)."""
+    made = getattr(lens, "settings_dict", None)
+    return dict(made()) if callable(made) else {}
+
+
 def _source(name_or_path: str | None) -> str | None:
     """A Hub id as given; a local folder as ``local:<its name>`` (its full path is nobody else's business)."""
     if not name_or_path:
@@ -59,8 +66,7 @@ def lens_provenance(lens: Any, model: LensModel | None = None) -> dict[str, Any]
     ``model``'s (when given: the caller vouches that the lens belongs to it) with the versions of the lens's
     canary (when it has one), else the canary's versions and ``None`` for the rest. Every key of :data:`FIELDS`
     is present."""
-    settings = getattr(lens, "settings", None)
-    recorded = settings.get(PROVENANCE_KEY) if isinstance(settings, dict) else None
+    recorded = file_settings(lens).get(PROVENANCE_KEY)
     if isinstance(recorded, dict):
         return {**dict.fromkeys(FIELDS), **recorded}
     record: dict[str, Any] = dict.fromkeys(FIELDS)
@@ -76,4 +82,4 @@ def lens_provenance(lens: Any, model: LensModel | None = None) -> dict[str, Any]
     return record
 
 
-__all__ = ["CAPTURE_POINT", "FIELDS", "PROVENANCE_KEY", "lens_provenance", "model_provenance"]
+__all__ = ["CAPTURE_POINT", "FIELDS", "PROVENANCE_KEY", "file_settings", "lens_provenance", "model_provenance"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from .._paths import ASSETS_DIR
 from ..models.loading import DEFAULT_ALIASES, DEFAULT_MODEL
 from .header import header_or_none
-from .kinds import KINDS
+from .kinds import KINDS, PLAIN, SOURCE_ONLY_VARIANTS
 
 LENS_DIR = ASSETS_DIR / "lenses"
 SHIPPED_LENSES = {DEFAULT_MODEL: LENS_DIR / f"{DEFAULT_MODEL}.safetensors"}
@@ -26,13 +26,13 @@ VARIANTS = {k.variant: k.name for k in KINDS if k.variant}  # {"relevance": "R-l
 # The lens each model's readings open with beside the logit lens (the app's default): the Jacobian lens
 # (``"jacobian"``) unless a shipped variant beat it on held-out items and under the decoy control
 # (docs/results.md, "The default lens": the default model's J++ and R++ win the first, tie the second).
-DEFAULT_READING_LENS = {DEFAULT_MODEL: "jacobian"}
+DEFAULT_READING_LENS = {DEFAULT_MODEL: PLAIN}
 # How each kind of lens (``lens_kind``) is named to a reader.
 KIND_NAMES = {k.kind: k.name for k in KINDS}
-# Variants that lie in a source checkout's ``assets/lenses/`` but not in the wheel: PyPI refuses wheels over
-# 100 MB, and these tie the Jacobian lens on held-out items (docs/results.md, "The default lens"), so the
-# Jacobian lens's split halves took their space (pyproject's exclude-package-data).
-SOURCE_ONLY_VARIANTS = ("jpp", "rpp")
+# SOURCE_ONLY_VARIANTS (the kinds' table, ``in_wheel=False``): variants that lie in a source checkout's
+# ``assets/lenses/`` but not in the wheel: PyPI refuses wheels over 100 MB, and these tie the Jacobian lens on
+# held-out items (docs/results.md, "The default lens"), so the Jacobian lens's split halves took their space
+# (pyproject's exclude-package-data).
 
 
 def missing_variant_message(name: str, variant: str) -> str:
@@ -101,7 +101,7 @@ def shipped_lens_path(name: str = DEFAULT_MODEL, variant: str | None = None) -> 
 def default_reading_lens(name: str = DEFAULT_MODEL) -> str:
     """The lens model ``name`` is read with by default (:data:`DEFAULT_READING_LENS`): ``"jacobian"``, or a
     shipped variant of :data:`VARIANTS` (``"relevance"``, ``"jpp"``, ``"rpp"``) when it ships for the model."""
-    choice = DEFAULT_READING_LENS.get(_model_key(name), "jacobian")
-    if choice != "jacobian" and shipped_lens_path(name, choice) is None:
-        return "jacobian"
+    choice = DEFAULT_READING_LENS.get(_model_key(name), PLAIN)
+    if choice in VARIANTS and shipped_lens_path(name, choice) is None:
+        return PLAIN
     return choice

@@ -31,7 +31,8 @@ from jaxtyping import Float
 from .._atomic import atomic_write
 from ..models.model import LensModel
 from .header import TUNED_FORMAT_NAME, ForeignFileError, LensFileError, read_header
-from .lens import SourceLayersMixin, cached_on_device, check_made_for
+from .kinds import TRAINED
+from .lens import FrozenAttributes, ReadOnlySettings, SourceLayersMixin, cached_on_device, check_made_for
 
 if TYPE_CHECKING:
     from .protocol import FittedLens
@@ -42,7 +43,7 @@ FORMAT_NAME = TUNED_FORMAT_NAME
 FORMAT_VERSION = 1
 
 
-class TunedLens(SourceLayersMixin):
+class TunedLens(FrozenAttributes, SourceLayersMixin):
     """Per source layer ``l``: ``transport(h) = h + h A_l^T + b_l`` (``A_l [d, d]``, ``b_l [d]``).
 
     Args:
@@ -51,11 +52,18 @@ class TunedLens(SourceLayersMixin):
         target_layer: the model's last layer (where every lens is the model's output).
         n_layers: the model's layer count (default ``target_layer + 1``).
         model_name, model_fingerprint: the model's identity (checked on load and before reading).
-        settings: how it was trained (steps, tokens, lr, ...).
-        metrics: e.g. ``{"heldout_kl_bits": {layer: kl}}`` at the end of training.
+        settings: how it was trained (steps, tokens, lr, ...; :class:`~jlens_core.fitting.tuning.TuneSettings`
+            and what the trainer adds): kept read-only.
+        metrics: e.g. ``{"heldout_kl_bits": {layer: kl}}`` at the end of training: kept read-only.
+
+    An immutable value, as every lens: derive a changed one with :meth:`replace`.
     """
 
-    kind = "tuned"
+    # the constructor's fields, which replace() copies
+    _FIELDS = ("translators", "d_model", "target_layer", "n_layers", "model_name", "model_fingerprint", "settings",
+               "metrics")
+
+    kind = TRAINED  # "tuned" (the kinds' table)
 
     def __init__(self,
                  translators: dict[int, tuple[Float[torch.Tensor, "d_model d_model"], Float[torch.Tensor, " d_model"]]],
@@ -79,9 +87,23 @@ class TunedLens(SourceLayersMixin):
             self.translators[layer] = (a, b)
         self.model_name = model_name
         self.model_fingerprint = model_fingerprint
-        self.settings = dict(settings or {})
-        self.metrics = dict(metrics or {})
+        self.settings = ReadOnlySettings(settings or {})
+        self.metrics = ReadOnlySettings(metrics or {})
         self._device_cache: dict[tuple[int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._freeze()
+
+    def replace(self, **changes: Any) -> TunedLens:
+        """A copy with ``changes`` (as ``dataclasses.replace``): any constructor field (``translators``, ``settings``,
+        ``metrics``, ...); ``lens.replace(settings={**lens.settings, "corpus": c})`` records more.
+
+        Raises:
+            TypeError: a name that is no field.
+            ValueError: a bad value (as the constructor).
+        """
+        unknown = [k for k in changes if k not in self._FIELDS]
+        if unknown:
+            raise TypeError(f"TunedLens.replace has no field {unknown[0]!r}: the known ones are {', '.join(self._FIELDS)}.")
+        return TunedLens(**{**{name: getattr(self, name) for name in self._FIELDS}, **changes})
 
     @classmethod
     def zeros(cls, model: LensModel, layers: Iterable[int] | None = None, **kwargs: Any) -> TunedLens:
@@ -100,6 +122,12 @@ class TunedLens(SourceLayersMixin):
     @property
     def source_layers(self) -> list[int]:
         return sorted(self.translators)
+
+    @property
+    def skip_first(self) -> int | None:
+        """The leading positions its training left out (its settings' ``skip_first``), or ``None``."""
+        value = self.settings.get("skip_first")
+        return None if value is None else int(value)
 
     def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         """``I + A_layer`` (fp32): the linear part of the transport."""

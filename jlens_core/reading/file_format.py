@@ -21,6 +21,7 @@ import numpy as np
 
 from .._atomic import atomic_write_text
 from .._version import __version__
+from ..lenses.protocol import recorded_skip_first
 from .json_arrays import ArrayFieldError, decode_array, encode_array, jsonable
 from .stability import Stability
 from .tokens import id_label
@@ -63,7 +64,8 @@ def lens_identity(lens: Lens | None, *, kind: str, origin: str | None = None) ->
         identity["kind"] = str(lens.kind)
         metadata = lens.metadata() if callable(getattr(lens, "metadata", None)) else {}  # type: ignore[attr-defined]
         identity.update({k: v for k, v in metadata.items() if k not in LEFT_OUT_LENS_METADATA and k not in identity})
-        identity.setdefault("settings", dict(lens.settings))
+        skip_first = recorded_skip_first(lens)
+        identity.setdefault("settings", {} if skip_first is None else {"skip_first": skip_first})
         identity.setdefault("layers", list(lens.layers))
     return jsonable(identity)
 

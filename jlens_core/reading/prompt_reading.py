@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from ..lenses.protocol import Lens
+from ..lenses.protocol import Lens, recorded_skip_first
 from .file_format import pick_reading, read_file, write_readings
 from .stability import STABILITY_COLUMNS, Stability, stability_by_layer
 from .tokens import TokenDisplay, display_ids
@@ -67,7 +67,7 @@ class PromptReading:
             CE are over the full distribution either way.
         display: the tokenizer's cached :class:`~jlens_core.reading.tokens.TokenDisplay` (names the
             tokens; gives :attr:`word_ids`); None in a reading built by hand.
-        skip_first: the lens's ``settings["skip_first"]`` (0 when it has none: the logit lens): the
+        skip_first: the lens's ``skip_first`` (0 when it has none: the logit lens): the
             positions before it were never fitted (:attr:`fitted`).
         saved_word_ids: ``bool[vocab]``, the word mask a reading loaded from a file carries (True on the
             recorded word tokens, the ids it shows; docs/method.md §6.1); None in a reading with a
@@ -408,12 +408,12 @@ class PromptReading:
 
 
 def lens_skip_first(lens: Lens) -> int:
-    """The first position a reading through ``lens`` counts as fitted: ``lens.settings["skip_first"]``, else 0.
+    """The first position a reading through ``lens`` counts as fitted: ``lens.skip_first``, else 0.
 
-    The Jacobian lens's fit and the tuned lens's training record it; the logit lens (``settings = {}``)
+    The Jacobian lens's fit and the tuned lens's training record it; the logit lens (``skip_first = None``)
     and a lens file without it have every position fitted.
     """
-    value = lens.settings.get("skip_first")
+    value = recorded_skip_first(lens)
     return max(0, int(value)) if value is not None else 0
 
 

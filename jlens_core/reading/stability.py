@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from ..lenses.kinds import is_baseline
 from ..lenses.protocol import Lens
 
 if TYPE_CHECKING:  # torch only where marks are computed: a reading file opens without it
@@ -98,7 +99,7 @@ def lens_halves(lens: Lens) -> tuple[Lens, Lens] | None:
 
 def no_halves_note(lens: Lens) -> str:
     """The one sentence a reading carries when stability was asked of a lens without halves."""
-    if str(lens.kind) == "logit":
+    if is_baseline(lens):
         return "No stability marks: the logit lens fits nothing, so it has no halves to compare."
     return (f"No stability marks: this {lens.kind} lens keeps no split halves (fitted before they existed, or "
             "saved without them); refit it with `jlens fit` to get them, or pass halves=(even, odd).")
@@ -140,7 +141,7 @@ def resolve_halves(lenses: Mapping[str, Lens], *, stability: bool, halves: Halve
             own = lens_halves(lens)
             if own is None:
                 notes[name] = no_halves_note(lens)
-                log.log(logging.INFO if str(lens.kind) == "logit" else logging.WARNING, "%s", notes[name] if
+                log.log(logging.INFO if is_baseline(lens) else logging.WARNING, "%s", notes[name] if
                         len(lenses) == 1 else f"{name}: {notes[name]}")  # read_prompt's lens is named "lens"
             else:
                 chosen[name] = own
