@@ -27,10 +27,13 @@ if TYPE_CHECKING:
     from .fitting.fit import fit
     from .fitting.tuning import train_tuned_lens
     from .interventions.compare import compare_runs
+    from .interventions.jspace_edits import AblateJSpace, ClampJ, VectorSwap
     from .interventions.lens_edits import Ablate, Steer, Swap
     from .interventions.say import make_it_say
     from .interventions.say_success import load_say_set, say_success
     from .interventions.swap_success import load_swap_set, swap_success
+    from .jspace.concepts import concept_vectors
+    from .jspace.decompose import decompose, split
     from .lenses.canary import check_lens
     from .lenses.experts import ExpertLens
     from .lenses.fit_settings import FitPlan, FitSettings

@@ -23,7 +23,10 @@ APP = PACKAGE.parent / "app"
 # Leaves: top-level modules that import nothing from jlens_core.
 LEAVES = {"_atomic", "_deprecated", "_extras", "_version", "_paths", "corpus", "layerspec", "workspace"}
 RANKS = {"files": 1, "models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4,
-         "figures": 4, "evaluation": 5, "cli": 6}
+         "figures": 4, "jspace": 5, "evaluation": 6, "cli": 7}
+# Modules placed with another group than their folder's: the J-space edits live beside the other edits but use the
+# J-space (which reads interventions.read_directions), so they rank with it.
+PLACED_WITH = {"jlens_core.interventions.jspace_edits": "jspace"}
 # Old paths of moved modules that were documented in 0.1.0: each warns once and forwards (jlens_core/_deprecated.py)
 # until the version named, when test_deprecated_paths_go_when_their_version_comes fails.
 DEPRECATED_PATHS = {"jlens_core.reading.passk": ("jlens_core.evaluation.passk", "0.3.0"),
@@ -68,6 +71,10 @@ def place(module: str) -> tuple[str, int | None]:
     parts = module.split(".")
     if len(parts) == 1:
         return "jlens_core", None
+    owner = next((group for name, group in PLACED_WITH.items() if module == name or module.startswith(name + ".")),
+                 None)
+    if owner is not None:
+        return owner, RANKS[owner]
     top = parts[1]
     if top in RANKS:
         return top, RANKS[top]

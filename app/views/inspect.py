@@ -18,6 +18,7 @@ import streamlit as st
 import cache
 import common
 import intervene
+import jspace_panel
 from jlens_core.figures.heatmaps import cell_from_point, heatmap_figure
 from jlens_core.figures.labels import LENS_SHORT, row_labels, shown
 from jlens_core.figures.ranks import pinned_ranks_figure
@@ -125,6 +126,8 @@ def render(ctx: common.Context) -> None:
     fig, mode = heatmap(view, reader, edits)
     most_common_panel(model, view, reader.readings, mode)
     detail, layer, position = cell_detail(view, reader)
+    jspace_panel.panel(ctx, full_ids, text, layer, position, layers=view.layers, positions=view.positions,
+                       tokens=view.tokens)
     intervene.prefill_token(model, detail, layer, position)
     intervene.panel(ctx, detail, text, view.n_prompt_tokens)
     downloads(reader, fig)

@@ -18,7 +18,8 @@ from .._version import __version__
 
 log = logging.getLogger("jlens")
 
-SUBCOMMAND_MODULES = ("fit", "tune", "weigh", "eval", "study", "inspect", "intervene", "say", "dump", "check", "export", "app")
+SUBCOMMAND_MODULES = ("fit", "tune", "weigh", "eval", "study", "inspect", "intervene", "say", "jspace", "dump", "check",
+                      "export", "app")
 
 
 class CLIError(Exception):

@@ -45,9 +45,14 @@ def plot_eval_curves(frame: pd.DataFrame, out: str | Path, title: str = "") -> P
                 ax.fill_between(part["layer"], part[col] - 2 * part[se], part[col] + 2 * part[se], alpha=0.2)
     axes[0].set(xlabel="layer", ylabel="KL(final || lens) [bits]", title="KL to the model's output")
     axes[1].set(xlabel="layer", ylabel="cross-entropy [bits]", title="next-token cross-entropy")
+    return _finish(fig, axes, out, title, legend_size=8)
+
+
+def _finish(fig, axes, out: str | Path, title: str, *, legend_size: int) -> Path:
+    """Grid and legend on every panel, the title, then :func:`_save`."""
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=legend_size)
     if title:
         fig.suptitle(title)
     return _save(fig, out)
@@ -104,3 +109,41 @@ def _save(fig, out: str | Path) -> Path:
     finally:
         _pyplot().close(fig)
     return out
+
+
+def plot_jspace_structure(frame: pd.DataFrame, gains: pd.DataFrame | None, out: str | Path, title: str = "") -> Path:
+    """The J-space by layer (docs/method.md §11.6): explained fraction (J, random and shuffled dictionaries) and
+    occupancy per gauge, medians with their 95 % bootstrap intervals; and, when ``gains`` has rows, the MLP gain of
+    J-lens vectors and of MLP neuron directions (medians, quartile bands).
+
+    Args:
+        frame: ``Structure.frame()`` (``layer, gauge`` and each measure with ``_lo`` / ``_hi``).
+        gains: ``Structure.mlp_frame()`` or None.
+    """
+    plt = _pyplot()
+    gauges = list(dict.fromkeys(frame["gauge"]))
+    panels = 2 + (1 if gains is not None and len(gains) else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4), constrained_layout=True)
+    styles = {"centred": "-", "raw": "--"}
+    for gauge in gauges:
+        part = frame[frame["gauge"] == gauge].sort_values("layer")
+        ls = styles.get(gauge, ":")
+        for col, colour, name in (("explained", "#d6762b", "J"), ("random_explained", "#777777", "random"),
+                                  ("shuffled_explained", "#6c8ebf", "shuffled")):
+            axes[0].plot(part["layer"], part[col], ls, color=colour, marker=".", label=f"{name} ({gauge})")
+            axes[0].fill_between(part["layer"], part[f"{col}_lo"], part[f"{col}_hi"], color=colour, alpha=0.15)
+        for col, colour, name in (("occupancy", "#d6762b", "active atoms (J)"), ("steps90", "#b03a2e", "steps to 90 % (J)"),
+                                  ("random_steps90", "#777777", "steps to 90 % (random)")):
+            axes[1].plot(part["layer"], part[col], ls, color=colour, marker=".", label=f"{name}, {gauge}")
+            axes[1].fill_between(part["layer"], part[f"{col}_lo"], part[f"{col}_hi"], color=colour, alpha=0.15)
+    axes[0].set(xlabel="layer", ylabel="explained fraction (median)", title="explained by k atoms", ylim=(0, 1))
+    axes[1].set(xlabel="layer", ylabel="atoms", title="occupancy")
+    if panels == 3 and gains is not None:
+        g = gains.sort_values("layer")
+        for col, colour, name in (("jlens_gain", "#d6762b", "J-lens vectors"), ("neuron_gain", "#4c9a5a",
+                                                                                 "MLP neuron directions")):
+            axes[2].plot(g["layer"], g[col], color=colour, marker=".", label=name)
+            axes[2].fill_between(g["layer"], g[f"{col}_q1"], g[f"{col}_q3"], color=colour, alpha=0.15)
+        axes[2].axhline(1.0, color="#999999", lw=0.8)
+        axes[2].set(xlabel="layer l", ylabel="gain of MLP l+1 (/ isotropic median)", title="MLP gain", yscale="log")
+    return _finish(fig, axes, out, title, legend_size=7)

@@ -60,3 +60,35 @@ def most_common_figure(tables: Mapping[str, pd.DataFrame], *, top_n: int = 15) -
 
 
 __all__ = ["most_common_figure", "topk_bars"]
+
+
+def jspace_bars(atoms: list[tuple[str, float]], *, title: str = "") -> go.Figure:
+    """Horizontal bars of one cell's J-space atoms (docs/method.md §11.2): ``[(token, coefficient), ...]``, largest
+    first; a coefficient is a length in residual units (on the unit atom)."""
+    tokens = [esc(shown(t)) for t, _ in atoms][::-1]
+    values = [float(c) for _, c in atoms][::-1]
+    fig = go.Figure(go.Bar(x=values, y=[f"{len(tokens) - i}. {t}" for i, t in enumerate(tokens)], orientation="h",
+                           marker_color=LENS_COLORS.get("jacobian"), text=[f"{v:.2f}" for v in values],
+                           textposition="auto", hovertemplate="%{y}: %{x:.3f}<extra></extra>"))
+    fig.update_layout(height=max(220, 22 * len(tokens) + 80), showlegend=False, title=title or None,
+                      xaxis_title="coefficient (residual units)", margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    return fig
+
+
+def jspace_grid(layers: list[int], tokens: list[str], explained: list[list[float]], labels: list[list[str]],
+                hovers: list[list[str]]) -> go.Figure:
+    """A layer x position grid of J-space decompositions (docs/method.md §11.2): each cell coloured by its explained
+    fraction and labelled with its largest atom; the hover lists every atom with its coefficient.
+
+    Args:
+        layers: the rows (bottom to top); tokens: the columns' token texts.
+        explained, labels, hovers: ``[layer][position]`` (NaN / "" where a cell was not decomposed).
+    """
+    x = [f"{i}: {esc(shown(t))}" for i, t in enumerate(tokens)]
+    y = [f"L{layer}" for layer in layers]
+    fig = go.Figure(go.Heatmap(z=explained, x=x, y=y, text=[[esc(shown(t)) for t in row] for row in labels],
+                               texttemplate="%{text}", hovertext=hovers, hoverinfo="text", colorscale="Oranges",
+                               zmin=0, zmax=1, colorbar={"title": "explained", "tickformat": ".0%"}))
+    fig.update_layout(height=max(260, 22 * len(layers) + 120), margin={"l": 10, "r": 10, "t": 30, "b": 10},
+                      xaxis={"tickangle": -45})
+    return fig

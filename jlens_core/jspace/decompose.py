@@ -1,0 +1,262 @@
+"""Decompose residuals into the J-space and a remainder, with controls (docs/method.md §11.2-§11.4).
+
+:func:`decompose` runs the greedy nonnegative pursuit (:mod:`jlens_core.jspace.pursuit`) of ``x`` over the
+J-space dictionary of one layer (:func:`~jlens_core.jspace.dictionary.jspace`) and, beside it, two controls:
+
+* **random dictionary**: as many unit atoms as the J dictionary, Gaussian, seeded (the selection and the fit use
+  unit atoms, so matching the atom norms changes nothing); what any dictionary of that size explains;
+* **shuffled**: the same J dictionary with its ``d_model`` coordinates permuted (seeded; equivalently ``x``'s
+  coordinates permuted): the dictionary keeps its geometry (norms, coherence, its few dominant directions), only its
+  alignment with ``x`` is broken. For token-level claims, ``shuffled_token_ids`` are the selected atoms' labels
+  under a seeded permutation of the dictionary's tokens (the explained fraction does not depend on labels).
+
+:func:`split` is the same for one vector (a concept or steering vector): its J part and non-J part.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Bool, Float, Int
+
+from ..lenses.protocol import Lens
+from ..models.model import LensModel
+from ..reading.tokens import TokenDisplay
+from .dictionary import JSpace, check_gauge, jspace
+from .pursuit import Pursuit, check_method, greedy_pursuit
+
+TARGETS = ("raw", "mean-subtracted")
+DEFAULT_K = 25
+
+# one random dictionary kept (the last one asked for): (n_atoms, d, seed) -> unit atoms [n_atoms, d] fp32
+_RANDOM: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
+def random_dictionary(n_atoms: int, d_model: int, seed: int) -> Float[torch.Tensor, "n_atoms d_model"]:
+    """``n_atoms`` unit Gaussian atoms ``[n_atoms, d_model]`` fp32 from a generator seeded with ``seed``: the random
+    control's dictionary. The last one is kept (one block: 113 MB for SmolLM2-135M's vocabulary)."""
+    key = (int(n_atoms), int(d_model), int(seed))
+    if key not in _RANDOM:
+        _RANDOM.clear()
+        gen = torch.Generator().manual_seed(int(seed))
+        atoms = torch.randn(int(n_atoms), int(d_model), generator=gen)
+        _RANDOM[key] = atoms / atoms.norm(dim=-1, keepdim=True)
+    return _RANDOM[key]
+
+
+def check_k(k: int, limit: int) -> int:
+    """``k`` as an int in ``1..limit``.
+
+    Raises:
+        ValueError: ``k`` not an integer, below 1, or above ``limit`` (the residual width: more atoms than dimensions
+            fit anything).
+    """
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(f"k={k!r} is not a whole number of atoms: give an integer from 1 to {limit}.")  # noqa: TRY004
+    if not 1 <= k <= limit:
+        raise ValueError(f"k={k} atoms is out of range: give 1..{limit} (the paper uses k <= 25; beyond the residual "
+                         "width any vector is fitted).")
+    return k
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    """A batch of residuals split into their J-space part and the rest (module docstring). Row ``i`` is ``x[i]``
+    (a single vector gives ``n = 1``); atoms are in selection order, padded with ``-1`` after an early stop.
+
+    Attributes:
+        layer, gauge, method, target, k: how it was made.
+        x: ``float32[n, d_model]``: what was decomposed (the target: ``x`` itself, or ``x`` minus a mean).
+        token_ids: ``LongTensor[n, k]``: the selected atoms' tokens (``-1``: none).
+        tokens: ``list[list[str]]``: their texts (selected atoms only).
+        coefficients: ``float32[n, k]``, ``>= 0``: on the **unit** atoms (a length in residual units; divide by the
+            atom's norm, :attr:`JSpace.norms`, for the coefficient on ``v_t``).
+        active: ``bool[n, k]``: selected atoms whose coefficient is nonzero.
+        j_part: ``float32[n, d_model]``: ``x_J = sum_j c_j v̂_j`` (with ``method="nnls"`` the projection of ``x`` onto
+            the span of the active atoms).
+        remainder: ``float32[n, d_model]``: ``x - x_J``.
+        explained: ``float32[n]``: ``1 - ||x - x_J||^2 / ||x||^2``.
+        explained_by_step: ``float32[n, k]``: the same after each greedy step.
+        random_explained, random_explained_by_step: the random dictionary's (NaN without controls).
+        shuffled_explained: the coordinate-shuffled J dictionary's (NaN without controls).
+        shuffled_token_ids: ``LongTensor[n, k]``: the selected atoms' tokens under a seeded permutation of the
+            dictionary's labels (``-1`` where none).
+    """
+
+    layer: int
+    gauge: str
+    method: str
+    target: str
+    k: int
+    x: Float[torch.Tensor, "n d_model"]
+    token_ids: Int[torch.Tensor, "n k"]
+    tokens: list[list[str]]
+    coefficients: Float[torch.Tensor, "n k"]
+    active: Bool[torch.Tensor, "n k"]
+    j_part: Float[torch.Tensor, "n d_model"]
+    remainder: Float[torch.Tensor, "n d_model"]
+    explained: Float[torch.Tensor, " n"]
+    explained_by_step: Float[torch.Tensor, "n k"]
+    random_explained: Float[torch.Tensor, " n"]
+    random_explained_by_step: Float[torch.Tensor, "n k"]
+    shuffled_explained: Float[torch.Tensor, " n"]
+    shuffled_token_ids: Int[torch.Tensor, "n k"]
+
+    @property
+    def n(self) -> int:
+        return int(self.x.shape[0])
+
+    @property
+    def occupancy(self) -> Int[torch.Tensor, " n"]:
+        """Active atoms per row ``[n]``."""
+        return self.active.sum(dim=-1)
+
+    def steps_to(self, fraction: float = 0.9, *, control: bool = False) -> Int[torch.Tensor, " n"]:
+        """The smallest number of greedy steps whose fit explains ``fraction`` of what all ``k`` explain, per row
+        ``[n]`` (``control``: the random dictionary's). A row whose final fit explains nothing gives 0."""
+        by_step = self.random_explained_by_step if control else self.explained_by_step
+        final = by_step[:, -1:]
+        reached = by_step >= fraction * final
+        first = reached.float().argmax(dim=-1) + 1
+        return torch.where(final[:, 0] > 0, first, torch.zeros_like(first))
+
+    def atoms(self, row: int = 0) -> list[tuple[str, int, float]]:
+        """``(token, id, coefficient)`` of row ``row``'s active atoms, largest coefficient first."""
+        out = [(self.tokens[row][j], int(self.token_ids[row, j]), float(self.coefficients[row, j]))
+               for j in range(self.k) if bool(self.active[row, j])]
+        return sorted(out, key=lambda a: -a[2])
+
+
+def _as_rows(x: torch.Tensor, d_model: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dim() not in (1, 2) or x.shape[-1] != d_model:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x has shape {shape}: give a tensor [d_model] or [n, d_model] with d_model={d_model}.")
+    rows = x.detach().float().cpu().reshape(-1, d_model)
+    if rows.shape[0] == 0:
+        raise ValueError("x has no rows: give at least one vector.")
+    if not bool(torch.isfinite(rows).all()):
+        raise ValueError("x has a NaN or infinite entry: give finite vectors.")
+    return rows
+
+
+def _explained(x: torch.Tensor, residual_by_step: torch.Tensor) -> torch.Tensor:
+    total = x.double().pow(2).sum(-1, keepdim=True)
+    return (1.0 - residual_by_step / total).float()
+
+
+def _run(space: JSpace, x: torch.Tensor, k: int, method: str) -> Pursuit:
+    return greedy_pursuit(x, k, correlate=space.correlations, fetch=space.unit_atoms_at, method=method)
+
+
+def decompose(model: LensModel, lens: Lens, x: Float[torch.Tensor, "*n d_model"], layer: int, *,
+              k: int = DEFAULT_K, method: str = "gradient_pursuit", gauge: str = "centred", target: str = "raw",
+              mean: Float[torch.Tensor, " d_model"] | None = None, vocab: str | Sequence[int] | None = None,
+              controls: bool = True, seed: int = 0) -> Decomposition:
+    """Decompose ``x`` (``[d_model]`` or ``[n, d_model]``, layer-``layer`` residuals or any vectors there) into at most
+    ``k`` nonnegative J-space atoms plus a remainder (module docstring; docs/method.md §11.2).
+
+    Args:
+        model, lens, layer: the dictionary (:func:`~jlens_core.jspace.dictionary.jspace`).
+        k: greedy steps, ``1..d_model`` (the paper: at most 25).
+        method: ``"gradient_pursuit"`` (the paper's) or ``"nnls"`` (exact on the selected atoms).
+        gauge: ``"centred"`` or ``"raw"`` atoms.
+        target: ``"raw"`` (``x`` itself) or ``"mean-subtracted"``: ``x - mean`` (``mean`` a ``[d_model]`` vector such as
+            a corpus's mean residual at the layer; without it the mean of ``x``'s rows, which needs ``n >= 2``).
+        vocab: the dictionary's tokens (``None``: all; ``"word"``; a list of ids).
+        controls: also run the random-dictionary and shuffled controls (three pursuits instead of one).
+        seed: the controls' seed (random dictionary ``seed``, permutations ``seed + 1``).
+
+    Raises:
+        ValueError: a layer outside the lens, a lens with no matrices, ``k`` out of range, an unknown method, gauge
+            or target, a zero row, or a mean-subtracted target of one row with no ``mean``.
+    """
+    check_method(method)
+    check_gauge(gauge)
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r} is not a decomposition target: use 'raw' or 'mean-subtracted'.")
+    d = int(model.d_model)
+    rows = _as_rows(x, d)
+    if target == "mean-subtracted":
+        if mean is None:
+            if rows.shape[0] < 2:
+                raise ValueError("target='mean-subtracted' of one vector needs its mean: pass mean= (e.g. the "
+                                 "layer's mean residual over a corpus) or decompose several rows.")
+            mean = rows.mean(dim=0)
+        rows = rows - _as_rows(mean, d)[0]
+    zero = rows.norm(dim=-1) == 0
+    if bool(zero.any()):
+        raise ValueError(f"Row {int(torch.nonzero(zero)[0])} of x is the zero vector: it has no decomposition "
+                         "(its explained fraction is undefined).")
+    space = jspace(model, lens, layer, gauge=gauge, vocab=vocab)
+    k = check_k(k, min(d, space.n_atoms))
+    found = _run(space, rows, k, method)
+    n = rows.shape[0]
+    has = found.indices >= 0
+    token_ids = torch.where(has, space.token_ids[found.indices.clamp_min(0)], -1)
+    texts = TokenDisplay.for_tokenizer(model.tokenizer, vocab_size=int(model.vocab_size)).texts
+    tokens = [[texts[int(t)] if 0 <= int(t) < len(texts) else f"<id:{int(t)}>" for t in row if int(t) >= 0]
+              for row in token_ids]
+    explained_by_step = _explained(rows, found.residual_by_step)
+    gen = torch.Generator().manual_seed(int(seed) + 1)
+    label_perm = torch.randperm(space.n_atoms, generator=gen)
+    shuffled_ids = torch.where(has, space.token_ids[label_perm[found.indices.clamp_min(0)]], -1)
+    nan = torch.full((n,), math.nan)
+    random_by_step = torch.full((n, k), math.nan)
+    shuffled = nan.clone()
+    if controls:
+        unit = random_dictionary(space.n_atoms, d, seed)
+        rnd = greedy_pursuit(rows, k, correlate=lambda r: r @ unit.T, fetch=lambda i: unit[i].double(), method=method)
+        random_by_step = _explained(rows, rnd.residual_by_step)
+        coords = torch.randperm(d, generator=gen)
+        shuf = _run(space, rows[:, coords], k, method)
+        shuffled = _explained(rows, shuf.residual_by_step)[:, -1]
+    j_part = found.fitted.float()
+    return Decomposition(layer=space.layer, gauge=gauge, method=method, target=target, k=k, x=rows,
+                         token_ids=token_ids, tokens=tokens, coefficients=found.coefficients.float(),
+                         active=found.active, j_part=j_part, remainder=(rows.double() - found.fitted).float(),
+                         explained=explained_by_step[:, -1].clone(), explained_by_step=explained_by_step,
+                         random_explained=random_by_step[:, -1].clone(), random_explained_by_step=random_by_step,
+                         shuffled_explained=shuffled, shuffled_token_ids=shuffled_ids)
+
+
+@dataclass(frozen=True)
+class Split:
+    """One vector split into its J part and its non-J part (docs/method.md §11.4).
+
+    Attributes:
+        vector: ``float32[d_model]``: the vector split.
+        j_part: ``float32[d_model]``: its J-space component (:attr:`Decomposition.j_part`).
+        non_j_part: ``float32[d_model]``: ``vector - j_part``.
+        j_share: ``1 - ||non_j||^2 / ||vector||^2`` (the explained fraction).
+        non_j_share: ``||non_j||^2 / ||vector||^2`` (``j_share + non_j_share = 1``).
+        decomposition: the :class:`Decomposition` (one row, with its controls).
+    """
+
+    vector: Float[torch.Tensor, " d_model"]
+    j_part: Float[torch.Tensor, " d_model"]
+    non_j_part: Float[torch.Tensor, " d_model"]
+    j_share: float
+    non_j_share: float
+    decomposition: Decomposition
+
+
+def split(model: LensModel, lens: Lens, vector: Float[torch.Tensor, " d_model"], layer: int, *, k: int = DEFAULT_K,
+          gauge: str = "centred", method: str = "gradient_pursuit", controls: bool = True, seed: int = 0) -> Split:
+    """Split ``vector [d_model]`` (a concept, probe or steering vector at ``layer``) into its J part and non-J part.
+
+    Raises:
+        ValueError: as :func:`decompose` (a zero vector, a layer outside the lens, ...), or a batch.
+    """
+    if not isinstance(vector, torch.Tensor) or vector.dim() != 1:
+        shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
+        raise ValueError(f"split takes one vector [d_model]; got {shape} (use decompose for a batch).")
+    dec = decompose(model, lens, vector, layer, k=k, method=method, gauge=gauge, controls=controls, seed=seed)
+    share = float(dec.explained[0])
+    return Split(vector=dec.x[0], j_part=dec.j_part[0], non_j_part=dec.remainder[0], j_share=share,
+                 non_j_share=1.0 - share, decomposition=dec)
+
+
+__all__ = ["DEFAULT_K", "TARGETS", "Decomposition", "Split", "check_k", "decompose", "random_dictionary", "split"]

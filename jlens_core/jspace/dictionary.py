@@ -1,0 +1,243 @@
+"""The J-space dictionary of one layer (docs/method.md §11.1): the lens's read vectors of every vocabulary token.
+
+At layer ``l`` the atom of token ``t`` is its read vector ``v_t = M_l^T C (gamma * P^T u_t)``
+(:func:`~jlens_core.interventions.read_directions.read_vector`; ``M_l = J_l`` for the Jacobian lens), in the
+centred gauge ``v_t - m_l`` with ``m_l`` the mean over the vocabulary (``read_vector(..., centred=True)``,
+docs/method.md §9.1). The block ``[vocab, d_model]`` is never formed: the correlation of ``x`` with every atom is
+
+    <v_t, x> = u_t . (gamma * C (M_l x))   (minus <m_l, x> in the centred gauge)
+
+one product of ``x`` with the head matrix ``[d_model, vocab]`` (which :func:`head_matrix` keeps once per model,
+shared by every layer); the atom norms are computed once per layer in vocabulary chunks
+(:func:`~jlens_core.interventions.read_directions.read_vector_norms`) and kept per lens and layer (``[vocab]``
+floats). A few atoms (the selected ones) are built on demand.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from jaxtyping import Float, Int
+
+from ..interventions.read_directions import (
+    check_layers,
+    head_matrix,
+    mean_read_vector,
+    norm_gain,
+    read_vector_norms,
+)
+from ..lenses.protocol import Lens
+from ..models.model import LensModel
+from ..reading.tokens import TokenDisplay
+from ..reading.word_readout import word_mask
+
+GAUGES = ("centred", "raw")
+CHUNK = 8192  # vocabulary columns per product when the head is not fp32 or a sub-vocabulary is used
+
+# lens -> {(id(model), layer, gauge): atom norms [vocab] fp32}: computing them is one [vocab, d] x [d, d] pass
+_NORMS: weakref.WeakKeyDictionary[Lens, dict[tuple[int, int, str], torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def check_gauge(gauge: str) -> str:
+    if gauge not in GAUGES:
+        raise ValueError(f"gauge={gauge!r} is not a J-space gauge: use 'centred' (read vectors minus their mean over "
+                         "the vocabulary) or 'raw'.")
+    return gauge
+
+
+def _matrix(lens: Lens, layer: int) -> torch.Tensor:
+    """``M_l`` fp32 ``[d, d]`` (CPU), the linear part of the lens's transport.
+
+    Raises:
+        ValueError: a lens with no matrix at ``layer`` (its transport is not linear or affine).
+    """
+    try:
+        return lens.matrix(int(layer)).detach().float().cpu()
+    except (NotImplementedError, AttributeError):
+        raise ValueError(f"The {getattr(lens, 'kind', type(lens).__name__)} lens has no matrix at layer {layer}, so "
+                         "it has no J-space dictionary: the J-space is defined for lenses whose transport is linear "
+                         "or affine (logit, Jacobian, R, J++/R++ and expert, tuned).") from None
+
+
+def _all_norms(model: LensModel, lens: Lens, layer: int, gauge: str) -> torch.Tensor:
+    key = (id(model), int(layer), gauge)
+    try:
+        cache = _NORMS.setdefault(lens, {})
+    except TypeError:  # a lens that cannot be weakly referenced is not cached
+        cache = {}
+    if key not in cache:
+        cache[key] = read_vector_norms(model, lens, layer, centred=gauge == "centred").float()
+    return cache[key]
+
+
+def vocabulary_ids(model: LensModel, vocab: str | Sequence[int] | None) -> torch.Tensor | None:
+    """The dictionary's token ids: ``None`` for the whole vocabulary, the word tokens for ``"word"``
+    (docs/method.md §9.1), or the given ids (sorted, unique).
+
+    Raises:
+        ValueError: an unknown readout name, an empty list or an id outside the vocabulary.
+    """
+    size = int(model.vocab_size)
+    if vocab is None or (isinstance(vocab, str) and vocab == "all"):
+        return None
+    if isinstance(vocab, str):
+        if vocab != "word":
+            raise ValueError(f"vocab={vocab!r} is not a vocabulary: use None (all tokens), 'word' or a list of ids.")
+        mask = torch.from_numpy(word_mask(TokenDisplay.for_tokenizer(model.tokenizer, vocab_size=size)).copy())
+        ids = torch.nonzero(mask[:size]).reshape(-1)
+    else:
+        ids = torch.tensor(sorted({int(t) for t in vocab}), dtype=torch.long)
+    if ids.numel() == 0:
+        raise ValueError("The dictionary's vocabulary is empty: give at least one token id.")
+    if int(ids.min()) < 0 or int(ids.max()) >= size:
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"Token id {bad} is outside the vocabulary (0..{size - 1}).")
+    return ids
+
+
+@dataclass(frozen=True)
+class JSpace:
+    """The J-space dictionary of one layer: one atom per token, never stored as a block (module docstring).
+
+    Attributes:
+        layer: the source layer.
+        gauge: ``"centred"`` (atoms ``v_t - m_l``) or ``"raw"`` (``v_t``).
+        token_ids: ``LongTensor[n_atoms]``: the token of each atom (all ids ``< vocab_size``, or a sub-vocabulary).
+        norms: ``float32[n_atoms]``: ``||atom||``.
+        d_model: the residual width.
+        lens_kind: the lens's kind.
+    """
+
+    layer: int
+    gauge: str
+    token_ids: Int[torch.Tensor, " n_atoms"]
+    norms: Float[torch.Tensor, " n_atoms"]
+    d_model: int
+    lens_kind: str
+    _transport: torch.Tensor = field(repr=False)  # M_l [d, d] fp32
+    _gamma: torch.Tensor = field(repr=False)  # [d] fp32
+    _centres: bool = field(repr=False)
+    _mean: torch.Tensor | None = field(repr=False)  # m_l [d] fp32 in the centred gauge
+    _head: torch.Tensor = field(repr=False)  # [d, vocab] head matrix (shared, not a copy)
+    _subset: torch.Tensor | None = field(repr=False)  # token ids of a sub-vocabulary
+    _inv_norms: torch.Tensor = field(repr=False)  # 1 / norms (0 for a zero atom)
+
+    @property
+    def n_atoms(self) -> int:
+        return int(self.token_ids.numel())
+
+    def _pre_head(self, x: torch.Tensor) -> torch.Tensor:
+        """``gamma * C (M_l x)`` for rows ``x [n, d]`` (fp32): what the head rows meet."""
+        z = x.float() @ self._transport.T
+        if self._centres:
+            z = z - z.mean(dim=-1, keepdim=True)
+        return z * self._gamma
+
+    def _products(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        x = x.detach().float().cpu().reshape(-1, self.d_model)
+        z = self._pre_head(x).to(self._head.device)
+        head = self._head
+        offset = (-(x @ self._mean))[:, None].to(head.device) if self._mean is not None else None
+        if self._subset is None and head.dtype == torch.float32:
+            # one pass over the head: the centring offset and the norms folded into the product's output
+            out = torch.addmm(offset, z, head) if offset is not None else z @ head
+        else:
+            cols = self._subset if self._subset is not None else torch.arange(head.shape[1])
+            out = torch.cat([z @ head[:, cols[s:s + CHUNK].to(head.device)].float()
+                             for s in range(0, int(cols.numel()), CHUNK)], dim=1)
+            if offset is not None:
+                out += offset
+        if scale is not None:
+            out *= scale.to(out.device)
+        return out.float().cpu()
+
+    def inner_products(self, x: Float[torch.Tensor, "n d_model"]) -> Float[torch.Tensor, "n n_atoms"]:
+        """``<atom_t, x>`` fp32 ``[n, n_atoms]`` for rows ``x [n, d_model]`` (not normalised)."""
+        return self._products(x, None)
+
+    def correlations(self, x: Float[torch.Tensor, "n d_model"]) -> Float[torch.Tensor, "n n_atoms"]:
+        """``<atom_t / ||atom_t||, x>`` fp32 ``[n, n_atoms]``: inner products with the unit atoms (0 for an atom
+        whose norm is 0)."""
+        return self._products(x, self._inv_norms)
+
+    def atoms(self, ids: Sequence[int] | Int[torch.Tensor, " m"]) -> Float[torch.Tensor, "m d_model"]:
+        """The atoms of token ids ``ids`` as rows ``[m, d_model]`` fp32 (not normalised): ``read_vector`` of each
+        (centred in the centred gauge).
+
+        Raises:
+            ValueError: an id that is not an atom of this dictionary.
+        """
+        ids_t = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        if self._subset is not None and ids_t.numel():
+            missing = ~torch.isin(ids_t, self._subset)
+            if bool(missing.any()):
+                raise ValueError(f"Token id {int(ids_t[missing][0])} is not in this dictionary's vocabulary.")
+        vocab = int(self._head.shape[1])
+        if ids_t.numel() and (int(ids_t.min()) < 0 or int(ids_t.max()) >= vocab):
+            bad = ids_t[(ids_t < 0) | (ids_t >= vocab)][0]
+            raise ValueError(f"Token id {int(bad)} is outside the vocabulary (0..{vocab - 1}).")
+        rows = self._head[:, ids_t.to(self._head.device)].T.float().cpu() * self._gamma  # gamma * P^T u_t
+        if self._centres:
+            rows = rows - rows.mean(dim=-1, keepdim=True)
+        v = rows @ self._transport  # (M^T r)^T
+        return v - self._mean if self._mean is not None else v
+
+    def positions(self, ids: Int[torch.Tensor, " m"]) -> Int[torch.Tensor, " m"]:
+        """The atom index (row of :meth:`correlations`) of each token id (all must be atoms)."""
+        if self._subset is None:
+            return ids.long()
+        return torch.searchsorted(self._subset, ids.long())
+
+    def unit_atoms_at(self, positions: Int[torch.Tensor, " m"]) -> Float[torch.Tensor, "m d_model"]:
+        """The unit atoms ``[m, d_model]`` at atom indices ``positions``."""
+        ids = self.token_ids[positions]
+        v = self.atoms(ids)
+        n = v.norm(dim=-1, keepdim=True)
+        return torch.where(n > 0, v / n.clamp_min(1e-30), 0.0)
+
+
+def jspace(model: LensModel, lens: Lens, layer: int, *, gauge: str = "centred",
+           vocab: str | Sequence[int] | None = None) -> JSpace:
+    """The J-space dictionary of ``layer`` under ``lens`` (module docstring; docs/method.md §11.1).
+
+    Args:
+        model: the model the lens reads.
+        lens: any lens with a matrix per layer: logit (``M = I``), Jacobian, R, J++ / R++ and the expert lenses
+            (their one combined matrix per layer), tuned (``I + A_l``, its bias plays no part).
+        layer: a source layer the lens reads.
+        gauge: ``"centred"`` (atoms ``v_t - m_l``) or ``"raw"`` (``v_t``).
+        vocab: ``None`` (every token ``< vocab_size``), ``"word"`` (the word tokens) or a list of token ids.
+
+    Memory: the head matrix ``[d_model, vocab]`` once per model (in the head's dtype; 113 MB fp32 for
+    SmolLM2-135M), ``M_l`` ``[d, d]`` and the norms ``[vocab]`` per layer; no ``[vocab, d]`` block per layer.
+
+    Raises:
+        ValueError: a layer outside the lens, an unknown gauge or vocabulary, or a lens with no matrices.
+    """
+    check_gauge(gauge)
+    layer = check_layers(model, lens, [layer])[0]
+    transport = _matrix(lens, layer)
+    subset = vocabulary_ids(model, vocab)
+    gamma, centres = norm_gain(model)
+    all_norms = _all_norms(model, lens, layer, gauge)
+    ids = torch.arange(int(model.vocab_size)) if subset is None else subset
+    norms = all_norms if subset is None else all_norms[subset]
+    if not bool((norms > 0).any()) or not math.isfinite(float(norms.max())):
+        raise ValueError(f"The J-space of layer {layer} has no nonzero finite atom under this {lens.kind} lens.")
+    mean = mean_read_vector(model, lens, layer).float().cpu() if gauge == "centred" else None
+    return JSpace(layer=layer, gauge=gauge, token_ids=ids, norms=norms, d_model=int(model.d_model),
+                  lens_kind=str(lens.kind), _transport=transport, _gamma=gamma.float(), _centres=bool(centres),
+                  _mean=mean, _head=head_matrix(model), _subset=subset,
+                  _inv_norms=torch.where(norms > 0, 1.0 / norms.clamp_min(1e-30), 0.0))
+
+
+def clear_cache() -> None:
+    """Forget the atom norms kept per lens and layer."""
+    _NORMS.clear()
+
+
+__all__ = ["GAUGES", "JSpace", "check_gauge", "clear_cache", "jspace", "vocabulary_ids"]
