@@ -111,7 +111,8 @@ class DriftResult:
                else f"refit of {self.n_refit} {source}, error from the {self.se_from}")
         if bad is None:
             worst = max(self.layers, key=lambda r: r.rel_diff / r.bound)
-            return (f"Within sampling error at every layer: {how}; largest difference {worst.rel_diff:.3g} at layer "
+            within = "Within bounds" if self.compared != "matrices" else "Within sampling error"
+            return (f"{within} at every layer: {how}; largest difference {worst.rel_diff:.3g} at layer "
                     f"{worst.layer} (bound {worst.bound:.3g}).")
         return (f"Out of bounds from layer {bad.layer}: the lens differs from what the model computes now by "
                 f"{bad.rel_diff:.3g} (relative, Frobenius), beyond the {bad.bound:.3g} sampling allows ({how}); the "
