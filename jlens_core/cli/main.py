@@ -19,7 +19,7 @@ from .._version import __version__
 log = logging.getLogger("jlens")
 
 SUBCOMMAND_MODULES = ("fit", "tune", "weigh", "eval", "study", "inspect", "intervene", "say", "jspace", "dump", "check",
-                      "export", "app")
+                      "export", "experiment", "app")
 
 
 class CLIError(Exception):

@@ -179,6 +179,8 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
     """
     keywords: dict[str, Any] = dict(options)
     readout = (readout or Readout()).updated(keywords, {"top_k": "k"})
+    if isinstance(readout.k, tuple):  # several cut-offs are pass@k's; a reading keeps one top k per cell
+        raise TypeError(f"A reading keeps one top_k per cell, not {readout.k!r}: give one number, e.g. Readout(k=10).")
     top_k, vocab = 10 if readout.k is None else readout.k, readout.vocab
     pinned, show_whitespace = keywords.pop("pinned", ()), keywords.pop("show_whitespace", False)
     max_seq_len, word_like = keywords.pop("max_seq_len", None), keywords.pop("word_like", False)
