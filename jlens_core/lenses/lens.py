@@ -364,6 +364,14 @@ class MatrixTransportMixin(FrozenAttributes, SourceLayersMixin):
     def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         raise NotImplementedError
 
+    def export(self, path: str | os.PathLike, format: str = "reference", **options: Any) -> Any:
+        """Write this lens in another library's format: ``reference``, ``transformer-lens``, ``neuronpedia`` or
+        ``jpp`` (:func:`jlens_core.lenses.export.export_lens`, its options and errors; docs/sharing.md). Returns
+        its :class:`~jlens_core.lenses.export.ExportResult` (the files, and what the format cannot hold)."""
+        from .export import export_lens
+
+        return export_lens(self, path, format, **options)
+
     def transport(self, h: Float[torch.Tensor, "*batch d_model"],
                   layer: int) -> Float[torch.Tensor, "*batch d_model"]:
         """``J_l @ h`` over the last axis (``J_l`` = :meth:`matrix`): ``[..., d_model] -> [..., d_model]``,
@@ -891,23 +899,9 @@ class JacobianLens(MatrixTransportMixin):
 
     @classmethod
     def _load_reference(cls, path: Path) -> JacobianLens:
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise LensFileError(f"{str(path)!r} is not a readable lens file: {exc}") from exc
-        if not isinstance(data, dict) or not {"J", "n_prompts", "d_model"} <= set(data):
-            raise LensFileError(f"{str(path)!r} is a torch file but not a lens (expected keys J, n_prompts, "
-                                "source_layers, d_model).")
-        mats = data["J"]
-        layers = list(data.get("source_layers") or [])
-        if isinstance(mats, torch.Tensor):  # stacked [n_layers, d, d] in source_layers order
-            if not layers:
-                layers = list(range(mats.shape[0]))
-            mats = {int(layer): mats[i] for i, layer in enumerate(layers)}
-        else:
-            mats = {int(k): v for k, v in mats.items()}
-        return cls(mats, int(data["n_prompts"]), int(data["d_model"]), target_layer=data.get("target_layer"),
-                   settings={"source": "reference jlens file"}, model_name=data.get("model_name"))
+        from .foreign import load_foreign_lens  # the .pt layouts of other libraries (docs/sharing.md)
+
+        return load_foreign_lens(path, cls)
 
     # -- combining -----------------------------------------------------------------------------
     @classmethod
