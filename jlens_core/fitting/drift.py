@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..lenses.fit_settings import FitPlan
-from ..lenses.kinds import lens_kind
+from ..lenses.kinds import PLAIN_FITTED, lens_kind
 from ..models.model import LensModel
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ def refit_check(model: LensModel, lens: Any, prompts: Sequence, *, nested: bool,
     if isinstance(lens, ExpertLens):
         lens = lens.pooled_lens()
     kind = lens_kind(lens)
-    if kind not in ("jacobian", "relevance"):
+    if kind not in PLAIN_FITTED:
         raise ValueError(f"A {kind} lens's maps are weighted sums of expert matrices, which a plain refit does not "
                          "give: check the expert lens it came from (its pooled lens is checked), or a J lens.")
     lens.check_model(model)

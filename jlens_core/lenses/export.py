@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._atomic import atomic_write, atomic_write_text
 from .._version import __version__
-from .kinds import BY_KIND, lens_kind
+from .kinds import BY_KIND, PLAIN_RULES, is_baseline, is_trained, lens_kind, relevance_backward
 from .provenance import file_settings, lens_provenance
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def exportable_matrices(lens: Any, format: str) -> dict[int, torch.Tensor]:
         ValueError: the format cannot hold the lens's kind (one sentence: why, and which format can).
     """
     kind = lens_kind(lens)
-    if not hasattr(lens, "matrix") or not getattr(lens, "source_layers", None) or kind in ("tuned", "logit"):
+    if not hasattr(lens, "matrix") or not getattr(lens, "source_layers", None) or is_trained(kind) or is_baseline(kind):
         raise ValueError(f"A {_kind_name(kind)} has no fitted matrices J_l, so no {FORMAT_NAMES[format]} file can "
                          "hold it: share a tuned lens as its own tuned-lens folder (docs/tuned-lens.md).")
     if format == "jpp" and kind not in JPP_KINDS:
@@ -148,7 +148,7 @@ def left_out(lens: Any, format: str) -> str | None:
     if getattr(lens, "n_experts", None) is not None:  # an ExpertLens (not imported: it imports this module's caller)
         parts.append("its expert matrices, clustering and weights (each layer's weighted sum is written)")
     if format == "reference":
-        if getattr(lens, "rules", "jacobian") != "jacobian":
+        if relevance_backward(getattr(lens, "rules", PLAIN_RULES)):
             parts.append("its R-lens rules (a reader takes the matrices for a J lens's)")
         if kind in BY_KIND and BY_KIND[kind].experts:
             parts.append(f"that it is a {_kind_name(kind)}")
@@ -248,7 +248,7 @@ def _jpp_payload(lens: Any, matrices: dict[int, torch.Tensor], provenance: dict[
               "hf_model_name": hub_name(provenance.get("model_source")) or lens.model_name,
               "max_seq_len": settings.get("max_seq_len"), "skip_first_n_positions": settings.get("skip_first"),
               # the R++ lens's relevance rules; None for J++ (the J rules: plain gradients)
-              "lrp_mode": None if getattr(lens, "rules", "jacobian") == "jacobian" else "relevance",
+              "lrp_mode": "relevance" if relevance_backward(getattr(lens, "rules", PLAIN_RULES)) else None,
               "relative_end_transport_layer": int(lens.target_layer) - int(lens.n_layers),
               "jlens": _identity(lens, provenance)}
     return {"parameters": {"jacobians": {layer: m.contiguous() for layer, m in matrices.items()}},
@@ -287,7 +287,7 @@ def _neuronpedia(lens: Any, root: Path, matrices: dict[int, torch.Tensor], prove
     if provenance.get("stream_reduce_detail"):
         capture["stream_reduce_detail"] = provenance["stream_reduce_detail"]
     record = {"source": f"jlens {__version__} export", "method": method, **capture,
-              "lrp_mode": None if getattr(lens, "rules", "jacobian") == "jacobian" else "relevance",
+              "lrp_mode": "relevance" if relevance_backward(getattr(lens, "rules", PLAIN_RULES)) else None,
               "jlens": _identity(lens, provenance)}
     payload = {**_reference_payload(lens, _fp16(matrices)), "provenance": record}
     lens_file = _save(folder / name, payload)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .header import LensFileError
+from .kinds import PLAIN_FITTED, expert_kind
 
 # The lens class is passed in by JacobianLens.load (this module does not import lens.py, which imports it).
 JacobianLens = Any
@@ -133,7 +134,7 @@ def _lens(cls: type[JacobianLens], matrices: dict[int, torch.Tensor], n_prompts:
         settings.update({k: ours[k] for k in ("skip_first", "max_seq_len", "corpus") if ours.get(k) is not None})
         if ours.get("provenance"):
             settings["provenance"] = ours["provenance"]
-        if kind and kind not in ("jacobian", "relevance"):
+        if kind and kind not in PLAIN_FITTED:
             settings["expert_kind"] = kind
         rules = str(ours.get("rules") or rules)
     return cls(matrices, n_prompts, d_model, target_layer=ours.get("target_layer"),
@@ -161,8 +162,8 @@ def _from_jpp(data: dict[str, Any], cls: type[JacobianLens]) -> JacobianLens:
     lrp_mode = config.get("lrp_mode")
     rules = "relevance" if lrp_mode not in (None, False, "", "none") else "jacobian"
     plain = {k: v for k, v in config.items() if isinstance(v, (str, int, float, bool)) or v is None}
-    settings: dict[str, Any] = {"source": "J++ file", "expert_kind": "relevance++" if rules == "relevance" else
-                                "jacobian++", "jpp_config": plain, "import_note": JPP_MISSING}
+    settings: dict[str, Any] = {"source": "J++ file", "expert_kind": expert_kind(rules, weighted=True),
+                                "jpp_config": plain, "import_note": JPP_MISSING}
     if config.get("skip_first_n_positions") is not None:
         settings["skip_first"] = int(config["skip_first_n_positions"])
     if config.get("max_seq_len") is not None:
