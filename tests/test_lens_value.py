@@ -242,3 +242,15 @@ def test_a_lens_of_the_old_protocol_still_says_where_it_was_fitted():
     assert recorded_skip_first(SimpleNamespace(settings={"skip_first": 4})) == 4
     assert recorded_skip_first(SimpleNamespace(settings={})) is None
     assert recorded_skip_first(fitted()) == 2 and recorded_skip_first(LogitLens(4, 8)) is None
+
+
+def test_a_lens_describes_itself_from_its_types():
+    """lens.describe(): the one line the app shows, read from the types (no settings dict)."""
+    from jlens_core import TunedLens
+
+    lens = fitted().replace(corpus="wiki")
+    line = lens.describe()
+    assert line.startswith(f"{lens.n_prompts} prompts · layers 0..2 → 3") and "corpus wiki" in line
+    assert "skip_first 2" in line and "max_seq_len 16" in line and "stopped early" not in line
+    tuned = TunedLens.zeros(tiny())
+    assert tuned.describe().startswith(f"layers {tuned.source_layers[0]}..{tuned.source_layers[-1]} → ")

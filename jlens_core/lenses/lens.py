@@ -21,7 +21,7 @@ from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
 from .fit_settings import FitPlan, FitRecord, FitSettings, settings_view, split_lens_settings
 from .header import FORMAT_NAME, LensFileError, half_prompts_of, read_header
-from .kinds import BASELINE, PLAIN_RULES, RULES, plain_kind
+from .kinds import BASELINE, BY_KIND, PLAIN_RULES, RULES, lens_kind, plain_kind
 from .protocol import FittedLens, Lens
 from .readout import ReadoutMixin
 
@@ -169,6 +169,28 @@ class MatrixTransportMixin(FrozenAttributes, SourceLayersMixin):
     _halves: tuple[Any, Any] | None
     # the fields of the class's constructor (``_setup``'s keywords), which :meth:`replace` copies
     _FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def describe(self) -> str:
+        """One line about the lens for a reader (the app's lens boxes and Jacobians page): prompts, layers and
+        target, experts, and the recorded settings that shape it, read from :attr:`fit_settings` and :attr:`record`."""
+        fit, record = self.fit_settings, self.record
+        layers = self.source_layers
+        span = f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else str(layers[0])
+        parts = [f"{self.n_prompts} prompts", f"layers {span} → {self.target_layer}"]
+        # a one-matrix file is a combination of experts only when it says so (ExpertLens.to_jacobian_lens)
+        experts = getattr(self, "n_experts", None) or (fit.experts if record.combined_from is not None else None)
+        if experts:
+            weighted = BY_KIND[lens_kind(self)].weighted
+            parts.append(f"{experts} experts, {'learned' if weighted else 'uniform'} weights"
+                         + (", combined into one matrix" if isinstance(self, JacobianLens) else ""))
+        recorded = {"max_seq_len": fit.max_seq_len if record.settings_recorded else None,
+                    "skip_first": self.skip_first, "corpus": record.corpus}
+        parts += [f"{key} {value}" for key, value in recorded.items() if value is not None]
+        if getattr(self, "shrinkage", 0):
+            parts.append(f"shrinkage {self.shrinkage:g}")
+        if record.stop_reason:
+            parts.append("stopped early")
+        return " · ".join(parts)
 
     def _fields(self) -> dict[str, Any]:
         """This lens's constructor fields (``_FIELDS``), as held (``halves`` as kept: :attr:`raw_halves`)."""
