@@ -186,8 +186,9 @@ class MatrixTransportMixin(FrozenAttributes, SourceLayersMixin):
         recorded = {"max_seq_len": fit.max_seq_len if record.settings_recorded else None,
                     "skip_first": self.skip_first, "corpus": record.corpus}
         parts += [f"{key} {value}" for key, value in recorded.items() if value is not None]
-        if getattr(self, "shrinkage", 0):
-            parts.append(f"shrinkage {self.shrinkage:g}")
+        shrinkage = float(getattr(self, "shrinkage", 0.0) or 0.0)  # the J lens's; an expert lens has none
+        if shrinkage:
+            parts.append(f"shrinkage {shrinkage:g}")
         if record.stop_reason:
             parts.append("stopped early")
         return " · ".join(parts)

@@ -64,7 +64,7 @@ class TunedLens(FrozenAttributes, SourceLayersMixin):
         tokens, or the tuned-lens format it was read from) and its mean held-out KL (bits) where recorded."""
         layers = self.source_layers
         parts = [f"layers {layers[0]}..{layers[-1]} → {self.target_layer}" if layers else "no layers"]
-        trained = self.settings
+        trained: dict[str, Any] = dict(self.settings)
         if trained.get("source") == "tuned-lens":
             parts.append("tuned-lens format")
         if trained.get("steps"):
