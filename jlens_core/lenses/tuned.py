@@ -69,7 +69,8 @@ class TunedLens(FrozenAttributes, SourceLayersMixin):
             parts.append("tuned-lens format")
         if trained.get("steps"):
             parts.append(f"{trained['steps']} steps × {trained.get('tokens_per_step', '?')} tokens")
-        kl = (self.metrics or {}).get("heldout_kl_bits")
+        metrics: dict[str, Any] = dict(self.metrics or {})
+        kl = metrics.get("heldout_kl_bits")
         if kl:
             parts.append(f"held-out KL {sum(kl.values()) / len(kl):.2f} bits")
         return " · ".join(parts)
