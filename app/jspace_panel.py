@@ -14,6 +14,7 @@ import streamlit as st
 import common
 from jlens_core import decompose
 from jlens_core.figures.tokens import jspace_bars, jspace_grid
+from jlens_core.lenses.kinds import is_baseline
 from jlens_core.reading.inputs import record_residuals
 
 ss = st.session_state
@@ -26,7 +27,7 @@ def panel(ctx: common.Context, full_ids: Any, text: str, layer: int, position: i
     lenses = {name: lens for name, lens in ctx.lenses().items() if hasattr(lens, "matrix")}
     with st.expander("J-space (this cell, or every shown cell)", expanded=False):
         names = list(lenses)
-        preferred = next((n for n in names if n != "logit"), "logit")
+        preferred = next((n for n in names if not is_baseline(lenses[n])), names[0])  # a fitted lens if one is loaded
         c1, c2, c3, c4 = st.columns([2, 1, 1, 1])
         name = c1.selectbox("Lens", names, index=names.index(preferred), key="js_lens", format_func=common.lens_label)
         k = int(c2.number_input("k (atoms)", 1, min(50, int(ctx.model.d_model)), 25, key="js_k"))

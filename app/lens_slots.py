@@ -28,18 +28,15 @@ from common import ENV_LENS, LoadedLens
 from jlens_core.lenses.experts import is_expert_lens_file
 from jlens_core.lenses.header import header_or_none
 from jlens_core.lenses.kinds import (
-    BY_KIND,
     KINDS,
     PLAIN_RULES,
     RULES,
     capabilities,
     expert_kind,
-    is_trained,
     lens_kind,
     plain_kind,
     relevance_backward,
 )
-from jlens_core.lenses.lens import JacobianLens
 from jlens_core.lenses.shipped import KIND_NAMES, is_tuned_lens_file
 
 SHIPPED, NONE, FILE, UPLOAD, RUN = "shipped", "none", "file", "upload", "run:"
@@ -286,29 +283,6 @@ def _expert_sources(rules: str, variant: str, what: str) -> Callable[[Any, str],
     return sources
 
 
-def lens_summary(lens: Any) -> str:
-    """One line about a fitted lens (a J lens, an R-lens, an expert lens): prompts, layers, target, experts and
-    the settings that shape it."""
-    fit, record = lens.fit_settings, lens.record
-    layers = lens.source_layers
-    span = f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else str(layers[0])
-    parts = [f"{lens.n_prompts} prompts", f"layers {span} → {lens.target_layer}"]
-    # a one-matrix file is a combination of experts only when it says so (ExpertLens.to_jacobian_lens)
-    experts = getattr(lens, "n_experts", None) or (fit.experts if record.combined_from is not None else None)
-    if experts:
-        weighted = BY_KIND[lens_kind(lens)].weighted
-        parts.append(f"{experts} experts, {'learned' if weighted else 'uniform'} weights"
-                     + (", combined into one matrix" if isinstance(lens, JacobianLens) else ""))
-    recorded = {"max_seq_len": fit.max_seq_len if record.settings_recorded else None, "skip_first": lens.skip_first,
-                "corpus": record.corpus}
-    parts += [f"{key} {value}" for key, value in recorded.items() if value is not None]
-    if getattr(lens, "shrinkage", 0):
-        parts.append(f"shrinkage {lens.shrinkage:g}")
-    if lens.stop_reason:
-        parts.append("stopped early")
-    return " · ".join(parts)
-
-
 # -- the tuned lens --------------------------------------------------------------------------------------
 def _tuned_sources(model: Any, spec: str) -> list[Source]:
     from jlens_core.lenses.shipped import shipped_tuned_lens_path
@@ -329,21 +303,6 @@ def _tuned_file(path: Path) -> Path:
     return probe
 
 
-def tuned_summary(lens: Any) -> str:
-    """One line about a tuned lens: layers, training, held-out KL."""
-    layers = lens.source_layers
-    parts = [f"layers {layers[0]}..{layers[-1]} → {lens.target_layer}" if layers else "no layers"]
-    s = lens.settings
-    if s.get("source") == "tuned-lens":
-        parts.append("tuned-lens format")
-    if s.get("steps"):
-        parts.append(f"{s['steps']} steps × {s.get('tokens_per_step', '?')} tokens")
-    kl = (lens.metrics or {}).get("heldout_kl_bits")
-    if kl:
-        parts.append(f"held-out KL {sum(kl.values()) / len(kl):.2f} bits")
-    return " · ".join(parts)
-
-
 def _lens_file_slot(noun: str, article: str = "a", **fields: Any) -> LensSlot:
     """A slot of lens files (a J lens, an R-lens, an expert lens: :func:`cache.load_any_lens_cached` reads them),
     its file words made from ``noun``: "<Noun> file (path)…", "Upload <article> <noun> file…"."""
@@ -355,7 +314,7 @@ def _lens_file_slot(noun: str, article: str = "a", **fields: Any) -> LensSlot:
 
 JACOBIAN = _lens_file_slot(
     "lens", key="jacobian", param="lens", default=SHIPPED, sources=_jacobian_sources,
-    summary=lambda lens: f"**Jacobian lens** · {lens_summary(lens)}", label="Lens", none_label="None: logit lens only",
+    summary=lambda lens: f"**Jacobian lens** · {lens.describe()}", label="Lens", none_label="None: logit lens only",
     path_placeholder="/path/to/lens.safetensors or hf://owner/repo/lens.pt",
     path_help="A lens file (jlens or the reference's .pt), or hf://owner/repo[@revision]/path on the "
               "Hugging Face Hub (its cache; HF_HUB_OFFLINE honoured).",
@@ -365,7 +324,7 @@ JACOBIAN = _lens_file_slot(
                                     "slot below.")
 RELEVANCE = _lens_file_slot(
     "R-lens", "an", key="relevance", param="rlens", default=NONE, variant="relevance", sources=_relevance_sources,
-    summary=lambda lens: f"**R-lens** · {lens_summary(lens)}", label="R-lens", none_label="None",
+    summary=lambda lens: f"**R-lens** · {lens.describe()}", label="R-lens", none_label="None",
     unshipped_label="None (no shipped R-lens for this model)", path_placeholder="/path/to/lens.safetensors or hf://owner/repo/lens",
     path_help="A lens file fitted with relevance rules (`jlens fit --rules relevance`), or "
               "hf://owner/repo[@revision]/path on the Hugging Face Hub.",
@@ -375,7 +334,7 @@ RELEVANCE = _lens_file_slot(
                                      "Lens slot above.")
 TUNED = LensSlot(
     key="tuned", param="tuned", default=NONE, sources=_tuned_sources, loader=cache.load_tuned_cached,
-    version_file=_tuned_file, summary=lambda lens: f"**Tuned lens** · {tuned_summary(lens)}", noun="tuned lens",
+    version_file=_tuned_file, summary=lambda lens: f"**Tuned lens** · {lens.describe()}", noun="tuned lens",
     label="Tuned lens", none_label="None", file_label="Tuned lens file or folder (path)…",
     upload_label="Upload a tuned lens file…", upload_box_label="Tuned lens file", path_label="Tuned lens path", path_what="tuned lens path",
     path_placeholder="/path/to/tuned.safetensors or folder",
@@ -389,7 +348,7 @@ def _expert_slot(key: str, rules: str, short: str) -> LensSlot:
     what = f"{short} lens"
     return _lens_file_slot(
         what, key=key, param=key, default=NONE, variant=key, sources=_expert_sources(rules, key, what),
-        summary=lambda lens: f"**{KIND_LABELS[lens_kind(lens)]}** · {lens_summary(lens)}", label=what,
+        summary=lambda lens: f"**{KIND_LABELS[lens_kind(lens)]}** · {lens.describe()}", label=what,
         none_label="None", unshipped_label=f"None (no shipped {what} for this model)",
         path_placeholder="/path/to/experts.safetensors or hf://owner/repo/lens",
         path_help=f"An expert lens fitted with {rules} rules (`jlens fit --experts E"
@@ -478,7 +437,7 @@ def draw_extras(model: Any, taken: set[str]) -> dict[str, LoadedLens]:
         item.name = name
         taken.add(name)
         loaded[f"extra{i}"] = item
-        summary = tuned_summary(item.lens) if is_trained(item.lens) else lens_summary(item.lens)
+        summary = item.lens.describe()
         row.caption(f"**{name}** · {summary}")
     sb.text_input("Add a lens from a file", key="extra_path", disabled=disabled,
                   placeholder="/path/to/lens.safetensors or hf://owner/repo/lens",

@@ -33,6 +33,7 @@ PAGES = [
     st.Page("views/jacobians.py", title="Jacobians", icon=":material/functions:", url_path="jacobians"),
     st.Page("views/evaluate.py", title="Evaluate", icon=":material/monitoring:", url_path="evaluate"),
     st.Page("views/study.py", title="Study", icon=":material/stacked_line_chart:", url_path="study"),
+    st.Page("views/experiments.py", title="Experiments", icon=":material/science:", url_path="experiments"),
     st.Page("views/compare.py", title="Compare runs", icon=":material/difference:", url_path="compare"),
 ]
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .evaluation.by_layer import evaluate
     from .evaluation.passk import load_eval_set, pass_at_k
     from .evaluation.study import load_study, study
+    from .experiments.run import run_experiment
     from .fitting.fit import fit
     from .fitting.tuning import train_tuned_lens
     from .interventions.compare import compare_runs

@@ -1,7 +1,7 @@
 """The optional extras of ``pyproject.toml`` and the one sentence that names a missing one.
 
 A leaf (no jlens imports, no torch): the CLI, the model loader, the figures and the PNG plots check their
-extra before importing it, so a plain ``pip install jlens`` stops with the command to run, not a traceback.
+extra before importing it, so a plain ``pip install jacobian-lens`` stops with the command to run, not a traceback.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ def require_extra(extra: str, what: str) -> None:
 
     Raises:
         MissingExtraError: e.g. "jlens app needs the optional extra [app] (streamlit is not installed):
-            pip install 'jlens[app]' (from a checkout: pip install -e '.[app]')."
+            pip install 'jacobian-lens[app]' (from a checkout: pip install -e '.[app]')."
         ValueError: an unknown extra.
     """
     missing = missing_modules(extra)
     if missing:
         verb = "is" if len(missing) == 1 else "are"
         raise MissingExtraError(f"{what} needs the optional extra [{extra}] ({', '.join(missing)} {verb} not "
-                                f"installed): pip install 'jlens[{extra}]' (from a checkout: pip install -e "
+                                f"installed): pip install 'jacobian-lens[{extra}]' (from a checkout: pip install -e "
                                 f"'.[{extra}]').")

@@ -1415,19 +1415,13 @@ def test_a_reading_file_opens_without_a_model(tiny_dir, tiny_model, lens_file, t
     assert ok(at).session_state["_ctx"].model is not None and has_chart(at, "heatmap") and "reading" not in at.query_params
 
 
-def test_lens_summary_says_combined_only_for_a_combination_of_experts(llama, monkeypatch):
-    """The sidebar line (app/lens_slots.py): a pooled lens of an expert fit reads as a plain lens; the
-    one-matrix combination says how many experts it combines."""
-    import importlib
-    import sys
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "app"))  # as streamlit runs it
-    monkeypatch.delitem(sys.modules, "lens_slots", raising=False)
-    lens_summary = importlib.import_module("lens_slots").lens_summary
-
+def test_lens_describe_says_combined_only_for_a_combination_of_experts(llama):
+    """The sidebar line (lens.describe(), which app/lens_slots.py shows): a pooled lens of an expert fit reads as a
+    plain lens; the one-matrix combination says how many experts it combines."""
     experts = fit(llama, [LONG_TEXT, LONG_TEXT.upper(), LONG_TEXT.lower()], experts=2, cluster_prompts=3,
                   skip_first=2, max_seq_len=32)
-    pooled = lens_summary(experts.pooled_lens())
-    assert "experts" not in pooled and pooled.startswith("3 prompts")
-    assert "2 experts, uniform weights, combined into one matrix" in lens_summary(experts.to_jacobian_lens())
-    assert "2 experts, uniform weights" in lens_summary(experts)
+    pooled = experts.pooled_lens().describe()
+    assert "experts" not in pooled and pooled.startswith("3 prompts") and "max_seq_len 32" in pooled
+    assert "2 experts, uniform weights, combined into one matrix" in experts.to_jacobian_lens().describe()
+    assert "2 experts, uniform weights" in experts.describe()
+    assert "shrinkage 0.25" in experts.pooled_lens().with_shrinkage(0.25).describe()

@@ -23,7 +23,7 @@ APP = PACKAGE.parent / "app"
 # Leaves: top-level modules that import nothing from jlens_core.
 LEAVES = {"_atomic", "_deprecated", "_extras", "_version", "_paths", "corpus", "layerspec", "workspace"}
 RANKS = {"files": 1, "models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4,
-         "figures": 4, "jspace": 5, "evaluation": 6, "cli": 7}
+         "figures": 4, "jspace": 5, "evaluation": 6, "experiments": 7, "cli": 8}
 # Modules placed with another group than their folder's: the J-space edits live beside the other edits but use the
 # J-space (which reads interventions.read_directions), so they rank with it.
 PLACED_WITH = {"jlens_core.interventions.jspace_edits": "jspace"}

@@ -50,12 +50,17 @@ def test_a_fitted_lens_is_its_types():
     assert lens.fit_settings == FitSettings(source_layers=(0, 1, 2), target_layer=3, skip_first=2, max_seq_len=16)
     record = lens.record
     assert (record.n_prompts, record.model_name, record.canary) == (lens.n_prompts, "tiny-llama", lens.canary)
-    assert record.provenance == {"dim_batch": 16, "method": "auto"} and record.settings_recorded
+    recorded = dict(record.provenance)
+    where = recorded.pop("provenance")  # where the lens came from (docs/sharing.md): written into every file
+    assert recorded == {"dim_batch": 16, "method": "auto"} and record.settings_recorded
+    assert (where["capture_point"], where["model_name"]) == ("block_output", "tiny-llama")
     assert (record.corpus, record.weighting, record.merged_from, record.combined_from) == (None, None, None, None)
     assert lens.skip_first == 2 and lens.target_layer == 3 and lens.rules == "jacobian"
     # the file's settings dict, made from the types, is the one a fit recorded before the types
-    assert lens.settings_dict() == {"skip_first": 2, "max_seq_len": 16, "target_layer": 3, "dim_batch": 16,
-                                    "method": "auto", "n_skipped": 0}
+    settings = lens.settings_dict()
+    assert settings.pop("provenance") == where
+    assert settings == {"skip_first": 2, "max_seq_len": 16, "target_layer": 3, "dim_batch": 16, "method": "auto",
+                        "n_skipped": 0}
 
 
 def test_a_lens_is_immutable_and_copies_with_replace():
@@ -184,8 +189,8 @@ def test_the_constructor_is_spelled_once_per_class():
             if calls.search(code) and "class " not in code and 'f"' not in code and "isinstance" not in code:
                 found.append(f"{path.relative_to(ROOT)}:{n}")
     assert found == []
-    source = (ROOT / "jlens_core" / "lenses" / "lens.py").read_text()
-    assert source.count("return cls(mats,") == 1  # _load_reference: another library's file, by the loose fields
+    source = (ROOT / "jlens_core" / "lenses" / "foreign.py").read_text()
+    assert source.count("return cls(matrices,") == 1  # _lens: other libraries' files, by the loose fields
 
 
 def test_every_lens_kind_is_immutable_and_its_dicts_survive_a_copy():
@@ -237,3 +242,15 @@ def test_a_lens_of_the_old_protocol_still_says_where_it_was_fitted():
     assert recorded_skip_first(SimpleNamespace(settings={"skip_first": 4})) == 4
     assert recorded_skip_first(SimpleNamespace(settings={})) is None
     assert recorded_skip_first(fitted()) == 2 and recorded_skip_first(LogitLens(4, 8)) is None
+
+
+def test_a_lens_describes_itself_from_its_types():
+    """lens.describe(): the one line the app shows, read from the types (no settings dict)."""
+    from jlens_core import TunedLens
+
+    lens = fitted().replace(corpus="wiki")
+    line = lens.describe()
+    assert line.startswith(f"{lens.n_prompts} prompts · layers 0..2 → 3") and "corpus wiki" in line
+    assert "skip_first 2" in line and "max_seq_len 16" in line and "stopped early" not in line
+    tuned = TunedLens.zeros(tiny())
+    assert tuned.describe().startswith(f"layers {tuned.source_layers[0]}..{tuned.source_layers[-1]} → ")

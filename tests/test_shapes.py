@@ -251,6 +251,16 @@ def test_the_shapes_hold_on_a_tiny_model(monkeypatch, tmp_path):
     for edit in edits:
         read_prompt(model, lens, "The capital of France is", edits=[edit])
     generate(model, "The capital of France is", max_new_tokens=2, edits=[edits[0]])
+    from jlens_core import AblateJSpace, ClampJ, VectorSwap, concept_vectors, decompose, split
+
+    decompose(model, lens, torch.randn(2, model.d_model), layer, k=3)
+    split(model, lens, torch.randn(model.d_model), layer, k=3)
+    concepts = concept_vectors(model, ["The capital of France is"], ["The capital of Spain is"], layers=[layer])
+    clamp = ClampJ(model, lens, [a], layers=[layer])
+    clamp.coordinates(layer, torch.randn(3, model.d_model))
+    jspace_edits = [VectorSwap(model, lens, concepts, {layer: -concepts[layer]}, layers=[layer], k=3), clamp,
+                    AblateJSpace(model, lens, k=3, layers=[layer])]
+    read_prompt(model, lens, "The capital of France is", edits=jspace_edits)
     dump_hidden_states(model, model.encode("The capital")[0], tmp_path / "dump")
     model.decode(model.encode("The capital"))
     from jlens_core.fitting.fit import FitState

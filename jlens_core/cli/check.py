@@ -1,9 +1,10 @@
-"""``jlens check LENS [--model M] [--write-canary]``: is this lens still the lens of this model? (docs/method.md §4.2)
+"""``jlens check LENS [--model M] [--write-canary | --refit N]``: is this lens still the lens of this model? (docs/method.md §4.2)
 
 Recomputes the forward canary the lens file stores and prints one sentence: exit 0 "still the lens of M",
 exit 1 naming the part that changed (weights fingerprint, residuals, Jacobian), the first layer and by how
 much, with the versions then and now; a file without a canary exits 0 and says how to add one
 (``--write-canary``: made with the model given, written atomically, the lens's own tensors unchanged).
+``--refit N`` is the drift check for lenses fitted elsewhere (docs/sharing.md): refit N prompts now, compare per layer.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     except LensFileError as exc:
         print(f"Not the lens of {model.name}: {exc}")
         return 1
+    if args.refit is not None:
+        return _refit_check(args, model, lens)
     if args.write_canary:
         if path is None or path.suffix != ".safetensors":
             raise CLIError(f"--write-canary needs a local .safetensors lens file; {args.lens!r} is not one.")
@@ -76,6 +79,35 @@ def cmd_check(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _refit_check(args: argparse.Namespace, model, lens) -> int:
+    """``--refit N``: refit the first N prompts now and compare per layer (docs/sharing.md, the drift check)."""
+    from ..corpus import load_corpus
+    from ..fitting.drift import refit_check
+
+    if args.refit < 1:
+        raise CLIError(f"--refit {args.refit} must be >= 1.")
+    from ..lenses.provenance import file_settings
+
+    settings = file_settings(lens)
+    recorded = settings.get("corpus")
+    corpus = args.corpus or recorded
+    if corpus is None:
+        raise CLIError(f"{args.lens!r} records no corpus (a lens fitted elsewhere): give one with --corpus.")
+    split = args.split if args.split is not None else settings.get("split", "fit")
+    first = int(settings.get("first_prompt", 0)) if corpus == recorded else 0
+    prompts = load_corpus(corpus, min_chars=args.min_chars, split=split)[first: first + args.refit]
+    nested = corpus == recorded and split == settings.get("split", "fit")
+    try:
+        result = refit_check(model, lens, prompts, nested=nested)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    for row in result.layers:
+        print(f"  layer {row.layer:>3}: difference {row.rel_diff:.3g}, bound {row.bound:.3g} "
+              f"({'ok' if row.ok else 'OUT OF BOUNDS'})", file=sys.stderr)
+    print(result.message)
+    return result.exit_code
+
+
 def register(subparsers) -> None:
     c = subparsers.add_parser("check", help="is this lens still the lens of this model? (its forward canary)",
                               description="Recompute the forward canary a lens file stores (a fixed text's residuals "
@@ -89,4 +121,13 @@ def register(subparsers) -> None:
     c.add_argument("--write-canary", action="store_true",
                    help="make the canary with --model now and add it to the lens file (atomically; the matrices "
                         "stay bit for bit): for files fitted before canaries existed")
+    c.add_argument("--refit", type=int, default=None, metavar="N",
+                   help="the drift check, for lenses without a canary (fitted elsewhere): refit the first N prompts of "
+                        "the lens's corpus (or --corpus) with the model as loaded now and compare per layer: row by row "
+                        "with the lens's convergence record when it keeps one, else the matrices within the sampling "
+                        "error the split halves predict; exit 1 names the first layer out of bounds")
+    c.add_argument("--corpus", default=None, help="the corpus --refit reads (default: the one the lens records)")
+    c.add_argument("--split", default=None, choices=["fit", "eval", "all"],
+                   help="the corpus part --refit reads (default: the lens's, else 'fit')")
+    c.add_argument("--min-chars", type=int, default=400, help="skip corpus texts shorter than this (default 400)")
     c.set_defaults(func=cmd_check)

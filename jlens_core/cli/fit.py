@@ -132,6 +132,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
         model = load_model(args.model, **options, progress=say)
         sources = fit_source_layers(args.layers, model.n_layers, args.target_layer)
         checkpoint = Path(args.checkpoint) if args.checkpoint else sidecar(out, "ckpt")
+        if args.resume_from:
+            if world is not None:
+                raise CLIError("--resume-from runs in one process: continue the reference checkpoint without torchrun "
+                               "for a step (--n-prompts), then shard the jlens checkpoint it writes.")
+            _from_reference_checkpoint(args, model, prompts, sources, checkpoint)
         if rank == 0:
             out.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -156,6 +161,22 @@ def cmd_fit(args: argparse.Namespace) -> int:
     finally:
         if world is not None:
             world.dist.destroy_process_group()
+
+
+def _from_reference_checkpoint(args, model, prompts, sources, checkpoint: Path) -> None:
+    """``--resume-from``: the reference library's checkpoint as this fit's checkpoint (docs/sharing.md)."""
+    from ..fitting.reference_checkpoints import checkpoint_from_reference
+
+    if checkpoint.exists() and not args.no_resume:
+        raise CLIError(f"The checkpoint {str(checkpoint)!r} exists: resume it without --resume-from, or give "
+                       "--no-resume to start over from the reference checkpoint.")
+    args.no_resume = False
+    try:
+        settings = FitSettings.from_args(args, source_layers=sources)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    next_idx = checkpoint_from_reference(args.resume_from, checkpoint, model, prompts, settings)
+    say(f"continuing the reference checkpoint {args.resume_from} at prompt {next_idx}")
 
 
 def _run_fit(args, model, prompts, settings: FitSettings, plan: FitPlan, checkpoint, stop, world, out, fit) -> int:
@@ -235,7 +256,8 @@ def _run_fit(args, model, prompts, settings: FitSettings, plan: FitPlan, checkpo
         if diag_file is not None:
             diag_file.close()
     if status is not None:  # rank 0
-        lens = lens.replace(corpus=args.corpus)
+        # where jlens check --refit reads its prompts (docs/sharing.md)
+        lens = lens.replace(corpus=args.corpus, provenance={**lens.record.provenance, "split": args.split})
         lens.save(out, dtype=args.save_dtype)
         status.write(state="done", n_done=lens.n_prompts, stop_reason=lens.stop_reason, lens=str(out),
                      seconds=time.time() - t_start)
@@ -280,6 +302,9 @@ def register(subparsers) -> None:
     add_fit_arguments(p)  # the fields of FitSettings and FitPlan: names, defaults and help live there
     p.add_argument("--checkpoint", default=None, help="checkpoint file (default <OUT stem>.ckpt next to --out)")
     p.add_argument("--no-resume", action="store_true", help="start over even if the checkpoint exists")
+    p.add_argument("--resume-from", default=None, metavar="CKPT",
+                   help="continue a reference jlens fit checkpoint (jacobian_sum, n_done, next_idx, ...) on the same "
+                        "corpus in the same order: written as this fit's --checkpoint, then resumed")
     p.add_argument("--stop-at-delta", type=float, default=None,
                    help="stop once the max relative change of the running mean stays below X")
     p.add_argument("--stop-patience", type=int, default=5,

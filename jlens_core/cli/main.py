@@ -1,4 +1,4 @@
-"""The ``jlens`` command line: ``jlens fit | merge | tune | weigh | eval | study | inspect | intervene | say | dump | diff | check | app``.
+"""The ``jlens`` command line: ``jlens fit | merge | tune | weigh | eval | study | inspect | intervene | say | dump | diff | check | export | app``.
 
 Each subcommand lives in its own module with ``register(subparsers)``, which adds its parser and
 sets ``func``; a module whose docstring opens with the command's description passes it through
@@ -19,7 +19,7 @@ from .._version import __version__
 log = logging.getLogger("jlens")
 
 SUBCOMMAND_MODULES = ("fit", "tune", "weigh", "eval", "study", "inspect", "intervene", "say", "jspace", "dump", "check",
-                      "app")
+                      "export", "experiment", "app")
 
 
 class CLIError(Exception):

@@ -7,9 +7,9 @@ bars of a cell, most common tokens), :mod:`.generation` (a continuation's next-t
 pass@k, swap success), :mod:`.fitting` (convergence, Jacobian norms and spectra, tuned-lens
 training), :mod:`.debugging` (two runs' divergence) and :mod:`.html_page` (a reading as one offline
 HTML file). :mod:`.png_plots` writes static matplotlib PNGs (the CLI's ``--plot``,
-``pip install jlens[plot]``). :mod:`.labels` holds the names, colours and token text they share (no plotly).
+``pip install jacobian-lens[plot]``). :mod:`.labels` holds the names, colours and token text they share (no plotly).
 
-plotly is an optional dependency (``pip install jlens[app]``); importing a figure module without it
+plotly is an optional dependency (``pip install jacobian-lens[app]``); importing a figure module without it
 raises an ImportError that says so. Every number comes from the objects drawn: nothing is computed here
 but the colour scales.
 """

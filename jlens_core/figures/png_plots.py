@@ -2,7 +2,7 @@
 
 The app draws the same data interactively with Plotly, from the same tables
 (:mod:`jlens_core.fitting.diagnostics`); these write PNG files, atomically. matplotlib is an optional
-dependency (``pip install jlens[plot]``). Imports :mod:`jlens_core.fitting` (light: no torch).
+dependency (``pip install jacobian-lens[plot]``). Imports :mod:`jlens_core.fitting` (light: no torch).
 """
 
 from __future__ import annotations

@@ -476,6 +476,7 @@ class _FitRun:
         if self.halves:
             pending.half_n[half] += 1
         records = []
+        prompt_hash = prompts_digest([self.prompts[idx]], 1)[:12]
         for layer in self.sources:
             jac = result.jacobians[layer].double()
             rel = None
@@ -489,9 +490,11 @@ class _FitRun:
                 if self.halves:
                     pending.expert_half_delta[layer][half] += result.expert_sums[layer].double()
                     pending.count_half_delta[layer][half] += result.expert_counts[layer].double()
-            record = {"prompt_index": idx, "layer": layer, "seq_len": result.seq_len,
-                      "n_valid": result.n_valid, "seconds": round(seconds, 4),
-                      "jacobian_norm": float(jac.norm() / math.sqrt(d)), "rel_change": rel}
+            record: dict[str, Any] = {"prompt_index": idx, "layer": layer, "seq_len": result.seq_len,
+                                      "n_valid": result.n_valid, "seconds": round(seconds, 4),
+                                      "jacobian_norm": float(jac.norm() / math.sqrt(d)), "rel_change": rel}
+            if layer == self.sources[0]:  # which text, once per prompt: the drift check matches rows by it
+                record["prompt_hash"] = prompt_hash
             if self.halves:
                 pending.half_delta[layer][half] += jac
                 record["half"] = half
@@ -747,4 +750,8 @@ def fit(model: LensModel, prompts: Sequence, settings: FitSettings | None = None
     # -- lens check (docs/method.md §4.2): the forward canary, made once the matrices are done -- #
     from ..lenses.canary import make_canary
 
-    return lens.replace(canary=make_canary(model, lens))
+    lens = lens.replace(canary=make_canary(model, lens))
+    from ..lenses.provenance import PROVENANCE_KEY, model_provenance
+
+    # versions, revision, capture point (docs/sharing.md): one entry of the record's provenance, the file's settings
+    return lens.replace(provenance={**lens.record.provenance, PROVENANCE_KEY: model_provenance(model)})

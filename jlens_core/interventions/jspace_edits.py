@@ -77,8 +77,8 @@ class VectorSwap(_LensEdit):
             the lens, a zero vector, or a zero part difference that cannot be norm-matched.
     """
 
-    def __init__(self, model: LensModel, lens: Lens, source: dict[int, torch.Tensor],
-                 replacement: dict[int, torch.Tensor], *, part: str = "full", strength: float = 1.0,
+    def __init__(self, model: LensModel, lens: Lens, source: dict[int, Float[torch.Tensor, " d_model"]],
+                 replacement: dict[int, Float[torch.Tensor, " d_model"]], *, part: str = "full", strength: float = 1.0,
                  magnitude: str = "natural", layers: Iterable[int] | None = None,
                  positions: Iterable[int] | None = None, on_generated: bool = False, k: int = DEFAULT_K,
                  gauge: str = "centred", method: str = "gradient_pursuit", random: bool = False,

@@ -414,7 +414,9 @@ def check_lens(model: LensModel, lens: Lens, *, lens_name: str = "LENS") -> Chec
     canary = lens_canary(lens)
     if canary is None:
         return CheckResult("no canary", f"No canary: this lens was saved without one, so it cannot be checked; run "
-                                        f"`jlens check {lens_name} --write-canary` to add one.",
+                                        f"`jlens check {lens_name} --write-canary` to add one (if this model is the one it was "
+                                        f"fitted on), or `jlens check {lens_name} --refit 8` to refit a few prompts "
+                                        "and compare (a lens fitted elsewhere).",
                            versions_now=versions(), dtype_now=str(model.dtype).replace("torch.", ""))
     if canary.residuals.shape[-1] != model.d_model or canary.target_layer >= model.n_layers:
         return CheckResult("changed", f"Not the lens of {model.name}: its canary is of a model with d_model="

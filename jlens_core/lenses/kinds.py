@@ -102,6 +102,8 @@ TRAINED: str = next(k.kind for k in KINDS if k.trained)
 PLAIN: str = next(k.kind for k in KINDS if k.rules == PLAIN_RULES and not k.experts)
 # the kinds that are not expert lenses, in table order: one slot (and reading mode) each in the app
 SINGLE_KINDS: tuple[str, ...] = tuple(k.kind for k in KINDS if not k.experts)
+# the fitted kinds that are not expert lenses (``"jacobian"``, ``"relevance"``): one matrix per layer from a plain fit
+PLAIN_FITTED: tuple[str, ...] = tuple(k.kind for k in KINDS if k.fitted and not k.experts)
 # the shipped variants (``<model>.<variant>.safetensors``) that are not in the wheel, only in a source checkout
 SOURCE_ONLY_VARIANTS: tuple[str, ...] = tuple(k.variant for k in KINDS if k.variant and not k.in_wheel)
 

@@ -21,7 +21,7 @@ from .._atomic import atomic_write
 from ..models.model import LensModel, same_fingerprint
 from .fit_settings import FitPlan, FitRecord, FitSettings, settings_view, split_lens_settings
 from .header import FORMAT_NAME, LensFileError, half_prompts_of, read_header
-from .kinds import BASELINE, PLAIN_RULES, RULES, plain_kind
+from .kinds import BASELINE, BY_KIND, PLAIN_RULES, RULES, lens_kind, plain_kind
 from .protocol import FittedLens, Lens
 from .readout import ReadoutMixin
 
@@ -169,6 +169,29 @@ class MatrixTransportMixin(FrozenAttributes, SourceLayersMixin):
     _halves: tuple[Any, Any] | None
     # the fields of the class's constructor (``_setup``'s keywords), which :meth:`replace` copies
     _FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def describe(self) -> str:
+        """One line about the lens for a reader (the app's lens boxes and Jacobians page): prompts, layers and
+        target, experts, and the recorded settings that shape it, read from :attr:`fit_settings` and :attr:`record`."""
+        fit, record = self.fit_settings, self.record
+        layers = self.source_layers
+        span = f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else str(layers[0])
+        parts = [f"{self.n_prompts} prompts", f"layers {span} → {self.target_layer}"]
+        # a one-matrix file is a combination of experts only when it says so (ExpertLens.to_jacobian_lens)
+        experts = getattr(self, "n_experts", None) or (fit.experts if record.combined_from is not None else None)
+        if experts:
+            weighted = BY_KIND[lens_kind(self)].weighted
+            parts.append(f"{experts} experts, {'learned' if weighted else 'uniform'} weights"
+                         + (", combined into one matrix" if isinstance(self, JacobianLens) else ""))
+        recorded = {"max_seq_len": fit.max_seq_len if record.settings_recorded else None,
+                    "skip_first": self.skip_first, "corpus": record.corpus}
+        parts += [f"{key} {value}" for key, value in recorded.items() if value is not None]
+        shrinkage = float(getattr(self, "shrinkage", 0.0) or 0.0)  # the J lens's; an expert lens has none
+        if shrinkage:
+            parts.append(f"shrinkage {shrinkage:g}")
+        if record.stop_reason:
+            parts.append("stopped early")
+        return " · ".join(parts)
 
     def _fields(self) -> dict[str, Any]:
         """This lens's constructor fields (``_FIELDS``), as held (``halves`` as kept: :attr:`raw_halves`)."""
@@ -363,6 +386,14 @@ class MatrixTransportMixin(FrozenAttributes, SourceLayersMixin):
 
     def matrix(self, layer: int) -> Float[torch.Tensor, "d_model d_model"]:
         raise NotImplementedError
+
+    def export(self, path: str | os.PathLike, format: str = "reference", **options: Any) -> Any:
+        """Write this lens in another library's format: ``reference``, ``transformer-lens``, ``neuronpedia`` or
+        ``jpp`` (:func:`jlens_core.lenses.export.export_lens`, its options and errors; docs/sharing.md). Returns
+        its :class:`~jlens_core.lenses.export.ExportResult` (the files, and what the format cannot hold)."""
+        from .export import export_lens
+
+        return export_lens(self, path, format, **options)
 
     def transport(self, h: Float[torch.Tensor, "*batch d_model"],
                   layer: int) -> Float[torch.Tensor, "*batch d_model"]:
@@ -891,23 +922,9 @@ class JacobianLens(MatrixTransportMixin):
 
     @classmethod
     def _load_reference(cls, path: Path) -> JacobianLens:
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise LensFileError(f"{str(path)!r} is not a readable lens file: {exc}") from exc
-        if not isinstance(data, dict) or not {"J", "n_prompts", "d_model"} <= set(data):
-            raise LensFileError(f"{str(path)!r} is a torch file but not a lens (expected keys J, n_prompts, "
-                                "source_layers, d_model).")
-        mats = data["J"]
-        layers = list(data.get("source_layers") or [])
-        if isinstance(mats, torch.Tensor):  # stacked [n_layers, d, d] in source_layers order
-            if not layers:
-                layers = list(range(mats.shape[0]))
-            mats = {int(layer): mats[i] for i, layer in enumerate(layers)}
-        else:
-            mats = {int(k): v for k, v in mats.items()}
-        return cls(mats, int(data["n_prompts"]), int(data["d_model"]), target_layer=data.get("target_layer"),
-                   settings={"source": "reference jlens file"}, model_name=data.get("model_name"))
+        from .foreign import load_foreign_lens  # the .pt layouts of other libraries (docs/sharing.md)
+
+        return load_foreign_lens(path, cls)
 
     # -- combining -----------------------------------------------------------------------------
     @classmethod

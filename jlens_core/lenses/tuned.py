@@ -59,6 +59,22 @@ class TunedLens(FrozenAttributes, SourceLayersMixin):
     An immutable value, as every lens: derive a changed one with :meth:`replace`.
     """
 
+    def describe(self) -> str:
+        """One line about the lens for a reader (the app's lens boxes): layers and target, its training (steps x
+        tokens, or the tuned-lens format it was read from) and its mean held-out KL (bits) where recorded."""
+        layers = self.source_layers
+        parts = [f"layers {layers[0]}..{layers[-1]} → {self.target_layer}" if layers else "no layers"]
+        trained: dict[str, Any] = dict(self.settings)
+        if trained.get("source") == "tuned-lens":
+            parts.append("tuned-lens format")
+        if trained.get("steps"):
+            parts.append(f"{trained['steps']} steps × {trained.get('tokens_per_step', '?')} tokens")
+        metrics: dict[str, Any] = dict(self.metrics or {})
+        kl = metrics.get("heldout_kl_bits")
+        if kl:
+            parts.append(f"held-out KL {sum(kl.values()) / len(kl):.2f} bits")
+        return " · ".join(parts)
+
     # the constructor's fields, which replace() copies
     _FIELDS = ("translators", "d_model", "target_layer", "n_layers", "model_name", "model_fingerprint", "settings",
                "metrics")

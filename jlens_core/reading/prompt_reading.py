@@ -368,7 +368,7 @@ class PromptReading:
                 f"positions={self.n_positions} of {len(self.input_ids)}, top_k={self.top_k}, "
                 f"pinned={list(self.pinned)})")
 
-    # -- figures (jlens_core.figures; plotly: pip install jlens[app]) --------------------------------------
+    # -- figures (jlens_core.figures; plotly: pip install jacobian-lens[app]) --------------------------------------
     def figure(self, stat: str = "top1_prob", *, others: dict[str, PromptReading] | None = None,
                mode: str | None = None, **options: Any) -> Any:
         """The layer x position heatmap the app's Inspect page draws, as a Plotly figure.
