@@ -167,7 +167,9 @@ def test_inspect_on_the_default_model(server, browser, shots):
         # two panels (heatmap + labels each), plus the J lens's stability marks: the shipped lens keeps its
         # split halves, so Inspect marks unstable cells by default (hatching traces and a "stable %" strip)
         _wait_heatmap(page, "g.data.filter(t => t.legendgroup !== 'unstable' && t.name !== 'stable %').length === 4")
-        assert _heatmap(page, "g.data.filter(t => t.name === 'stable %').length") == 1
+        # the plain heatmap paints first; the marks arrive in the same view once computed (docs/app.md)
+        _wait_heatmap(page, "g.data.filter(t => t.name === 'stable %').length === 1")
+        assert _heatmap(page, "g.data.filter(t => t.legendgroup !== 'unstable' && t.name !== 'stable %').length") == 4
         page.screenshot(path=str(shots / "inspect-side-by-side.png"))
         # the default reading lens against the logit lens: "Difference (Jacobian − logit)", or the shipped
         # variant that beat the J lens ("R++", jlens_core.lenses.shipped.DEFAULT_READING_LENS)
