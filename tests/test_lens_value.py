@@ -47,7 +47,9 @@ def test_a_fitted_lens_is_its_types():
     lens = fitted()
     assert isinstance(lens, FitRecordLens)
     assert isinstance(lens.fit_settings, FitSettings) and isinstance(lens.record, FitRecord)
-    assert lens.fit_settings == FitSettings(source_layers=(0, 1, 2), target_layer=3, skip_first=2, max_seq_len=16)
+    # the fit resolves dtype "auto" to what it computed in (fp32 on this CPU: fitting.precision)
+    assert lens.fit_settings == FitSettings(source_layers=(0, 1, 2), target_layer=3, skip_first=2, max_seq_len=16,
+                                            dtype="float32")
     record = lens.record
     assert (record.n_prompts, record.model_name, record.canary) == (lens.n_prompts, "tiny-llama", lens.canary)
     recorded = dict(record.provenance)
@@ -60,7 +62,7 @@ def test_a_fitted_lens_is_its_types():
     settings = lens.settings_dict()
     assert settings.pop("provenance") == where
     assert settings == {"skip_first": 2, "max_seq_len": 16, "target_layer": 3, "dim_batch": 16, "method": "auto",
-                        "n_skipped": 0}
+                        "n_skipped": 0, "dtype": "float32"}
 
 
 def test_a_lens_is_immutable_and_copies_with_replace():
@@ -222,10 +224,13 @@ def test_a_new_fit_setting_is_recorded_and_read_back_from_its_field(monkeypatch)
     """The lens file's settings are made from FitSettings' fields (FILE_SETTINGS), not a list of their names."""
     from jlens_core.lenses import fit_settings
 
-    assert fit_settings.FILE_SETTINGS == ("target_layer", "skip_first", "max_seq_len", "experts", "cluster_prompts")
+    assert fit_settings.FILE_SETTINGS == ("target_layer", "skip_first", "max_seq_len", "experts", "cluster_prompts",
+                                          "dtype")
     settings = FitSettings(source_layers=(0, 1), target_layer=2, skip_first=3, experts=2, cluster_prompts=5)
     view = settings_view(settings, FitRecord())
-    assert {k: view[k] for k in fit_settings.FILE_SETTINGS} == {"target_layer": 2, "skip_first": 3, "max_seq_len": 128,
+    assert "dtype" not in view  # "auto" (not yet resolved) is not written: older files read back unchanged
+    assert settings_view(settings.replace(dtype="bfloat16"), FitRecord())["dtype"] == "bfloat16"
+    assert {k: view[k] for k in fit_settings.FILE_SETTINGS if k != "dtype"} == {"target_layer": 2, "skip_first": 3, "max_seq_len": 128,
                                                                  "experts": 2, "cluster_prompts": 5}
     back, _ = split_lens_settings(view, source_layers=[0, 1], target_layer=2, rules="jacobian")
     assert back == settings
