@@ -44,7 +44,6 @@ from .core import (
     timer,
     word_ids,
 )
-from .jspace_arms import jspace_available
 
 NAME = "ablation-battery"
 STRENGTHS = (0.5, 1.0)
@@ -89,11 +88,8 @@ def run_ablation_battery(model: LensModel, lens: Lens, data: dict, *, band: Any 
             automatic task; prose: the prose texts (default: held-out stdlib docstrings).
 
     Raises:
-        ValueError: no J-space in this build, a band outside the lens, no two-hop item passes the gate.
+        ValueError: a band outside the lens, no two-hop item passes the gate.
     """
-    if not jspace_available():
-        raise ValueError("The ablation battery needs the J-space (jlens_core.jspace, issue 49), which this build "
-                         "lacks.")
     from ..interventions.jspace_edits import AblateJSpace
 
     elapsed = timer()

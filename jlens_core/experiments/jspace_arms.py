@@ -11,7 +11,6 @@ Imported lazily: a build without the J-space runs every other arm and notes the 
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,14 +23,6 @@ from ..reading.inputs import record_residuals
 
 PROBE_ARMS = ("probe full", "probe J part", "probe non-J part", "probe non-J + J clamp", "probe random")
 CONCEPT_ARMS = ("concept full", "concept J part", "concept non-J part", "concept random")
-
-
-def jspace_available() -> bool:
-    """Whether this build has the J-space edits (``VectorSwap``, ``ClampJ``, ``AblateJSpace``)."""
-    try:
-        return importlib.util.find_spec("jlens_core.interventions.jspace_edits") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def last_activations(model: LensModel, ids: torch.Tensor, layers: Sequence[int]) -> dict[int, torch.Tensor]:
@@ -138,5 +129,5 @@ def concept_arms(model: LensModel, lens: Lens, *, prompts: Mapping[str, torch.Te
                      magnitude="norm_matched", clamp=False)
 
 
-__all__ = ["CONCEPT_ARMS", "PROBE_ARMS", "SplitArms", "concept_arms", "jspace_available", "mean_difference_vectors",
+__all__ = ["CONCEPT_ARMS", "PROBE_ARMS", "SplitArms", "concept_arms", "mean_difference_vectors",
            "probe_arms"]

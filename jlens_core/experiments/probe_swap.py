@@ -49,7 +49,7 @@ from .core import (
     timer,
     word_ids,
 )
-from .jspace_arms import jspace_available, probe_arms
+from .jspace_arms import probe_arms
 
 NAME = "probe-swap"
 WORDS = ("intermediate", "answer", "swap_to", "swap_answer")
@@ -127,11 +127,8 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
     notes: list[str] = []
     probe_plan = None
     if probes:
-        if jspace_available():
-            probe_plan = probe_arms(model, lens, kept_prompts=[(k[2]["intermediate"], model.encode(
-                render_prompt(model, k[1]["prompt"], experiment=NAME))) for k in kept], layers=layers, seed=seed)
-        else:
-            notes.append("The probe split was not run: this build has no J-space (jlens_core.jspace, issue 49).")
+        probe_plan = probe_arms(model, lens, kept_prompts=[(k[2]["intermediate"], model.encode(
+            render_prompt(model, k[1]["prompt"], experiment=NAME))) for k in kept], layers=layers, seed=seed)
     trial_rows, depth_rows = [], []
     for i, item, words, ids, _, greedy in kept:
         spelt = {k: next(iter(word_ids(model, v))) for k, v in words.items()}

@@ -42,7 +42,7 @@ from .core import (
     timer,
     word_ids,
 )
-from .jspace_arms import concept_arms, jspace_available
+from .jspace_arms import concept_arms
 
 NAME = "verbal-report"
 TEMPLATE = "Think of a {category}. Answer in one word."
@@ -116,13 +116,10 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
     notes: list[str] = []
     split = None
     if concepts:
-        if jspace_available():
-            names = sorted({w for k in kept for w in k[5]} | {k[3].strip() for k in kept})
-            split = concept_arms(model, lens, prompts={n: model.encode(render_prompt(
-                model, [{"role": "user", "content": CONCEPT_TEMPLATE.replace("{concept}", n)}], experiment=NAME))
-                for n in names}, layers=layers, seed=seed)
-        else:
-            notes.append("The concept-vector split was not run: this build has no J-space (jlens_core.jspace).")
+        names = sorted({w for k in kept for w in k[5]} | {k[3].strip() for k in kept})
+        split = concept_arms(model, lens, prompts={n: model.encode(render_prompt(
+            model, [{"role": "user", "content": CONCEPT_TEMPLATE.replace("{concept}", n)}], experiment=NAME))
+            for n in names}, layers=layers, seed=seed)
     rows = []
     for n, (category, ids, read, answer, others, single, _, _) in enumerate(kept):
         arms_per: list[tuple[str, str, list]] = []
