@@ -155,6 +155,12 @@ def tuned_run_name(model: Any) -> str:
     return name.replace("/", "--").replace(" ", "_")
 
 
+def result_key(*parts: Any) -> str:
+    """A short stable key of what a stored result was computed from (model, lenses, items, settings): a page
+    shows its stored result only while the key still matches."""
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
 def save_upload(upload, suffix: str | None = None) -> Path:
     """An uploaded file kept under ``<runs>/uploads`` as ``<sha256 prefix>-<sanitised name>``.
 

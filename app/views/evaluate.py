@@ -3,7 +3,6 @@ added from a file), and pass@k: one curve and one table row per lens, by its nam
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tempfile
 from pathlib import Path
@@ -31,10 +30,6 @@ LENSES_KEY = tuple(ctx.lens_keys().values())  # a result holds for these lenses 
 
 
 READOUTS = {"set": "the set's own", "last": "last token", "last_newline": "last newline"}
-
-
-def _key(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
 def _uploaded_items(upload) -> list[dict]:
@@ -93,7 +88,7 @@ if st.button("Evaluate", type="primary", icon=":material/play_arrow:", key="eval
         frame = evaluate(model, lenses, texts, max_seq_len=int(max_seq_len),
                          progress=lambda i, n: bar.progress(i / n, text=f"{i} / {n} texts"))
         bar.empty()
-        ss.eval_result = {"key": _key(ctx.model_key, LENSES_KEY), "frame": frame, "n_texts": len(texts),
+        ss.eval_result = {"key": common.result_key(ctx.model_key, LENSES_KEY), "frame": frame, "n_texts": len(texts),
                           "skip_first": frame.attrs.get("skip_first")}
 result = ss.get("eval_result")
 
@@ -121,15 +116,15 @@ def _stored_evaluation() -> dict | None:
     return {"frame": frame, "n_texts": info.get("n_texts"), "skip_first": 16, "stored": True, "passes": passes}
 
 
-if not (result and result["key"] == _key(ctx.model_key, LENSES_KEY)):
+if not (result and result["key"] == common.result_key(ctx.model_key, LENSES_KEY)):
     stored = _stored_evaluation()
     if stored is not None:
-        result = {**stored, "key": _key(ctx.model_key, LENSES_KEY)}
+        result = {**stored, "key": common.result_key(ctx.model_key, LENSES_KEY)}
         absent = [common.lens_label(name) for name in lenses if name not in set(stored["frame"]["lens"])]
         st.info(f"The stored evaluation of the shipped lenses ({result['n_texts']} held-out texts, made by "
                 "`scripts/evaluate_shipped.sh`); press Evaluate to compute it on texts of your choice"
                 + (f" and with {', '.join(absent)}, which it does not hold." if absent else "."))
-if result and result["key"] == _key(ctx.model_key, LENSES_KEY):
+if result and result["key"] == common.result_key(ctx.model_key, LENSES_KEY):
     frame = result["frame"]
     st.plotly_chart(eval_curves_figure(frame), key="eval_curves", config={"displaylogo": False})
     st.caption(f"{result['n_texts']} texts, {int(frame['n_tokens'].iloc[0]):,} tokens per layer, "
@@ -183,13 +178,13 @@ if st.button("Run pass@k", icon=":material/play_arrow:", key="pak_go"):
                                          readout=None if ss.pak_readout == "set" else ss.pak_readout,
                                          vocab=ss.pak_vocab, exclude_copied=bool(ss.pak_exclude_copied))
         bar.empty()
-        ss.pak_result = {"key": _key(ctx.model_key, LENSES_KEY), "summary": summary, "detail": detail}
+        ss.pak_result = {"key": common.result_key(ctx.model_key, LENSES_KEY), "summary": summary, "detail": detail}
 pak = ss.get("pak_result")
-if not (pak and pak["key"] == _key(ctx.model_key, LENSES_KEY)) and result and result.get("stored") \
+if not (pak and pak["key"] == common.result_key(ctx.model_key, LENSES_KEY)) and result and result.get("stored") \
         and result.get("passes") is not None:
-    pak = {"key": _key(ctx.model_key, LENSES_KEY), "summary": result["passes"], "detail": pd.DataFrame()}
+    pak = {"key": common.result_key(ctx.model_key, LENSES_KEY), "summary": result["passes"], "detail": pd.DataFrame()}
     st.caption("The stored pass@k of the shipped lenses on the shipped sets; Run pass@k recomputes it.")
-if pak and pak["key"] == _key(ctx.model_key, LENSES_KEY):
+if pak and pak["key"] == common.result_key(ctx.model_key, LENSES_KEY):
     st.plotly_chart(pass_at_k_figure(pak["summary"]), key="pak_chart", config={"displaylogo": False})
     st.dataframe(pak["summary"].reindex(columns=["set", "lens", "vocab", "k", "pass_rate", "ci_low", "ci_high",
                                                  "items_scored", "n_items", "words_scored", "n_words", "copied",

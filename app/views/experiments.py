@@ -4,7 +4,6 @@ with its intervals, the summary, the gate and the per-trial table; a trial opens
 
 from __future__ import annotations
 
-import hashlib
 import json
 from urllib.parse import urlencode
 
@@ -23,10 +22,6 @@ st.caption("The Jacobian-lens paper's tests of the J-space, each one run: a capa
            "cannot do are listed, not scored), the swap arms and their controls (the logit lens's directions, random "
            "directions, a null swap, the answer-swap ceiling; the J / non-J split where the J-space is built), "
            "Wilson 95 % intervals and a bootstrap clustered by category. See docs/experiments.md.")
-
-
-def _key(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
 names = available_experiments()
@@ -74,12 +69,12 @@ if run_col.button("Run experiment", type="primary", icon=":material/play_arrow:"
         result = run_experiment(model, lenses[lens_name], ss.ex_name, data, band=band,
                                 progress=lambda i, n: bar.progress(i / n, text=f"{i} / {n} steps"))
         bar.empty()
-        ss.ex_result = {"key": _key(ctx.model_key, lens_name), "result": result}
+        ss.ex_result = {"key": common.result_key(ctx.model_key, lens_name), "result": result}
 if ss.get("ex_cancel"):
     st.info("The experiment was cancelled; press Run experiment to start it again.")
 
 found = ss.get("ex_result")
-if found and found["key"] == _key(ctx.model_key, lens_name):
+if found and found["key"] == common.result_key(ctx.model_key, lens_name):
     result = found["result"]
     for note in result.notes:
         st.warning(note)

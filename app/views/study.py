@@ -4,8 +4,6 @@ opens in Inspect with its concept pinned."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import tempfile
 from pathlib import Path
 from urllib.parse import urlencode
@@ -29,10 +27,6 @@ st.caption("For every item, lens and concept (the item's unstated intermediate s
            "in the top k by layer (95 % Wilson interval), where it first enters, and the **band**: from the first "
            "layer reaching half the curve's peak to the last layer of the run that stays there (bootstrap "
            "interval over items). See docs/studies.md.")
-
-
-def _key(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
 def _uploaded_sets(upload) -> dict[str, list]:
@@ -88,12 +82,12 @@ if run_col.button("Run study", type="primary", icon=":material/play_arrow:", key
                        progress=lambda i, n: bar.progress(i / n, text=f"{i} / {n} items"))
         bar.empty()
         cancel_slot.empty()
-        ss.st_result = {"key": _key(ctx.model_key, LENSES_KEY), "study": result}
+        ss.st_result = {"key": common.result_key(ctx.model_key, LENSES_KEY), "study": result}
 if ss.get("st_cancel"):
     st.info("The study was cancelled; press Run study to start it again.")
 
 found = ss.get("st_result")
-if found and found["key"] == _key(ctx.model_key, LENSES_KEY):
+if found and found["key"] == common.result_key(ctx.model_key, LENSES_KEY):
     result = found["study"]
     for note in result.notes:
         st.warning(note)
