@@ -193,19 +193,27 @@ def readings_soon(model, model_key: str, lenses: dict[str, tuple[Any, str]], tex
     """:func:`readings_cached`'s readings if they are stored already, else None, after starting them in a thread
     (unless one computes them): an extra such as the stability marks never holds up the page that asks for it.
     The page draws without it and asks again (:func:`readings_ready`) until it is there."""
-    keys, compute = _reading_job(model, model_key, lenses, text, spec, edits_key, edits)
-    store = reading_store()
+    return soon(reading_store(), *_reading_job(model, model_key, lenses, text, spec, edits_key, edits))
+
+
+def readings_ready(model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, spec: ReadSpec,
+                   edits_key: str = "") -> bool:
+    """Whether :func:`readings_soon`'s readings are stored now, or failed (then the page stops waiting)."""
+    return ready(reading_store(), _reading_job(None, model_key, lenses, text, spec, edits_key)[0])
+
+
+def soon(store: ReadingStore, keys: dict, compute: Callable[[list], dict[Any, Any]]) -> dict[Any, Any] | None:
+    """``store``'s values for ``keys`` if they are all stored, else None, after starting ``compute`` of the missing
+    ones in a thread (unless one computes them, or failed on them): the mechanism of every extra the page adds
+    after its first paint (the stability marks, the J-space labels)."""
     found = store.peek(keys)
     if found is None and not store.busy(keys) and not store.failed.intersection(keys.values()):
         threading.Thread(target=_in_background, args=(store, keys, compute), name="jlens-extras", daemon=True).start()
     return found
 
 
-def readings_ready(model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, spec: ReadSpec,
-                   edits_key: str = "") -> bool:
-    """Whether :func:`readings_soon`'s readings are stored now, or failed (then the page stops waiting)."""
-    keys, _ = _reading_job(None, model_key, lenses, text, spec, edits_key)
-    store = reading_store()
+def ready(store: ReadingStore, keys: dict) -> bool:
+    """Whether :func:`soon`'s values for ``keys`` are stored now, or failed (then the page stops waiting)."""
     return store.peek(keys) is not None or bool(store.failed.intersection(keys.values()))
 
 
@@ -231,5 +239,68 @@ def _reading_job(model, model_key: str, lenses: dict[str, tuple[Any, str]], text
                             positions=None if spec.positions is None else list(spec.positions), edits=edits,
                             stability=spec.stability, pinned=spec.pinned, show_whitespace=spec.show_ws,
                             word_like=spec.word_like, max_seq_len=spec.max_seq_len, n_prompt=spec.n_prompt)
+
+    return keys, compute
+
+
+@dataclass(frozen=True)
+class CellAtoms:
+    """One cell's J-space decomposition as the heatmap shows it (docs/method.md §11.2): its atoms, largest first, as
+    ``(token text, coefficient)``, the explained fraction of its squared norm and the random dictionary's."""
+
+    atoms: tuple[tuple[str, float], ...]
+    explained: float
+    random_explained: float
+
+
+@dataclass(frozen=True)
+class JSpaceSpec:
+    """What the J-space labels of a view ask for besides the model, the lens and the text: the dictionary's ``k``
+    and ``gauge``, the positions decomposed (every shown one, in one batch per layer) and the edits read under."""
+
+    k: int
+    gauge: str
+    positions: tuple[int, ...]
+    edits_key: str = ""
+    n_prompt: int | None = None
+
+
+@st.cache_resource(show_spinner=False)
+def jspace_store() -> ReadingStore:
+    """The server's store of J-space labels, one entry per (model, lens, text, layer, spec): a few prompts' worth."""
+    return ReadingStore(capacity=512)
+
+
+def jspace_labels_soon(model, model_key: str, lens: tuple[Any, str], text: str | tuple, ids: Any, layers: list[int],
+                       spec: JSpaceSpec, edits=None) -> dict[int, tuple[CellAtoms, ...]] | None:
+    """The J-space labels of ``layers`` (``{layer: one CellAtoms per position of spec.positions}``) if they are
+    stored, else None, after starting them in a thread (:func:`soon`): one forward pass recording the residuals of
+    ``ids`` (``[1, seq]``, the tokens of ``text``), then one :func:`jlens_core.jspace.decompose` per layer with
+    every position as a batch, with its random-dictionary control."""
+    return soon(jspace_store(), *_jspace_job(model, model_key, lens, text, ids, layers, spec, edits))
+
+
+def jspace_labels_ready(model_key: str, lens: tuple[Any, str], text: str | tuple, layers: list[int],
+                        spec: JSpaceSpec) -> bool:
+    """Whether :func:`jspace_labels_soon`'s labels are stored now, or failed."""
+    return ready(jspace_store(), _jspace_job(None, model_key, lens, text, None, layers, spec)[0])
+
+
+def _jspace_job(model, model_key: str, lens: tuple[Any, str], text: str | tuple, ids: Any, layers: list[int],
+                spec: JSpaceSpec, edits=None) -> tuple[dict[int, tuple], Callable[[list[int]], dict[int, Any]]]:
+    keys = {layer: (model_key, lens[1], text, int(layer), spec) for layer in layers}
+
+    def compute(todo: list[int]) -> dict[int, tuple[CellAtoms, ...]]:
+        from jlens_core.jspace.decompose import decompose
+        from jlens_core.reading.inputs import record_residuals
+
+        recorded = record_residuals(model, ids, todo, edits=edits, n_prompt=spec.n_prompt)
+        out = {}
+        for layer in todo:  # docs/method.md §11.2: every position of the layer in one call
+            dec = decompose(model, lens[0], recorded[layer][list(spec.positions)].float(), layer, k=spec.k,
+                            gauge=spec.gauge)
+            out[layer] = tuple(CellAtoms(tuple((t, float(c)) for t, _, c in dec.atoms(i)), float(dec.explained[i]),
+                                         float(dec.random_explained[i])) for i in range(dec.n))
+        return out
 
     return keys, compute

@@ -53,7 +53,8 @@ MAX_TOKENS = 1024  # Inspect truncates prompts to this many tokens
 DEFAULT_WINDOW = 256  # positions Inspect shows at first for a long prompt (the last ones)
 # Inspect's widgets before the user touches them (also what warm_up reads the default prompt with)
 INSPECT_DEFAULTS = {"chat": False, "top_k": 10, "pinned": "", "stride": 1, "show_ws": False, "word_like": False,
-                    "vocab_word": False, "gen_n": 0, "gen_temp": 0.0, "gen_seed": 0, "mc_word_like": False}
+                    "vocab_word": False, "gen_n": 0, "gen_temp": 0.0, "gen_seed": 0, "mc_word_like": False,
+                    "cell_text": "top-1"}
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Widget values kept when the user moves to another page (Streamlit drops a widget's state when
@@ -62,7 +63,8 @@ PERSISTENT_KEYS = ("prompt", "mode", "stat", "chat", "top_k", "pinned", "stride"
                    "eval_source", "eval_n", "fit_run", "gen_n", "gen_temp", "gen_seed", "band",
                    "mc_word_like", "iv_op", "iv_token", "iv_replacement", "iv_strength", "iv_alpha", "iv_layers",
                    "iv_pos_mode", "iv_pos_range", "iv_on_generated", "iv_new", "iv_edited_heatmap", "iv_centred", "iv_lens",
-                   "pair_a", "pair_b", "fit_rules", "st_sets", "st_k", "st_n", "st_filter", "st_path", "stability")
+                   "pair_a", "pair_b", "fit_rules", "st_sets", "st_k", "st_n", "st_filter", "st_path", "stability",
+                   "cell_text")
 # (the lens slots' path boxes are kept too: url_state adds them, one per slot)
 # A rerun dims the last run's elements with a 1 s opacity fade (from 0.5 s in), and expanders fade their
 # borders: Chromium without a GPU repaints the page every frame of it, on the cores the run's matrix

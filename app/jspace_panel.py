@@ -27,7 +27,7 @@ def panel(ctx: common.Context, full_ids: Any, text: str, layer: int, position: i
     lenses = {name: lens for name, lens in ctx.lenses().items() if hasattr(lens, "matrix")}
     with st.expander("J-space (this cell, or every shown cell)", expanded=False):
         names = list(lenses)
-        preferred = next((n for n in names if not is_baseline(lenses[n])), names[0])  # a fitted lens if one is loaded
+        preferred = jspace_lens(ctx, ss.get("mode") or "") or names[0]
         c1, c2, c3, c4 = st.columns([2, 1, 1, 1])
         name = c1.selectbox("Lens", names, index=names.index(preferred), key="js_lens", format_func=common.lens_label)
         k = int(c2.number_input("k (atoms)", 1, min(50, int(ctx.model.d_model)), 25, key="js_k"))
@@ -64,6 +64,17 @@ def panel(ctx: common.Context, full_ids: Any, text: str, layer: int, position: i
                     f"{float(dec.shuffled_explained[0]):.1%}.")
         atoms = [(t, c) for t, _, c in dec.atoms(0)]
         st.plotly_chart(jspace_bars(atoms), key="js_bars", config={"displaylogo": False})
+
+
+def jspace_lens(ctx: common.Context, mode: str) -> str | None:
+    """The lens whose J-space Inspect shows: the lens drawn (``mode``) if it is a fitted lens with matrices, else
+    the one picked in this panel, else the first fitted lens with matrices, else the logit lens (None: none loaded)."""
+    lenses = {name: lens for name, lens in ctx.lenses().items() if hasattr(lens, "matrix")}
+    if mode in lenses and not is_baseline(lenses[mode]):
+        return mode
+    if ss.get("js_lens") in lenses:
+        return str(ss.js_lens)
+    return next((n for n in lenses if not is_baseline(lenses[n])), next(iter(lenses), None))
 
 
 def _grid(model: Any, lens: Any, full_ids: Any, layers: list[int], positions: tuple[int, ...], k: int, gauge: str,

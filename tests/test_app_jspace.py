@@ -1,13 +1,19 @@
-"""Inspect's "J-space of this cell" panel (docs/method.md §11) under ``streamlit.testing.v1.AppTest``: the clicked
-cell's decomposition, its bars and explained fractions equal the library's."""
+"""Inspect's J-space (docs/method.md §11) under ``streamlit.testing.v1.AppTest``: the clicked cell's decomposition,
+its bars and explained fractions equal the library's; the heatmap's J-space display mode labels every cell with its
+largest atom once computed in the background, after the plain heatmap."""
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
+
 import pytest
-from test_app import PROMPT, chart, make_app, ok, runs_root, select_point, values  # noqa: F401 (runs_root: autouse)
+from test_app import APP, PROMPT, chart, make_app, ok, runs_root, select_point, values  # noqa: F401 (runs_root: autouse)
 
 from jlens_core import JacobianLens, decompose
-from jlens_core.figures.labels import esc, shown
+from jlens_core.figures.heatmaps import text_chars
+from jlens_core.figures.labels import cell_text, esc, shown
 from jlens_core.reading.inputs import record_residuals
 
 
@@ -41,3 +47,51 @@ def test_every_shown_cell_labelled_with_its_largest_atom(tiny_dir, tiny_model, l
     assert list(values(grid["z"])[1]) == pytest.approx([float(v) for v in dec.explained[:n]], abs=1e-6)
     assert grid["text"][1][5] == esc(shown(dec.atoms(5)[0][0]))  # the largest atom, as the figures show tokens
     assert all(f"{t!r} {c:.2f}" in grid["hovertext"][1][5] for t, _, c in dec.atoms(5))
+
+
+def _labelled(at):
+    """Run ``at`` again until the J-space labels computed in the background are written in (the page's poll does
+    this in a browser)."""
+    for _ in range(240):
+        if "largest atom" in chart(at, "heatmap")["layout"]["title"]["text"]:
+            return at
+        time.sleep(0.5)
+        ok(at.run())
+    raise AssertionError("the J-space labels never arrived")
+
+
+def test_jspace_display_mode_labels_every_cell_after_the_first_paint(tiny_dir, tiny_model, lens_file, monkeypatch):
+    sys.path.insert(0, str(APP.parent))
+    import cache  # the app's module, as its pages import it
+
+    release = threading.Event()  # the background decomposition waits for the test: the first paint is seen without it
+    real = cache._in_background
+    monkeypatch.setattr(cache, "_in_background", lambda *a: release.wait(60) and real(*a))
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="jacobian").run())
+    plain = chart(at, "heatmap")
+    at.selectbox(key="cell_text").set_value("jspace")
+    at.number_input(key="js_k").set_value(4)
+    ok(at.run())
+    first = chart(at, "heatmap")  # the plain heatmap, drawn at once; the labels announced, not waited for
+    assert first["data"][0]["text"] == plain["data"][0]["text"]
+    assert any("J-space labels: computing" in c.value for c in at.caption)
+    release.set()
+    fig = chart(_labelled(at), "heatmap")
+    assert not any("J-space labels: computing" in c.value for c in at.caption)
+    lens = JacobianLens.load(lens_file)
+    ids = tiny_model.encode(PROMPT)
+    n = int(ids.shape[-1])
+    h = record_residuals(tiny_model, ids, [1])[1].float()
+    dec = decompose(tiny_model, lens, h, 1, k=4)  # the library's, every position in one batch
+    text, hover = fig["data"][0]["text"], fig["data"][1]["hovertext"]
+    chars = text_chars(n, len(text) * n)
+    assert text[1] == [cell_text(dec.atoms(i)[0][0], chars) for i in range(n)]  # layer 1: each cell's largest atom
+    assert text[-1] == plain["data"][0]["text"][-1]  # the output row has no J-space: its top-1 token stays
+    cell = hover[1 * n + 5]  # layer 1, position 5
+    assert f"explain {float(dec.explained[5]):.1%} (random dictionary {float(dec.random_explained[5]):.1%})" in cell
+    assert all(f"{esc(shown(t))} {c:.2f}" in cell for t, _, c in dec.atoms(5))
+    # another prompt: drawn plain at once, then labelled
+    at.text_area(key="prompt").set_value("The capital of Spain is")
+    ok(at.run())
+    assert "largest atom" not in chart(at, "heatmap")["layout"]["title"]["text"]
+    assert "largest atom" in chart(_labelled(at), "heatmap")["layout"]["title"]["text"]

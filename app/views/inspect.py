@@ -20,8 +20,8 @@ import cache
 import common
 import intervene
 import jspace_panel
-from jlens_core.figures.heatmaps import cell_from_point, heatmap_figure
-from jlens_core.figures.labels import LENS_SHORT, row_labels, shown
+from jlens_core.figures.heatmaps import cell_from_point, heatmap_figure, label_cells
+from jlens_core.figures.labels import LENS_SHORT, esc, row_labels, shown
 from jlens_core.figures.ranks import pinned_ranks_figure
 from jlens_core.figures.tokens import topk_bars
 from jlens_core.lenses.kinds import BASELINE, PLAIN
@@ -51,6 +51,7 @@ class View:
     band: tuple[int, int]
     pins: list[str]
     pair: tuple[str, str]  # the two lenses of "side by side" and "difference"
+    ids: Any = None  # the token ids read, [1, seq] (the J-space labels record their residuals)
 
     @property
     def source(self) -> str | tuple[int, ...]:
@@ -142,7 +143,7 @@ def render(ctx: common.Context) -> None:
     edited_view = intervene.heatmap_edits(ctx, text)
     edits, edits_key = edited_view if edited_view else (None, "")
     reader = Reader(ctx, view, edits, edits_key)
-    fig, mode = heatmap(view, reader, edits)
+    fig, mode = heatmap(view, reader, edits, edits_key)
     most_common_panel(model, view, reader.readings, mode)
     detail, layer, position = cell_detail(view, reader)
     jspace_panel.panel(ctx, full_ids, text, layer, position, layers=view.layers, positions=view.positions,
@@ -251,10 +252,16 @@ def lens_controls(ctx: common.Context, pins: list[str]) -> tuple[str, str]:
             return f"All {dict(enumerate(('', 'one', 'two', 'three', 'four'))).get(len(available), len(available))}"
         return common.MODES.get(m, m)
 
-    c1, c2 = st.columns([3, 2])
+    c1, c2, c3 = st.columns([3, 2, 1])
     c1.radio("Lens", mode_options, key="mode", format_func=mode_label, horizontal=True)
     c2.selectbox("Colour by", stat_options, key="stat",
                  format_func=lambda s: common.STATS.get(s) or f"Rank of pinned {s[5:]!r}")
+    c3.selectbox("Cells show", list(CELL_TEXTS), key="cell_text", format_func=CELL_TEXTS.get,
+                 help="Top-1 token: each cell's most probable token under the lens. J-space: each cell's largest "
+                      "atom in a lens's J-space (docs/method.md §11.2; the hover lists every atom with its "
+                      "coefficient, and the explained fraction beside a random dictionary's). The J-space labels "
+                      "are computed after the heatmap is drawn, and written in when ready; the dictionary, k and "
+                      "gauge are those of the J-space panel below.")
     if ss.mode in ("side", "diff") and len(available) > 2:
         # the loaded lenses, and a pair member that is not loaded (from the URL: the heatmap says so)
         offered = available + [k for k in pair if k not in available]
@@ -407,10 +414,10 @@ def display_options(model: Any, prompt: str, text: str, full_ids: Any, generatio
     band = (int(ss.band[0]), int(ss.band[1]))
     return View(text=text, prompt=prompt, generation=generation, n_prompt_tokens=n_prompt_tokens, tokens=tokens,
                 positions=tuple(range(int(lo), int(hi) + 1)), layers=common.view_layers(n_layers, band, int(ss.stride)),
-                band=band, pins=pins, pair=pair)
+                band=band, pins=pins, pair=pair, ids=full_ids)
 
 
-def heatmap(view: View, reader: Reader, edits: list | None) -> tuple[Any, str]:
+def heatmap(view: View, reader: Reader, edits: list | None, edits_key: str = "") -> tuple[Any, str]:
     """Read the lenses the heatmap draws and draw it; returns the figure and the mode drawn."""
     pair, mode = view.pair, ss.mode
     # The lenses the heatmap draws are read over every shown position (the logit lens always: the output
@@ -442,11 +449,19 @@ def heatmap(view: View, reader: Reader, edits: list | None) -> tuple[Any, str]:
         notes = {readings[n].stability_note for n in shown_now if n in readings and n != BASELINE}
         for note in sorted(n for n in notes if n):
             st.caption(note)
-    if reader.marks_pending:
-        _await_marks(reader.ctx.model_key, reader.marks_pending)
+    waits = [lambda: all(cache.readings_ready(reader.ctx.model_key, asked, *marks)
+                         for asked, marks in reader.marks_pending)] if reader.marks_pending else []
+    coming = ["stability marks"] if reader.marks_pending else []
+    if ss.get("cell_text") == "jspace":
+        jspace_wait = jspace_labels(reader.ctx, view, fig, mode, edits, edits_key)
+        if jspace_wait is not None:
+            waits.append(jspace_wait)
+            coming.append("J-space labels")
+    if waits:
+        _await(waits)
         reading_note.caption(f"{len(view.positions)} positions × {len(view.layers)} layers"
                              + (f", read in {read_seconds:.1f} s" if read_seconds >= 0.05 else "")
-                             + " · stability marks: computing…")
+                             + "".join(f" · {what}: computing…" for what in coming))
     if edits:
         fig.update_layout(title=f"Edited run ({'; '.join(repr(e) for e in edits)}) · " + fig.layout.title.text)
     st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points",
@@ -455,22 +470,65 @@ def heatmap(view: View, reader: Reader, edits: list | None) -> tuple[Any, str]:
 
 
 MARKS_POLL_SECONDS = 0.5
+CELL_TEXTS = {"top-1": "Top-1 token", "jspace": "J-space atom"}  # what the heatmap's cells show (key `cell_text`)
 
 
-def _await_marks(model_key: str, pending: list[tuple[dict, tuple]]) -> None:
-    """A rerun of the page once the stability marks computed in the background are there: the heatmap drawn
-    without them stays until then (the reading's caption says they are coming), and the prompt box stays free
-    for the next prompt."""
-
-    def ready() -> bool:
-        return all(cache.readings_ready(model_key, asked, *marks) for asked, marks in pending)
+def _await(waits: list) -> None:
+    """A rerun of the page once every extra computed in the background (the stability marks, the J-space labels:
+    ``waits``, each a function saying whether its extra is there) is there: the heatmap drawn without them stays
+    until then (the reading's caption says they are coming), and the prompt box stays free for the next prompt."""
 
     @st.fragment(run_every=MARKS_POLL_SECONDS)
     def poll() -> None:
-        if ready():
+        if all(wait() for wait in waits):
             st.rerun(scope="app")
 
     poll()
+
+
+def jspace_labels(ctx: common.Context, view: View, fig: Any, mode: str, edits: list | None,
+                  edits_key: str) -> Any:
+    """The J-space display mode (docs/method.md §11.2): each cell of the heatmap labelled with its largest atom in a
+    lens's J-space, every atom in its hover. An extra: started in the background (:func:`cache.jspace_labels_soon`)
+    and written into ``fig`` once there; returns the function that says whether they are there while they are
+    computed, else None."""
+    if mode in ("side", "three"):
+        st.caption("J-space labels are written on one lens's heatmap (or the difference): pick one lens above.")
+        return None
+    name = jspace_panel.jspace_lens(ctx, mode)
+    if name is None:
+        st.caption("No loaded lens has a J-space (it needs a lens with matrices: J, R, J++, R++, the logit lens).")
+        return None
+    lens = ctx.lenses()[name]
+    layers = [layer for layer in view.layers if layer in lens.source_layers]
+    k = min(int(ss.get("js_k") or 25), int(ctx.model.d_model))
+    gauge = ss.get("js_gauge") if ss.get("js_gauge") in ("centred", "raw") else "centred"
+    spec = cache.JSpaceSpec(k=k, gauge=gauge, positions=tuple(view.positions), edits_key=edits_key,
+                            n_prompt=view.n_prompt)
+    lens_ref = (lens, ctx.lens_keys()[name])
+    ids = view.ids[:, :MAX_TOKENS]
+    found = cache.jspace_labels_soon(ctx.model, ctx.model_key, lens_ref, view.source, ids, layers, spec, edits)
+    where = f"the {common.lens_label(name)}'s J-space, k = {k}, {gauge} gauge"
+    if found is None:
+        if cache.jspace_labels_ready(ctx.model_key, lens_ref, view.source, layers, spec):
+            st.caption(f"The J-space labels ({where}) could not be computed for this prompt: the cells show the top-1 "
+                       "token (the server's log says why).")
+            return None
+        return lambda: cache.jspace_labels_ready(ctx.model_key, lens_ref, view.source, layers, spec)
+    labels = {layer: [cell.atoms[0][0] if cell.atoms else "" for cell in cells] for layer, cells in found.items()}
+    hovers = {layer: [_atoms_hover(cell, where) for cell in cells] for layer, cells in found.items()}
+    title, said = str(fig.layout.title.text), f"cells show their largest atom in {where} (output row: top-1)"
+    label_cells(fig, view.layers, labels, hovers, title=title.replace("cells show the top-1 token", said)
+                if "cells show the top-1 token" in title else f"{title} · {said}")
+    return None
+
+
+def _atoms_hover(cell: cache.CellAtoms, where: str) -> str:
+    """A cell's J-space in its hover: the explained fraction beside the random dictionary's, then every atom."""
+    atoms = [f"{esc(shown(token))} {coef:.2f}" for token, coef in cell.atoms]
+    lines = [", ".join(atoms[i:i + 5]) for i in range(0, len(atoms), 5)]
+    return (f"<b>J-space</b> ({esc(where)}): {len(atoms)} atoms explain {cell.explained:.1%} "
+            f"(random dictionary {cell.random_explained:.1%})<br>" + "<br>".join(lines))
 
 
 def _select_cell(view: View) -> None:

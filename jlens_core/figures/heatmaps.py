@@ -364,6 +364,46 @@ def heatmap_figure(readings: Mapping[str, Any], mode: str, stat: str, *, layers:
     return fig
 
 
+def label_cells(fig: go.Figure, layers: Sequence[int], labels: Mapping[int, Sequence[str]],
+                hovers: Mapping[int, Sequence[str]], *, title: str | None = None) -> go.Figure:
+    """Write other labels into the cells of a one-lens :func:`heatmap_figure` (the J-space mode's largest atoms,
+    docs/method.md §11.2) and add a text to their hovers; rows of ``layers`` without labels keep theirs.
+
+    Args:
+        fig: a figure of one lens (its first trace the heatmap, its second the hover markers); changed in place.
+        layers: the figure's rows, as given to :func:`heatmap_figure`.
+        labels, hovers: ``{layer: one text per column}``; a label is cut to the cells' width as the top-1 tokens
+            are (nothing is written where the figure writes no text), a hover text is added below the cell's own.
+        title: the figure's new title (default: unchanged).
+
+    Raises:
+        ValueError: a figure of several panels, or a row whose texts do not match the figure's columns.
+    """
+    heat, cells = fig.data[0], fig.data[1]
+    if len(fig.data) > 2 and any(isinstance(t, go.Heatmap) and t.name != "stable %" for t in fig.data[2:]):
+        raise ValueError("label_cells labels a one-lens heatmap: this figure has several panels; draw one lens.")
+    n_pos = len(heat.x)
+    for source in (labels, hovers):
+        for layer, row in source.items():
+            if len(row) != n_pos:
+                raise ValueError(f"Layer {layer} has {len(row)} texts for {n_pos} columns: give one per position.")
+    chars = text_chars(n_pos, len(layers) * n_pos)
+    if heat.text is not None and chars:
+        text = [list(row) for row in heat.text]
+        for i, layer in enumerate(layers):
+            if layer in labels:
+                text[i] = [cell_text(t, chars) for t in labels[layer]]
+        heat.update(text=text)
+    hover = list(cells.hovertext)
+    for i, layer in enumerate(layers):
+        for j, extra in enumerate(hovers.get(layer, ())):
+            hover[i * n_pos + j] = f"{hover[i * n_pos + j]}<br><br>{extra}"
+    cells.update(hovertext=hover)
+    if title is not None:
+        fig.update_layout(title=title)
+    return fig
+
+
 def reading_figure(reading: Any, stat: str = "top1_prob", *, others: Mapping[str, Any] | None = None,
                    mode: str | None = None, **options: Any) -> go.Figure:
     """The heatmap of one reading, or of it with ``others`` (side by side, difference, stacked).
