@@ -1,7 +1,7 @@
 """The view kept in the URL: query parameters seed a session and are written back after every run.
 
 What a user sets up (``model``, ``lens``, ``rlens``, ``jpp``, ``rpp``, ``tuned``, ``extra``, ``prompt``, ``mode``,
-``stat``, ``pair``, ``vocab``, ``centred``, ``iv_lens``, ``gen``, ``temp``, ``seed``, ``band``, ``pin``, ``stability``; the Study page's
+``stat``, ``pair``, ``vocab``, ``centred``, ``iv_lens``, ``gen``, ``temp``, ``seed``, ``band``, ``pin``, ``stability``, ``cells``; the Study page's
 ``sets``, ``set_path``, ``k``, ``n``, ``filter``) is in the page's URL, so a
 view can be shared and reloaded. Each lens slot (:data:`lens_slots.SLOTS`) has its own parameter, named by the slot;
 ``extra`` lists the lenses added from files (comma-separated paths or ``hf://`` specs). ``pair``, ``mode`` and
@@ -60,6 +60,8 @@ def init_state() -> None:
             ss.pinned = _query_value("pin")
         if _query_value("stability") in ("0", "1"):  # else Inspect's default: on when a lens keeps halves
             ss.stability = _query_value("stability") == "1"
+        if _query_value("cells") in ("top-1", "jspace"):  # what the heatmap's cells show
+            ss.cell_text = _query_value("cells")
         _seed_generation_state(ss)
         _seed_study_state(ss)
         ss._initialised = True
@@ -158,6 +160,7 @@ def sync_query_params() -> None:
     wanted["vocab"] = "word" if ss.get("vocab_word") else None  # "all", the default, left out
     wanted["centred"] = "1" if ss.get("iv_centred") else None
     wanted["stability"] = _stability_query(ctx)
+    wanted["cells"] = "jspace" if ss.get("cell_text") == "jspace" else None  # "top-1", the default, left out
     wanted["iv_lens"] = ss.get("iv_lens") if ss.get("iv_lens") not in (None, "jacobian") else None
     pair = (ss.get("pair_a"), ss.get("pair_b"))
     wanted["pair"] = ",".join(pair) if ss.get("mode") in ("side", "diff") and pair != common.default_pair(ctx) \
