@@ -6,6 +6,7 @@ served by ``jlens app`` (``streamlit run app/main.py``) on a free localhost port
   prediction in the output row; a new prompt redraws it; hover shows the top-k; a click opens the
   cell's detail; the lens mode switches.
 * Generate on the default model: 8 new tokens, the heatmap grows by 8 columns marked as generated.
+* The J-space display mode on the default model: the labels arrive after the plain heatmap, in the same view.
 * Intervene on the default model: a swap France -> Germany turns the answer Paris into Berlin.
 * Fit on a tiny model saved to a temporary folder: the progress bar and the convergence chart
   update while the fit runs, survive a page reload, and the fit finishes.
@@ -220,6 +221,30 @@ def test_generate_on_the_default_model(server, browser, shots):
     assert "gen=8" in page.url
     page.get_by_text("Most common tokens", exact=False).first.scroll_into_view_if_needed()
     page.screenshot(path=str(shots / "inspect-generate.png"), full_page=True)
+    page.close()
+
+
+def test_jspace_labels_arrive_after_the_plain_heatmap(server, browser, shots):
+    """The J-space display mode on the default model: the plain heatmap is drawn first, the J-space labels (each
+    cell's largest atom, every atom on hover) are written into the same view when computed, nothing moves."""
+    page = _page(browser)
+    prompt = "In the old harbour town, the fishermen mended their nets while the gulls circled over the"
+    page.goto(server + "/?mode=jacobian&cells=jspace&prompt=" + quote(prompt))
+    _wait_heatmap(page, "g.data[0].text && g.data[0].text.length > 0", timeout=FIRST_LOAD_S * 1000)
+    # the first paint: the lens's top-1 tokens, the labels announced as coming
+    assert "largest atom" not in _heatmap(page, "g.layout.title.text")
+    page.get_by_text("J-space labels: computing", exact=False).wait_for(timeout=30_000)
+    top = page.locator(HEATMAP).bounding_box()["y"]
+    plain_text = _heatmap(page, "g.data[0].text")
+    _wait_heatmap(page, "g.layout.title.text.includes('largest atom')", timeout=300_000)
+    _no_exception(page)
+    assert page.locator(HEATMAP).bounding_box()["y"] == pytest.approx(top, abs=2)  # the same view, no jump
+    labelled = _heatmap(page, "g.data[0].text")
+    assert labelled[-1] == plain_text[-1]  # the output row keeps its top-1 tokens
+    assert labelled[10] != plain_text[10]  # a middle layer's cells now show atoms
+    assert "random dictionary" in _heatmap(page, "g.data[1].hovertext[10 * g.data[0].x.length + 3]")
+    assert "cells=jspace" in page.url
+    page.screenshot(path=str(shots / "inspect-jspace.png"))
     page.close()
 
 
