@@ -501,6 +501,9 @@ def jspace_labels(ctx: common.Context, view: View, fig: Any, mode: str, edits: l
         return None
     lens = ctx.lenses()[name]
     layers = [layer for layer in view.layers if layer in lens.source_layers]
+    if not layers:
+        st.caption(f"The {common.lens_label(name)} reads none of the shown layers: no J-space labels (widen the band).")
+        return None
     k = min(int(ss.get("js_k") or 25), int(ctx.model.d_model))
     gauge = ss.get("js_gauge") if ss.get("js_gauge") in ("centred", "raw") else "centred"
     spec = cache.JSpaceSpec(k=k, gauge=gauge, positions=tuple(view.positions), edits_key=edits_key,
