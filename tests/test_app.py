@@ -13,6 +13,8 @@ import html
 import json
 import os
 import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -101,6 +103,29 @@ def values(data) -> np.ndarray:
         shape = [int(n) for n in str(data.get("shape", len(flat))).split(",")]
         return flat.reshape(shape)
     return np.asarray(data)
+
+
+def hold_extras(monkeypatch) -> threading.Event:
+    """Hold the app's background extras (the stability marks, the J-space labels: ``cache._in_background``) until
+    the returned event is set, so that a test sees the first paint without them."""
+    sys.path.insert(0, str(APP.parent))
+    import cache  # the app's module, as its pages import it
+
+    release = threading.Event()
+    real = cache._in_background
+    monkeypatch.setattr(cache, "_in_background", lambda *a: release.wait(60) and real(*a))
+    return release
+
+
+def rerun_until(at: AppTest, arrived, what: str, tries: int = 240) -> AppTest:
+    """Run ``at`` again until ``arrived(at)`` (an extra computed in the background is drawn: the page's poll does
+    this in a browser); fails naming ``what`` after ``tries`` half-second waits."""
+    for _ in range(tries):
+        if arrived(at):
+            return at
+        time.sleep(0.5)
+        ok(at.run())
+    raise AssertionError(f"the {what} never arrived")
 
 
 def has_chart(at: AppTest, key: str) -> bool:

@@ -4,12 +4,8 @@ largest atom once computed in the background, after the plain heatmap."""
 
 from __future__ import annotations
 
-import sys
-import threading
-import time
-
 import pytest
-from test_app import APP, PROMPT, chart, make_app, ok, runs_root, select_point, values  # noqa: F401 (runs_root: autouse)
+from test_app import PROMPT, chart, hold_extras, make_app, ok, rerun_until, runs_root, select_point, values  # noqa: F401 (runs_root: autouse)
 
 from jlens_core import JacobianLens, decompose
 from jlens_core.figures.heatmaps import text_chars
@@ -50,23 +46,12 @@ def test_every_shown_cell_labelled_with_its_largest_atom(tiny_dir, tiny_model, l
 
 
 def _labelled(at):
-    """Run ``at`` again until the J-space labels computed in the background are written in (the page's poll does
-    this in a browser)."""
-    for _ in range(240):
-        if "largest atom" in chart(at, "heatmap")["layout"]["title"]["text"]:
-            return at
-        time.sleep(0.5)
-        ok(at.run())
-    raise AssertionError("the J-space labels never arrived")
+    return rerun_until(at, lambda a: "largest atom" in chart(a, "heatmap")["layout"]["title"]["text"],
+                       "J-space labels")
 
 
 def test_jspace_display_mode_labels_every_cell_after_the_first_paint(tiny_dir, tiny_model, lens_file, monkeypatch):
-    sys.path.insert(0, str(APP.parent))
-    import cache  # the app's module, as its pages import it
-
-    release = threading.Event()  # the background decomposition waits for the test: the first paint is seen without it
-    real = cache._in_background
-    monkeypatch.setattr(cache, "_in_background", lambda *a: release.wait(60) and real(*a))
+    release = hold_extras(monkeypatch)  # the first paint is seen without the labels
     at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="jacobian").run())
     plain = chart(at, "heatmap")
     at.selectbox(key="cell_text").set_value("jspace")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import random_lens
 from streamlit.testing.v1 import AppTest
+from test_app import hold_extras, rerun_until
 
 from jlens_core import JacobianLens, LogitLens, read_prompts, save_readings
 
@@ -48,26 +48,12 @@ def heatmap(at: AppTest) -> dict:
 
 
 def with_marks(at: AppTest) -> AppTest:
-    """Run ``at`` again until the stability marks computed in the background are drawn (what the page's poll
-    does in a browser)."""
-    for _ in range(120):
-        if any(t.get("name") == "stable %" for t in heatmap(at)["data"]):
-            return at
-        time.sleep(0.5)
-        ok(at.run())
-    raise AssertionError("the stability marks never arrived")
+    return rerun_until(at, lambda a: any(t.get("name") == "stable %" for t in heatmap(a)["data"]), "stability marks",
+                       tries=120)
 
 
 def test_stability_toggle_on_a_lens_with_halves(tiny_dir, tiny_model, lens_file, monkeypatch):
-    import sys
-    import threading
-
-    sys.path.insert(0, str(APP.parent))
-    import cache  # the app's module, as its pages import it
-
-    release = threading.Event()  # the background reading waits for the test: the first paint is seen without it
-    real = cache._in_background
-    monkeypatch.setattr(cache, "_in_background", lambda *a: release.wait(60) and real(*a))
+    release = hold_extras(monkeypatch)  # the first paint is seen without the marks
     at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="jacobian").run())
     assert at.toggle(key="stability").value is True  # a fit keeps its halves: on by default
     assert "stability" not in at.query_params
