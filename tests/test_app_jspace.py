@@ -80,3 +80,12 @@ def test_jspace_display_mode_labels_every_cell_after_the_first_paint(tiny_dir, t
     ok(at.run())
     assert "largest atom" not in chart(at, "heatmap")["layout"]["title"]["text"]
     assert "largest atom" in chart(_labelled(at), "heatmap")["layout"]["title"]["text"]
+
+
+def test_the_url_opens_the_jspace_display_mode(tiny_dir, lens_file):
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT, mode="jacobian", cells="jspace").run())
+    assert at.selectbox(key="cell_text").value == "jspace" and at.query_params["cells"] == "jspace"
+    _labelled(at)
+    at.selectbox(key="cell_text").set_value("top-1")
+    fig = chart(ok(at.run()), "heatmap")
+    assert "largest atom" not in fig["layout"]["title"]["text"] and "cells" not in at.query_params

@@ -54,6 +54,27 @@ def test_one_lens_heatmap_draws_the_reading(readings):
     assert fig.layout.yaxis.ticktext[-1] == f"output (L{r.output_layer})"
 
 
+def test_label_cells_writes_other_labels_and_adds_to_the_hover(readings):
+    r = readings["jacobian"]
+    layers = readings["logit"].layers
+    fig = heatmaps.heatmap_figure(readings, "jacobian", "top1_prob", layers=layers)
+    before_text = [list(row) for row in fig.data[0].text]
+    before_hover = list(fig.data[1].hovertext)
+    n = r.n_positions
+    labels = {2: [f"atom{i}" for i in range(n)]}
+    heatmaps.label_cells(fig, layers, labels, {2: [f"extra {i}" for i in range(n)]}, title="new")
+    chars = heatmaps.text_chars(n, len(layers) * n)
+    assert list(fig.data[0].text[2]) == [heatmaps.cell_text(t, chars) for t in labels[2]]
+    assert [list(row) for i, row in enumerate(fig.data[0].text) if i != 2] == \
+        [row for i, row in enumerate(before_text) if i != 2]  # unlabelled rows keep their top-1 tokens
+    assert fig.data[1].hovertext[2 * n + 3] == before_hover[2 * n + 3] + "<br><br>extra 3"
+    assert fig.data[1].hovertext[0] == before_hover[0] and fig.layout.title.text == "new"
+    with pytest.raises(ValueError, match="one per position"):
+        heatmaps.label_cells(fig, layers, {2: ["x"]}, {})
+    with pytest.raises(ValueError, match="several panels"):
+        heatmaps.label_cells(heatmaps.heatmap_figure(readings, "side", "top1_prob"), layers, labels, {})
+
+
 @pytest.mark.parametrize("stat", ["kl_bits", "next_token_rank", "rank_ Paris"])
 def test_side_by_side_diff_and_stacked(readings, stat):
     layers = readings["logit"].layers
