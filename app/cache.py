@@ -148,6 +148,11 @@ class ReadingStore:
                 return None
             return {name: self._done[key] for name, key in keys.items()}
 
+    def stored(self, keys: dict) -> dict:
+        """``{name: value}`` of the ``keys`` stored now (any number of them); never waits or computes."""
+        with self._lock:
+            return {name: self._done[key] for name, key in keys.items() if key in self._done}
+
     def busy(self, keys: dict[str, tuple]) -> bool:
         """Whether some thread is computing one of ``keys`` now."""
         with self._lock:
@@ -271,30 +276,65 @@ def jspace_store() -> ReadingStore:
     return ReadingStore(capacity=512)
 
 
+_JOBS: set[tuple] = set()  # the J-space jobs running in a thread (their keys), each started once
+_JOBS_LOCK = threading.Lock()
+
+
 def jspace_labels_soon(model, model_key: str, lens: tuple[Any, str], text: str | tuple, ids: Any, layers: list[int],
-                       spec: JSpaceSpec, edits=None) -> dict[int, tuple[CellAtoms, ...]] | None:
-    """The J-space labels of ``layers`` (``{layer: one CellAtoms per position of spec.positions}``) if they are
-    stored, else None, after starting them in a thread (:func:`soon`): one forward pass recording the residuals of
-    ``ids`` (``[1, seq]``, the tokens of ``text``), then one :func:`jlens_core.jspace.decompose` per layer with
-    every position as a batch, with its random-dictionary control."""
-    return soon(jspace_store(), *_jspace_job(model, model_key, lens, text, ids, layers, spec, edits))
+                       spec: JSpaceSpec, edits=None) -> tuple[dict[int, tuple[CellAtoms, ...]], bool]:
+    """The J-space labels of ``layers`` stored so far (``{layer: one CellAtoms per position of spec.positions}``)
+    and whether that is all there will be (every layer stored, or one failed); starts a thread computing the others
+    unless one does: one forward pass recording the residuals of ``ids`` (``[1, seq]``, the tokens of ``text``),
+    then one :func:`jlens_core.jspace.decompose` per layer with every position as a batch (its random-dictionary
+    control too), each layer stored when done, so that the page can draw the labels layer by layer."""
+    keys, compute = _jspace_job(model, model_key, lens, text, ids, layers, spec, edits)
+    found, done = jspace_labels_stored(model_key, lens, text, layers, spec)
+    job = tuple(keys.values())
+    if not done:
+        with _JOBS_LOCK:
+            start = job not in _JOBS
+            _JOBS.add(job)
+        if start:
+            threading.Thread(target=_each_in_background, args=(jspace_store(), keys, compute, job),
+                             name="jlens-extras", daemon=True).start()
+    return found, done
 
 
-def jspace_labels_ready(model_key: str, lens: tuple[Any, str], text: str | tuple, layers: list[int],
-                        spec: JSpaceSpec) -> bool:
-    """Whether :func:`jspace_labels_soon`'s labels are stored now, or failed."""
-    return ready(jspace_store(), _jspace_job(None, model_key, lens, text, None, layers, spec)[0])
+def jspace_labels_stored(model_key: str, lens: tuple[Any, str], text: str | tuple, layers: list[int],
+                         spec: JSpaceSpec) -> tuple[dict[int, tuple[CellAtoms, ...]], bool]:
+    """:func:`jspace_labels_soon`'s labels stored now and whether they are all there will be; starts nothing."""
+    keys = _jspace_job(None, model_key, lens, text, None, layers, spec)[0]
+    store = jspace_store()
+    found = store.stored(keys)
+    return found, len(found) == len(keys) or bool(store.failed.intersection(keys.values()))
+
+
+def _each_in_background(store: ReadingStore, keys: dict, compute: Callable[[list], dict], job: tuple) -> None:
+    """``compute`` of each of ``keys`` in turn, each stored when done; the first failure ends the job."""
+    try:
+        for name, key in keys.items():
+            try:
+                store.get({name: key}, compute)
+            except Exception:  # the page draws the layers done; the log keeps why
+                store.failed.add(key)
+                log.exception("A background J-space decomposition failed.")
+                return
+    finally:
+        with _JOBS_LOCK:
+            _JOBS.discard(job)
 
 
 def _jspace_job(model, model_key: str, lens: tuple[Any, str], text: str | tuple, ids: Any, layers: list[int],
                 spec: JSpaceSpec, edits=None) -> tuple[dict[int, tuple], Callable[[list[int]], dict[int, Any]]]:
     keys = {layer: (model_key, lens[1], text, int(layer), spec) for layer in layers}
+    recorded: dict[int, Any] = {}  # every layer's residuals, recorded in one forward pass when first needed
 
     def compute(todo: list[int]) -> dict[int, tuple[CellAtoms, ...]]:
         from jlens_core.jspace.decompose import decompose
         from jlens_core.reading.inputs import record_residuals
 
-        recorded = record_residuals(model, ids, todo, edits=edits, n_prompt=spec.n_prompt)
+        if not recorded:
+            recorded.update(record_residuals(model, ids, layers, edits=edits, n_prompt=spec.n_prompt))
         out = {}
         for layer in todo:  # docs/method.md §11.2: every position of the layer in one call
             dec = decompose(model, lens[0], recorded[layer][list(spec.positions)].float(), layer, k=spec.k,

@@ -76,11 +76,12 @@ def _submit(page, text: str) -> float:
     return t
 
 
-def _extras(page, model, url: str, reps: int) -> dict[str, list[float]]:
+def _extras(page, model, url: str, reps: int, band: str = "") -> dict[str, list[float]]:
     """Per rep, on the Jacobian lens with J-space labels on: a new prompt submitted -> its plain heatmap, its
-    stability marks, its J-space labels (seconds from the submit); and a page opened on it again -> its heatmap."""
-    times: dict[str, list[float]] = {"new": [], "marks": [], "labels": [], "open": []}
-    page.goto(url + "/?mode=jacobian&cells=jspace")
+    stability marks, its first layer's and every layer's J-space labels (seconds from the submit); and a page opened
+    on it again -> its heatmap. ``band``: ``&band=lo-hi`` (the layers shown), or "" for every layer."""
+    times: dict[str, list[float]] = {"new": [], "marks": [], "first_labels": [], "labels": [], "open": []}
+    page.goto(url + f"/?mode=jacobian&cells=jspace{band}")
     _wait_heatmap(page, "g.data[0].text")
     _idle(page)
     for rep in range(reps):
@@ -92,11 +93,14 @@ def _extras(page, model, url: str, reps: int) -> dict[str, list[float]]:
         _wait_heatmap(page, f"g.data[0].x.length === {n} && g.data.some(d => d.name === 'stable %')")
         times["marks"].append(time.perf_counter() - t)
         _wait_heatmap(page, f"g.data[0].x.length === {n} && (g.layout.title.text || '').includes('largest atom')")
+        times["first_labels"].append(time.perf_counter() - t)
+        _wait_heatmap(page, f"g.data[0].x.length === {n} && (g.layout.title.text || '').includes('largest atom') "
+                            "&& !g.layout.title.text.includes('so far')")
         times["labels"].append(time.perf_counter() - t)
         _idle(page)
         other = page.context.new_page()  # the same prompt's page opened anew: its readings are cached on the server
         t = time.perf_counter()
-        other.goto(url + f"/?mode=jacobian&prompt={quote(text)}")
+        other.goto(url + f"/?mode=jacobian{band}&prompt={quote(text)}")
         _wait_heatmap(other, f"g.data[0].text && g.data[0].x.length === {n}")
         times["open"].append(time.perf_counter() - t)
         other.close()
@@ -107,6 +111,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=str(ROOT / "bench" / "app_latency.json"))
     p.add_argument("--reps", type=int, default=3, help="repetitions (a prompt each) of the new-prompt figures")
+    p.add_argument("--band", default="", help="lo-hi: the layers the new-prompt figures show (default: all); the "
+                   "J-space labels' time grows with them")
     p.add_argument("--chromium", default=os.environ.get("JLENS_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium")
     args = p.parse_args()
     from bf16_fit import cpu_flags
@@ -144,11 +150,12 @@ def main() -> None:
             _wait_heatmap(page, "g.data[0].text")
             rows.append(("launch -> first heatmap (warm cache)", [time.perf_counter() - t0], GOALS["launch"]))
             _idle(page)
-            extras = _extras(page, model, url, args.reps)
+            extras = _extras(page, model, url, args.reps, f"&band={args.band}" if args.band else "")
             rows += [("page opened -> its heatmap (readings cached)", extras["open"], GOALS["open"]),
                      ("new prompt, Jacobian lens -> plain heatmap", extras["new"], GOALS["new"]),
                      ("new prompt -> stability marks drawn", extras["marks"], None),
-                     ("new prompt -> J-space labels drawn", extras["labels"], None)]
+                     ("new prompt -> J-space labels, first layer", extras["first_labels"], None),
+                     ("new prompt -> J-space labels, every layer", extras["labels"], None)]
             page.goto(url + "/")
             _wait_heatmap(page, "g.data[0].text")
             _idle(page)
@@ -176,7 +183,8 @@ def main() -> None:
         median = statistics.median(seconds)
         said = "" if goal is None else f"{goal:6.1f}" + ("  over" if median > goal else "")
         print(f"{name:48s} {median:8.2f} {spread:>13} {said}")
-    Path(args.json).write_text(json.dumps({"matmul_peak_gflops": peak, "cpu": cpu, "reps": args.reps, "rows": [
+    Path(args.json).write_text(json.dumps({"matmul_peak_gflops": peak, "cpu": cpu, "reps": args.reps,
+                                           "band": args.band or "all", "rows": [
         {"step": n, "seconds": statistics.median(s), "each": s, "goal_seconds": g}
         for n, s, g in rows]}, indent=1))
 

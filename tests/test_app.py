@@ -106,14 +106,15 @@ def values(data) -> np.ndarray:
 
 
 def hold_extras(monkeypatch) -> threading.Event:
-    """Hold the app's background extras (the stability marks, the J-space labels: ``cache._in_background``) until
+    """Hold the app's background extras (the stability marks, the J-space labels: ``cache``'s threads) until
     the returned event is set, so that a test sees the first paint without them."""
     sys.path.insert(0, str(APP.parent))
     import cache  # the app's module, as its pages import it
 
     release = threading.Event()
-    real = cache._in_background
-    monkeypatch.setattr(cache, "_in_background", lambda *a: release.wait(60) and real(*a))
+    for name in ("_in_background", "_each_in_background"):  # the stability marks', the J-space labels'
+        real = getattr(cache, name)
+        monkeypatch.setattr(cache, name, lambda *a, real=real: release.wait(60) and real(*a))
     return release
 
 

@@ -46,8 +46,11 @@ def test_every_shown_cell_labelled_with_its_largest_atom(tiny_dir, tiny_model, l
 
 
 def _labelled(at):
-    return rerun_until(at, lambda a: "largest atom" in chart(a, "heatmap")["layout"]["title"]["text"],
-                       "J-space labels")
+    def every_layer(a) -> bool:
+        title = chart(a, "heatmap")["layout"]["title"]["text"]
+        return "largest atom" in title and "so far" not in title
+
+    return rerun_until(at, every_layer, "J-space labels")
 
 
 def test_jspace_display_mode_labels_every_cell_after_the_first_paint(tiny_dir, tiny_model, lens_file, monkeypatch):

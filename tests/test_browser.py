@@ -236,7 +236,9 @@ def test_jspace_labels_arrive_after_the_plain_heatmap(server, browser, shots):
     page.get_by_text("J-space labels: computing", exact=False).wait_for(timeout=30_000)
     top = page.locator(HEATMAP).bounding_box()["y"]
     plain_text = _heatmap(page, "g.data[0].text")
-    _wait_heatmap(page, "g.layout.title.text.includes('largest atom')", timeout=300_000)
+    # layer by layer ("... so far" in the title), then every layer
+    _wait_heatmap(page, "g.layout.title.text.includes('largest atom') && !g.layout.title.text.includes('so far')",
+                  timeout=600_000)
     _no_exception(page)
     assert page.locator(HEATMAP).bounding_box()["y"] == pytest.approx(top, abs=2)  # the same view, no jump
     labelled = _heatmap(page, "g.data[0].text")

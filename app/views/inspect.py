@@ -451,17 +451,17 @@ def heatmap(view: View, reader: Reader, edits: list | None, edits_key: str = "")
             st.caption(note)
     waits = [lambda: all(cache.readings_ready(reader.ctx.model_key, asked, *marks)
                          for asked, marks in reader.marks_pending)] if reader.marks_pending else []
-    coming = ["stability marks"] if reader.marks_pending else []
+    coming = ["stability marks: computing…"] if reader.marks_pending else []  # the extras still computing
     if ss.get("cell_text") == "jspace":
-        jspace_wait = jspace_labels(reader.ctx, view, fig, mode, edits, edits_key)
+        jspace_wait, jspace_note = jspace_labels(reader.ctx, view, fig, mode, edits, edits_key)
         if jspace_wait is not None:
             waits.append(jspace_wait)
-            coming.append("J-space labels")
+            coming.append(jspace_note)
     if waits:
         _await(waits)
         reading_note.caption(f"{len(view.positions)} positions × {len(view.layers)} layers"
                              + (f", read in {read_seconds:.1f} s" if read_seconds >= 0.05 else "")
-                             + "".join(f" · {what}: computing…" for what in coming))
+                             + "".join(f" · {what}" for what in coming))
     if edits:
         fig.update_layout(title=f"Edited run ({'; '.join(repr(e) for e in edits)}) · " + fig.layout.title.text)
     st.plotly_chart(fig, key="heatmap", on_select="rerun", selection_mode="points",
@@ -487,43 +487,50 @@ def _await(waits: list) -> None:
 
 
 def jspace_labels(ctx: common.Context, view: View, fig: Any, mode: str, edits: list | None,
-                  edits_key: str) -> Any:
+                  edits_key: str) -> tuple[Any, str]:
     """The J-space display mode (docs/method.md §11.2): each cell of the heatmap labelled with its largest atom in a
-    lens's J-space, every atom in its hover. An extra: started in the background (:func:`cache.jspace_labels_soon`)
-    and written into ``fig`` once there; returns the function that says whether they are there while they are
-    computed, else None."""
+    lens's J-space, every atom in its hover. An extra: computed in the background layer by layer
+    (:func:`cache.jspace_labels_soon`), the layers done so far written into ``fig``. Returns, while layers are still
+    coming, the function that says whether more are there and what the caption says of them; else (None, "")."""
     if mode in ("side", "three"):
         st.caption("J-space labels are written on one lens's heatmap (or the difference): pick one lens above.")
-        return None
+        return None, ""
     name = jspace_panel.jspace_lens(ctx, mode)
     if name is None:
         st.caption("No loaded lens has a J-space (it needs a lens with matrices: J, R, J++, R++, the logit lens).")
-        return None
+        return None, ""
     lens = ctx.lenses()[name]
     layers = [layer for layer in view.layers if layer in lens.source_layers]
     if not layers:
         st.caption(f"The {common.lens_label(name)} reads none of the shown layers: no J-space labels (widen the band).")
-        return None
+        return None, ""
     k = min(int(ss.get("js_k") or 25), int(ctx.model.d_model))
     gauge = ss.get("js_gauge") if ss.get("js_gauge") in ("centred", "raw") else "centred"
     spec = cache.JSpaceSpec(k=k, gauge=gauge, positions=tuple(view.positions), edits_key=edits_key,
                             n_prompt=view.n_prompt)
     lens_ref = (lens, ctx.lens_keys()[name])
-    ids = view.ids[:, :MAX_TOKENS]
-    found = cache.jspace_labels_soon(ctx.model, ctx.model_key, lens_ref, view.source, ids, layers, spec, edits)
+    found, done = cache.jspace_labels_soon(ctx.model, ctx.model_key, lens_ref, view.source, view.ids[:, :MAX_TOKENS],
+                                           layers, spec, edits)
     where = f"the {common.lens_label(name)}'s J-space, k = {k}, {gauge} gauge"
-    if found is None:
-        if cache.jspace_labels_ready(ctx.model_key, lens_ref, view.source, layers, spec):
-            st.caption(f"The J-space labels ({where}) could not be computed for this prompt: the cells show the top-1 "
-                       "token (the server's log says why).")
-            return None
-        return lambda: cache.jspace_labels_ready(ctx.model_key, lens_ref, view.source, layers, spec)
-    labels = {layer: [cell.atoms[0][0] if cell.atoms else "" for cell in cells] for layer, cells in found.items()}
-    hovers = {layer: [_atoms_hover(cell, where) for cell in cells] for layer, cells in found.items()}
-    title, said = str(fig.layout.title.text), f"cells show their largest atom in {where} (output row: top-1)"
-    label_cells(fig, view.layers, labels, hovers, title=title.replace("cells show the top-1 token", said)
-                if "cells show the top-1 token" in title else f"{title} · {said}")
-    return None
+    if done and len(found) < len(layers):
+        st.caption(f"The J-space labels ({where}) could not be computed for {len(layers) - len(found)} of the shown "
+                   "layers: their cells show the top-1 token (the server's log says why).")
+    if found:
+        labels = {layer: [cell.atoms[0][0] if cell.atoms else "" for cell in cells] for layer, cells in found.items()}
+        hovers = {layer: [_atoms_hover(cell, where) for cell in cells] for layer, cells in found.items()}
+        said = f"cells show their largest atom in {where} (output row: top-1)" + (
+            "" if done else f", {len(found)} of {len(layers)} layers so far")
+        title = str(fig.layout.title.text)
+        label_cells(fig, view.layers, labels, hovers, title=title.replace("cells show the top-1 token", said)
+                    if "cells show the top-1 token" in title else f"{title} · {said}")
+    if done:
+        return None, ""
+
+    def more() -> bool:
+        now, finished = cache.jspace_labels_stored(ctx.model_key, lens_ref, view.source, layers, spec)
+        return finished or len(now) > len(found)
+
+    return more, f"J-space labels: computing… ({len(found)} of {len(layers)} layers done)"
 
 
 def _atoms_hover(cell: cache.CellAtoms, where: str) -> str:
