@@ -76,7 +76,7 @@ def _submit(page, text: str) -> float:
     return t
 
 
-def _extras(page, model, url: str, reps: int, band: str = "") -> dict[str, list[float]]:
+def _extras(browser, page, model, url: str, reps: int, band: str = "") -> dict[str, list[float]]:
     """Per rep, on the Jacobian lens with J-space labels on: a new prompt submitted -> its plain heatmap, its
     stability marks, its first layer's and every layer's J-space labels (seconds from the submit); and a page opened
     on it again -> its heatmap. ``band``: ``&band=lo-hi`` (the layers shown), or "" for every layer."""
@@ -98,12 +98,13 @@ def _extras(page, model, url: str, reps: int, band: str = "") -> dict[str, list[
                             "&& !g.layout.title.text.includes('so far')")
         times["labels"].append(time.perf_counter() - t)
         _idle(page)
-        other = page.context.new_page()  # the same prompt's page opened anew: its readings are cached on the server
+        other = browser.new_page(viewport={"width": 1400, "height": 1000})  # the same prompt anew: readings cached
         t = time.perf_counter()
         other.goto(url + f"/?mode=jacobian{band}&prompt={quote(text)}")
         _wait_heatmap(other, f"g.data[0].text && g.data[0].x.length === {n}")
         times["open"].append(time.perf_counter() - t)
         other.close()
+        print(f"rep {rep}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
     return times
 
 
@@ -150,7 +151,7 @@ def main() -> None:
             _wait_heatmap(page, "g.data[0].text")
             rows.append(("launch -> first heatmap (warm cache)", [time.perf_counter() - t0], GOALS["launch"]))
             _idle(page)
-            extras = _extras(page, model, url, args.reps, f"&band={args.band}" if args.band else "")
+            extras = _extras(browser, page, model, url, args.reps, f"&band={args.band}" if args.band else "")
             rows += [("page opened -> its heatmap (readings cached)", extras["open"], GOALS["open"]),
                      ("new prompt, Jacobian lens -> plain heatmap", extras["new"], GOALS["new"]),
                      ("new prompt -> stability marks drawn", extras["marks"], None),
