@@ -474,13 +474,14 @@ CELL_TEXTS = {"top-1": "Top-1 token", "jspace": "J-space atom"}  # what the heat
 
 
 def _await(waits: list) -> None:
-    """A rerun of the page once every extra computed in the background (the stability marks, the J-space labels:
-    ``waits``, each a function saying whether its extra is there) is there: the heatmap drawn without them stays
-    until then (the reading's caption says they are coming), and the prompt box stays free for the next prompt."""
+    """A rerun of the page as soon as one of the extras computed in the background has news (the stability marks
+    are there, more J-space layers are: ``waits``, each a function saying so): the heatmap drawn without them stays
+    until then (the reading's caption says what is coming), and the prompt box stays free for the next prompt. One
+    extra never waits for another."""
 
     @st.fragment(run_every=MARKS_POLL_SECONDS)
     def poll() -> None:
-        if all(wait() for wait in waits):
+        if any(wait() for wait in waits):
             st.rerun(scope="app")
 
     poll()
