@@ -11,6 +11,7 @@ import streamlit as st
 
 import common
 from jlens_core.experiments.formats import built_in_sets, load_experiment_items
+from jlens_core.experiments.links import EDIT_KEYS, trial_edit
 from jlens_core.experiments.run import available_experiments, run_experiment
 
 ss = st.session_state
@@ -103,8 +104,16 @@ if found and found["key"] == common.result_key(ctx.model_key, lens_name):
         item = result.gate[result.gate["item"] == trial["item"]]
         if len(item) and "prompt" in item:
             prompt = str(item["prompt"].iloc[0])
-            # Inspect opens from the URL, as Study's items do: the trial's prompt, its target pinned, the band
-            query = {key: st.query_params.get(key) for key in st.query_params}
+            # Inspect opens from the URL, as Study's items do: the trial's prompt, its target pinned, the band, and
+            # the trial's swap (the edit* keys), which Inspect applies and names
+            query = {key: st.query_params.get(key) for key in st.query_params if key not in EDIT_KEYS}
             query.update(prompt=prompt, pin=" " + str(trial["target"]).strip(),
                          band=f"{result.band.layers[0]}-{result.band.layers[-1]}")
-            st.link_button("Open the trial in Inspect", "./?" + urlencode(query), icon=":material/grid_on:")
+            edit = trial_edit(model, result, trial.to_dict())
+            if edit is not None:
+                query.update(edit.query())
+            st.link_button("Open the trial in Inspect" + (" with its swap" if edit else ""), "./?" + urlencode(query),
+                           icon=":material/grid_on:", key="ex_open")
+            st.caption(f"The link applies the trial's edit: {edit}." if edit else
+                       f"The {trial['arm']} arm is not one lens's coordinate swap: the link opens the trial's "
+                       "prompt without an edit.")

@@ -110,6 +110,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
         ids = model.encode(text)
         read = clean_read(model, lens, ids, readable)
         row["model_says"] = model.decode([read.greedy])
+        row["model_says_id"] = read.greedy
         if missing:
             row["reason"] = "unscored: not one token here: " + ", ".join(missing)
         elif read.greedy not in first_ids(model, words["answer"]):
@@ -153,7 +154,8 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
                                "source": words["intermediate"], "target": words["swap_answer"],
                                "swap_to": words["swap_to"], "rank": rank, "top1": rank == 1, "top5": rank <= 5,
                                "says": model.decode([int(lg.argmax())]),
-                               "null_token": model.decode([null]) if name == "unrelated swap" else ""})
+                               "null_token": model.decode([null]) if name == "unrelated swap" else "",
+                               "null_id": null if name == "unrelated swap" else -1})
         steps.step()
         if depth:
             rows = []
