@@ -100,3 +100,14 @@ def test_a_bad_edit_link_is_one_sentence_and_the_heatmap_stays_clean(tiny_dir, l
         at = ok(make_app(**{**base, **bad}).run())
         assert any(message in e.value for e in at.error), (bad, [e.value for e in at.error])
         assert not chart(at, "heatmap")["layout"]["title"]["text"].startswith("Edited run")
+
+
+def test_the_reference_size_set_is_a_built_in_choice(tiny_dir, lens_file):
+    at = ok(make_app(model=tiny_dir, lens=lens_file).run())
+    at.switch_page("views/experiments.py").run()
+    at.selectbox(key="ex_name").set_value("probe-swap").run()
+    at.radio(key="ex_builtin").set_value("reference size").run()
+    button(ok(at), "Run experiment").click().run()
+    # the tiny model answers none of them: the sentence counts the reference-size set's 90 items
+    assert any("The model answers none of the 90 probe-swap items" in e.value for e in at.error), [
+        e.value for e in at.error]

@@ -14,6 +14,7 @@ from jlens_core.experiments.formats import (
     built_in_sets,
     detect_format,
     load_experiment_items,
+    reference_size_sets,
 )
 from jlens_core.experiments.run import RUNNERS
 
@@ -27,8 +28,10 @@ def reference_size() -> dict[str, dict]:
 
 def test_reference_size_sets_have_the_references_sizes():
     sets = reference_size()
+    assert set(reference_size_sets()) == set(sets)
     for name, data in sets.items():
         assert load_experiment_items(data, name)[0] == name
+        assert load_experiment_items(f"{name}-reference-size", name)[1] == data  # by name, as --items takes it
     items = sets["probe-swap"]["items"]
     assert len(items) == 90 and len({i["name"] for i in items}) == 90
     assert all(i["answer"] != i["swap_answer"] and i["intermediate"] != i["swap_to"] for i in items)

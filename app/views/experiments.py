@@ -10,7 +10,7 @@ from urllib.parse import urlencode
 import streamlit as st
 
 import common
-from jlens_core.experiments.formats import built_in_sets, load_experiment_items
+from jlens_core.experiments.formats import built_in_sets, load_experiment_items, reference_size_sets
 from jlens_core.experiments.links import EDIT_KEYS, trial_edit
 from jlens_core.experiments.run import available_experiments, run_experiment
 
@@ -35,6 +35,9 @@ d1, d2 = st.columns([1, 1])
 upload = d1.file_uploader("Your own set (.json in the experiment's format; default: the built-in set)", type=["json"],
                           key="ex_upload")
 path_text = d2.text_input("…or a set's path in the workspace", key="ex_path", placeholder="probe-swap.json")
+if ss.ex_name in reference_size_sets():
+    d1.radio("Built-in set", ["example", "reference size"], key="ex_builtin", horizontal=True,
+             help="The small example set, or the one at the reference's size (docs/experiments.md).")
 top = max(x for x in lenses[lens_name].layers if x != lenses[lens_name].target_layer)
 derive = st.checkbox("Derive the band (the study's band rule)", value=True, key="ex_derive",
                      help="From the first layer where the experiment's concept reaches half its peak share of the "
@@ -55,6 +58,8 @@ def _data() -> dict:
         return load_experiment_items(parsed, name)[1]
     if (path_text or "").strip():
         return load_experiment_items(common.confine(path_text.strip(), "experiment set"), name)[1]
+    if name in reference_size_sets() and ss.get("ex_builtin") == "reference size":
+        return load_experiment_items(reference_size_sets()[name], name)[1]
     if name not in built_in_sets():
         raise ValueError(f"No built-in set for {name}: upload one.")
     return load_experiment_items(built_in_sets()[name], name)[1]

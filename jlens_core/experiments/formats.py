@@ -52,6 +52,13 @@ def built_in_sets() -> dict[str, Path]:
     return {name: path for name, path in paths.items() if path.exists()}
 
 
+def reference_size_sets() -> dict[str, Path]:
+    """``{experiment: path}`` of the sets shipped at the reference's sizes (``{experiment}-reference-size.json``:
+    probe-swap 90 items, verbal-report 14 x 10, flexible-generalization 4 x 4 x 4), loadable by that stem too."""
+    paths = {name: BUILT_IN_DIR / f"{name}-reference-size.json" for name in EXPERIMENTS}
+    return {name: path for name, path in paths.items() if path.exists()}
+
+
 def _missing(data: Mapping[str, Any], name: str) -> list[str]:
     return [f for f in FORMATS[name][0] if f not in data]
 
@@ -122,7 +129,8 @@ def load_experiment_items(source: str | Path | Mapping[str, Any], name: str | No
 
     Args:
         source: a ``.json`` file in one of :data:`FORMATS`, a built-in set (``"probe-swap"``: the example set
-            shipped for that experiment) or the parsed object.
+            shipped for that experiment; ``"probe-swap-reference-size"``: the one at the reference's size) or the
+            parsed object.
         name: the experiment the data is for (checked); ``None`` detects it from the fields.
 
     Raises:
@@ -136,6 +144,7 @@ def load_experiment_items(source: str | Path | Mapping[str, Any], name: str | No
         data, label = source, "the data"
     else:
         builtin = built_in_sets()
+        builtin.update({path.stem: path for path in reference_size_sets().values()})
         path = builtin[str(source)] if str(source) in builtin else Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"No experiment file {str(source)!r}: give a .json file or a built-in set "
@@ -159,4 +168,4 @@ def load_experiment_items(source: str | Path | Mapping[str, Any], name: str | No
     return (name or found), dict(data)
 
 
-__all__ = ["ALIASES", "EXPERIMENTS", "FORMATS", "READ_ONLY", "built_in_sets", "detect_format", "load_experiment_items"]
+__all__ = ["ALIASES", "EXPERIMENTS", "FORMATS", "READ_ONLY", "built_in_sets", "detect_format", "load_experiment_items", "reference_size_sets"]
