@@ -88,10 +88,10 @@ def main() -> None:
             "gate_entries": len(result.gate), "gated": result.n_gated, "trials": len(result.trials),
             "band": result.band.label}
         print(name, json.dumps(out["experiments"][name]), flush=True)
-    print(json.dumps(out, indent=1))
+    text = json.dumps(out, indent=1)
+    print(text)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

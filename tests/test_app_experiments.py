@@ -28,7 +28,8 @@ def items_for(model, lens) -> list[dict]:
     return found
 
 
-def test_experiments_page_runs_a_set_from_the_workspace(tiny_dir, tiny_model, lens_file, tmp_path):
+def page_with_a_set(tiny_dir, tiny_model, lens_file, tmp_path):
+    """``(app on the Experiments page, set to a probe-swap set in the workspace with a given band; lens; items)``."""
     lens = JacobianLens.load(lens_file)
     items = items_for(tiny_model, lens)
     path = tmp_path / "mine.json"  # inside the workspace (the tests' temporary folder)
@@ -39,6 +40,11 @@ def test_experiments_page_runs_a_set_from_the_workspace(tiny_dir, tiny_model, le
     at.selectbox(key="ex_lens").set_value("jacobian")
     at.text_input(key="ex_path").set_value(str(path))
     at.checkbox(key="ex_derive").set_value(False).run()
+    return at, lens, items
+
+
+def test_experiments_page_runs_a_set_from_the_workspace(tiny_dir, tiny_model, lens_file, tmp_path):
+    at, lens, items = page_with_a_set(tiny_dir, tiny_model, lens_file, tmp_path)
     lo, hi = at.slider(key="ex_band").value
     button(ok(at), "Run experiment").click().run()
     spec = chart(ok(at), "ex_fig")
@@ -63,16 +69,7 @@ def test_a_trial_opens_in_inspect_with_its_swap_applied(tiny_dir, tiny_model, le
 
     from jlens_core.experiments.links import EDIT_KEYS, TrialEdit, trial_edit
 
-    lens = JacobianLens.load(lens_file)
-    items = items_for(tiny_model, lens)
-    path = tmp_path / "mine.json"
-    path.write_text(json.dumps({"items": items}))
-    at = ok(make_app(model=tiny_dir, lens=lens_file).run())
-    at.switch_page("views/experiments.py").run()
-    at.selectbox(key="ex_name").set_value("probe-swap")
-    at.selectbox(key="ex_lens").set_value("jacobian")
-    at.text_input(key="ex_path").set_value(str(path))
-    at.checkbox(key="ex_derive").set_value(False).run()
+    at, lens, _ = page_with_a_set(tiny_dir, tiny_model, lens_file, tmp_path)
     button(ok(at), "Run experiment").click().run()
     result = at.session_state["ex_result"]["result"]
     row = next(i for i, arm in enumerate(result.trials["arm"]) if arm == "J-lens swap")
