@@ -25,14 +25,16 @@ from jaxtyping import Bool, Float, Int
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import TokenDisplay
-from .dictionary import JSpace, check_gauge, jspace
-from .pursuit import Pursuit, check_method, greedy_pursuit
+from .dictionary import JSpace, bf16_selection, check_gauge, jspace
+from .pursuit import Bf16Atoms, Pursuit, Select, bounded_best, check_method, greedy_pursuit
 
 TARGETS = ("raw", "mean-subtracted")
 DEFAULT_K = 25
 
 # one random dictionary kept (the last one asked for): (n_atoms, d, seed) -> unit atoms [n_atoms, d] fp32
 _RANDOM: dict[tuple[int, int, int], torch.Tensor] = {}
+# and its bf16 rows to select from (bf16_selection), made on first use
+_RANDOM_BF16: dict[tuple[int, int, int], Bf16Atoms] = {}
 
 
 def random_dictionary(n_atoms: int, d_model: int, seed: int) -> Float[torch.Tensor, "n_atoms d_model"]:
@@ -41,10 +43,28 @@ def random_dictionary(n_atoms: int, d_model: int, seed: int) -> Float[torch.Tens
     key = (int(n_atoms), int(d_model), int(seed))
     if key not in _RANDOM:
         _RANDOM.clear()
+        _RANDOM_BF16.clear()
         gen = torch.Generator().manual_seed(int(seed))
         atoms = torch.randn(int(n_atoms), int(d_model), generator=gen)
         _RANDOM[key] = atoms / atoms.norm(dim=-1, keepdim=True)
     return _RANDOM[key]
+
+
+def _random_select(n_atoms: int, d_model: int, seed: int) -> Select | None:
+    """The random dictionary's exact selection from bf16 products where :func:`bf16_selection` holds."""
+    if not bf16_selection():
+        return None
+    key = (int(n_atoms), int(d_model), int(seed))
+    unit = random_dictionary(n_atoms, d_model, seed)
+    if key not in _RANDOM_BF16:
+        _RANDOM_BF16[key] = Bf16Atoms.of(unit)
+    atoms = _RANDOM_BF16[key]
+
+    def select(r: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        best, pick, _ = bounded_best(r, None, atoms, None, chosen)
+        return best, pick
+
+    return select
 
 
 def check_k(k: int, limit: int) -> int:
@@ -148,7 +168,8 @@ def _explained(x: torch.Tensor, residual_by_step: torch.Tensor) -> torch.Tensor:
 
 
 def _run(space: JSpace, x: torch.Tensor, k: int, method: str) -> Pursuit:
-    return greedy_pursuit(x, k, correlate=space.correlations, fetch=space.unit_atoms_at, method=method)
+    return greedy_pursuit(x, k, correlate=space.correlations, fetch=space.unit_atoms_at, method=method,
+                          select=space.select)
 
 
 def decompose(model: LensModel, lens: Lens, x: Float[torch.Tensor, "*n d_model"], layer: int, *,
@@ -208,7 +229,8 @@ def decompose(model: LensModel, lens: Lens, x: Float[torch.Tensor, "*n d_model"]
     shuffled = nan.clone()
     if controls:
         unit = random_dictionary(space.n_atoms, d, seed)
-        rnd = greedy_pursuit(rows, k, correlate=lambda r: r @ unit.T, fetch=lambda i: unit[i].double(), method=method)
+        rnd = greedy_pursuit(rows, k, correlate=lambda r: r @ unit.T, fetch=lambda i: unit[i].double(), method=method,
+                             select=_random_select(space.n_atoms, d, seed))
         random_by_step = _explained(rows, rnd.residual_by_step)
         coords = torch.randperm(d, generator=gen)
         shuf = _run(space, rows[:, coords], k, method)
