@@ -34,6 +34,7 @@ from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import TokenDisplay
+from ..seeds import derive_seed
 from .core import (
     ExperimentResult,
     Progress,
@@ -134,12 +135,12 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
         spelt = {k: next(iter(word_ids(model, v))) for k, v in words.items()}
         target = set(word_ids(model, words["swap_answer"]).values())
         exclude = set().union(*(set(word_ids(model, v).values()) for v in words.values()))
-        null = unrelated_token(model, exclude, seed * 100003 + i)
+        null = unrelated_token(model, exclude, derive_seed(seed, i))
         arms: dict[str, list] = {
             "J-lens swap": [Swap(model, lens, spelt["intermediate"], spelt["swap_to"], alpha, layers=layers)],
             "logit-lens swap": [Swap(model, logit, spelt["intermediate"], spelt["swap_to"], alpha, layers=layers)],
             "random directions": [Swap(model, lens, spelt["intermediate"], spelt["swap_to"], alpha, layers=layers,
-                                       directions=random_directions(layers, model.d_model, seed * 100003 + i))],
+                                       directions=random_directions(layers, model.d_model, derive_seed(seed, i)))],
             "unrelated swap": [Swap(model, lens, spelt["intermediate"], null, alpha, layers=layers)],
             "answer swap": [Swap(model, lens, greedy, spelt["swap_answer"], alpha, layers=layers)],
         }

@@ -29,6 +29,7 @@ from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import is_word_like
+from ..seeds import derive_seed
 from .core import (
     ExperimentResult,
     Progress,
@@ -129,7 +130,7 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
                          ("logit-lens swap", word, [Swap(model, logit, read.greedy, spelt, alpha, layers=layers)]),
                          ("random directions", word, [Swap(model, lens, read.greedy, spelt, alpha, layers=layers,
                                                            directions=random_directions(
-                                                               layers, model.d_model, seed * 100003 + 97 * n + j))])]
+                                                               layers, model.d_model, derive_seed(seed, n, j)))])]
             if split is not None:
                 arms_per += [(arm, word, edits) for arm, edits in split.arms_for(answer.strip(), word).items()]
         logits = edited_next_logits(model, ids, [a[2] for a in arms_per])

@@ -31,6 +31,7 @@ from ..jspace.pursuit import check_method, greedy_pursuit
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import token_id
+from ..seeds import generator, unit_directions
 from .lens_edits import MAX_STRENGTH, _LensEdit
 from .read_directions import token_directions
 
@@ -44,11 +45,6 @@ def _check_strength(strength: float) -> float:
         raise ValueError(f"Strength {strength!r} is out of range: give a number in [-{MAX_STRENGTH:g}, "
                          f"{MAX_STRENGTH:g}] (1 = the whole difference or component).")
     return float(strength)
-
-
-def _random_like(d_model: int, norm: float, gen: torch.Generator) -> torch.Tensor:
-    v = torch.randn(int(d_model), generator=gen)
-    return v / v.norm() * norm
 
 
 class VectorSwap(_LensEdit):
@@ -96,7 +92,6 @@ class VectorSwap(_LensEdit):
                 raise ValueError("source and replacement share no layer: give vectors for the same layers.")
         super().__init__(model, lens, layers, positions, on_generated)
         self.part, self.magnitude, self.random, self.gauge = part, magnitude, bool(random), gauge
-        gen = torch.Generator().manual_seed(int(seed))
         self.deltas: dict[int, torch.Tensor] = {}
         self.j_shares: dict[int, tuple[float, float]] = {}
         d = int(model.d_model)
@@ -122,7 +117,7 @@ class VectorSwap(_LensEdit):
                                      "difference to norm-match.")
                 delta = delta * (float(full.norm()) / norm)
             if self.random:
-                delta = _random_like(d, float(delta.norm()), gen)
+                delta = unit_directions(1, d, generator(seed, layer))[0] * float(delta.norm())
             self.deltas[layer] = delta
 
     def apply(self, layer: int, h: Float[torch.Tensor, "rows d_model"],
@@ -167,12 +162,10 @@ class ClampJ(_LensEdit):
         self.token_ids = ids
         self.tokens = [model.decode([t]) for t in ids]
         self.gauge, self.random = gauge, bool(random)
-        gen = torch.Generator().manual_seed(int(seed))
         self.bases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer: (V [d, m], V⁺ [m, d])
         for layer in self.layers:
             if self.random:
-                v = torch.randn(len(ids), int(model.d_model), generator=gen)
-                v = v / v.norm(dim=-1, keepdim=True)
+                v = unit_directions(len(ids), int(model.d_model), generator(seed, layer))
             else:
                 v = token_directions(model, lens, layer, ids, centred=gauge == "centred")
             basis = v.T.double()

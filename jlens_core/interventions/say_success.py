@@ -32,9 +32,10 @@ import pandas as pd
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import spellings
+from ..seeds import derive_seed
 from .intervals import clopper_pearson_interval
 from .item_sets import load_item_set
-from .lens_edits import item_seed, with_logit_control
+from .lens_edits import with_logit_control
 from .read_directions import check_layers, default_layers
 from .say import (
     CONTROLS,
@@ -170,7 +171,7 @@ def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[di
             source layer).
         ops, positions, from_position, grids, max_replays: the search's settings (:func:`make_it_say`); the replay
             budget per arm and item (the bisection adds up to about 8).
-        random_control: add the random-direction control (``"random"``; seeded per item with ``seed * 100003 + i``).
+        random_control: add the random-direction control (``"random"``; seeded per item with ``derive_seed(seed, i)`` (:mod:`jlens_core.seeds`)).
         progress: called as ``progress(done, total)`` after each item; returning ``True`` stops after that item.
         downstream_tokens: the clean continuation each verified recipe is teacher-forced on for its downstream side
             effect (:func:`make_it_say`; 0: none).
@@ -202,7 +203,7 @@ def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[di
             continue
         arms = [lens_arm(model, name, lens) for name, lens in all_lenses.items()]
         if random_control:
-            arms.append(random_arm(model, first, item_seed(seed, i)))
+            arms.append(random_arm(model, first, derive_seed(seed, i)))
         result = _execute(model, prompt, ids, spelled, searched, arms, ops=chosen_ops, modes=modes,
                           from_position=from_position, grids=grid, max_replays=max_replays, minimise=True,
                           continuation_tokens=0, progress=None, downstream_tokens=downstream_tokens)

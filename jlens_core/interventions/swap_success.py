@@ -29,7 +29,7 @@ layers (``controls="each"``: a norm-matched control per lens, with that lens's d
   replacement and every spelling of both answers. An item with no such token has no control (counted in
   ``n_unmatched``); the other arms still score it.
 
-Both random draws of item ``i`` use a generator seeded with ``seed * 100003 + i``; the report records
+Both random draws of item ``i`` use a generator seeded with ``derive_seed(seed, i)`` (:mod:`jlens_core.seeds`); the report records
 ``seed``, and each item its seed and drawn token.
 
 Beside each arm's rate, its side effects (docs/method.md §7.2, :mod:`~jlens_core.interventions.side_effects`):
@@ -55,9 +55,10 @@ from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.edit_hooks import EditRunner
 from ..reading.tokens import spellings, token_id
+from ..seeds import derive_seed, generator
 from .intervals import clopper_pearson_interval, wilson_interval
 from .item_sets import load_item_set
-from .lens_edits import MAX_ALPHA, Swap, item_seed, random_directions, with_logit_control
+from .lens_edits import MAX_ALPHA, Swap, random_directions, with_logit_control
 from .read_directions import check_layers, default_layers, read_vector_norms
 from .side_effects import (
     DOWNSTREAM_TOKENS,
@@ -262,7 +263,7 @@ def _draw_norm_matched(model: LensModel, norms: torch.Tensor, source: str, repla
     source_id, replacement_id = (token_id(model.tokenizer, w, rule="exact", vocab_size=vocab)
                                  for w in (source, replacement))
     return norm_matched_token(norms, replacement_id, {source_id} | answer_ids,
-                              torch.Generator().manual_seed(item_seed))
+                              generator(item_seed))
 
 
 def _score_arm(model: LensModel, name: str, arm: _Arm, source: str, run: _CleanRun, swap_ids: set[int],
@@ -351,7 +352,7 @@ def _score_item(model: LensModel, plan: _SwapPlan, norms: Mapping[str, torch.Ten
         row["reason"] = f"not eligible: the model says {row['clean_next']!r}"
         return row
     row["eligible"] = True
-    seed_i = item_seed(plan.seed, i)
+    seed_i = derive_seed(plan.seed, i)
     row["seed"] = seed_i
     spelt = {k: str(v) for k, v in words.items()}
     run = _CleanRun.of(model, ids, plan.downstream_tokens)
@@ -420,7 +421,7 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
         norm_matched_control: add the norm-matched token control (``"norm-matched"``, the first lens).
         centred: swap along centred read directions (docs/method.md §9.1), the lenses and the
             norm-matched control alike (its norms are then the centred ones).
-        seed: seeds both random controls (item ``i`` draws with ``seed * 100003 + i``).
+        seed: seeds both random controls (item ``i`` draws with ``derive_seed(seed, i)`` (:mod:`jlens_core.seeds`)).
         controls: ``"first"`` (default): one norm-matched control, with the first lens's directions;
             ``"each"``: one per lens (``"norm-matched (<lens>)"``), each drawn from that lens's norms
             with the item's seed, so a lens is compared with a control in its own geometry.

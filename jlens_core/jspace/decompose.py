@@ -25,6 +25,7 @@ from jaxtyping import Bool, Float, Int
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import TokenDisplay
+from ..seeds import generator, unit_directions
 from .dictionary import JSpace, check_gauge, jspace
 from .pursuit import Pursuit, check_method, greedy_pursuit
 
@@ -41,9 +42,7 @@ def random_dictionary(n_atoms: int, d_model: int, seed: int) -> Float[torch.Tens
     key = (int(n_atoms), int(d_model), int(seed))
     if key not in _RANDOM:
         _RANDOM.clear()
-        gen = torch.Generator().manual_seed(int(seed))
-        atoms = torch.randn(int(n_atoms), int(d_model), generator=gen)
-        _RANDOM[key] = atoms / atoms.norm(dim=-1, keepdim=True)
+        _RANDOM[key] = unit_directions(int(n_atoms), int(d_model), generator(seed))
     return _RANDOM[key]
 
 
@@ -200,7 +199,7 @@ def decompose(model: LensModel, lens: Lens, x: Float[torch.Tensor, "*n d_model"]
     tokens = [[texts[int(t)] if 0 <= int(t) < len(texts) else f"<id:{int(t)}>" for t in row if int(t) >= 0]
               for row in token_ids]
     explained_by_step = _explained(rows, found.residual_by_step)
-    gen = torch.Generator().manual_seed(int(seed) + 1)
+    gen = generator(seed, 1)
     label_perm = torch.randperm(space.n_atoms, generator=gen)
     shuffled_ids = torch.where(has, space.token_ids[label_perm[found.indices.clamp_min(0)]], -1)
     nan = torch.full((n,), math.nan)

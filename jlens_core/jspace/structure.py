@@ -34,6 +34,7 @@ from ..lenses.protocol import Lens, recorded_skip_first
 from ..models.layouts import get_path
 from ..models.model import LensModel
 from ..reading.inputs import record_residuals
+from ..seeds import generator, unit_directions
 from .decompose import DEFAULT_K, check_k, decompose
 from .dictionary import GAUGES, jspace
 
@@ -90,7 +91,7 @@ def sample_residuals(model: LensModel, texts: Sequence[str], layers: Sequence[in
     Raises:
         ValueError: no text long enough to give a position.
     """
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = generator(seed)
     out: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     for text in texts:
         ids = model.encode(text, max_length=int(max_seq_len))
@@ -149,7 +150,7 @@ def mlp_gain(model: LensModel, lens: Lens, layer: int, *, n_directions: int = 20
     space = jspace(model, lens, layer, gauge="raw")
     norm, mlp, _ = _mlp_parts(model, int(layer) + 1)
     _, _, neurons = _mlp_parts(model, int(layer))
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = generator(seed)
     scale = float(math.sqrt(model.d_model)) if scale is None else float(scale)
     ids = torch.randperm(space.n_atoms, generator=gen)[: int(n_directions)]
     atoms = space.atoms(space.token_ids[ids])
@@ -157,7 +158,7 @@ def mlp_gain(model: LensModel, lens: Lens, layer: int, *, n_directions: int = 20
     pick = torch.randperm(neurons.shape[0], generator=gen)[: int(n_directions)]
     neuron_dirs = neurons[pick]
     neuron_dirs = neuron_dirs[neuron_dirs.norm(dim=-1) > 0]
-    iso = torch.randn(int(n_directions), int(model.d_model), generator=gen)
+    iso = unit_directions(int(n_directions), int(model.d_model), gen)
     base = float(_mlp_output_norms(norm, mlp, iso, scale).median())
     j = _mlp_output_norms(norm, mlp, atoms, scale) / base
     nrn = _mlp_output_norms(norm, mlp, neuron_dirs, scale) / base
@@ -198,7 +199,7 @@ def jspace_structure(model: LensModel, lens: Lens, texts: Sequence[str], *, laye
     skip = int(recorded_skip_first(lens) or 1)
     residuals = sample_residuals(model, texts, chosen, per_text=per_text, skip_first=skip, max_seq_len=max_seq_len,
                                  seed=seed)
-    gen = torch.Generator().manual_seed(int(seed) + 2)
+    gen = generator(seed, 2)
     rows: list[dict[str, Any]] = []
     gains: list[dict[str, Any]] = []
     for layer in chosen:
