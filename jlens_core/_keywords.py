@@ -3,8 +3,11 @@ the way Python checks a named parameter, so that a signature stays short and an 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def checked_options(function: str, options: Mapping[str, Any], allowed: type) -> dict[str, Any]:
@@ -20,4 +23,20 @@ def checked_options(function: str, options: Mapping[str, Any], allowed: type) ->
     return dict(options)
 
 
-__all__ = ["checked_options"]
+def options_value(function: str, value: T | None, default: type[T], keywords: Mapping[str, Any], allowed: type) -> T:
+    """``value`` (a frozen dataclass of options; ``default()`` when ``None``) with the fields ``keywords`` names
+    replaced: the old keyword-by-keyword spelling of the same options wins over the value's fields.
+
+    Raises:
+        TypeError: a key ``allowed`` (a ``TypedDict`` of the dataclass's fields) does not name, or a ``value`` that is
+            not a ``default``.
+    """
+    if value is not None and not isinstance(value, default):
+        raise TypeError(f"{function}() takes a {default.__name__} as its options, not {type(value).__name__}: build "
+                        f"one with {default.__name__}(...) or give its fields as keywords.")
+    chosen = default() if value is None else value
+    changes = checked_options(function, keywords, allowed)
+    return dataclasses.replace(chosen, **changes) if changes else chosen  # type: ignore[type-var]
+
+
+__all__ = ["checked_options", "options_value"]

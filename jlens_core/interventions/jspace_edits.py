@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from jaxtyping import Float
 
+from .._keywords import checked_options, options_value
 from ..jspace.decompose import DEFAULT_K, check_k, random_dictionary, split
 from ..jspace.dictionary import check_gauge, jspace
 from ..jspace.pursuit import check_method, greedy_pursuit
@@ -35,8 +38,47 @@ from ..seeds import generator, unit_directions
 from .lens_edits import MAX_STRENGTH, _LensEdit
 from .read_directions import token_directions
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
+
 PARTS = ("full", "j", "non_j")
 MAGNITUDES = ("natural", "norm_matched")
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """How a J-space edit splits a vector and what its random control draws: one value, or its fields given one by
+    one as keywords (:class:`SplitKeywords`; a keyword wins).
+
+    Attributes:
+        k, gauge, method: the J-space split (:func:`~jlens_core.jspace.decompose.split`; ``k`` atoms, the gauge
+            ``"centred"`` or ``"raw"``, the pursuit ``method``).
+        random: the edit's random control in place of the J-space (each edit's Args say what it draws).
+        seed: the random control's seed (:mod:`jlens_core.seeds`).
+    """
+
+    k: int = DEFAULT_K
+    gauge: str = "centred"
+    method: str = "gradient_pursuit"
+    random: bool = False
+    seed: int = 0
+
+
+class SplitKeywords(TypedDict, total=False):
+    """:class:`SplitOptions`'s fields given one by one (the older spelling, kept)."""
+
+    k: int
+    gauge: str
+    method: str
+    random: bool
+    seed: int
+
+
+class VectorSwapKeywords(SplitKeywords, total=False):
+    """:class:`VectorSwap`'s further keywords: :class:`SplitKeywords`, ``magnitude`` and ``on_generated``."""
+
+    magnitude: str
+    on_generated: bool
 
 
 def _check_strength(strength: float) -> float:
@@ -60,6 +102,7 @@ class VectorSwap(_LensEdit):
             difference ``B - A``).
         layers: band layers (default: the layers both dicts have).
         positions, on_generated: the position rule (:mod:`jlens_core.interventions.lens_edits`).
+        split_options: the :class:`SplitOptions` (default ``SplitOptions()``); its fields may be given one by one:
         k, gauge, method: the J-space split (:func:`~jlens_core.jspace.decompose.split`).
         random: replace each layer's difference by a seeded random direction of the same norm (the control).
         seed: the random direction's seed.
@@ -71,14 +114,18 @@ class VectorSwap(_LensEdit):
     Raises:
         ValueError: an unknown part or magnitude, a strength out of range, a layer missing from either dict or outside
             the lens, a zero vector, or a zero part difference that cannot be norm-matched.
+        TypeError: a keyword that is not one of :class:`VectorSwapKeywords`.
     """
 
     def __init__(self, model: LensModel, lens: Lens, source: dict[int, Float[torch.Tensor, " d_model"]],
-                 replacement: dict[int, Float[torch.Tensor, " d_model"]], *, part: str = "full", strength: float = 1.0,
-                 magnitude: str = "natural", layers: Iterable[int] | None = None,
-                 positions: Iterable[int] | None = None, on_generated: bool = False, k: int = DEFAULT_K,
-                 gauge: str = "centred", method: str = "gradient_pursuit", random: bool = False,
-                 seed: int = 0) -> None:
+                 replacement: dict[int, Float[torch.Tensor, " d_model"]], split_options: SplitOptions | None = None, *,
+                 part: str = "full", strength: float = 1.0, layers: Iterable[int] | None = None,
+                 positions: Iterable[int] | None = None, **options: Unpack[VectorSwapKeywords]) -> None:
+        own = checked_options("VectorSwap", options, VectorSwapKeywords)
+        magnitude: str = own.pop("magnitude", "natural")
+        on_generated: bool = own.pop("on_generated", False)
+        o = options_value("VectorSwap", split_options, SplitOptions, own, SplitKeywords)
+        k, gauge, method, random, seed = o.k, o.gauge, o.method, o.random, o.seed
         if part not in PARTS:
             raise ValueError(f"part={part!r} is not a part: use 'full', 'j' or 'non_j'.")
         if magnitude not in MAGNITUDES:
@@ -200,6 +247,7 @@ class AblateJSpace(_LensEdit):
 
     Args:
         model, lens: the lens whose J-space is ablated.
+        split_options: the :class:`SplitOptions` (default ``SplitOptions()``); its fields may be given one by one:
         k, gauge, method: the decomposition (:func:`~jlens_core.jspace.decompose.decompose`).
         strength: ``s`` in [-4, 4] (0: the identity; 1: the component removed).
         random: remove the fit of a seeded random dictionary of the same size instead, rescaled per row to the norm of
@@ -211,10 +259,11 @@ class AblateJSpace(_LensEdit):
         removed_norms: ``{layer: ||removed|| [n]}`` of the last call at each layer (for reports).
     """
 
-    def __init__(self, model: LensModel, lens: Lens, *, k: int = DEFAULT_K, strength: float = 1.0,
-                 gauge: str = "centred", method: str = "gradient_pursuit", random: bool = False, seed: int = 0,
-                 layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
-                 on_generated: bool = False) -> None:
+    def __init__(self, model: LensModel, lens: Lens, split_options: SplitOptions | None = None, *,
+                 strength: float = 1.0, layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
+                 on_generated: bool = False, **options: Unpack[SplitKeywords]) -> None:
+        o = options_value("AblateJSpace", split_options, SplitOptions, options, SplitKeywords)
+        k, gauge, method, random, seed = o.k, o.gauge, o.method, o.random, o.seed
         self.strength = _check_strength(strength)
         check_gauge(gauge)
         check_method(method)
@@ -251,4 +300,4 @@ class AblateJSpace(_LensEdit):
         return f"AblateJSpace({what}, strength={self.strength:g}, {self._where(self.gauge == 'centred', self.random)})"
 
 
-__all__ = ["MAGNITUDES", "PARTS", "AblateJSpace", "ClampJ", "VectorSwap"]
+__all__ = ["MAGNITUDES", "PARTS", "AblateJSpace", "ClampJ", "SplitKeywords", "SplitOptions", "VectorSwap", "VectorSwapKeywords"]

@@ -46,11 +46,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import pandas as pd
 import torch
 
+from .._keywords import options_value
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.edit_hooks import EditRunner
@@ -70,6 +71,9 @@ from .side_effects import (
     side_effects_of,
     teacher_forced_logits,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -403,18 +407,43 @@ def _report(plan: _SwapPlan, rows: list[dict[str, Any]], seconds: float) -> Swap
                       control_lens=plan.control_name)
 
 
-def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[dict], *,
-                 layers: Sequence[int] | None = None, alphas: Sequence[float] = DEFAULT_ALPHAS,
-                 random_control: bool = True, norm_matched_control: bool = True, centred: bool = False,
-                 seed: int = 0, controls: str = "first",
+@dataclass(frozen=True)
+class SwapOptions:
+    """How :func:`swap_success` swaps and which controls it runs: one value, or its fields given one by one as
+    keywords (:class:`SwapKeywords`; a keyword wins). The fields are :func:`swap_success`'s Args of the same names."""
+
+    alphas: Sequence[float] = DEFAULT_ALPHAS
+    random_control: bool = True
+    norm_matched_control: bool = True
+    centred: bool = False
+    seed: int = 0
+    controls: str = "first"
+    downstream_tokens: int = DOWNSTREAM_TOKENS
+
+
+class SwapKeywords(TypedDict, total=False):
+    """:class:`SwapOptions`'s fields given one by one (the older spelling, kept)."""
+
+    alphas: Sequence[float]
+    random_control: bool
+    norm_matched_control: bool
+    centred: bool
+    seed: int
+    controls: str
+    downstream_tokens: int
+
+
+def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[dict],
+                 options: SwapOptions | None = None, *, layers: Sequence[int] | None = None,
                  progress: Callable[[int, int], None] | None = None,
-                 downstream_tokens: int = DOWNSTREAM_TOKENS) -> SwapReport:
+                 **keywords: Unpack[SwapKeywords]) -> SwapReport:
     """Swap success of each lens on ``items`` (see the module docstring).
 
     Args:
         model: an :class:`~jlens_core.HFLensModel`.
         lenses: ``{name: lens}``; the logit lens is added as ``"logit"`` when missing.
         items: dicts with ``prompt, source, replacement, answer, swap_answer`` (``name`` optional).
+        options: the :class:`SwapOptions` (default ``SwapOptions()``); its fields below may be given one by one.
         layers: layers to edit (default per lens: ``n_layers // 3`` to its last source layer).
         alphas: swap scales to try; the best per lens is reported beside each.
         random_control: add the random-direction control (``"random"``, with the first lens's layers).
@@ -432,7 +461,11 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
     Raises:
         ValueError: no alphas, an alpha out of range, a layer outside a lens, an unknown ``controls``, a
             ``downstream_tokens`` outside 0..256.
+        TypeError: a keyword that is not one of :class:`SwapKeywords`.
     """
+    o = options_value("swap_success", options, SwapOptions, keywords, SwapKeywords)
+    alphas, random_control, norm_matched_control, centred = o.alphas, o.random_control, o.norm_matched_control, o.centred
+    seed, controls, downstream_tokens = o.seed, o.controls, o.downstream_tokens
     items = list(items)
     plan = _plan_swaps(model, lenses, layers, alphas, random_control=random_control,
                        norm_matched_control=norm_matched_control, centred=centred, seed=seed, controls=controls)
@@ -452,5 +485,5 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
 
 
 __all__ = ["CONTROLS", "DEFAULT_ALPHAS", "INTERVAL", "NORM_MATCHED", "NORM_TOLERANCE", "RANDOM", "SUMMARY_COLUMNS", "SWAP_SETS",
-           "SwapReport", "clopper_pearson_interval", "direction_spelling", "load_swap_set", "norm_matched_token",
+           "SwapKeywords", "SwapOptions", "SwapReport", "clopper_pearson_interval", "direction_spelling", "load_swap_set", "norm_matched_token",
            "swap_success", "wilson_interval"]
