@@ -690,12 +690,11 @@ def make_it_say(model: LensModel, lens: Lens, prompt: str, target: str, search: 
             ``downstream_tokens`` outside 0..256.
         TypeError: a keyword that is none of the above.
     """
-    own = {key: options.pop(key) for key in ("minimise", "controls", "continuation_tokens")  # type: ignore[misc]
-           if key in options}
-    checked_options("make_it_say", own, MakeItSayKeywords)
-    s = options_value("make_it_say", search, SayOptions, options, SayKeywords)
-    minimise, continuation_tokens = own.get("minimise", True), own.get("continuation_tokens", 12)
-    controls: Sequence[str] = own.get("controls", CONTROLS)
+    rest = checked_options("make_it_say", options, MakeItSayKeywords)
+    minimise: bool = rest.pop("minimise", True)
+    controls: Sequence[str] = rest.pop("controls", CONTROLS)
+    continuation_tokens: int = rest.pop("continuation_tokens", 12)
+    s = options_value("make_it_say", search, SayOptions, rest, SayKeywords)
     ops, positions, from_position, grids = s.ops, s.positions, s.from_position, s.grids
     max_replays, seed, downstream_tokens = s.max_replays, s.seed, s.downstream_tokens
     ids, chosen_ops, modes, grid = check_say_input(model, prompt, ops=ops, positions=positions, grids=grids,
