@@ -26,9 +26,7 @@ PACKAGE = Path(jlens_core.__file__).resolve().parent
 MAX_PARAMETERS = 10
 # Not yet shortened (issue 48 left them): "module:qualname" -> parameters counted as above.
 STILL_LONG = {
-    "jspace/structure.py:jspace_structure": 13,
     "experiments/verbal_report.py:run_verbal_report": 13,
-    "jspace/decompose.py:decompose": 12,
     "fitting/runs.py:fit_arguments": 12,
     "fitting/fit.py:fit": 11,
     "fitting/estimator.py:jacobian_for_prompt": 11,

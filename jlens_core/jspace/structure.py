@@ -24,11 +24,12 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
 
+from .._keywords import checked_options
 from ..interventions.read_directions import check_layers
 from ..lenses.protocol import Lens, recorded_skip_first
 from ..models.layouts import get_path
@@ -37,6 +38,9 @@ from ..reading.inputs import record_residuals
 from ..seeds import generator, unit_directions
 from .decompose import DEFAULT_K, check_k, decompose
 from .dictionary import GAUGES, jspace
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +172,21 @@ def mlp_gain(model: LensModel, lens: Lens, layer: int, *, n_directions: int = 20
             "neuron_gain": nq[1], "neuron_gain_q1": nq[0], "neuron_gain_q3": nq[2]}
 
 
+class StructureKeywords(TypedDict, total=False):
+    """:func:`jspace_structure`'s further keywords (its Args): positions per text, the truncation, bootstrap
+    resamples, the MLP gain's directions, the seed."""
+
+    per_text: int
+    max_seq_len: int
+    n_boot: int
+    mlp_directions: int
+    seed: int
+
+
 def jspace_structure(model: LensModel, lens: Lens, texts: Sequence[str], *, layers: Iterable[int] | None = None,
                      k: int = DEFAULT_K, method: str = "gradient_pursuit", gauges: Sequence[str] = GAUGES,
-                     per_text: int = 3, max_seq_len: int = 64, n_boot: int = 1000, mlp_directions: int = 2000,
-                     seed: int = 0, progress: Callable[[str], None] | None = None) -> Structure:
+                     progress: Callable[[str], None] | None = None,
+                     **options: Unpack[StructureKeywords]) -> Structure:
     """The J-space's structure by layer over ``texts`` (module docstring; docs/method.md §11.6).
 
     Args:
@@ -186,9 +201,19 @@ def jspace_structure(model: LensModel, lens: Lens, texts: Sequence[str], *, laye
         seed: residual positions, controls, bootstrap and MLP directions.
         progress: called with a line per layer done.
 
+    ``per_text``, ``max_seq_len``, ``n_boot``, ``mlp_directions`` and ``seed`` are :class:`StructureKeywords`, by
+    keyword.
+
     Raises:
         ValueError: no text, a layer outside the lens, ``k`` out of range, an unknown gauge.
+        TypeError: a keyword that is none of these.
     """
+    given = checked_options("jspace_structure", options, StructureKeywords)
+    per_text: int = given.get("per_text", 3)
+    max_seq_len: int = given.get("max_seq_len", 64)
+    n_boot: int = given.get("n_boot", 1000)
+    mlp_directions: int = given.get("mlp_directions", 2000)
+    seed: int = given.get("seed", 0)
     if not texts:
         raise ValueError("No texts: give a corpus of at least one text.")
     chosen = check_layers(model, lens, lens.source_layers if layers is None else layers)
@@ -226,4 +251,4 @@ def jspace_structure(model: LensModel, lens: Lens, texts: Sequence[str], *, laye
     return Structure(rows=rows, mlp_gain=gains, settings=settings)
 
 
-__all__ = ["Structure", "bootstrap_median", "jspace_structure", "mlp_gain", "sample_residuals"]
+__all__ = ["Structure", "StructureKeywords", "bootstrap_median", "jspace_structure", "mlp_gain", "sample_residuals"]
