@@ -26,12 +26,9 @@ PACKAGE = Path(jlens_core.__file__).resolve().parent
 MAX_PARAMETERS = 10
 # Not yet shortened (issue 48 left them): "module:qualname" -> parameters counted as above.
 STILL_LONG = {
-    "experiments/verbal_report.py:run_verbal_report": 13,
     "fitting/runs.py:fit_arguments": 12,
     "fitting/fit.py:fit": 11,
     "fitting/estimator.py:jacobian_for_prompt": 11,
-    "experiments/probe_swap.py:run_probe_swap": 11,
-    "experiments/ablation.py:run_ablation_battery": 11,
 }
 
 
