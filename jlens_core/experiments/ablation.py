@@ -91,7 +91,7 @@ class AblationSettings(TypedDict, total=False):
 
 def run_ablation_battery(model: LensModel, lens: Lens, data: dict, *, band: Any = None, seed: int = 0,
                          progress: Callable[[int, int], None] | None = None, stop: Callable[[], bool] | None = None,
-                         **settings: Unpack[AblationSettings]) -> ExperimentResult:
+                         **options: Unpack[AblationSettings]) -> ExperimentResult:
     """Run the ablation battery on the two-hop items of ``data`` (the probe-swap format); see the module docstring.
 
     Args:
@@ -102,7 +102,7 @@ def run_ablation_battery(model: LensModel, lens: Lens, data: dict, *, band: Any 
         ValueError: a band outside the lens, no two-hop item passes the gate.
         TypeError: a keyword that is no setting (:class:`AblationSettings`).
     """
-    given = checked_options("run_ablation_battery", settings, AblationSettings)
+    given = checked_options("run_ablation_battery", options, AblationSettings)
     strengths: tuple[float, ...] = given.get("strengths", STRENGTHS)
     k: int = given.get("k", 25)
     n_texts: int = given.get("n_texts", 2)

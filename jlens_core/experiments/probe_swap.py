@@ -93,7 +93,7 @@ class ProbeSwapSettings(TypedDict, total=False):
 
 def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None, seed: int = 0,
                    progress: Callable[[int, int], None] | None = None, stop: Callable[[], bool] | None = None,
-                   **settings: Unpack[ProbeSwapSettings]) -> ExperimentResult:
+                   **options: Unpack[ProbeSwapSettings]) -> ExperimentResult:
     """Run experiment 1 on ``data`` (the probe-swap format); see the module docstring.
 
     Args:
@@ -107,7 +107,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
         ValueError: a band outside the lens; no item passes the gate.
         TypeError: a keyword that is no setting (:class:`ProbeSwapSettings`).
     """
-    given = checked_options("run_probe_swap", settings, ProbeSwapSettings)
+    given = checked_options("run_probe_swap", options, ProbeSwapSettings)
     depth: bool = given.get("depth", True)
     depth_step: int | None = given.get("depth_step")
     probes: bool = given.get("probes", True)

@@ -76,7 +76,7 @@ class VerbalReportSettings(TypedDict, total=False):
 
 def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = None, seed: int = 0,
                       progress: Callable[[int, int], None] | None = None, stop: Callable[[], bool] | None = None,
-                      **settings: Unpack[VerbalReportSettings]) -> ExperimentResult:
+                      **options: Unpack[VerbalReportSettings]) -> ExperimentResult:
     """Run experiment 2 on ``data`` (``{"candidates": {category: [words]}}``); see the module docstring. Its settings
     (:class:`VerbalReportSettings`) are keywords.
 
@@ -85,7 +85,7 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
         ValueError: a template without ``{category}``, a band outside the lens, an empty gate.
         TypeError: a keyword that is no setting.
     """
-    given = checked_options("run_verbal_report", settings, VerbalReportSettings)
+    given = checked_options("run_verbal_report", options, VerbalReportSettings)
     template: str = given.get("template", TEMPLATE)
     prefill: str = given.get("prefill", "")
     n_swaps: int = given.get("n_swaps", N_SWAPS)
