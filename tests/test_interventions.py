@@ -280,7 +280,6 @@ def test_one_swap_basis_and_one_random_draw():
     )
     from jlens_core.interventions.read_directions import token_direction
     from jlens_core.interventions.say_ranking import RandomDirections
-
     from jlens_core.seeds import derive_seed, generator, unit_directions
 
     va, vb = unit_directions(2, 16, generator(0))
