@@ -145,3 +145,29 @@ def test_bf16_selection_follows_the_cpu_flag(monkeypatch):
     assert D.bf16_selection() is True
     monkeypatch.setattr(D, "BF16_SELECTION", False)
     assert D.bf16_selection() is False
+
+
+def test_atom_norms_are_stored_and_read_back(monkeypatch, tmp_path):
+    from jlens_core.interventions.read_directions import read_vector_norms
+    from jlens_core.jspace import dictionary as D
+
+    monkeypatch.setenv("JLENS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(D, "STORE_NORMS_FROM_FLOP", 0.0)
+    model = make_tiny("llama")
+    lens = random_lens(model)
+    want = read_vector_norms(model, lens, 1, centred=True).float()
+    first = D._stored_norms(model, lens, 1, "centred")
+    files = list((tmp_path / "jspace-norms").glob("*.npy"))
+    assert len(files) == 1
+    torch.testing.assert_close(first, want, rtol=0, atol=0)
+    files[0].write_bytes(files[0].read_bytes()[:-8] + b"\0" * 8)  # a stored file is what is read back
+    changed = D._stored_norms(model, lens, 1, "centred")
+    assert not torch.equal(changed, want)
+    assert D._stored_norms(model, lens, 1, "raw").shape == want.shape  # another gauge: another file
+    assert len(list((tmp_path / "jspace-norms").glob("*.npy"))) == 2
+    other = random_lens(model, seed=5)  # another lens: its own file, its own norms
+    torch.testing.assert_close(D._stored_norms(model, other, 1, "centred"),
+                               read_vector_norms(model, other, 1, centred=True).float(), rtol=0, atol=0)
+    assert len(list((tmp_path / "jspace-norms").glob("*.npy"))) == 3
+    files[0].write_bytes(b"not a numpy file")  # unreadable: recomputed
+    torch.testing.assert_close(D._stored_norms(model, lens, 1, "centred"), want, rtol=0, atol=0)

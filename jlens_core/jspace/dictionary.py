@@ -15,6 +15,8 @@ floats). A few atoms (the selected ones) are built on demand.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
 import weakref
 from collections.abc import Sequence
@@ -36,6 +38,8 @@ from ..models.model import LensModel
 from ..reading.tokens import TokenDisplay
 from ..reading.word_readout import word_mask
 from .pursuit import Bf16Atoms, bounded_best
+
+log = logging.getLogger(__name__)
 
 GAUGES = ("centred", "raw")
 CHUNK = 8192  # vocabulary columns per product when the head is not fp32 or a sub-vocabulary is used
@@ -77,8 +81,68 @@ def _all_norms(model: LensModel, lens: Lens, layer: int, gauge: str) -> torch.Te
     except TypeError:  # a lens that cannot be weakly referenced is not cached
         cache = {}
     if key not in cache:
-        cache[key] = read_vector_norms(model, lens, layer, centred=gauge == "centred").float()
+        cache[key] = _stored_norms(model, lens, layer, gauge)
     return cache[key]
+
+
+# Atom norms cost vocab x d^2 multiply-adds per layer (33 GFLOP for SmolLM2-135M, ~0.2 s at this CPU's fp32 peak);
+# from this many up they are kept on disk, keyed by what they depend on, so a later process reads them.
+STORE_NORMS_FROM_FLOP = 1e9
+_HEAD_DIGEST: weakref.WeakKeyDictionary[LensModel, str] = weakref.WeakKeyDictionary()
+
+
+def _head_digest(model: LensModel, head: torch.Tensor) -> str:
+    try:
+        cached = _HEAD_DIGEST.get(model)
+    except TypeError:
+        cached = None
+    if cached is None:
+        cached = hashlib.sha256(head.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
+        try:
+            _HEAD_DIGEST[model] = cached
+        except TypeError:
+            pass
+    return cached
+
+
+def _stored_norms(model: LensModel, lens: Lens, layer: int, gauge: str) -> torch.Tensor:
+    """The atom norms ``[vocab]`` fp32 of ``layer``: computed (:func:`read_vector_norms`), and for a large
+    vocabulary kept in ``<jlens cache>/jspace-norms/<sha256>.npy``, the key hashing the lens's matrix at the
+    layer, the head matrix, the final norm's gain, the gauge and the vocabulary size. An unreadable file is
+    recomputed; the file is written atomically."""
+    import numpy as np
+
+    from .._atomic import atomic_write
+    from ..models.loading import cache_dir
+
+    d, vocab = int(model.d_model), int(model.vocab_size)
+    centred = gauge == "centred"
+    if 2.0 * vocab * d * d < STORE_NORMS_FROM_FLOP:
+        return read_vector_norms(model, lens, layer, centred=centred).float()
+    gamma, centres = norm_gain(model)
+    digest = hashlib.sha256()
+    for part in (_matrix(lens, layer), gamma.float()):
+        digest.update(part.contiguous().numpy().tobytes())
+    digest.update(f"{_head_digest(model, head_matrix(model))}|{bool(centres)}|{gauge}|{vocab}|{d}".encode())
+    path = cache_dir() / "jspace-norms" / (digest.hexdigest()[:32] + ".npy")
+    if path.is_file():
+        try:
+            stored = np.load(path, allow_pickle=False)
+            if stored.shape == (vocab,) and stored.dtype == np.float32:
+                return torch.from_numpy(stored)
+        except (OSError, ValueError):
+            pass
+        log.info("recomputing the unreadable stored atom norms %s", path)
+    norms = read_vector_norms(model, lens, layer, centred=centred).float()
+    try:
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:  # a file object: np.save would add ".npy" to a temporary name
+                np.save(f, norms.numpy())
+
+        atomic_write(path, write)
+    except OSError as err:  # a read-only cache only costs the recomputation next time
+        log.info("could not store the atom norms in %s: %s", path, err)
+    return norms
 
 
 def bf16_selection() -> bool:
