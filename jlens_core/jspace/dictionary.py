@@ -327,7 +327,8 @@ def jspace(model: LensModel, lens: Lens, layer: int, *, gauge: str = "centred",
         vocab: ``None`` (every token ``< vocab_size``), ``"word"`` (the word tokens) or a list of token ids.
 
     Memory: the head matrix ``[d_model, vocab]`` once per model (in the head's dtype; 113 MB fp32 for
-    SmolLM2-135M), ``M_l`` ``[d, d]`` and the norms ``[vocab]`` per layer; no ``[vocab, d]`` block per layer.
+    SmolLM2-135M), ``M_l`` ``[d, d]`` and the norms ``[vocab]`` per layer; no ``[vocab, d]`` block per layer. With
+    bf16 selection (:func:`bf16_selection`) the head once more in bf16, ``[vocab, d + 1]`` (57 MB).
 
     Raises:
         ValueError: a layer outside the lens, an unknown gauge or vocabulary, or a lens with no matrices.
