@@ -28,9 +28,9 @@ import torch
 from jaxtyping import Float
 
 from .._keywords import checked_options, options_value
-from ..jspace.decompose import DEFAULT_K, check_k, random_dictionary, split
+from ..jspace.decompose import DEFAULT_K, check_k, jspace_pursuit, random_pursuit, split
 from ..jspace.dictionary import check_gauge, jspace
-from ..jspace.pursuit import check_method, greedy_pursuit
+from ..jspace.pursuit import check_method
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import token_id
@@ -277,12 +277,9 @@ class AblateJSpace(_LensEdit):
         """What :meth:`apply` subtracts at strength 1 from rows ``h [n, d]`` (fp32, CPU)."""
         space = self.spaces[layer]
         rows = h.detach().float().cpu()
-        fit = greedy_pursuit(rows, self.k, correlate=space.correlations, fetch=space.unit_atoms_at,
-                             method=self.method).fitted
+        fit = jspace_pursuit(space, rows, self.k, self.method).fitted
         if self.random:
-            unit = random_dictionary(space.n_atoms, space.d_model, self.seed)
-            other = greedy_pursuit(rows, self.k, correlate=lambda r: r @ unit.T, fetch=lambda i: unit[i].double(),
-                                   method=self.method).fitted
+            other = random_pursuit(rows, self.k, space.n_atoms, self.seed, self.method).fitted
             scale = fit.norm(dim=-1, keepdim=True) / other.norm(dim=-1, keepdim=True).clamp_min(1e-300)
             fit = other * torch.where(other.norm(dim=-1, keepdim=True) > 0, scale, 0.0)
         return fit.float()

@@ -171,9 +171,19 @@ def _explained(x: torch.Tensor, residual_by_step: torch.Tensor) -> torch.Tensor:
     return (1.0 - residual_by_step / total).float()
 
 
-def _run(space: JSpace, x: torch.Tensor, k: int, method: str) -> Pursuit:
+def jspace_pursuit(space: JSpace, x: Float[torch.Tensor, "n d_model"], k: int, method: str) -> Pursuit:
+    """The greedy pursuit of rows ``x`` over ``space`` (its exact bf16 selection where it has one)."""
     return greedy_pursuit(x, k, correlate=space.correlations, fetch=space.unit_atoms_at, method=method,
                           select=space.select)
+
+
+def random_pursuit(x: Float[torch.Tensor, "n d_model"], k: int, n_atoms: int, seed: int, method: str) -> Pursuit:
+    """The greedy pursuit of rows ``x`` over the random control's dictionary (:func:`random_dictionary` of
+    ``n_atoms`` atoms, ``seed``)."""
+    d = int(x.shape[-1])
+    unit = random_dictionary(n_atoms, d, seed)
+    return greedy_pursuit(x, k, correlate=lambda r: r @ unit.T, fetch=lambda i: unit[i].double(), method=method,
+                          select=_random_select(n_atoms, d, seed))
 
 
 class DecomposeKeywords(TypedDict, total=False):
@@ -234,7 +244,7 @@ def decompose(model: LensModel, lens: Lens, x: Float[torch.Tensor, "*n d_model"]
                          "(its explained fraction is undefined).")
     space = jspace(model, lens, layer, gauge=gauge, vocab=vocab)
     k = check_k(k, min(d, space.n_atoms))
-    found = _run(space, rows, k, method)
+    found = jspace_pursuit(space, rows, k, method)
     n = rows.shape[0]
     has = found.indices >= 0
     token_ids = torch.where(has, space.token_ids[found.indices.clamp_min(0)], -1)
@@ -249,12 +259,10 @@ def decompose(model: LensModel, lens: Lens, x: Float[torch.Tensor, "*n d_model"]
     random_by_step = torch.full((n, k), math.nan)
     shuffled = nan.clone()
     if controls:
-        unit = random_dictionary(space.n_atoms, d, seed)
-        rnd = greedy_pursuit(rows, k, correlate=lambda r: r @ unit.T, fetch=lambda i: unit[i].double(), method=method,
-                             select=_random_select(space.n_atoms, d, seed))
+        rnd = random_pursuit(rows, k, space.n_atoms, seed, method)
         random_by_step = _explained(rows, rnd.residual_by_step)
         coords = torch.randperm(d, generator=gen)
-        shuf = _run(space, rows[:, coords], k, method)
+        shuf = jspace_pursuit(space, rows[:, coords], k, method)
         shuffled = _explained(rows, shuf.residual_by_step)[:, -1]
     j_part = found.fitted.float()
     return Decomposition(layer=space.layer, gauge=gauge, method=method, target=target, k=k, x=rows,
@@ -302,4 +310,5 @@ def split(model: LensModel, lens: Lens, vector: Float[torch.Tensor, " d_model"],
                  non_j_share=1.0 - share, decomposition=dec)
 
 
-__all__ = ["DEFAULT_K", "TARGETS", "DecomposeKeywords", "Decomposition", "Split", "check_k", "decompose", "random_dictionary", "split"]
+__all__ = ["DEFAULT_K", "TARGETS", "DecomposeKeywords", "Decomposition", "Split", "check_k", "decompose", "jspace_pursuit", "random_dictionary",
+           "random_pursuit", "split"]
