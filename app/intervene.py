@@ -69,6 +69,8 @@ def prefill_token(model: Any, readings: dict, layer: int, position: int) -> None
     if ss.get("_iv_prefill_for") == (layer, position):
         return
     ss._iv_prefill_for = (layer, position)
+    if ss.pop("_iv_keep_token", False):  # a link's edit set the token: the first cell shown does not replace it
+        return
     reading = next((readings[name] for name in DIRECTION_LENSES[:-1] if readings.get(name) is not None),
                    readings[BASELINE])
     if layer in reading.layers:
@@ -103,6 +105,49 @@ def build_edits(model: Any, lens: Any, n_prompt: int) -> list:
     if ss.iv_op == "steer":
         return [Steer(model, lens, token, float(ss.iv_strength), **common_kw)]
     return [Ablate(model, lens, token, **common_kw)]
+
+
+def apply_link(ctx: Any) -> None:
+    """An edit opened from a link (an experiment's trial; ``url_state`` parsed its keys): checked against the
+    loaded model and lens, then set into the panel and run once, the heatmap reading the edited run. A bad value
+    leaves the panel and the heatmap clean, with one sentence (:func:`link_notice`)."""
+    request = ss.pop("edit_request", None)
+    if request is None:
+        return
+    if isinstance(request, str):
+        ss.edit_link = {"error": request}
+        return
+    choices = direction_choices(ctx)
+    if request.lens not in choices:
+        ss.edit_link = {"error": f"The link's lens {request.lens!r} is not loaded here (loaded: "
+                                 f"{', '.join(choices)}): load it, then open the link again."}
+        return
+    try:
+        request.build(ctx.model, ctx.lenses()[request.lens])  # checks the tokens and the band before any change
+    except common.EXPECTED_ERRORS as exc:
+        ss.edit_link = {"error": f"The link's edit cannot be applied: {exc}"}
+        return
+    ss.update(iv_lens=request.lens, iv_op="swap", iv_token=request.source, iv_replacement=request.replacement,
+              iv_alpha=float(request.alpha), iv_layers=tuple(request.layers), iv_pos_mode="all",
+              iv_on_generated=False, iv_centred=False, iv_edited_heatmap=True, _iv_keep_token=True)
+    request_run()
+    ss.edit_link = {"edit": str(request)}
+
+
+def link_notice(ctx: Any, chat_text: str) -> None:
+    """Which edit a link applied (while the heatmap still reads it), or why it was not applied."""
+    link = ss.get("edit_link")
+    if not link:
+        return
+    if "error" in link:
+        st.error(link["error"])
+        ss.edit_link = None
+    elif heatmap_edits(ctx, chat_text) is not None:
+        st.info(f"Opened with an edit applied: {link['edit']}. The heatmap reads the edited run; switch off "
+                "'Heatmap of the edited run' in the Intervene panel below for the clean reading (the panel also "
+                "compares the clean and the edited continuations).", icon=":material/science:")
+    else:
+        ss.edit_link = None
 
 
 def settings_key(model_key: str, lens_key: str, text: str) -> tuple:

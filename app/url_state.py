@@ -6,6 +6,7 @@ What a user sets up (``model``, ``lens``, ``rlens``, ``jpp``, ``rpp``, ``tuned``
 view can be shared and reloaded. Each lens slot (:data:`lens_slots.SLOTS`) has its own parameter, named by the slot;
 ``extra`` lists the lenses added from files (comma-separated paths or ``hf://`` specs). ``pair``, ``mode`` and
 ``iv_lens`` name lenses by their names (``jacobian``, ``J++``, ``my-lens (R)``): a name not loaded gives way.
+An experiment's trial opens Inspect with its swap applied through the ``edit*`` keys (read once, then dropped).
 """
 
 from __future__ import annotations
@@ -64,10 +65,28 @@ def init_state() -> None:
             ss.cell_text = _query_value("cells")
         _seed_generation_state(ss)
         _seed_study_state(ss)
+        _seed_edit_link(ss)
         ss._initialised = True
     for key in KEPT_KEYS:
         if key in ss:
             ss[key] = ss[key]
+
+
+def _seed_edit_link(ss) -> None:
+    """An edit opened from a link (an experiment's trial: the keys of
+    :data:`~jlens_core.experiments.links.EDIT_KEYS`): Inspect applies it once (``intervene.apply_link``); the keys
+    leave the URL, which from then on describes the panel."""
+    from jlens_core.experiments.links import EDIT_KEYS, TrialEdit
+
+    if not _query_value("edit"):
+        return
+    try:
+        ss.edit_request = TrialEdit.from_query({key: _query_value(key) for key in EDIT_KEYS})
+    except ValueError as exc:
+        ss.edit_request = str(exc)
+    for key in EDIT_KEYS:
+        if key in st.query_params:
+            del st.query_params[key]
 
 
 def _int_or(value: str | None, default: int | None) -> int | None:

@@ -274,12 +274,19 @@ def worker(args) -> None:
                       "layer_major": layer_major, "adjacent_peak_gflops": (peak_before + peak_after) / 2}))
 
 
+def split_method(method: str, default: str | None) -> tuple[str, str | None]:
+    """``"jlens@bfloat16"`` -> ``("jlens", "bfloat16")``; a method without ``@`` runs in ``default`` (``--dtype``)."""
+    name, _, dtype = method.partition("@")
+    return name, (dtype or default)
+
+
 def run_one(method: str, seq: int, args, out: str) -> dict:
+    method, dtype = split_method(method, args.dtype)
     cmd = [sys.executable, __file__, "--worker", "--method", method, "--seq", str(seq), "--out", out,
            "--first-layer", str(args.first_layer), "--dim-batch", str(args.dim_batch),
            "--skip-first", str(args.skip_first), "--model", args.model, "--device", args.device]
-    if args.dtype:
-        cmd += ["--dtype", args.dtype]
+    if dtype:
+        cmd += ["--dtype", dtype]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=dict(os.environ, TRANSFORMERS_VERBOSITY="error"))
     if proc.returncode != 0:
         raise SystemExit(f"worker {method} seq={seq} failed:\n{proc.stderr[-3000:]}")
@@ -383,8 +390,15 @@ def main() -> None:
     methods = args.methods.split(",")
     dtype = bench_dtype(args.device, args.dtype)
     dtype_name = str(dtype).removeprefix("torch.")
+    # a method may name its own dtype ("jlens@bfloat16"): each dtype's matmul peak is measured beside the default's
+    method_dtype = {m: str(bench_dtype(args.device, split_method(m, args.dtype)[1])).removeprefix("torch.")
+                    for m in methods}
+    other_dtypes = sorted(set(method_dtype.values()) - {dtype_name})
+    other_peaks: dict[str, list[float]] = {name: [] for name in other_dtypes}
 
     def measure_peak() -> float:
+        for name in other_dtypes:
+            other_peaks[name].append(matmul_peak_gflops(device=args.device, dtype=getattr(torch, name)))
         return matmul_peak_gflops(device=args.device, dtype=dtype)
 
     peaks = [measure_peak()]
@@ -418,6 +432,13 @@ def main() -> None:
     summary = {"matmul_peak_gflops": peak, "matmul_peak_all": peaks, "device": args.device, "dtype": dtype_name,
                "model": args.model, "torch": torch.__version__, "threads": torch.get_num_threads(),
                "first_source_layer": args.first_layer, "dim_batch": args.dim_batch, "reps": reps, "rows": []}
+    dtype_peak = {dtype_name: peak, **{name: max(v) for name, v in other_peaks.items()}}
+    if other_dtypes:
+        summary["matmul_peak_gflops_by_dtype"] = dtype_peak
+        summary["matmul_peak_all_by_dtype"] = {dtype_name: peaks, **other_peaks}
+        from bf16_fit import cpu_flags
+
+        summary["cpu"] = cpu_flags()
     print(f"\n{dtype_name} matmul peak: {peak:.1f} GFLOP/s (best of {len(peaks)} measurements: "
           + ", ".join(f"{x:.0f}" for x in peaks) + ")")
     print(f"{'seq':>4} {'method':17s} {'s/prompt':>9} {'ratio':>6} {'rel.diff':>9} {'peak MB':>8} "
@@ -427,16 +448,19 @@ def main() -> None:
         for method in methods:
             med = statistics.median(times[method, seq])
             diff = rel_fro(results[method, seq], results[methods[0], seq])
-            gflops = flops[method, seq] / med / 1e9 if method not in ("plain", "naive") else None
-            row = {"seq": seq, "method": method, "seconds_median": med, "seconds_all": times[method, seq],
+            gflops = flops[method, seq] / med / 1e9 if split_method(method, None)[0] not in ("plain", "naive") else None
+            row_peak = dtype_peak[method_dtype[method]]
+            row = {"seq": seq, "method": method, "dtype": method_dtype[method], "seconds_median": med,
+                   "seconds_all": times[method, seq],
                    "speedup_vs_" + methods[0]: base / med, "rel_frobenius_diff_vs_" + methods[0]: diff,
                    "peak_rss_mb": max(rss[method, seq]), "gflops": gflops,
-                   "fraction_of_peak": gflops / peak if gflops else None,
+                   "fraction_of_peak": gflops / row_peak if gflops else None,
                    "fraction_of_adjacent_peak_median": statistics.median(adjacent[method, seq]) if gflops else None,
                    "fraction_of_adjacent_peak_all": adjacent[method, seq] if gflops else None}
             summary["rows"].append(row)
             print(f"{seq:4d} {method:17s} {med:9.2f} {base / med:6.2f} {diff:9.1e} {max(rss[method, seq]):8.0f} "
-                  + (f"{gflops:8.1f} {100 * gflops / peak:6.1f}% {100 * row['fraction_of_adjacent_peak_median']:6.1f}%"
+                  + (f"{gflops:8.1f} {100 * gflops / row_peak:6.1f}% "
+                     f"{100 * row['fraction_of_adjacent_peak_median']:6.1f}%"
                      if gflops else f"{'-':>8} {'-':>7} {'-':>7}"))
     print("% peak: the median rate against the best matmul peak of the run; % adj.: the median over repetitions "
           "of each measurement's rate against the matmul peak measured right before and after it")

@@ -28,7 +28,8 @@ def items_for(model, lens) -> list[dict]:
     return found
 
 
-def test_experiments_page_runs_a_set_from_the_workspace(tiny_dir, tiny_model, lens_file, tmp_path):
+def page_with_a_set(tiny_dir, tiny_model, lens_file, tmp_path):
+    """``(app on the Experiments page, set to a probe-swap set in the workspace with a given band; lens; items)``."""
     lens = JacobianLens.load(lens_file)
     items = items_for(tiny_model, lens)
     path = tmp_path / "mine.json"  # inside the workspace (the tests' temporary folder)
@@ -39,6 +40,11 @@ def test_experiments_page_runs_a_set_from_the_workspace(tiny_dir, tiny_model, le
     at.selectbox(key="ex_lens").set_value("jacobian")
     at.text_input(key="ex_path").set_value(str(path))
     at.checkbox(key="ex_derive").set_value(False).run()
+    return at, lens, items
+
+
+def test_experiments_page_runs_a_set_from_the_workspace(tiny_dir, tiny_model, lens_file, tmp_path):
+    at, lens, items = page_with_a_set(tiny_dir, tiny_model, lens_file, tmp_path)
     lo, hi = at.slider(key="ex_band").value
     button(ok(at), "Run experiment").click().run()
     spec = chart(ok(at), "ex_fig")
@@ -56,3 +62,49 @@ def test_experiments_page_empty_gate_is_one_sentence(tiny_dir, lens_file):
     at.selectbox(key="ex_name").set_value("probe-swap").run()
     button(ok(at), "Run experiment").click().run()
     assert any("The model answers none of the" in e.value for e in at.error), [e.value for e in at.error]
+
+
+def test_a_trial_opens_in_inspect_with_its_swap_applied(tiny_dir, tiny_model, lens_file, tmp_path):
+    from urllib.parse import parse_qs, urlparse
+
+    from jlens_core.experiments.links import EDIT_KEYS, TrialEdit, trial_edit
+
+    at, lens, _ = page_with_a_set(tiny_dir, tiny_model, lens_file, tmp_path)
+    button(ok(at), "Run experiment").click().run()
+    result = at.session_state["ex_result"]["result"]
+    row = next(i for i, arm in enumerate(result.trials["arm"]) if arm == "J-lens swap")
+    at.session_state["ex_trials"] = {"selection": {"rows": [row], "columns": []}}  # what a click on the row sends
+    link = next(b for b in ok(at.run()).get("link_button") if b.proto.label.startswith("Open the trial in Inspect"))
+    query = {k: v[0] for k, v in parse_qs(urlparse(link.proto.url).query).items()}
+    expected = trial_edit(tiny_model, result, result.trials.iloc[row].to_dict())
+    assert TrialEdit.from_query(query) == expected and expected is not None
+    inspect = ok(make_app(**query).run())
+    swap = expected.build(tiny_model, lens)[0]
+    assert chart(inspect, "heatmap")["layout"]["title"]["text"].startswith(f"Edited run ({swap!r})")
+    assert any("Opened with an edit applied: " + str(expected) in i.value for i in inspect.info)
+    assert not set(EDIT_KEYS) & set(inspect.query_params)  # applied once; the URL describes the panel from then on
+    # the clean reading: the panel's toggle off
+    inspect.toggle(key="iv_edited_heatmap").set_value(False).run()
+    assert not chart(ok(inspect), "heatmap")["layout"]["title"]["text"].startswith("Edited run")
+
+
+def test_a_bad_edit_link_is_one_sentence_and_the_heatmap_stays_clean(tiny_dir, lens_file):
+    base = {"model": tiny_dir, "lens": lens_file, "edit": "swap", "edit_b": " time", "edit_lens": "jacobian"}
+    for bad, message in (({"edit_a": "zzzqqqxxxyyy", "edit_layers": "1-2"}, "The link's edit cannot be applied"),
+                         ({"edit_a": " one", "edit_layers": "0-40"}, "The band 0-40 is outside the lens's source layers"),
+                         ({"edit_a": " one", "edit_layers": "../../etc"}, "not a layer range"),
+                         ({"edit_a": " one", "edit_layers": "1-2", "edit_lens": "nope"}, "lens 'nope' is not loaded")):
+        at = ok(make_app(**{**base, **bad}).run())
+        assert any(message in e.value for e in at.error), (bad, [e.value for e in at.error])
+        assert not chart(at, "heatmap")["layout"]["title"]["text"].startswith("Edited run")
+
+
+def test_the_reference_size_set_is_a_built_in_choice(tiny_dir, lens_file):
+    at = ok(make_app(model=tiny_dir, lens=lens_file).run())
+    at.switch_page("views/experiments.py").run()
+    at.selectbox(key="ex_name").set_value("probe-swap").run()
+    at.radio(key="ex_builtin").set_value("reference size").run()
+    button(ok(at), "Run experiment").click().run()
+    # the tiny model answers none of them: the sentence counts the reference-size set's 90 items
+    assert any("The model answers none of the 90 probe-swap items" in e.value for e in at.error), [
+        e.value for e in at.error]

@@ -270,21 +270,19 @@ def test_edits_on_a_multi_stream_model_are_refused_in_one_sentence():
 def test_one_swap_basis_and_one_random_draw():
     """``swap_basis``: V = [va vb] with its float64 pseudo-inverse (V⁺ V = I), None for nearly collinear
     directions; ``Swap`` keeps exactly it per layer. The random directions of the swap's control and of
-    make-it-say's are unit Gaussian draws of one generator scheme (``random_unit_directions``)."""
+    make-it-say's are unit Gaussian draws of one generator scheme (``jlens_core.seeds``)."""
     from helpers import random_lens, tiny
 
     from jlens_core.interventions.lens_edits import (
         Swap,
-        item_seed,
         random_directions,
-        random_unit_directions,
         swap_basis,
     )
     from jlens_core.interventions.read_directions import token_direction
     from jlens_core.interventions.say_ranking import RandomDirections
+    from jlens_core.seeds import derive_seed, generator, unit_directions
 
-    gen = torch.Generator().manual_seed(0)
-    va, vb = random_unit_directions(2, 16, gen)
+    va, vb = unit_directions(2, 16, generator(0))
     basis, pinv = swap_basis(va, vb)
     assert basis.shape == (16, 2) and pinv.shape == (2, 16)
     torch.testing.assert_close(pinv @ basis, torch.eye(2), atol=1e-5, rtol=0)
@@ -295,8 +293,9 @@ def test_one_swap_basis_and_one_random_draw():
     for mine, expected in zip(swap.bases[1], swap_basis(a, b)):
         torch.testing.assert_close(mine, expected, rtol=0, atol=0)
     pair = random_directions([3, 4], 16, seed=9)
-    draws = torch.randn(2, 16, generator=torch.Generator().manual_seed(9))
-    torch.testing.assert_close(pair[3][0], draws[0] / draws[0].norm(), rtol=0, atol=0)
+    draws = torch.randn(2, 16, generator=generator(derive_seed(9, 3)))  # layer 3's pair: the generator of (9, 3)
+    torch.testing.assert_close(pair[3][0], draws[0] / draws[0].norm(), rtol=0, atol=1e-7)
     assert all(abs(float(v.norm()) - 1) < 1e-6 for p in pair.values() for v in p)
     v = RandomDirections(16, seed=2)(3, 11)
-    assert abs(float(v.norm()) - 1) < 1e-6 and item_seed(2, 5) == 2 * 100003 + 5
+    draw = torch.randn(1, 16, generator=generator(2, 3, 11))[0]  # make-it-say's: the generator of (seed, layer, token)
+    torch.testing.assert_close(v, draw / draw.norm(), rtol=0, atol=1e-7)

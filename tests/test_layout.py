@@ -21,7 +21,8 @@ PACKAGE = Path(jlens_core.__file__).resolve().parent
 APP = PACKAGE.parent / "app"
 
 # Leaves: top-level modules that import nothing from jlens_core.
-LEAVES = {"_atomic", "_deprecated", "_extras", "_version", "_paths", "corpus", "layerspec", "workspace"}
+LEAVES = {"_atomic", "_deprecated", "_extras", "_keywords", "_version", "_paths", "corpus", "layerspec", "seeds",
+          "workspace"}
 RANKS = {"files": 1, "models": 1, "lenses": 2, "fitting": 3, "reading": 3, "interventions": 4, "debugging": 4,
          "figures": 4, "jspace": 5, "evaluation": 6, "experiments": 7, "cli": 8}
 # Modules placed with another group than their folder's: the J-space edits live beside the other edits but use the

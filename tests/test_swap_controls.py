@@ -22,6 +22,7 @@ from jlens_core.interventions.read_directions import read_vector
 from jlens_core.interventions.swap_success import NORM_MATCHED, norm_matched_token
 from jlens_core.reading.generation import generate
 from jlens_core.reading.tokens import is_word_like, spellings
+from jlens_core.seeds import derive_seed
 
 # the module, not the function of the same name that the package exports
 swap_module = importlib.import_module("jlens_core.interventions.swap_success")
@@ -67,7 +68,7 @@ def test_norm_matched_control_is_norm_matched_seeded_and_scored_on_the_target_an
     assert report.seed == seed and report.centred is centred and report.control_lens == "jacobian"
     assert report.n_eligible == 1 and report.n_unmatched == 0
     row = report.items.iloc[0]
-    assert row["seed"] == seed * 100003
+    assert row["seed"] == derive_seed(seed, 0) == seed * 1_000_003
     drawn = int(row["control_id"])
     assert row["control_token"] == llama.decode([drawn])
 
@@ -151,7 +152,7 @@ def test_eval_swap_centred_records_seed_and_controls(tiny_dir, lens_file, tmp_pa
     assert table["centred"].all() and (table["seed"] == 3).all() and (table["unmatched"] == 0).all()
     assert {"ci_low", "ci_high", "wilson_low", "wilson_high"} <= set(table.columns)
     items = pd.read_csv(out / "swap_items.csv")
-    assert items["seed"].iloc[0] == 3 * 100003 and isinstance(items["control_token"].iloc[0], str)
+    assert items["seed"].iloc[0] == derive_seed(3, 0) and isinstance(items["control_token"].iloc[0], str)
 
 
 def test_controls_each_draws_a_norm_matched_token_per_lens_in_its_own_geometry(llama, swap_case):

@@ -10,7 +10,8 @@ from urllib.parse import urlencode
 import streamlit as st
 
 import common
-from jlens_core.experiments.formats import built_in_sets, load_experiment_items
+from jlens_core.experiments.formats import built_in_sets, load_experiment_items, reference_size_sets
+from jlens_core.experiments.links import EDIT_KEYS, trial_edit
 from jlens_core.experiments.run import available_experiments, run_experiment
 
 ss = st.session_state
@@ -34,6 +35,9 @@ d1, d2 = st.columns([1, 1])
 upload = d1.file_uploader("Your own set (.json in the experiment's format; default: the built-in set)", type=["json"],
                           key="ex_upload")
 path_text = d2.text_input("…or a set's path in the workspace", key="ex_path", placeholder="probe-swap.json")
+if ss.ex_name in reference_size_sets():
+    d1.radio("Built-in set", ["example", "reference size"], key="ex_builtin", horizontal=True,
+             help="The small example set, or the one at the reference's size (docs/experiments.md).")
 top = max(x for x in lenses[lens_name].layers if x != lenses[lens_name].target_layer)
 derive = st.checkbox("Derive the band (the study's band rule)", value=True, key="ex_derive",
                      help="From the first layer where the experiment's concept reaches half its peak share of the "
@@ -54,6 +58,8 @@ def _data() -> dict:
         return load_experiment_items(parsed, name)[1]
     if (path_text or "").strip():
         return load_experiment_items(common.confine(path_text.strip(), "experiment set"), name)[1]
+    if name in reference_size_sets() and ss.get("ex_builtin") == "reference size":
+        return load_experiment_items(reference_size_sets()[name], name)[1]
     if name not in built_in_sets():
         raise ValueError(f"No built-in set for {name}: upload one.")
     return load_experiment_items(built_in_sets()[name], name)[1]
@@ -103,8 +109,16 @@ if found and found["key"] == common.result_key(ctx.model_key, lens_name):
         item = result.gate[result.gate["item"] == trial["item"]]
         if len(item) and "prompt" in item:
             prompt = str(item["prompt"].iloc[0])
-            # Inspect opens from the URL, as Study's items do: the trial's prompt, its target pinned, the band
-            query = {key: st.query_params.get(key) for key in st.query_params}
+            # Inspect opens from the URL, as Study's items do: the trial's prompt, its target pinned, the band, and
+            # the trial's swap (the edit* keys), which Inspect applies and names
+            query = {key: st.query_params.get(key) for key in st.query_params if key not in EDIT_KEYS}
             query.update(prompt=prompt, pin=" " + str(trial["target"]).strip(),
                          band=f"{result.band.layers[0]}-{result.band.layers[-1]}")
-            st.link_button("Open the trial in Inspect", "./?" + urlencode(query), icon=":material/grid_on:")
+            edit = trial_edit(model, result, trial.to_dict())
+            if edit is not None:
+                query.update(edit.query())
+            st.link_button("Open the trial in Inspect" + (" with its swap" if edit else ""), "./?" + urlencode(query),
+                           icon=":material/grid_on:", key="ex_open")
+            st.caption(f"The link applies the trial's edit: {edit}." if edit else
+                       f"The {trial['arm']} arm is not one lens's coordinate swap: the link opens the trial's "
+                       "prompt without an edit.")

@@ -139,7 +139,9 @@ def render(ctx: common.Context) -> None:
         full_ids = generation.ids[None, :]
     view = display_options(model, prompt, text, full_ids, generation, n_prompt_tokens, pins, pair, bad_pins)
     intervene.init(model, intervene.directions_lens(ctx)[1])
+    intervene.apply_link(ctx)
     intervene.run_if_requested(ctx, prompt, text)
+    intervene.link_notice(ctx, text)
     edited_view = intervene.heatmap_edits(ctx, text)
     edits, edits_key = edited_view if edited_view else (None, "")
     reader = Reader(ctx, view, edits, edits_key)

@@ -25,10 +25,10 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     from ..experiments.run import RUNNERS, run_experiment
     from ..models.loading import load_model
 
-    if args.name not in RUNNERS:
-        raise CLIError(f"The {args.name} experiment reads its format but does not run in this version: run one of "
-                       f"{', '.join(RUNNERS)}.")
     _, data = load_experiment_items(args.items or args.name, args.name)  # a bad file fails before the model loads
+    if args.name not in RUNNERS:  # its file is read and checked above: say so
+        raise CLIError(f"The {args.name} set is in its format, but the experiment does not run in this version: "
+                       f"run one of {', '.join(RUNNERS)}.")
     model = load_model(args.model, **model_loading_options(args), progress=say)
     lenses = resolve_lenses([args.lens], model)
     lens = next(iter(lenses.values()))

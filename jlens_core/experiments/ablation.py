@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import pandas as pd
 import torch
 
+from .._keywords import checked_options
 from ..corpus import load_corpus
 from ..interventions.intervals import wilson_interval
 from ..lenses.protocol import Lens
@@ -44,6 +45,9 @@ from .core import (
     timer,
     word_ids,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 NAME = "ablation-battery"
 STRENGTHS = (0.5, 1.0)
@@ -76,11 +80,18 @@ def automatic_prompts(model: LensModel, *, seed: int, n_texts: int = 2, max_toke
     return out
 
 
+class AblationSettings(TypedDict, total=False):
+    """:func:`run_ablation_battery`'s settings by keyword (its Args): ``strengths``, ``k``, ``n_texts``, ``prose``."""
+
+    strengths: tuple[float, ...]
+    k: int
+    n_texts: int
+    prose: Sequence[str] | None
+
+
 def run_ablation_battery(model: LensModel, lens: Lens, data: dict, *, band: Any = None, seed: int = 0,
-                         strengths: tuple[float, ...] = STRENGTHS, k: int = 25, n_texts: int = 2,
-                         prose: Sequence[str] | None = None,
-                         progress: Callable[[int, int], None] | None = None,
-                         stop: Callable[[], bool] | None = None) -> ExperimentResult:
+                         progress: Callable[[int, int], None] | None = None, stop: Callable[[], bool] | None = None,
+                         **options: Unpack[AblationSettings]) -> ExperimentResult:
     """Run the ablation battery on the two-hop items of ``data`` (the probe-swap format); see the module docstring.
 
     Args:
@@ -89,7 +100,13 @@ def run_ablation_battery(model: LensModel, lens: Lens, data: dict, *, band: Any 
 
     Raises:
         ValueError: a band outside the lens, no two-hop item passes the gate.
+        TypeError: a keyword that is no setting (:class:`AblationSettings`).
     """
+    given = checked_options("run_ablation_battery", options, AblationSettings)
+    strengths: tuple[float, ...] = given.get("strengths", STRENGTHS)
+    k: int = given.get("k", 25)
+    n_texts: int = given.get("n_texts", 2)
+    prose: Sequence[str] | None = given.get("prose")
     from ..interventions.jspace_edits import AblateJSpace
 
     elapsed = timer()
@@ -176,4 +193,4 @@ def run_ablation_battery(model: LensModel, lens: Lens, data: dict, *, band: Any 
                             elapsed())
 
 
-__all__ = ["STRENGTHS", "automatic_prompts", "run_ablation_battery"]
+__all__ = ["STRENGTHS", "AblationSettings", "automatic_prompts", "run_ablation_battery"]

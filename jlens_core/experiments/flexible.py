@@ -23,6 +23,7 @@ from ..interventions.lens_edits import Swap, random_directions
 from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
+from ..seeds import derive_seed
 from .core import (
     ExperimentResult,
     Progress,
@@ -99,7 +100,7 @@ def run_flexible(model: LensModel, lens: Lens, data: dict, *, band: Any = None, 
             plan += [("J-lens swap", b, [Swap(model, lens, sa, sb, alpha, layers=layers)]),
                      ("logit-lens swap", b, [Swap(model, logit, sa, sb, alpha, layers=layers)]),
                      ("random directions", b, [Swap(model, lens, sa, sb, alpha, layers=layers, directions=random_directions(
-                         layers, model.d_model, seed * 100003 + 31 * n + j))])]
+                         layers, model.d_model, derive_seed(seed, n, j)))])]
         logits = edited_next_logits(model, ids, [p[2] for p in plan])
         for (arm, b, _), lg in zip(plan, logits):
             target = str(func["answers"][b])

@@ -27,7 +27,19 @@ FORMATS: dict[str, tuple[tuple[str, ...], dict[str, tuple[str, ...]]]] = {
                              "topic_categories": ("name", "members")}),
     "selectivity-language": (("task", "passages", "intermediates", "authors"),
                              {"passages": ("category", "key", "text")}),
+    # experiment 7: read and checked, not run in this version (docs/experiments.md)
+    "top-down-summoning": (("q1", "items"), {"items": ("key", "stimulus", "q2", "expected", "foil", "q1_expect",
+                                                       "swaps")}),
+    "selectivity-linecount": (("explicit_q", "conditions", "passages"), {"passages": ("tag", "width", "text")}),
+    "capacity": (("block_families", "targets_per_family", "candidate_pools"),
+                 {"candidate_pools": ("name", "pool", "proto")}),
+    "ignition": (("countries_12", "alt_words", "ctx_templates", "noun_ctx_templates", "idiom_pairs",
+                  "scrambled_pairs"), {}),
+    "dual-task": (("carrier_sentence", "concept_math_conditions", "concept_concept_conditions", "concept_pairs",
+                   "pairs"), {"pairs": ("key", "concept", "concept_words", "base", "exp", "sub")}),
 }
+# the formats of experiment 7 that load but do not run yet
+READ_ONLY = ("top-down-summoning", "selectivity-linecount", "capacity", "ignition", "dual-task")
 # the ablation battery scores two-hop items: it reads the probe-swap format
 ALIASES = {"ablation-battery": "probe-swap"}
 EXPERIMENTS = (*FORMATS, *ALIASES)
@@ -37,6 +49,13 @@ BUILT_IN_DIR = ASSETS_DIR / "experiments"
 def built_in_sets() -> dict[str, Path]:
     """``{experiment: path}`` of the small example sets shipped in ``assets/experiments/`` (written for jlens)."""
     paths = {name: BUILT_IN_DIR / f"{ALIASES.get(name, name)}.json" for name in EXPERIMENTS}
+    return {name: path for name, path in paths.items() if path.exists()}
+
+
+def reference_size_sets() -> dict[str, Path]:
+    """``{experiment: path}`` of the sets shipped at the reference's sizes (``{experiment}-reference-size.json``:
+    probe-swap 90 items, verbal-report 14 x 10, flexible-generalization 4 x 4 x 4), loadable by that stem too."""
+    paths = {name: BUILT_IN_DIR / f"{name}-reference-size.json" for name in EXPERIMENTS}
     return {name: path for name, path in paths.items() if path.exists()}
 
 
@@ -55,8 +74,8 @@ def detect_format(data: Any, *, source: str = "the data") -> str:
         raise ValueError(f"{source} is not a JSON object: an experiment file is one object "  # noqa: TRY004
                          'such as {"items": [...]} (docs/experiments.md).')
     found = [name for name in FORMATS if not _missing(data, name)]
-    if found:
-        return found[0]
+    if found:  # the most specific: top-down-summoning's {"q1", "items"} is also probe-swap's {"items"}
+        return max(found, key=lambda name: len(FORMATS[name][0]))
     # the closest: the most of its fields present, then the fewest missing
     closest = min(FORMATS, key=lambda name: (len(_missing(data, name)) - len(FORMATS[name][0]),
                                              len(_missing(data, name)), list(FORMATS).index(name)))
@@ -93,6 +112,16 @@ def _check_entries(data: Mapping[str, Any], name: str, source: str) -> None:
                                      f"{', '.join(lacking)}.")
                 if "{arg}" not in str(func["template"]):
                     raise ValueError(f"{source}: the template of function {func['name']!r} has no '{{arg}}' to fill.")
+    if name == "selectivity-linecount":
+        conditions = data["conditions"]
+        if not isinstance(conditions, Mapping) or not conditions:
+            raise ValueError(f"{source}: 'conditions' of selectivity-linecount must map each condition's name to "
+                             '{"question", "prefill"}.')
+        for key, condition in conditions.items():
+            lacking = [f for f in ("question", "prefill") if not isinstance(condition, Mapping) or f not in condition]
+            if lacking:
+                raise ValueError(f"{source}: condition {key!r} of selectivity-linecount lacks the fields "
+                                 f"{', '.join(lacking)}.")
 
 
 def load_experiment_items(source: str | Path | Mapping[str, Any], name: str | None = None) -> tuple[str, dict]:
@@ -100,7 +129,8 @@ def load_experiment_items(source: str | Path | Mapping[str, Any], name: str | No
 
     Args:
         source: a ``.json`` file in one of :data:`FORMATS`, a built-in set (``"probe-swap"``: the example set
-            shipped for that experiment) or the parsed object.
+            shipped for that experiment; ``"probe-swap-reference-size"``: the one at the reference's size) or the
+            parsed object.
         name: the experiment the data is for (checked); ``None`` detects it from the fields.
 
     Raises:
@@ -114,6 +144,7 @@ def load_experiment_items(source: str | Path | Mapping[str, Any], name: str | No
         data, label = source, "the data"
     else:
         builtin = built_in_sets()
+        builtin.update({path.stem: path for path in reference_size_sets().values()})
         path = builtin[str(source)] if str(source) in builtin else Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"No experiment file {str(source)!r}: give a .json file or a built-in set "
@@ -137,4 +168,4 @@ def load_experiment_items(source: str | Path | Mapping[str, Any], name: str | No
     return (name or found), dict(data)
 
 
-__all__ = ["ALIASES", "EXPERIMENTS", "FORMATS", "built_in_sets", "detect_format", "load_experiment_items"]
+__all__ = ["ALIASES", "EXPERIMENTS", "FORMATS", "READ_ONLY", "built_in_sets", "detect_format", "load_experiment_items", "reference_size_sets"]

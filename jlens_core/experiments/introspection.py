@@ -22,6 +22,7 @@ from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.edit_hooks import PositionRule
 from ..reading.inputs import record_residuals
+from ..seeds import generator, unit_directions
 from .core import (
     ExperimentResult,
     Progress,
@@ -108,7 +109,7 @@ def run_introspection(model: LensModel, lens: Lens, data: dict, *, band: Any = N
         recorded = record_residuals(model, ids, layers)
         norms = {layer: float(recorded[layer][1:].float().norm(dim=-1).mean()) for layer in layers}
         prompts[name] = (text, ids, user_positions(model, text, content), norms)
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = generator(seed)
     gate_rows, rows = [], []
     for concept in concepts:
         surface = str(concept["surface"])
@@ -125,8 +126,7 @@ def run_introspection(model: LensModel, lens: Lens, data: dict, *, band: Any = N
             directions = {layer: token_direction(model, lens, layer, tid) for layer in layers}
             random = {}
             for layer in layers:
-                r = torch.randn(model.d_model, generator=gen)
-                random[layer] = r / r.norm()
+                random[layer] = unit_directions(1, model.d_model, gen)[0]
             plan = [(arm, float(s), [Inject(vecs, {layer: float(s) * norms[layer] for layer in layers}, positions)])
                     for s in strengths for arm, vecs in zip(ARMS, (directions, random))]
             logits = edited_next_logits(model, ids, [p[2] for p in plan])

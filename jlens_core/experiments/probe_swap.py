@@ -24,16 +24,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import pandas as pd
 
+from .._keywords import checked_options
 from ..interventions.lens_edits import Swap, random_directions
 from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import TokenDisplay
+from ..seeds import derive_seed
 from .core import (
     ExperimentResult,
     Progress,
@@ -50,6 +52,9 @@ from .core import (
     word_ids,
 )
 from .jspace_arms import probe_arms
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 NAME = "probe-swap"
 WORDS = ("intermediate", "answer", "swap_to", "swap_answer")
@@ -77,10 +82,18 @@ def depth_onset(starts: Sequence[int], rates: Sequence[float]) -> float:
     return float(starts[int(ok[-1])])
 
 
+class ProbeSwapSettings(TypedDict, total=False):
+    """:func:`run_probe_swap`'s settings by keyword (its Args): ``depth``, ``depth_step``, ``probes``, ``alpha``."""
+
+    depth: bool
+    depth_step: int | None
+    probes: bool
+    alpha: float
+
+
 def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None, seed: int = 0,
-                   depth: bool = True, depth_step: int | None = None, probes: bool = True, alpha: float = 1.0,
-                   progress: Callable[[int, int], None] | None = None,
-                   stop: Callable[[], bool] | None = None) -> ExperimentResult:
+                   progress: Callable[[int, int], None] | None = None, stop: Callable[[], bool] | None = None,
+                   **options: Unpack[ProbeSwapSettings]) -> ExperimentResult:
     """Run experiment 1 on ``data`` (the probe-swap format); see the module docstring.
 
     Args:
@@ -92,7 +105,13 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
 
     Raises:
         ValueError: a band outside the lens; no item passes the gate.
+        TypeError: a keyword that is no setting (:class:`ProbeSwapSettings`).
     """
+    given = checked_options("run_probe_swap", options, ProbeSwapSettings)
+    depth: bool = given.get("depth", True)
+    depth_step: int | None = given.get("depth_step")
+    probes: bool = given.get("probes", True)
+    alpha: float = given.get("alpha", 1.0)
     elapsed = timer()
     items = list(data["items"])
     readable = readable_layers(lens)
@@ -110,6 +129,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
         ids = model.encode(text)
         read = clean_read(model, lens, ids, readable)
         row["model_says"] = model.decode([read.greedy])
+        row["model_says_id"] = read.greedy
         if missing:
             row["reason"] = "unscored: not one token here: " + ", ".join(missing)
         elif read.greedy not in first_ids(model, words["answer"]):
@@ -134,12 +154,12 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
         spelt = {k: next(iter(word_ids(model, v))) for k, v in words.items()}
         target = set(word_ids(model, words["swap_answer"]).values())
         exclude = set().union(*(set(word_ids(model, v).values()) for v in words.values()))
-        null = unrelated_token(model, exclude, seed * 100003 + i)
+        null = unrelated_token(model, exclude, derive_seed(seed, i))
         arms: dict[str, list] = {
             "J-lens swap": [Swap(model, lens, spelt["intermediate"], spelt["swap_to"], alpha, layers=layers)],
             "logit-lens swap": [Swap(model, logit, spelt["intermediate"], spelt["swap_to"], alpha, layers=layers)],
             "random directions": [Swap(model, lens, spelt["intermediate"], spelt["swap_to"], alpha, layers=layers,
-                                       directions=random_directions(layers, model.d_model, seed * 100003 + i))],
+                                       directions=random_directions(layers, model.d_model, derive_seed(seed, i)))],
             "unrelated swap": [Swap(model, lens, spelt["intermediate"], null, alpha, layers=layers)],
             "answer swap": [Swap(model, lens, greedy, spelt["swap_answer"], alpha, layers=layers)],
         }
@@ -153,7 +173,8 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
                                "source": words["intermediate"], "target": words["swap_answer"],
                                "swap_to": words["swap_to"], "rank": rank, "top1": rank == 1, "top5": rank <= 5,
                                "says": model.decode([int(lg.argmax())]),
-                               "null_token": model.decode([null]) if name == "unrelated swap" else ""})
+                               "null_token": model.decode([null]) if name == "unrelated swap" else "",
+                               "null_id": null if name == "unrelated swap" else -1})
         steps.step()
         if depth:
             rows = []
@@ -186,4 +207,4 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
                             elapsed(), tuple(notes))
 
 
-__all__ = ["ARMS", "depth_onset", "run_probe_swap", "unrelated_token"]
+__all__ = ["ARMS", "ProbeSwapSettings", "depth_onset", "run_probe_swap", "unrelated_token"]

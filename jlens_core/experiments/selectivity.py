@@ -22,6 +22,7 @@ import pandas as pd
 from ..interventions.lens_edits import Swap, random_directions
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
+from ..seeds import derive_seed
 from .core import (
     ExperimentResult,
     Progress,
@@ -117,7 +118,7 @@ def run_selectivity(model: LensModel, lens: Lens, data: dict, *, band: Any = Non
             plan = [("J-lens swap", [Swap(model, lens, s_from, s_to, alpha, layers=layers)]),
                     ("random directions", [Swap(model, lens, s_from, s_to, alpha, layers=layers,
                                                 directions=random_directions(layers, model.d_model,
-                                                                             seed * 100003 + n))])]
+                                                                             derive_seed(seed, n)))])]
             target_ids = set(word_ids(model, target).values())
             for (arm, _), lg in zip(plan, edited_next_logits(model, ids, [e for _, e in plan])):
                 said = int(lg.argmax())

@@ -19,16 +19,18 @@ position and their output ranks, averaged over the gated categories.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import pandas as pd
 
+from .._keywords import checked_options
 from ..interventions.lens_edits import Swap, random_directions
 from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import is_word_like
+from ..seeds import derive_seed
 from .core import (
     ExperimentResult,
     Progress,
@@ -44,6 +46,9 @@ from .core import (
 )
 from .jspace_arms import concept_arms
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
+
 NAME = "verbal-report"
 TEMPLATE = "Think of a {category}. Answer in one word."
 CONCEPT_TEMPLATE = "Tell me about {concept}"
@@ -56,17 +61,37 @@ def _prompt(model: LensModel, text: str, prefill: str) -> str:
     return render_prompt(model, turns, experiment=NAME)
 
 
+class VerbalReportSettings(TypedDict, total=False):
+    """:func:`run_verbal_report`'s settings by keyword: the question ``template`` (with ``{category}``, default
+    :data:`TEMPLATE`), the assistant ``prefill``, ``n_swaps`` per category (:data:`N_SWAPS`), whether the
+    ``concepts`` arms run, the swaps' ``alpha`` and the ``gate`` (``"candidate"`` or ``"word"``)."""
+
+    template: str
+    prefill: str
+    n_swaps: int
+    concepts: bool
+    alpha: float
+    gate: str
+
+
 def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = None, seed: int = 0,
-                      template: str = TEMPLATE, prefill: str = "", n_swaps: int = N_SWAPS, concepts: bool = True, alpha: float = 1.0,
-                      gate: str = "candidate",
-                      progress: Callable[[int, int], None] | None = None,
-                      stop: Callable[[], bool] | None = None) -> ExperimentResult:
-    """Run experiment 2 on ``data`` (``{"candidates": {category: [words]}}``); see the module docstring.
+                      progress: Callable[[int, int], None] | None = None, stop: Callable[[], bool] | None = None,
+                      **options: Unpack[VerbalReportSettings]) -> ExperimentResult:
+    """Run experiment 2 on ``data`` (``{"candidates": {category: [words]}}``); see the module docstring. Its settings
+    (:class:`VerbalReportSettings`) are keywords.
 
     Raises:
         NoChatTemplateError: the model has no chat template.
         ValueError: a template without ``{category}``, a band outside the lens, an empty gate.
+        TypeError: a keyword that is no setting.
     """
+    given = checked_options("run_verbal_report", options, VerbalReportSettings)
+    template: str = given.get("template", TEMPLATE)
+    prefill: str = given.get("prefill", "")
+    n_swaps: int = given.get("n_swaps", N_SWAPS)
+    concepts: bool = given.get("concepts", True)
+    alpha: float = given.get("alpha", 1.0)
+    gate: str = given.get("gate", "candidate")
     if "{category}" not in template:
         raise ValueError(f"The template {template!r} has no '{{category}}' to fill.")
     if gate not in GATES:
@@ -129,7 +154,7 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
                          ("logit-lens swap", word, [Swap(model, logit, read.greedy, spelt, alpha, layers=layers)]),
                          ("random directions", word, [Swap(model, lens, read.greedy, spelt, alpha, layers=layers,
                                                            directions=random_directions(
-                                                               layers, model.d_model, seed * 100003 + 97 * n + j))])]
+                                                               layers, model.d_model, derive_seed(seed, n, j)))])]
             if split is not None:
                 arms_per += [(arm, word, edits) for arm, edits in split.arms_for(answer.strip(), word).items()]
         logits = edited_next_logits(model, ids, [a[2] for a in arms_per])
@@ -157,4 +182,4 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
                             elapsed(), tuple(notes))
 
 
-__all__ = ["CONCEPT_TEMPLATE", "N_SWAPS", "TEMPLATE", "run_verbal_report"]
+__all__ = ["CONCEPT_TEMPLATE", "N_SWAPS", "TEMPLATE", "VerbalReportSettings", "run_verbal_report"]

@@ -39,11 +39,12 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from jaxtyping import Bool, Float, Int
 
+from .._keywords import checked_options
 from ..layerspec import resolve_layers
 from ..lenses.kinds import relevance_backward
 from ..models.model import LensModel, kv_cache_problem
@@ -60,6 +61,8 @@ from .relevance import relevance_rules, relevance_unsupported_reason, unsupporte
 from .routing import expert_counts, one_hot_routes, routed_sums, routes_for
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
+
     from ..lenses.experts import Clustering
 
 log = logging.getLogger(__name__)
@@ -256,12 +259,19 @@ def _remember(model: LensModel, attr: str, value: bool) -> None:
         pass
 
 
+class PromptJacobianKeywords(TypedDict, total=False):
+    """:func:`jacobian_for_prompt`'s further keywords (its Args): an expert fit's ``clustering`` and the memory
+    budget ``max_memory``."""
+
+    clustering: Mapping[int, Clustering] | None
+    max_memory: int | str | None
+
+
 def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | Int[torch.Tensor, "*shape"], *,
                         source_layers: Iterable[int] | None = None,
                         target_layer: int | None = None, dim_batch: int | str = 8, max_seq_len: int = 128,
                         skip_first: int = 16, method: str = "auto", rules: str = "jacobian",
-                        clustering: Mapping[int, Clustering] | None = None,
-                        max_memory: int | str | None = None) -> PromptJacobian:
+                        **options: Unpack[PromptJacobianKeywords]) -> PromptJacobian:
     """The per-prompt Jacobians ``{l: J_l}`` of docs/method.md §2.
 
     Args:
@@ -296,7 +306,11 @@ def jacobian_for_prompt(model: LensModel, prompt: str | Sequence[int] | Int[torc
             model it does not support, ``rules="relevance"`` on a model whose layers have a part the
             rules do not name, or a prompt with no valid position.
         MemoryBudgetError: ``max_memory`` too small for one row per pass (a ``ValueError``).
+        TypeError: a keyword that is none of these (``clustering`` and ``max_memory``: :class:`PromptJacobianKeywords`).
     """
+    given = checked_options("jacobian_for_prompt", options, PromptJacobianKeywords)
+    clustering: Mapping[int, Clustering] | None = given.get("clustering")
+    max_memory: int | str | None = given.get("max_memory")
     check_rules(rules)
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}.")

@@ -20,6 +20,7 @@ import torch
 from ..lenses.experts import UNIT_EPS, Clustering
 from ..models.model import LensModel
 from ..models.recorder import ActivationRecorder
+from ..seeds import generator
 from .estimator import prompt_ids
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def kmeans(z: torch.Tensor, experts: int, *, seed: int = 0, max_iter: int = 100,
     more than ``tol`` (Euclidean, in ``z``'s units).
     """
     z = z.double()
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = generator(seed)
     centroids = _kmeans_pp(z, experts, gen)
     for _ in range(max_iter):
         dist = _squared_distances(z, centroids)  # [n, E]

@@ -634,6 +634,15 @@ class FitKeywords(TypedDict, total=False):
     halves: bool
 
 
+class FitRunOptions(FitKeywords, total=False):
+    """:func:`fit`'s keywords besides its named parameters: :class:`FitKeywords` (fields of the settings and the
+    plan), ``resume`` (go on from ``checkpoint_path`` when it exists; default ``True``) and ``world`` (a
+    :class:`World` to shard over; default one process)."""
+
+    resume: bool
+    world: World | None
+
+
 def fit_settings_and_plan(settings: FitSettings | None = None, plan: FitPlan | None = None,
                           **keywords: object) -> tuple[FitSettings, FitPlan]:
     """``settings`` and ``plan`` (defaults when ``None``) with the fields named in ``keywords`` replaced.
@@ -660,25 +669,25 @@ def fit_settings_and_plan(settings: FitSettings | None = None, plan: FitPlan | N
 
 @overload
 def fit(model: LensModel, prompts: Sequence, settings: None = None, plan: FitPlan | None = None, *,
-        experts: Literal[0] | None = None, checkpoint_path: str | os.PathLike | None = None, resume: bool = True,
+        experts: Literal[0] | None = None, checkpoint_path: str | os.PathLike | None = None,
         progress: Callable[[FitProgress], None] | None = None,
-        should_stop: Callable[[FitState], str | None] | None = None, world: World | None = None,
-        **keywords: Unpack[FitKeywords]) -> JacobianLens: ...
+        should_stop: Callable[[FitState], str | None] | None = None,
+        **keywords: Unpack[FitRunOptions]) -> JacobianLens: ...
 
 
 @overload
 def fit(model: LensModel, prompts: Sequence, settings: FitSettings | None = None, plan: FitPlan | None = None, *,
-        experts: int | None = None, checkpoint_path: str | os.PathLike | None = None, resume: bool = True,
+        experts: int | None = None, checkpoint_path: str | os.PathLike | None = None,
         progress: Callable[[FitProgress], None] | None = None,
-        should_stop: Callable[[FitState], str | None] | None = None, world: World | None = None,
-        **keywords: Unpack[FitKeywords]) -> JacobianLens | ExpertLens: ...
+        should_stop: Callable[[FitState], str | None] | None = None,
+        **keywords: Unpack[FitRunOptions]) -> JacobianLens | ExpertLens: ...
 
 
 def fit(model: LensModel, prompts: Sequence, settings: FitSettings | None = None, plan: FitPlan | None = None, *,
-        experts: int | None = None, checkpoint_path: str | os.PathLike | None = None, resume: bool = True,
+        experts: int | None = None, checkpoint_path: str | os.PathLike | None = None,
         progress: Callable[[FitProgress], None] | None = None,
-        should_stop: Callable[[FitState], str | None] | None = None, world: World | None = None,
-        **keywords: Unpack[FitKeywords]) -> JacobianLens | ExpertLens:
+        should_stop: Callable[[FitState], str | None] | None = None,
+        **keywords: Unpack[FitRunOptions]) -> JacobianLens | ExpertLens:
     """Fit a Jacobian lens: the plain mean of per-prompt ``J_l`` over the prompts with valid positions.
 
     Args:
@@ -722,6 +731,8 @@ def fit(model: LensModel, prompts: Sequence, settings: FitSettings | None = None
             row per backward pass (``MemoryBudgetError``, with the bytes needed).
         RankFailedError: sharded, on every rank, once a rank failed on a prompt (with its error).
     """
+    resume: bool = keywords.pop("resume", True)
+    world: World | None = keywords.pop("world", None)
     if experts is not None:
         keywords = {**keywords, "experts": experts}  # type: ignore[typeddict-unknown-key]
     settings, plan = fit_settings_and_plan(settings, plan, **keywords)

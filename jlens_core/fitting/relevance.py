@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from ..models.model import LensModel, kv_cache_problem
 from ..models.placement import execution_device, materialised, own_forward_attribute
 from ..models.recorder import ActivationRecorder
+from ..seeds import generator
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def recognise_norm(module: nn.Module, d: int) -> NormRule | None:
     input (relative 1e-4 in fp32, 2e-2 in lower precision), or ``None``."""
     weight = getattr(module, "weight", None)
     dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
-    gen = torch.Generator().manual_seed(0)
+    gen = generator(0)
     x = (torch.randn(2, 3, d, generator=gen) * 3 + 0.5).to(device=execution_device(module), dtype=dtype)
     with torch.no_grad():
         try:

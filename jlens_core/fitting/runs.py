@@ -35,9 +35,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
+from .._keywords import checked_options
 from ..lenses.fit_settings import FitPlan, FitSettings
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 from .runfiles import diagnostics_path, status_path
 
 RUN_FILE = "run.json"
@@ -211,15 +215,33 @@ def new_name(model_spec: str) -> str:
     return f"{short}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+class FitRunKeywords(TypedDict, total=False):
+    """:func:`fit_arguments`'s further keywords, each a ``jlens fit`` flag: ``min_chars`` (400) and ``split``
+    (``"fit"``) of the corpus, the ``checkpoint`` path, ``stop_at_delta``, and the model's ``device`` and ``dtype``
+    (``None`` or ``"auto"``: not given)."""
+
+    min_chars: int
+    split: str
+    checkpoint: str | None
+    stop_at_delta: float | None
+    device: str | None
+    dtype: str | None
+
+
 def fit_arguments(*, model: str, corpus: str, out: Path, settings: FitSettings | None = None,
-                  plan: FitPlan | None = None, n_prompts: int | None = None, min_chars: int = 400, split: str = "fit",
-                  checkpoint: str | None = None, stop_at_delta: float | None = None, device: str | None = None,
-                  dtype: str | None = None) -> list[str]:
+                  plan: FitPlan | None = None, n_prompts: int | None = None,
+                  **options: Unpack[FitRunKeywords]) -> list[str]:
     """The ``jlens fit`` command-line arguments for these settings (see ``jlens fit --help``).
 
     ``settings`` / ``plan`` (defaults when ``None``) give their own flags (:meth:`FitSettings.cli_arguments`: those
-    that differ from the flag's default); the rest are the run's: corpus, prompts, checkpoint, stop, model loading.
+    that differ from the flag's default); the rest are the run's: corpus, prompts, checkpoint, stop, model loading
+    (:class:`FitRunKeywords`). Raises ``TypeError`` for a keyword that is none of these.
     """
+    given = checked_options("fit_arguments", options, FitRunKeywords)
+    min_chars: int = given.get("min_chars", 400)
+    split: str = given.get("split", "fit")
+    checkpoint, stop_at_delta = given.get("checkpoint"), given.get("stop_at_delta")
+    device, dtype = given.get("device"), given.get("dtype")
     settings = settings if settings is not None else FitSettings()
     plan = plan if plan is not None else FitPlan()
     args = ["--model", model, "--corpus", corpus, "--out", str(out), "--min-chars", str(int(min_chars)),
@@ -452,6 +474,6 @@ def stop(run: Run, *, force: bool = False) -> bool:
     return True
 
 
-__all__ = ["ACTIVE", "FINAL", "Run", "Weigh", "active_names", "check_capacity", "clean_name", "fit_arguments", "follow",
+__all__ = ["ACTIVE", "FINAL", "FitRunKeywords", "Run", "Weigh", "active_names", "check_capacity", "clean_name", "fit_arguments", "follow",
            "list_runs", "load_run", "load_weigh", "new_name", "pid_alive", "resume", "start", "start_weigh", "stop",
            "weigh_arguments"]

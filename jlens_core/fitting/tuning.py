@@ -27,17 +27,21 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
 from .._atomic import atomic_write
+from .._keywords import checked_options
 from ..layerspec import normalise_layers
 from ..lenses.readout import transported_logits
 from ..lenses.tuned import TunedLens
 from ..models.model import LensModel
 from ..models.recorder import ActivationRecorder
 from .resume import check_same_settings, prompts_digest
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -190,12 +194,25 @@ def heldout_kl(model: LensModel, lens: TunedLens, texts: Sequence[str], *, max_s
     return {layer: sums[layer] / count / LN2 for layer in layers}
 
 
+class TuneKeywords(TypedDict, total=False):
+    """:func:`train_tuned_lens`'s further keywords (its Args): the step's size and schedule, the tokens used, how
+    often it measures and checkpoints, whether it resumes, the seed."""
+
+    tokens_per_step: int
+    lr: float
+    warmup_steps: int
+    max_seq_len: int
+    skip_first: int
+    heldout_every: int
+    checkpoint_every: int
+    resume: bool
+    seed: int
+
+
 def train_tuned_lens(model: LensModel, texts: Sequence[str], *, layers: Sequence[int] | None = None, steps: int = 100,
-                     tokens_per_step: int = 256, lr: float = 1e-3, warmup_steps: int = 5, max_seq_len: int = 128,
-                     skip_first: int = 16, heldout_texts: Sequence[str] = (), heldout_every: int = 10,
-                     checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int = 10,
-                     resume: bool = True, seed: int = 0,
-                     progress: Callable[[TuneProgress], None] | None = None) -> TunedLens:
+                     heldout_texts: Sequence[str] = (), checkpoint_path: str | os.PathLike | None = None,
+                     progress: Callable[[TuneProgress], None] | None = None,
+                     **options: Unpack[TuneKeywords]) -> TunedLens:
     """Train a tuned lens for ``model`` on ``texts`` (see the module docstring).
 
     Args:
@@ -220,7 +237,14 @@ def train_tuned_lens(model: LensModel, texts: Sequence[str], *, layers: Sequence
     Raises:
         ValueError: zero training tokens, a layer outside the model, bad step counts or learning
             rate, or a checkpoint written with other settings (names the setting).
+        TypeError: a keyword that is not one of :class:`TuneKeywords`.
     """
+    given = checked_options("train_tuned_lens", options, TuneKeywords)
+    tokens_per_step, lr = given.get("tokens_per_step", 256), given.get("lr", 1e-3)
+    warmup_steps, max_seq_len, skip_first = given.get("warmup_steps", 5), given.get("max_seq_len", 128), \
+        given.get("skip_first", 16)
+    heldout_every, checkpoint_every = given.get("heldout_every", 10), given.get("checkpoint_every", 10)
+    resume, seed = given.get("resume", True), given.get("seed", 0)
     top = model.n_layers - 1
     chosen = normalise_layers(layers, model.n_layers, below=top, name="Layer", below_name="the output layer")
     if int(steps) < 1 or int(tokens_per_step) < 1:
@@ -340,4 +364,4 @@ class _TuneRun:
         atomic_write(self.checkpoint, lambda tmp: torch.save(state, tmp))
 
 
-__all__ = ["TUNE_SETTINGS", "TuneProgress", "TuneSettings", "heldout_kl", "train_tuned_lens"]
+__all__ = ["TUNE_SETTINGS", "TuneKeywords", "TuneProgress", "TuneSettings", "heldout_kl", "train_tuned_lens"]

@@ -12,9 +12,9 @@ Imports :mod:`jlens_core.models`, :mod:`jlens_core.lenses`, :mod:`jlens_core.rea
 
 from .lens_edits import Ablate, Steer, Swap
 from .read_directions import token_direction
-from .say import SayResult, make_it_say
+from .say import SayOptions, SayResult, make_it_say
 from .say_success import SaySuccessReport, load_say_set, say_success
-from .swap_success import SwapReport, load_swap_set, swap_success
+from .swap_success import SwapOptions, SwapReport, load_swap_set, swap_success
 
-__all__ = ["Ablate", "SayResult", "SaySuccessReport", "Steer", "Swap", "SwapReport", "load_say_set", "load_swap_set",
-           "make_it_say", "say_success", "swap_success", "token_direction"]
+__all__ = ["Ablate", "SayOptions", "SayResult", "SaySuccessReport", "Steer", "Swap", "SwapOptions", "SwapReport",
+           "load_say_set", "load_swap_set", "make_it_say", "say_success", "swap_success", "token_direction"]

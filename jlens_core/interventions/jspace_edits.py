@@ -21,21 +21,64 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from jaxtyping import Float
 
-from ..jspace.decompose import DEFAULT_K, check_k, random_dictionary, split
+from .._keywords import checked_options, options_value
+from ..jspace.decompose import DEFAULT_K, check_k, jspace_pursuit, random_pursuit, split
 from ..jspace.dictionary import check_gauge, jspace
-from ..jspace.pursuit import check_method, greedy_pursuit
+from ..jspace.pursuit import check_method
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import token_id
+from ..seeds import generator, unit_directions
 from .lens_edits import MAX_STRENGTH, _LensEdit
 from .read_directions import token_directions
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
+
 PARTS = ("full", "j", "non_j")
 MAGNITUDES = ("natural", "norm_matched")
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """How a J-space edit splits a vector and what its random control draws: one value, or its fields given one by
+    one as keywords (:class:`SplitKeywords`; a keyword wins).
+
+    Attributes:
+        k, gauge, method: the J-space split (:func:`~jlens_core.jspace.decompose.split`; ``k`` atoms, the gauge
+            ``"centred"`` or ``"raw"``, the pursuit ``method``).
+        random: the edit's random control in place of the J-space (each edit's Args say what it draws).
+        seed: the random control's seed (:mod:`jlens_core.seeds`).
+    """
+
+    k: int = DEFAULT_K
+    gauge: str = "centred"
+    method: str = "gradient_pursuit"
+    random: bool = False
+    seed: int = 0
+
+
+class SplitKeywords(TypedDict, total=False):
+    """:class:`SplitOptions`'s fields given one by one (the older spelling, kept)."""
+
+    k: int
+    gauge: str
+    method: str
+    random: bool
+    seed: int
+
+
+class VectorSwapKeywords(SplitKeywords, total=False):
+    """:class:`VectorSwap`'s further keywords: :class:`SplitKeywords`, ``magnitude`` and ``on_generated``."""
+
+    magnitude: str
+    on_generated: bool
 
 
 def _check_strength(strength: float) -> float:
@@ -44,11 +87,6 @@ def _check_strength(strength: float) -> float:
         raise ValueError(f"Strength {strength!r} is out of range: give a number in [-{MAX_STRENGTH:g}, "
                          f"{MAX_STRENGTH:g}] (1 = the whole difference or component).")
     return float(strength)
-
-
-def _random_like(d_model: int, norm: float, gen: torch.Generator) -> torch.Tensor:
-    v = torch.randn(int(d_model), generator=gen)
-    return v / v.norm() * norm
 
 
 class VectorSwap(_LensEdit):
@@ -64,6 +102,7 @@ class VectorSwap(_LensEdit):
             difference ``B - A``).
         layers: band layers (default: the layers both dicts have).
         positions, on_generated: the position rule (:mod:`jlens_core.interventions.lens_edits`).
+        split_options: the :class:`SplitOptions` (default ``SplitOptions()``); its fields may be given one by one:
         k, gauge, method: the J-space split (:func:`~jlens_core.jspace.decompose.split`).
         random: replace each layer's difference by a seeded random direction of the same norm (the control).
         seed: the random direction's seed.
@@ -75,14 +114,18 @@ class VectorSwap(_LensEdit):
     Raises:
         ValueError: an unknown part or magnitude, a strength out of range, a layer missing from either dict or outside
             the lens, a zero vector, or a zero part difference that cannot be norm-matched.
+        TypeError: a keyword that is not one of :class:`VectorSwapKeywords`.
     """
 
     def __init__(self, model: LensModel, lens: Lens, source: dict[int, Float[torch.Tensor, " d_model"]],
-                 replacement: dict[int, Float[torch.Tensor, " d_model"]], *, part: str = "full", strength: float = 1.0,
-                 magnitude: str = "natural", layers: Iterable[int] | None = None,
-                 positions: Iterable[int] | None = None, on_generated: bool = False, k: int = DEFAULT_K,
-                 gauge: str = "centred", method: str = "gradient_pursuit", random: bool = False,
-                 seed: int = 0) -> None:
+                 replacement: dict[int, Float[torch.Tensor, " d_model"]], split_options: SplitOptions | None = None, *,
+                 part: str = "full", strength: float = 1.0, layers: Iterable[int] | None = None,
+                 positions: Iterable[int] | None = None, **options: Unpack[VectorSwapKeywords]) -> None:
+        own = checked_options("VectorSwap", options, VectorSwapKeywords)
+        magnitude: str = own.pop("magnitude", "natural")
+        on_generated: bool = own.pop("on_generated", False)
+        o = options_value("VectorSwap", split_options, SplitOptions, own, SplitKeywords)
+        k, gauge, method, random, seed = o.k, o.gauge, o.method, o.random, o.seed
         if part not in PARTS:
             raise ValueError(f"part={part!r} is not a part: use 'full', 'j' or 'non_j'.")
         if magnitude not in MAGNITUDES:
@@ -96,7 +139,6 @@ class VectorSwap(_LensEdit):
                 raise ValueError("source and replacement share no layer: give vectors for the same layers.")
         super().__init__(model, lens, layers, positions, on_generated)
         self.part, self.magnitude, self.random, self.gauge = part, magnitude, bool(random), gauge
-        gen = torch.Generator().manual_seed(int(seed))
         self.deltas: dict[int, torch.Tensor] = {}
         self.j_shares: dict[int, tuple[float, float]] = {}
         d = int(model.d_model)
@@ -122,7 +164,7 @@ class VectorSwap(_LensEdit):
                                      "difference to norm-match.")
                 delta = delta * (float(full.norm()) / norm)
             if self.random:
-                delta = _random_like(d, float(delta.norm()), gen)
+                delta = unit_directions(1, d, generator(seed, layer))[0] * float(delta.norm())
             self.deltas[layer] = delta
 
     def apply(self, layer: int, h: Float[torch.Tensor, "rows d_model"],
@@ -167,12 +209,10 @@ class ClampJ(_LensEdit):
         self.token_ids = ids
         self.tokens = [model.decode([t]) for t in ids]
         self.gauge, self.random = gauge, bool(random)
-        gen = torch.Generator().manual_seed(int(seed))
         self.bases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer: (V [d, m], V⁺ [m, d])
         for layer in self.layers:
             if self.random:
-                v = torch.randn(len(ids), int(model.d_model), generator=gen)
-                v = v / v.norm(dim=-1, keepdim=True)
+                v = unit_directions(len(ids), int(model.d_model), generator(seed, layer))
             else:
                 v = token_directions(model, lens, layer, ids, centred=gauge == "centred")
             basis = v.T.double()
@@ -207,6 +247,7 @@ class AblateJSpace(_LensEdit):
 
     Args:
         model, lens: the lens whose J-space is ablated.
+        split_options: the :class:`SplitOptions` (default ``SplitOptions()``); its fields may be given one by one:
         k, gauge, method: the decomposition (:func:`~jlens_core.jspace.decompose.decompose`).
         strength: ``s`` in [-4, 4] (0: the identity; 1: the component removed).
         random: remove the fit of a seeded random dictionary of the same size instead, rescaled per row to the norm of
@@ -218,10 +259,11 @@ class AblateJSpace(_LensEdit):
         removed_norms: ``{layer: ||removed|| [n]}`` of the last call at each layer (for reports).
     """
 
-    def __init__(self, model: LensModel, lens: Lens, *, k: int = DEFAULT_K, strength: float = 1.0,
-                 gauge: str = "centred", method: str = "gradient_pursuit", random: bool = False, seed: int = 0,
-                 layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
-                 on_generated: bool = False) -> None:
+    def __init__(self, model: LensModel, lens: Lens, split_options: SplitOptions | None = None, *,
+                 strength: float = 1.0, layers: Iterable[int] | None = None, positions: Iterable[int] | None = None,
+                 on_generated: bool = False, **options: Unpack[SplitKeywords]) -> None:
+        o = options_value("AblateJSpace", split_options, SplitOptions, options, SplitKeywords)
+        k, gauge, method, random, seed = o.k, o.gauge, o.method, o.random, o.seed
         self.strength = _check_strength(strength)
         check_gauge(gauge)
         check_method(method)
@@ -235,12 +277,9 @@ class AblateJSpace(_LensEdit):
         """What :meth:`apply` subtracts at strength 1 from rows ``h [n, d]`` (fp32, CPU)."""
         space = self.spaces[layer]
         rows = h.detach().float().cpu()
-        fit = greedy_pursuit(rows, self.k, correlate=space.correlations, fetch=space.unit_atoms_at,
-                             method=self.method).fitted
+        fit = jspace_pursuit(space, rows, self.k, self.method).fitted
         if self.random:
-            unit = random_dictionary(space.n_atoms, space.d_model, self.seed)
-            other = greedy_pursuit(rows, self.k, correlate=lambda r: r @ unit.T, fetch=lambda i: unit[i].double(),
-                                   method=self.method).fitted
+            other = random_pursuit(rows, self.k, space.n_atoms, self.seed, self.method).fitted
             scale = fit.norm(dim=-1, keepdim=True) / other.norm(dim=-1, keepdim=True).clamp_min(1e-300)
             fit = other * torch.where(other.norm(dim=-1, keepdim=True) > 0, scale, 0.0)
         return fit.float()
@@ -258,4 +297,4 @@ class AblateJSpace(_LensEdit):
         return f"AblateJSpace({what}, strength={self.strength:g}, {self._where(self.gauge == 'centred', self.random)})"
 
 
-__all__ = ["MAGNITUDES", "PARTS", "AblateJSpace", "ClampJ", "VectorSwap"]
+__all__ = ["MAGNITUDES", "PARTS", "AblateJSpace", "ClampJ", "SplitKeywords", "SplitOptions", "VectorSwap", "VectorSwapKeywords"]

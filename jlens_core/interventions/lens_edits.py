@@ -35,6 +35,7 @@ from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.edit_hooks import PositionRule
 from ..reading.tokens import token_id
+from ..seeds import generator, unit_directions
 from .read_directions import check_layers, default_layers, token_direction
 
 MAX_STRENGTH = 4.0
@@ -256,34 +257,17 @@ def with_logit_control(model: LensModel, lenses: Mapping[str, Lens]) -> dict[str
 
 
 # -- the seeded random directions (the controls of the swap and of make-it-say) ------------------------------
-ITEM_SEED_STRIDE = 100003
-
-
-def item_seed(seed: int, index: int) -> int:
-    """The seed of item ``index`` of a success run seeded with ``seed``: ``seed * 100003 + index``."""
-    return int(seed) * ITEM_SEED_STRIDE + int(index)
-
-
-def random_unit_directions(n: int, d_model: int, generator: torch.Generator) -> Float[torch.Tensor, "n d_model"]:
-    """``n`` Gaussian directions drawn from ``generator`` (one ``randn(n, d_model)``), each scaled to unit length:
-    norm-matched stand-ins for unit read directions (every edit uses unit vectors, so a random edit has the
-    same size)."""
-    draws = torch.randn(int(n), int(d_model), generator=generator)
-    return torch.stack([v / v.norm() for v in draws])
-
-
 def random_directions(layers: Sequence[int], d_model: int,
                       seed: int) -> dict[int, tuple[Float[torch.Tensor, " d_model"],
                                                     Float[torch.Tensor, " d_model"]]]:
-    """Two random unit directions per layer (:func:`random_unit_directions`, one generator seeded with ``seed``
-    drawing the layers in order): the swap's floor control."""
-    gen = torch.Generator().manual_seed(int(seed))
+    """Two random unit directions per layer (:func:`jlens_core.seeds.unit_directions` from the generator of
+    ``(seed, layer)``): the swap's floor control."""
     out = {}
     for layer in layers:
-        pair = random_unit_directions(2, d_model, gen)
+        pair = unit_directions(2, d_model, generator(seed, int(layer)))
         out[int(layer)] = (pair[0], pair[1])
     return out
 
 
-__all__ = ["COLLINEAR_COS", "ITEM_SEED_STRIDE", "MAX_ALPHA", "MAX_STRENGTH", "Ablate", "Steer", "Swap", "item_seed",
-           "random_directions", "random_unit_directions", "swap_basis", "swap_step", "with_logit_control"]
+__all__ = ["COLLINEAR_COS", "MAX_ALPHA", "MAX_STRENGTH", "Ablate", "Steer", "Swap", "random_directions", "swap_basis",
+           "swap_step", "with_logit_control"]

@@ -23,11 +23,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import pandas as pd
 import torch
 
+from .._keywords import checked_options, options_value
 from ..lenses.kinds import BASELINE, is_baseline
 from ..lenses.lens import LogitLens
 from ..lenses.protocol import Lens
@@ -52,6 +53,9 @@ from .say_ranking import (
 )
 from .say_replay import Outcome, Replayer, build_edits, edited_positions
 from .side_effects import DOWNSTREAM_TOKENS, check_downstream_tokens, clean_continuation
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -594,17 +598,61 @@ def lens_arm(model: LensModel, name: str, lens: Lens) -> _Arm:
     return _Arm(name, lens, LensDirections(model, lens), label)
 
 
+@dataclass(frozen=True)
+class SayOptions:
+    """How :func:`make_it_say` and :func:`~jlens_core.interventions.say_success.say_success` search (docs/method.md
+    §7.1): one value, or its fields given one by one as keywords (:class:`SayKeywords`; a keyword wins).
+
+    Attributes:
+        ops: among ``"steer"``, ``"swap"``, ``"ablate"``.
+        positions: among ``"readout"`` (the last prompt position) and ``"from"`` (every position from
+            ``from_position``).
+        from_position: the first position the ``"from"`` mode edits.
+        grids: ``{op: strengths}`` to replace the defaults (:data:`DEFAULT_GRIDS`: steer ``s`` in multiples of
+            ``||h||``, swap ``α``, ablate: how many competitors); ``None``: the defaults.
+        max_replays: replays of ranked candidates per arm (the bisection adds up to about 8 more).
+        seed: the random control's seed (:mod:`jlens_core.seeds`).
+        downstream_tokens: the clean greedy continuation (this many tokens) that every verified recipe is
+            teacher-forced on for its downstream side effect (docs/method.md §7.2; 0: none, the figure is NaN).
+    """
+
+    ops: Sequence[str] = OPS
+    positions: Sequence[str] = POSITION_MODES
+    from_position: int = 1
+    grids: Mapping[str, Sequence[float]] | None = None
+    max_replays: int = DEFAULT_MAX_REPLAYS
+    seed: int = 0
+    downstream_tokens: int = DOWNSTREAM_TOKENS
+
+
+class SayKeywords(TypedDict, total=False):
+    """:class:`SayOptions`'s fields given one by one (the older spelling, kept): each replaces the value's field."""
+
+    ops: Sequence[str]
+    positions: Sequence[str]
+    from_position: int
+    grids: Mapping[str, Sequence[float]] | None
+    max_replays: int
+    seed: int
+    downstream_tokens: int
+
+
+class MakeItSayKeywords(SayKeywords, total=False):
+    """:func:`make_it_say`'s further keywords: :class:`SayKeywords` and what only a single search has (its Args)."""
+
+    minimise: bool
+    controls: Sequence[str]
+    continuation_tokens: int
+
+
 def random_arm(model: LensModel, lens: Lens, seed: int) -> _Arm:
     """The random control: ``lens``'s layers and swap tokens, seeded random unit directions."""
     return _Arm(RANDOM, lens, RandomDirections(model.d_model, seed), "random directions")
 
 
-def make_it_say(model: LensModel, lens: Lens, prompt: str, target: str, *, layers: Sequence[int] | None = None,
-                ops: Sequence[str] = OPS, positions: Sequence[str] = POSITION_MODES, from_position: int = 1,
-                grids: Mapping[str, Sequence[float]] | None = None, max_replays: int = DEFAULT_MAX_REPLAYS,
-                minimise: bool = True, controls: Sequence[str] = CONTROLS, continuation_tokens: int = 12,
-                seed: int = 0, progress: Callable[[SayProgress], bool | None] | None = None,
-                downstream_tokens: int = DOWNSTREAM_TOKENS) -> SayResult:
+def make_it_say(model: LensModel, lens: Lens, prompt: str, target: str, search: SayOptions | None = None, *,
+                layers: Sequence[int] | None = None, progress: Callable[[SayProgress], bool | None] | None = None,
+                **options: Unpack[MakeItSayKeywords]) -> SayResult:
     """Search the edits along ``lens``'s read directions that make ``model`` say ``target`` after ``prompt``.
 
     Args:
@@ -613,6 +661,9 @@ def make_it_say(model: LensModel, lens: Lens, prompt: str, target: str, *, layer
         target: the word X (``"Berlin"``: a leading space is added after a prompt that does not end in
             whitespace). Any single-token spelling counts; a word without one is searched by its first token and
             verified on its full tokenisation under greedy decoding.
+        search: the search's :class:`SayOptions` (default ``SayOptions()``); ``ops=``, ``positions=``,
+            ``from_position=``, ``grids=``, ``max_replays=``, ``seed=`` and ``downstream_tokens=`` give its fields one
+            by one (below).
         layers: the layers to search (default: ``n_layers // 3`` to the lens's last source layer); bands are
             contiguous runs of them (docs/method.md §7.1).
         ops: among ``"steer"``, ``"swap"``, ``"ablate"``. positions: among ``"readout"`` (the last prompt
@@ -637,7 +688,15 @@ def make_it_say(model: LensModel, lens: Lens, prompt: str, target: str, *, layer
         ValueError: an empty prompt, a target the tokenizer cannot spell, a layer outside the model or the lens, a
             ``from_position`` outside the prompt, an unknown op, position mode or control, a bad grid, a
             ``downstream_tokens`` outside 0..256.
+        TypeError: a keyword that is none of the above.
     """
+    rest = checked_options("make_it_say", options, MakeItSayKeywords)
+    minimise: bool = rest.pop("minimise", True)
+    controls: Sequence[str] = rest.pop("controls", CONTROLS)
+    continuation_tokens: int = rest.pop("continuation_tokens", 12)
+    s = options_value("make_it_say", search, SayOptions, rest, SayKeywords)
+    ops, positions, from_position, grids = s.ops, s.positions, s.from_position, s.grids
+    max_replays, seed, downstream_tokens = s.max_replays, s.seed, s.downstream_tokens
     ids, chosen_ops, modes, grid = check_say_input(model, prompt, ops=ops, positions=positions, grids=grids,
                                                    max_replays=max_replays, from_position=from_position)
     check_downstream_tokens(downstream_tokens)
@@ -657,5 +716,5 @@ def make_it_say(model: LensModel, lens: Lens, prompt: str, target: str, *, layer
 
 
 __all__ = ["CONTROLS", "DEFAULT_GRIDS", "DEFAULT_MAX_REPLAYS", "LOGIT", "OPS", "POSITION_MODES", "RANDOM",
-           "SIDE_EFFECT_FIELDS", "Recipe", "SayProgress", "SayResult", "SaySearch", "check_say_input", "lens_arm",
+           "SIDE_EFFECT_FIELDS", "MakeItSayKeywords", "Recipe", "SayKeywords", "SayOptions", "SayProgress", "SayResult", "SaySearch", "check_say_input", "lens_arm",
            "make_it_say", "minimal_key", "minimal_recipe", "random_arm"]

@@ -30,7 +30,8 @@ from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.edit_hooks import EditRunner, PositionRule
 from ..reading.tokens import encode_plain, spellings
-from .lens_edits import random_unit_directions, swap_basis, swap_step
+from ..seeds import generator, unit_directions
+from .lens_edits import swap_basis, swap_step
 from .read_directions import token_directions
 
 OPS = ("steer", "swap", "ablate")
@@ -141,8 +142,7 @@ class RandomDirections(Directions):
         self.d_model, self.seed = int(d_model), int(seed)
 
     def _make(self, layer: int, tid: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(((self.seed * 1_000_003 + layer) * 1_000_003 + tid) % 2**63)
-        return random_unit_directions(1, self.d_model, gen)[0]
+        return unit_directions(1, self.d_model, generator(self.seed, layer, tid))[0]
 
 
 # -- the clean pass -------------------------------------------------------------------------------------

@@ -25,22 +25,25 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from .._keywords import options_value
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import spellings
+from ..seeds import derive_seed
 from .intervals import clopper_pearson_interval
 from .item_sets import load_item_set
-from .lens_edits import item_seed, with_logit_control
+from .lens_edits import with_logit_control
 from .read_directions import check_layers, default_layers
 from .say import (
     CONTROLS,
     OPS,
-    POSITION_MODES,
     RANDOM,
+    SayKeywords,
+    SayOptions,
     SayProgress,
     SayResult,
     _execute,
@@ -49,7 +52,10 @@ from .say import (
     random_arm,
 )
 from .say_ranking import spell_target
-from .side_effects import DOWNSTREAM_TOKENS, SET_FIGURES, check_downstream_tokens, set_columns, set_figures
+from .side_effects import SET_FIGURES, check_downstream_tokens, set_columns, set_figures
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -153,13 +159,10 @@ def _summary_row(items: pd.DataFrame, arm: str) -> dict[str, Any]:
                for k, v in set_figures(found[f"{arm} {name}"] if n and f"{arm} {name}" in found else [], name).items()}}
 
 
-def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[dict], *,
-                layers: Sequence[int] | None = None, ops: Sequence[str] = OPS,
-                positions: Sequence[str] = POSITION_MODES, from_position: int = 1,
-                grids: Mapping[str, Sequence[float]] | None = None, max_replays: int = DEFAULT_MAX_REPLAYS,
-                random_control: bool = True, seed: int = 0,
+def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[dict], search: SayOptions | None = None,
+                *, layers: Sequence[int] | None = None, random_control: bool = True,
                 progress: Callable[[int, int], bool | None] | None = None,
-                downstream_tokens: int = DOWNSTREAM_TOKENS) -> SaySuccessReport:
+                **options: Unpack[SayKeywords]) -> SaySuccessReport:
     """Say success of each lens on ``items`` (see the module docstring).
 
     Args:
@@ -168,16 +171,22 @@ def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[di
         items: dicts with ``prompt, answer, target`` (``name``, ``relation`` optional); :func:`load_say_set`.
         layers: the layers every arm searches (default: the first lens's middle band, ``n_layers // 3`` to its last
             source layer).
-        ops, positions, from_position, grids, max_replays: the search's settings (:func:`make_it_say`); the replay
-            budget per arm and item (the bisection adds up to about 8).
-        random_control: add the random-direction control (``"random"``; seeded per item with ``seed * 100003 + i``).
+        search: the search's :class:`~jlens_core.interventions.say.SayOptions` (:func:`make_it_say`; its
+            ``max_replays`` is the replay budget per arm and item, the bisection adds up to about 8); ``ops=``,
+            ``positions=``, ``from_position=``, ``grids=``, ``max_replays=``, ``seed=`` and ``downstream_tokens=``
+            give its fields one by one.
+        random_control: add the random-direction control (``"random"``; seeded per item with ``derive_seed(seed, i)`` (:mod:`jlens_core.seeds`)).
         progress: called as ``progress(done, total)`` after each item; returning ``True`` stops after that item.
         downstream_tokens: the clean continuation each verified recipe is teacher-forced on for its downstream side
             effect (:func:`make_it_say`; 0: none).
 
     Raises:
         ValueError: no lenses, a layer outside a lens, or a bad search setting (one sentence, before any work).
+        TypeError: a keyword that is not one of :class:`~jlens_core.interventions.say.SayKeywords`.
     """
+    s = options_value("say_success", search, SayOptions, options, SayKeywords)
+    ops, positions, from_position, grids = s.ops, s.positions, s.from_position, s.grids
+    max_replays, seed, downstream_tokens = s.max_replays, s.seed, s.downstream_tokens
     items = list(items)
     if not lenses:
         raise ValueError("No lenses given: pass {name: lens}, e.g. {'jacobian': lens}.")
@@ -202,7 +211,7 @@ def say_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[di
             continue
         arms = [lens_arm(model, name, lens) for name, lens in all_lenses.items()]
         if random_control:
-            arms.append(random_arm(model, first, item_seed(seed, i)))
+            arms.append(random_arm(model, first, derive_seed(seed, i)))
         result = _execute(model, prompt, ids, spelled, searched, arms, ops=chosen_ops, modes=modes,
                           from_position=from_position, grids=grid, max_replays=max_replays, minimise=True,
                           continuation_tokens=0, progress=None, downstream_tokens=downstream_tokens)

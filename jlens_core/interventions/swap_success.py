@@ -29,7 +29,7 @@ layers (``controls="each"``: a norm-matched control per lens, with that lens's d
   replacement and every spelling of both answers. An item with no such token has no control (counted in
   ``n_unmatched``); the other arms still score it.
 
-Both random draws of item ``i`` use a generator seeded with ``seed * 100003 + i``; the report records
+Both random draws of item ``i`` use a generator seeded with ``derive_seed(seed, i)`` (:mod:`jlens_core.seeds`); the report records
 ``seed``, and each item its seed and drawn token.
 
 Beside each arm's rate, its side effects (docs/method.md §7.2, :mod:`~jlens_core.interventions.side_effects`):
@@ -46,18 +46,20 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import pandas as pd
 import torch
 
+from .._keywords import options_value
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.edit_hooks import EditRunner
 from ..reading.tokens import spellings, token_id
+from ..seeds import derive_seed, generator
 from .intervals import clopper_pearson_interval, wilson_interval
 from .item_sets import load_item_set
-from .lens_edits import MAX_ALPHA, Swap, item_seed, random_directions, with_logit_control
+from .lens_edits import MAX_ALPHA, Swap, random_directions, with_logit_control
 from .read_directions import check_layers, default_layers, read_vector_norms
 from .side_effects import (
     DOWNSTREAM_TOKENS,
@@ -69,6 +71,9 @@ from .side_effects import (
     side_effects_of,
     teacher_forced_logits,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +267,7 @@ def _draw_norm_matched(model: LensModel, norms: torch.Tensor, source: str, repla
     source_id, replacement_id = (token_id(model.tokenizer, w, rule="exact", vocab_size=vocab)
                                  for w in (source, replacement))
     return norm_matched_token(norms, replacement_id, {source_id} | answer_ids,
-                              torch.Generator().manual_seed(item_seed))
+                              generator(item_seed))
 
 
 def _score_arm(model: LensModel, name: str, arm: _Arm, source: str, run: _CleanRun, swap_ids: set[int],
@@ -351,7 +356,7 @@ def _score_item(model: LensModel, plan: _SwapPlan, norms: Mapping[str, torch.Ten
         row["reason"] = f"not eligible: the model says {row['clean_next']!r}"
         return row
     row["eligible"] = True
-    seed_i = item_seed(plan.seed, i)
+    seed_i = derive_seed(plan.seed, i)
     row["seed"] = seed_i
     spelt = {k: str(v) for k, v in words.items()}
     run = _CleanRun.of(model, ids, plan.downstream_tokens)
@@ -402,25 +407,50 @@ def _report(plan: _SwapPlan, rows: list[dict[str, Any]], seconds: float) -> Swap
                       control_lens=plan.control_name)
 
 
-def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[dict], *,
-                 layers: Sequence[int] | None = None, alphas: Sequence[float] = DEFAULT_ALPHAS,
-                 random_control: bool = True, norm_matched_control: bool = True, centred: bool = False,
-                 seed: int = 0, controls: str = "first",
+@dataclass(frozen=True)
+class SwapOptions:
+    """How :func:`swap_success` swaps and which controls it runs: one value, or its fields given one by one as
+    keywords (:class:`SwapKeywords`; a keyword wins). The fields are :func:`swap_success`'s Args of the same names."""
+
+    alphas: Sequence[float] = DEFAULT_ALPHAS
+    random_control: bool = True
+    norm_matched_control: bool = True
+    centred: bool = False
+    seed: int = 0
+    controls: str = "first"
+    downstream_tokens: int = DOWNSTREAM_TOKENS
+
+
+class SwapKeywords(TypedDict, total=False):
+    """:class:`SwapOptions`'s fields given one by one (the older spelling, kept)."""
+
+    alphas: Sequence[float]
+    random_control: bool
+    norm_matched_control: bool
+    centred: bool
+    seed: int
+    controls: str
+    downstream_tokens: int
+
+
+def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[dict],
+                 options: SwapOptions | None = None, *, layers: Sequence[int] | None = None,
                  progress: Callable[[int, int], None] | None = None,
-                 downstream_tokens: int = DOWNSTREAM_TOKENS) -> SwapReport:
+                 **keywords: Unpack[SwapKeywords]) -> SwapReport:
     """Swap success of each lens on ``items`` (see the module docstring).
 
     Args:
         model: an :class:`~jlens_core.HFLensModel`.
         lenses: ``{name: lens}``; the logit lens is added as ``"logit"`` when missing.
         items: dicts with ``prompt, source, replacement, answer, swap_answer`` (``name`` optional).
+        options: the :class:`SwapOptions` (default ``SwapOptions()``); its fields below may be given one by one.
         layers: layers to edit (default per lens: ``n_layers // 3`` to its last source layer).
         alphas: swap scales to try; the best per lens is reported beside each.
         random_control: add the random-direction control (``"random"``, with the first lens's layers).
         norm_matched_control: add the norm-matched token control (``"norm-matched"``, the first lens).
         centred: swap along centred read directions (docs/method.md §9.1), the lenses and the
             norm-matched control alike (its norms are then the centred ones).
-        seed: seeds both random controls (item ``i`` draws with ``seed * 100003 + i``).
+        seed: seeds both random controls (item ``i`` draws with ``derive_seed(seed, i)`` (:mod:`jlens_core.seeds`)).
         controls: ``"first"`` (default): one norm-matched control, with the first lens's directions;
             ``"each"``: one per lens (``"norm-matched (<lens>)"``), each drawn from that lens's norms
             with the item's seed, so a lens is compared with a control in its own geometry.
@@ -431,7 +461,11 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
     Raises:
         ValueError: no alphas, an alpha out of range, a layer outside a lens, an unknown ``controls``, a
             ``downstream_tokens`` outside 0..256.
+        TypeError: a keyword that is not one of :class:`SwapKeywords`.
     """
+    o = options_value("swap_success", options, SwapOptions, keywords, SwapKeywords)
+    alphas, random_control, norm_matched_control, centred = o.alphas, o.random_control, o.norm_matched_control, o.centred
+    seed, controls, downstream_tokens = o.seed, o.controls, o.downstream_tokens
     items = list(items)
     plan = _plan_swaps(model, lenses, layers, alphas, random_control=random_control,
                        norm_matched_control=norm_matched_control, centred=centred, seed=seed, controls=controls)
@@ -451,5 +485,5 @@ def swap_success(model: LensModel, lenses: Mapping[str, Lens], items: Iterable[d
 
 
 __all__ = ["CONTROLS", "DEFAULT_ALPHAS", "INTERVAL", "NORM_MATCHED", "NORM_TOLERANCE", "RANDOM", "SUMMARY_COLUMNS", "SWAP_SETS",
-           "SwapReport", "clopper_pearson_interval", "direction_spelling", "load_swap_set", "norm_matched_token",
+           "SwapKeywords", "SwapOptions", "SwapReport", "clopper_pearson_interval", "direction_spelling", "load_swap_set", "norm_matched_token",
            "swap_success", "wilson_interval"]

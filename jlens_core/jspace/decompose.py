@@ -18,21 +18,29 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from jaxtyping import Bool, Float, Int
 
+from .._keywords import checked_options
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import TokenDisplay
-from .dictionary import JSpace, check_gauge, jspace
-from .pursuit import Pursuit, check_method, greedy_pursuit
+from ..seeds import generator, unit_directions
+from .dictionary import JSpace, bf16_selection, check_gauge, jspace
+from .pursuit import Bf16Atoms, Pursuit, Select, bounded_best, check_method, greedy_pursuit
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 TARGETS = ("raw", "mean-subtracted")
 DEFAULT_K = 25
 
 # one random dictionary kept (the last one asked for): (n_atoms, d, seed) -> unit atoms [n_atoms, d] fp32
 _RANDOM: dict[tuple[int, int, int], torch.Tensor] = {}
+# and its bf16 rows to select from (bf16_selection), made on first use
+_RANDOM_BF16: dict[tuple[int, int, int], Bf16Atoms] = {}
 
 
 def random_dictionary(n_atoms: int, d_model: int, seed: int) -> Float[torch.Tensor, "n_atoms d_model"]:
@@ -41,10 +49,26 @@ def random_dictionary(n_atoms: int, d_model: int, seed: int) -> Float[torch.Tens
     key = (int(n_atoms), int(d_model), int(seed))
     if key not in _RANDOM:
         _RANDOM.clear()
-        gen = torch.Generator().manual_seed(int(seed))
-        atoms = torch.randn(int(n_atoms), int(d_model), generator=gen)
-        _RANDOM[key] = atoms / atoms.norm(dim=-1, keepdim=True)
+        _RANDOM_BF16.clear()
+        _RANDOM[key] = unit_directions(int(n_atoms), int(d_model), generator(seed))
     return _RANDOM[key]
+
+
+def _random_select(n_atoms: int, d_model: int, seed: int) -> Select | None:
+    """The random dictionary's exact selection from bf16 products where :func:`bf16_selection` holds."""
+    if not bf16_selection():
+        return None
+    key = (int(n_atoms), int(d_model), int(seed))
+    unit = random_dictionary(n_atoms, d_model, seed)
+    if key not in _RANDOM_BF16:
+        _RANDOM_BF16[key] = Bf16Atoms.of(unit)
+    atoms = _RANDOM_BF16[key]
+
+    def select(r: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        best, pick, _ = bounded_best(r, None, atoms, None, chosen)
+        return best, pick
+
+    return select
 
 
 def check_k(k: int, limit: int) -> int:
@@ -147,14 +171,34 @@ def _explained(x: torch.Tensor, residual_by_step: torch.Tensor) -> torch.Tensor:
     return (1.0 - residual_by_step / total).float()
 
 
-def _run(space: JSpace, x: torch.Tensor, k: int, method: str) -> Pursuit:
-    return greedy_pursuit(x, k, correlate=space.correlations, fetch=space.unit_atoms_at, method=method)
+def jspace_pursuit(space: JSpace, x: Float[torch.Tensor, "n d_model"], k: int, method: str) -> Pursuit:
+    """The greedy pursuit of rows ``x`` over ``space`` (its exact bf16 selection where it has one)."""
+    return greedy_pursuit(x, k, correlate=space.correlations, fetch=space.unit_atoms_at, method=method,
+                          select=space.select)
+
+
+def random_pursuit(x: Float[torch.Tensor, "n d_model"], k: int, n_atoms: int, seed: int, method: str) -> Pursuit:
+    """The greedy pursuit of rows ``x`` over the random control's dictionary (:func:`random_dictionary` of
+    ``n_atoms`` atoms, ``seed``)."""
+    d = int(x.shape[-1])
+    unit = random_dictionary(n_atoms, d, seed)
+    return greedy_pursuit(x, k, correlate=lambda r: r @ unit.T, fetch=lambda i: unit[i].double(), method=method,
+                          select=_random_select(n_atoms, d, seed))
+
+
+class DecomposeKeywords(TypedDict, total=False):
+    """:func:`decompose`'s further keywords (its Args): the mean a mean-subtracted target subtracts, the
+    dictionary's vocabulary, whether the controls run, their seed."""
+
+    mean: torch.Tensor | None
+    vocab: str | Sequence[int] | None
+    controls: bool
+    seed: int
 
 
 def decompose(model: LensModel, lens: Lens, x: Float[torch.Tensor, "*n d_model"], layer: int, *,
               k: int = DEFAULT_K, method: str = "gradient_pursuit", gauge: str = "centred", target: str = "raw",
-              mean: Float[torch.Tensor, " d_model"] | None = None, vocab: str | Sequence[int] | None = None,
-              controls: bool = True, seed: int = 0) -> Decomposition:
+              **options: Unpack[DecomposeKeywords]) -> Decomposition:
     """Decompose ``x`` (``[d_model]`` or ``[n, d_model]``, layer-``layer`` residuals or any vectors there) into at most
     ``k`` nonnegative J-space atoms plus a remainder (module docstring; docs/method.md §11.2).
 
@@ -167,12 +211,20 @@ def decompose(model: LensModel, lens: Lens, x: Float[torch.Tensor, "*n d_model"]
             a corpus's mean residual at the layer; without it the mean of ``x``'s rows, which needs ``n >= 2``).
         vocab: the dictionary's tokens (``None``: all; ``"word"``; a list of ids).
         controls: also run the random-dictionary and shuffled controls (three pursuits instead of one).
-        seed: the controls' seed (random dictionary ``seed``, permutations ``seed + 1``).
+        seed: the controls' seed (random dictionary ``seed``, permutations ``derive_seed(seed, 1)``,
+            :mod:`jlens_core.seeds`).
+        mean, vocab, controls, seed: :class:`DecomposeKeywords`, by keyword.
 
     Raises:
         ValueError: a layer outside the lens, a lens with no matrices, ``k`` out of range, an unknown method, gauge
             or target, a zero row, or a mean-subtracted target of one row with no ``mean``.
+        TypeError: a keyword that is none of these.
     """
+    given = checked_options("decompose", options, DecomposeKeywords)
+    mean: torch.Tensor | None = given.get("mean")
+    vocab: str | Sequence[int] | None = given.get("vocab")
+    controls: bool = given.get("controls", True)
+    seed: int = given.get("seed", 0)
     check_method(method)
     check_gauge(gauge)
     if target not in TARGETS:
@@ -192,7 +244,7 @@ def decompose(model: LensModel, lens: Lens, x: Float[torch.Tensor, "*n d_model"]
                          "(its explained fraction is undefined).")
     space = jspace(model, lens, layer, gauge=gauge, vocab=vocab)
     k = check_k(k, min(d, space.n_atoms))
-    found = _run(space, rows, k, method)
+    found = jspace_pursuit(space, rows, k, method)
     n = rows.shape[0]
     has = found.indices >= 0
     token_ids = torch.where(has, space.token_ids[found.indices.clamp_min(0)], -1)
@@ -200,18 +252,17 @@ def decompose(model: LensModel, lens: Lens, x: Float[torch.Tensor, "*n d_model"]
     tokens = [[texts[int(t)] if 0 <= int(t) < len(texts) else f"<id:{int(t)}>" for t in row if int(t) >= 0]
               for row in token_ids]
     explained_by_step = _explained(rows, found.residual_by_step)
-    gen = torch.Generator().manual_seed(int(seed) + 1)
+    gen = generator(seed, 1)
     label_perm = torch.randperm(space.n_atoms, generator=gen)
     shuffled_ids = torch.where(has, space.token_ids[label_perm[found.indices.clamp_min(0)]], -1)
     nan = torch.full((n,), math.nan)
     random_by_step = torch.full((n, k), math.nan)
     shuffled = nan.clone()
     if controls:
-        unit = random_dictionary(space.n_atoms, d, seed)
-        rnd = greedy_pursuit(rows, k, correlate=lambda r: r @ unit.T, fetch=lambda i: unit[i].double(), method=method)
+        rnd = random_pursuit(rows, k, space.n_atoms, seed, method)
         random_by_step = _explained(rows, rnd.residual_by_step)
         coords = torch.randperm(d, generator=gen)
-        shuf = _run(space, rows[:, coords], k, method)
+        shuf = jspace_pursuit(space, rows[:, coords], k, method)
         shuffled = _explained(rows, shuf.residual_by_step)[:, -1]
     j_part = found.fitted.float()
     return Decomposition(layer=space.layer, gauge=gauge, method=method, target=target, k=k, x=rows,
@@ -259,4 +310,5 @@ def split(model: LensModel, lens: Lens, vector: Float[torch.Tensor, " d_model"],
                  non_j_share=1.0 - share, decomposition=dec)
 
 
-__all__ = ["DEFAULT_K", "TARGETS", "Decomposition", "Split", "check_k", "decompose", "random_dictionary", "split"]
+__all__ = ["DEFAULT_K", "TARGETS", "DecomposeKeywords", "Decomposition", "Split", "check_k", "decompose", "jspace_pursuit", "random_dictionary",
+           "random_pursuit", "split"]

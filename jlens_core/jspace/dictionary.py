@@ -15,6 +15,8 @@ floats). A few atoms (the selected ones) are built on demand.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
 import weakref
 from collections.abc import Sequence
@@ -31,13 +33,22 @@ from ..interventions.read_directions import (
     read_vector_norms,
 )
 from ..lenses.protocol import Lens
+from ..models.cpu_features import cpu_bf16_flag
 from ..models.model import LensModel
 from ..reading.tokens import TokenDisplay
 from ..reading.word_readout import word_mask
+from .pursuit import Bf16Atoms, bounded_best
+
+log = logging.getLogger(__name__)
 
 GAUGES = ("centred", "raw")
 CHUNK = 8192  # vocabulary columns per product when the head is not fp32 or a sub-vocabulary is used
 
+# Select atoms from bf16 products (exact under a bound, docs/method.md §11.2): None asks the CPU (AMX-BF16 or
+# AVX512-BF16 run them fast; elsewhere bf16 is emulated and slower than fp32), True / False force it.
+BF16_SELECTION: bool | None = None
+# model -> the head's rows in bf16 with their bound terms (one per model, like the head matrix itself)
+_HEAD_BF16: weakref.WeakKeyDictionary[LensModel, Bf16Atoms] = weakref.WeakKeyDictionary()
 # lens -> {(id(model), layer, gauge): atom norms [vocab] fp32}: computing them is one [vocab, d] x [d, d] pass
 _NORMS: weakref.WeakKeyDictionary[Lens, dict[tuple[int, int, str], torch.Tensor]] = weakref.WeakKeyDictionary()
 
@@ -70,8 +81,94 @@ def _all_norms(model: LensModel, lens: Lens, layer: int, gauge: str) -> torch.Te
     except TypeError:  # a lens that cannot be weakly referenced is not cached
         cache = {}
     if key not in cache:
-        cache[key] = read_vector_norms(model, lens, layer, centred=gauge == "centred").float()
+        cache[key] = _stored_norms(model, lens, layer, gauge)
     return cache[key]
+
+
+# Atom norms cost vocab x d^2 multiply-adds per layer (33 GFLOP for SmolLM2-135M, ~0.2 s at this CPU's fp32 peak);
+# from this many up they are kept on disk, keyed by what they depend on, so a later process reads them.
+STORE_NORMS_FROM_FLOP = 1e9
+_HEAD_DIGEST: weakref.WeakKeyDictionary[LensModel, str] = weakref.WeakKeyDictionary()
+
+
+def _head_digest(model: LensModel, head: torch.Tensor) -> str:
+    try:
+        cached = _HEAD_DIGEST.get(model)
+    except TypeError:
+        cached = None
+    if cached is None:
+        cached = hashlib.sha256(head.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
+        try:
+            _HEAD_DIGEST[model] = cached
+        except TypeError:
+            pass
+    return cached
+
+
+def _stored_norms(model: LensModel, lens: Lens, layer: int, gauge: str) -> torch.Tensor:
+    """The atom norms ``[vocab]`` fp32 of ``layer``: computed (:func:`read_vector_norms`), and for a large
+    vocabulary kept in ``<jlens cache>/jspace-norms/<sha256>.npy``, the key hashing the lens's matrix at the
+    layer, the head matrix, the final norm's gain, the gauge and the vocabulary size. An unreadable file is
+    recomputed; the file is written atomically."""
+    import numpy as np
+
+    from .._atomic import atomic_write
+    from ..models.loading import cache_dir
+
+    d, vocab = int(model.d_model), int(model.vocab_size)
+    centred = gauge == "centred"
+    if 2.0 * vocab * d * d < STORE_NORMS_FROM_FLOP:
+        return read_vector_norms(model, lens, layer, centred=centred).float()
+    gamma, centres = norm_gain(model)
+    digest = hashlib.sha256()
+    for part in (_matrix(lens, layer), gamma.float()):
+        digest.update(part.contiguous().numpy().tobytes())
+    digest.update(f"{_head_digest(model, head_matrix(model))}|{bool(centres)}|{gauge}|{vocab}|{d}".encode())
+    path = cache_dir() / "jspace-norms" / (digest.hexdigest()[:32] + ".npy")
+    if path.is_file():
+        try:
+            stored = np.load(path, allow_pickle=False)
+            if stored.shape == (vocab,) and stored.dtype == np.float32:
+                return torch.from_numpy(stored)
+        except (OSError, ValueError):
+            pass
+        log.info("recomputing the unreadable stored atom norms %s", path)
+    norms = read_vector_norms(model, lens, layer, centred=centred).float()
+    try:
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:  # a file object: np.save would add ".npy" to a temporary name
+                np.save(f, norms.numpy())
+
+        atomic_write(path, write)
+    except OSError as err:  # a read-only cache only costs the recomputation next time
+        log.info("could not store the atom norms in %s: %s", path, err)
+    return norms
+
+
+def bf16_selection() -> bool:
+    """Whether J-space pursuits select atoms from bf16 products: :data:`BF16_SELECTION`, or when it is ``None``
+    whether this CPU has a bf16 matmul flag (:func:`~jlens_core.models.cpu_features.cpu_bf16_flag`)."""
+    return cpu_bf16_flag() is not None if BF16_SELECTION is None else bool(BF16_SELECTION)
+
+
+def _head_bf16(model: LensModel, head: torch.Tensor) -> Bf16Atoms | None:
+    """The head's rows ``[vocab, d]`` in bf16 (:class:`~jlens_core.jspace.pursuit.Bf16Atoms`) when the head
+    matrix is fp32 on the CPU; ``None`` otherwise."""
+    if head.dtype != torch.float32 or head.device.type != "cpu":
+        return None
+    try:
+        cached = _HEAD_BF16.get(model)
+    except TypeError:
+        cached = None
+    if cached is not None and cached.weight.data_ptr() == head.data_ptr():
+        return cached
+    parts = Bf16Atoms.of(head.T)
+    try:
+        _HEAD_BF16.clear()  # one at a time, as the head matrix
+        _HEAD_BF16[model] = parts
+    except TypeError:
+        pass
+    return parts
 
 
 def vocabulary_ids(model: LensModel, vocab: str | Sequence[int] | None) -> torch.Tensor | None:
@@ -125,6 +222,7 @@ class JSpace:
     _head: torch.Tensor = field(repr=False)  # [d, vocab] head matrix (shared, not a copy)
     _subset: torch.Tensor | None = field(repr=False)  # token ids of a sub-vocabulary
     _inv_norms: torch.Tensor = field(repr=False)  # 1 / norms (0 for a zero atom)
+    _bf16: Bf16Atoms | None = field(default=None, repr=False)  # the head in bf16, to select from (full vocabulary)
 
     @property
     def n_atoms(self) -> int:
@@ -163,6 +261,22 @@ class JSpace:
         """``<atom_t / ||atom_t||, x>`` fp32 ``[n, n_atoms]``: inner products with the unit atoms (0 for an atom
         whose norm is 0)."""
         return self._products(x, self._inv_norms)
+
+    def select(self, x: Float[torch.Tensor, "m d_model"], chosen: Int[torch.Tensor, "m s"]
+               ) -> tuple[Float[torch.Tensor, " m"], Int[torch.Tensor, " m"]]:
+        """The largest correlation with a unit atom per row of ``x`` and its atom index, among atoms not in
+        ``chosen`` (``int64[m, s]``): from bf16 products re-scored in fp32 where this dictionary keeps the head in
+        bf16 (:func:`~jlens_core.jspace.pursuit.bounded_best`: the same atom as the fp32 correlations up to
+        rounding ties), else from :meth:`correlations`."""
+        if self._bf16 is None:
+            corr = self.correlations(x)
+            if chosen.numel():
+                corr.scatter_(1, chosen, -math.inf)
+            return corr.max(-1)
+        x = x.detach().float().cpu().reshape(-1, self.d_model)
+        offset = -(x @ self._mean) if self._mean is not None else None
+        best, pick, _ = bounded_best(self._pre_head(x), offset, self._bf16, self._inv_norms, chosen)
+        return best, pick
 
     def atoms(self, ids: Sequence[int] | Int[torch.Tensor, " m"]) -> Float[torch.Tensor, "m d_model"]:
         """The atoms of token ids ``ids`` as rows ``[m, d_model]`` fp32 (not normalised): ``read_vector`` of each
@@ -213,7 +327,8 @@ def jspace(model: LensModel, lens: Lens, layer: int, *, gauge: str = "centred",
         vocab: ``None`` (every token ``< vocab_size``), ``"word"`` (the word tokens) or a list of token ids.
 
     Memory: the head matrix ``[d_model, vocab]`` once per model (in the head's dtype; 113 MB fp32 for
-    SmolLM2-135M), ``M_l`` ``[d, d]`` and the norms ``[vocab]`` per layer; no ``[vocab, d]`` block per layer.
+    SmolLM2-135M), ``M_l`` ``[d, d]`` and the norms ``[vocab]`` per layer; no ``[vocab, d]`` block per layer. With
+    bf16 selection (:func:`bf16_selection`) the head once more in bf16, ``[vocab, d + 1]`` (57 MB).
 
     Raises:
         ValueError: a layer outside the lens, an unknown gauge or vocabulary, or a lens with no matrices.
@@ -229,15 +344,18 @@ def jspace(model: LensModel, lens: Lens, layer: int, *, gauge: str = "centred",
     if not bool((norms > 0).any()) or not math.isfinite(float(norms.max())):
         raise ValueError(f"The J-space of layer {layer} has no nonzero finite atom under this {lens.kind} lens.")
     mean = mean_read_vector(model, lens, layer).float().cpu() if gauge == "centred" else None
+    head = head_matrix(model)
+    low = _head_bf16(model, head) if subset is None and bf16_selection() else None
     return JSpace(layer=layer, gauge=gauge, token_ids=ids, norms=norms, d_model=int(model.d_model),
                   lens_kind=str(lens.kind), _transport=transport, _gamma=gamma.float(), _centres=bool(centres),
-                  _mean=mean, _head=head_matrix(model), _subset=subset,
-                  _inv_norms=torch.where(norms > 0, 1.0 / norms.clamp_min(1e-30), 0.0))
+                  _mean=mean, _head=head, _subset=subset,
+                  _inv_norms=torch.where(norms > 0, 1.0 / norms.clamp_min(1e-30), 0.0), _bf16=low)
 
 
 def clear_cache() -> None:
-    """Forget the atom norms kept per lens and layer."""
+    """Forget the atom norms kept per lens and layer, and the bf16 head."""
     _NORMS.clear()
+    _HEAD_BF16.clear()
 
 
-__all__ = ["GAUGES", "JSpace", "check_gauge", "clear_cache", "jspace", "vocabulary_ids"]
+__all__ = ["BF16_SELECTION", "GAUGES", "JSpace", "bf16_selection", "check_gauge", "clear_cache", "jspace", "vocabulary_ids"]

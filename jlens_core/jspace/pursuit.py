@@ -23,6 +23,7 @@ orthogonal to every atom with ``c_j > 0``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +33,12 @@ from jaxtyping import Bool, Float, Int
 METHODS = ("gradient_pursuit", "nnls")
 # relative to ||x||: a correlation at or below this is "not positive" (rounding of an exact fit)
 POSITIVE_TOL = 1e-7
+BF16_UNIT = 2.0 ** -8  # bf16's unit roundoff
+FP32_UNIT = 2.0 ** -24
+# the bound below is proven; this factor covers what the proof leaves to the kernel (order of the fp32 sums)
+BOUND_SAFETY = 2.0
+# past this share of the atoms among the candidates, re-scoring costs about the full fp32 product: compute that
+MAX_RESCORE_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -139,10 +146,134 @@ def _gradient_step(gram: torch.Tensor, b: torch.Tensor, c: torch.Tensor, valid: 
     return (c + step[:, None] * g).clamp_min(0.0)
 
 
+Select = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Bf16Atoms:
+    """A dictionary's rows kept in bf16 beside their fp32 originals, to select the best atom exactly from bf16
+    products (:func:`bounded_best`). Scores are ``s_t (z . w_t + o)`` for rows ``z`` with a per-row offset ``o`` and a
+    per-atom scale ``s_t >= 0``; the offset rides along as a last coordinate (``w'_t = [w_t, 1]``, ``z' = [z, o]``),
+    so one bf16 product gives every score.
+
+    Attributes:
+        weight: ``float32[n_atoms, d]`` the rows ``w_t`` (a view is fine: only rows are gathered from it).
+        weight_bf16: ``bfloat16[n_atoms, d + 1]``: ``bf16([w_t, 1])``, contiguous.
+        alpha: ``float32[n_atoms]``: ``||w'_t - bf16(w'_t)|| + g ||bf16(w'_t)||``, ``g = (d+1) u32 / (1 - (d+1) u32)``.
+        beta: ``float32[n_atoms]``: ``||w'_t||``.
+    """
+
+    weight: Float[torch.Tensor, "n_atoms d"]
+    weight_bf16: torch.Tensor
+    alpha: Float[torch.Tensor, " n_atoms"]
+    beta: Float[torch.Tensor, " n_atoms"]
+
+    @classmethod
+    def of(cls, weight: Float[torch.Tensor, "n_atoms d"], chunk: int = 8192) -> Bf16Atoms:
+        """Build from fp32 rows ``weight [n_atoms, d]`` (in chunks: no fp32 copy of the block)."""
+        n, d = weight.shape
+        g = _gamma(d + 1)
+        low = torch.empty(n, d + 1, dtype=torch.bfloat16)
+        alpha, beta = torch.empty(n), torch.empty(n)
+        for s in range(0, n, chunk):
+            w = torch.cat([weight[s:s + chunk].float(), torch.ones(min(chunk, n - s), 1)], dim=1)
+            w16 = w.to(torch.bfloat16)
+            low[s:s + chunk] = w16
+            back = w16.float()
+            alpha[s:s + chunk] = (w - back).norm(dim=-1) + g * back.norm(dim=-1)
+            beta[s:s + chunk] = w.norm(dim=-1)
+        return cls(weight=weight, weight_bf16=low, alpha=alpha, beta=beta)
+
+
+def _gamma(n: int) -> float:
+    return n * FP32_UNIT / (1 - n * FP32_UNIT)
+
+
+def bounded_best(z: Float[torch.Tensor, "m d"], offset: Float[torch.Tensor, " m"] | None, atoms: Bf16Atoms,
+                 scale: Float[torch.Tensor, " n_atoms"] | None, chosen: Int[torch.Tensor, "m s"]
+                 ) -> tuple[Float[torch.Tensor, " m"], Int[torch.Tensor, " m"], int]:
+    """The best atom per row by ``score_t = s_t (z . w_t + o)`` among atoms not in ``chosen``, from bf16 products,
+    exact: the atom the fp32 scores pick (up to fp32 rounding ties), and its fp32 score.
+
+    1. ``p~ = bf16(z') @ bf16(w')^T`` (fp32 accumulation, output rounded to bf16), ``score~ = s p~``.
+    2. A bound ``|score~_t - score_t| <= eps_t`` per row and atom, with ``x = z'``, ``x~ = bf16(x)``, ``w~ = bf16(w')``:
+       ``x.w - x~.w~ = x~.(w - w~) + (x - x~).w``; the bf16 products are exact in fp32 and summed there, within
+       ``g ||x~|| ||w~||``; the output is rounded to bf16, within ``u |p~| / (1 - u)``; the fp32 score is within
+       ``g ||x|| ||w||`` of the exact one and its offset and scaling within four fp32 units; plus a flush-to-zero
+       term ``f``. So ``eps_t = S (s_t (||x~|| alpha_t + (||x - x~|| + g ||x||) beta_t) + r |score~_t| + f)`` with
+       ``r = u / (1 - u) + 4 u32`` and ``S`` = :data:`BOUND_SAFETY`.
+    3. The best exact score is at least ``floor = score~_b - eps_b`` (``b`` the bf16 best). An atom can beat it only
+       if ``score~_t + eps_t >= floor``; with ``K = S (||x~|| max_t s_t alpha_t + (..) max_t s_t beta_t + f)`` that
+       needs ``score~_t >= (floor - K) / (1 + S r)`` (when ``floor > K``; ``/ (1 - S r)`` otherwise). The atoms
+       above that threshold, their union over rows, are re-scored in fp32 with the same ``z``; past
+       :data:`MAX_RESCORE_FRACTION` of the atoms every score is computed in fp32 instead.
+
+    Args:
+        z: ``float32[m, d]`` rows; ``offset``: ``float32[m]`` or ``None`` (0); ``scale``: ``float32[n_atoms]`` (``>= 0``)
+            or ``None`` (1).
+        chosen: ``int64[m, s]`` atoms each row may not pick (``s`` may be 0).
+
+    Returns:
+        ``(best [m] fp32, pick [m] int64, n_rescored)``: ``n_rescored`` the atoms scored in fp32 (all of them on the
+        fallback).
+    """
+    m, d = z.shape
+    n_atoms = atoms.weight_bf16.shape[0]
+    z = z.float()
+    off = offset.float() if offset is not None else torch.zeros(m)
+    x = torch.cat([z, off[:, None]], dim=1)
+    x16 = x.to(torch.bfloat16)
+    product = torch.nn.functional.linear(x16, atoms.weight_bf16)  # bf16 [m, n_atoms]
+    approx = product.float() if scale is None else torch.mul(product, scale)  # fp32 either way
+    del product
+    if chosen.numel():
+        approx.scatter_(1, chosen, -math.inf)
+    top, at = approx.max(-1)
+    back = x16.float()
+    g = _gamma(d + 1)
+    row_a = back.norm(dim=-1)
+    row_b = (x - back).norm(dim=-1) + g * x.norm(dim=-1)
+    col_a = atoms.alpha if scale is None else atoms.alpha * scale
+    col_b = atoms.beta if scale is None else atoms.beta * scale
+    rel = BOUND_SAFETY * (BF16_UNIT / (1 - BF16_UNIT) + 4 * FP32_UNIT)
+    flush = (d + 1) * 2.0 ** -126 * (1.0 if scale is None else float(scale.max()))
+    eps_top = BOUND_SAFETY * (row_a * col_a[at] + row_b * col_b[at] + flush) + rel * top.abs()
+    floor = top - eps_top
+    margin = BOUND_SAFETY * (row_a * float(col_a.max()) + row_b * float(col_b.max()) + flush)
+    gap = floor - margin
+    threshold = torch.where(gap > 0, gap / (1 + rel), gap / (1 - rel))
+    union = (approx >= threshold[:, None]).any(dim=0)
+    del approx
+    n = int(union.sum())
+    if n > MAX_RESCORE_FRACTION * n_atoms:
+        columns = torch.arange(n_atoms)
+        rows = atoms.weight
+    else:
+        columns = union.nonzero()[:, 0]
+        rows = _rows(atoms.weight, columns)
+    exact = torch.addmm(off[:, None], z, rows.T)
+    if scale is not None:
+        exact.mul_(scale[columns])
+    if chosen.numel():  # a chosen atom's column among the re-scored ones (its bf16 score was -inf) is masked
+        where = torch.full((n_atoms,), int(columns.numel()), dtype=torch.long)
+        where[columns] = torch.arange(int(columns.numel()))
+        mask = torch.zeros(m, int(columns.numel()) + 1, dtype=torch.bool).scatter_(1, where[chosen], True)
+        exact.masked_fill_(mask[:, :-1], -math.inf)
+    best, j = exact.max(-1)
+    return best, columns[j], int(columns.numel())
+
+
+def _rows(weight: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``weight[index]`` gathered along the contiguous side (a transposed view gathers columns of its base)."""
+    if not weight.is_contiguous() and weight.T.is_contiguous():
+        return weight.T.index_select(1, index).T
+    return weight.index_select(0, index)
+
+
 def greedy_pursuit(x: Float[torch.Tensor, "n d"], k: int, *,
                    correlate: Callable[[torch.Tensor], torch.Tensor],
                    fetch: Callable[[torch.Tensor], torch.Tensor],
-                   method: str = "gradient_pursuit") -> Pursuit:
+                   method: str = "gradient_pursuit", select: Select | None = None) -> Pursuit:
     """The pursuit of the module docstring for rows ``x [n, d]``, with the dictionary given by two functions.
 
     Args:
@@ -151,6 +282,9 @@ def greedy_pursuit(x: Float[torch.Tensor, "n d"], k: int, *,
         correlate: fp32 residuals ``[n, d]`` -> their correlations ``[n, n_atoms]`` with the *unit* atoms.
         fetch: atom indices ``LongTensor[m]`` -> those unit atoms ``[m, d]``.
         method: ``"gradient_pursuit"`` or ``"nnls"``.
+        select: optional fp32 residuals ``[m, d]`` and the atoms each row has chosen ``int64[m, s]`` -> the best
+            correlation and its atom per row (``[m]``, ``[m]``), for a faster exact selection
+            (:func:`bounded_best`); ``correlate`` is used otherwise.
     """
     check_method(method)
     x64 = x.detach().double()
@@ -169,11 +303,13 @@ def greedy_pursuit(x: Float[torch.Tensor, "n d"], k: int, *,
     for step in range(k):
         r = x64 - fitted
         if bool(alive.any()):
-            corr = correlate(r[alive].float())  # [m, n_atoms]
-            if step:
-                chosen = idx[alive, :step]
-                corr = corr.scatter_(1, chosen, -torch.inf)
-            best, pick = corr.max(-1)
+            if select is not None:
+                best, pick = select(r[alive].float(), idx[alive, :step])
+            else:
+                corr = correlate(r[alive].float())  # [m, n_atoms]
+                if step:
+                    corr = corr.scatter_(1, idx[alive, :step], -torch.inf)
+                best, pick = corr.max(-1)
             ok = best.double() > POSITIVE_TOL * xnorm[alive]
             live_rows = rows[alive]
             alive[live_rows[~ok]] = False
@@ -224,4 +360,4 @@ def pursuit(dictionary: Float[torch.Tensor, "n_atoms d"], x: Float[torch.Tensor,
                           fetch=lambda i: unit[i], method=method)
 
 
-__all__ = ["METHODS", "Pursuit", "greedy_pursuit", "kkt_violation", "nnls_gram", "pursuit"]
+__all__ = ["METHODS", "Bf16Atoms", "Pursuit", "bounded_best", "greedy_pursuit", "kkt_violation", "nnls_gram", "pursuit"]

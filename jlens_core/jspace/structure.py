@@ -24,18 +24,23 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
 
+from .._keywords import checked_options
 from ..interventions.read_directions import check_layers
 from ..lenses.protocol import Lens, recorded_skip_first
 from ..models.layouts import get_path
 from ..models.model import LensModel
 from ..reading.inputs import record_residuals
+from ..seeds import generator, unit_directions
 from .decompose import DEFAULT_K, check_k, decompose
 from .dictionary import GAUGES, jspace
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +95,7 @@ def sample_residuals(model: LensModel, texts: Sequence[str], layers: Sequence[in
     Raises:
         ValueError: no text long enough to give a position.
     """
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = generator(seed)
     out: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     for text in texts:
         ids = model.encode(text, max_length=int(max_seq_len))
@@ -149,7 +154,7 @@ def mlp_gain(model: LensModel, lens: Lens, layer: int, *, n_directions: int = 20
     space = jspace(model, lens, layer, gauge="raw")
     norm, mlp, _ = _mlp_parts(model, int(layer) + 1)
     _, _, neurons = _mlp_parts(model, int(layer))
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = generator(seed)
     scale = float(math.sqrt(model.d_model)) if scale is None else float(scale)
     ids = torch.randperm(space.n_atoms, generator=gen)[: int(n_directions)]
     atoms = space.atoms(space.token_ids[ids])
@@ -157,7 +162,7 @@ def mlp_gain(model: LensModel, lens: Lens, layer: int, *, n_directions: int = 20
     pick = torch.randperm(neurons.shape[0], generator=gen)[: int(n_directions)]
     neuron_dirs = neurons[pick]
     neuron_dirs = neuron_dirs[neuron_dirs.norm(dim=-1) > 0]
-    iso = torch.randn(int(n_directions), int(model.d_model), generator=gen)
+    iso = unit_directions(int(n_directions), int(model.d_model), gen)
     base = float(_mlp_output_norms(norm, mlp, iso, scale).median())
     j = _mlp_output_norms(norm, mlp, atoms, scale) / base
     nrn = _mlp_output_norms(norm, mlp, neuron_dirs, scale) / base
@@ -167,10 +172,21 @@ def mlp_gain(model: LensModel, lens: Lens, layer: int, *, n_directions: int = 20
             "neuron_gain": nq[1], "neuron_gain_q1": nq[0], "neuron_gain_q3": nq[2]}
 
 
+class StructureKeywords(TypedDict, total=False):
+    """:func:`jspace_structure`'s further keywords (its Args): positions per text, the truncation, bootstrap
+    resamples, the MLP gain's directions, the seed."""
+
+    per_text: int
+    max_seq_len: int
+    n_boot: int
+    mlp_directions: int
+    seed: int
+
+
 def jspace_structure(model: LensModel, lens: Lens, texts: Sequence[str], *, layers: Iterable[int] | None = None,
                      k: int = DEFAULT_K, method: str = "gradient_pursuit", gauges: Sequence[str] = GAUGES,
-                     per_text: int = 3, max_seq_len: int = 64, n_boot: int = 1000, mlp_directions: int = 2000,
-                     seed: int = 0, progress: Callable[[str], None] | None = None) -> Structure:
+                     progress: Callable[[str], None] | None = None,
+                     **options: Unpack[StructureKeywords]) -> Structure:
     """The J-space's structure by layer over ``texts`` (module docstring; docs/method.md §11.6).
 
     Args:
@@ -185,9 +201,19 @@ def jspace_structure(model: LensModel, lens: Lens, texts: Sequence[str], *, laye
         seed: residual positions, controls, bootstrap and MLP directions.
         progress: called with a line per layer done.
 
+    ``per_text``, ``max_seq_len``, ``n_boot``, ``mlp_directions`` and ``seed`` are :class:`StructureKeywords`, by
+    keyword.
+
     Raises:
         ValueError: no text, a layer outside the lens, ``k`` out of range, an unknown gauge.
+        TypeError: a keyword that is none of these.
     """
+    given = checked_options("jspace_structure", options, StructureKeywords)
+    per_text: int = given.get("per_text", 3)
+    max_seq_len: int = given.get("max_seq_len", 64)
+    n_boot: int = given.get("n_boot", 1000)
+    mlp_directions: int = given.get("mlp_directions", 2000)
+    seed: int = given.get("seed", 0)
     if not texts:
         raise ValueError("No texts: give a corpus of at least one text.")
     chosen = check_layers(model, lens, lens.source_layers if layers is None else layers)
@@ -198,7 +224,7 @@ def jspace_structure(model: LensModel, lens: Lens, texts: Sequence[str], *, laye
     skip = int(recorded_skip_first(lens) or 1)
     residuals = sample_residuals(model, texts, chosen, per_text=per_text, skip_first=skip, max_seq_len=max_seq_len,
                                  seed=seed)
-    gen = torch.Generator().manual_seed(int(seed) + 2)
+    gen = generator(seed, 2)
     rows: list[dict[str, Any]] = []
     gains: list[dict[str, Any]] = []
     for layer in chosen:
@@ -225,4 +251,4 @@ def jspace_structure(model: LensModel, lens: Lens, texts: Sequence[str], *, laye
     return Structure(rows=rows, mlp_gain=gains, settings=settings)
 
 
-__all__ = ["Structure", "bootstrap_median", "jspace_structure", "mlp_gain", "sample_residuals"]
+__all__ = ["Structure", "StructureKeywords", "bootstrap_median", "jspace_structure", "mlp_gain", "sample_residuals"]

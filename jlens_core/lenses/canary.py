@@ -36,6 +36,7 @@ import torch
 
 from .._atomic import atomic_write
 from .._version import __version__
+from ..seeds import generator
 
 if TYPE_CHECKING:
     from ..models.model import LensModel
@@ -212,7 +213,7 @@ def make_canary(model: LensModel, lens: Lens | None = None, *, source_layer: int
     else:  # a model read from token ids alone: fixed ids stand in for the text (the check replays the stored ids)
         ids = (torch.arange(CANARY_FALLBACK_TOKENS) * 7919 % model.vocab_size).unsqueeze(0).to(model.device)  # [1, seq]
     positions = _positions(int(ids.shape[1]))
-    gen = torch.Generator().manual_seed(CANARY_SEED)
+    gen = generator(CANARY_SEED)
     probes = torch.randn(CANARY_PROBES, model.d_model, generator=gen)
     probes = probes / probes.norm(dim=-1, keepdim=True)  # [n_probes, d] unit vectors
     residuals, jacobian = _forward_parts(model, ids, positions, source, target, probes)

@@ -21,11 +21,12 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from jaxtyping import Float, Int
 
+from .._keywords import checked_options
 from ..models.model import LensModel
 from .fit_settings import DEFAULT_CLUSTER_PROMPTS, ExpertOrigin, FitRecord, FitSettings
 from .header import EXPERTS_FORMAT_NAME, LensFileError, half_prompts_of, header_or_none
@@ -35,6 +36,7 @@ from .lens import (
     HALF_PREFIX,
     JacobianLens,
     MatrixTransportMixin,
+    RecordKeywords,
     check_made_for,
     checked_rules,
     extra_tensors,
@@ -42,10 +44,13 @@ from .lens import (
     own_tensors,
     prompt_weighted_mean,
     read_lens_safetensors,
+    record_types,
     write_lens_file,
 )
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
+
     from .protocol import FittedLens
 
 log = logging.getLogger(__name__)
@@ -120,6 +125,22 @@ def _unit(weights: torch.Tensor, what: str) -> torch.Tensor:
     return w / norm
 
 
+class ExpertOptions(TypedDict, total=False):
+    """An expert lens's further parts, keyword by keyword (:class:`ExpertLens`'s Args): the learned weights and
+    their items, the fallback threshold, the model's layer count and the split halves."""
+
+    weights: Mapping[int, torch.Tensor] | None
+    weight_items: Sequence[str] | None
+    min_positions: int
+    n_layers: int | None
+    halves: tuple[ExpertLens, ExpertLens] | None
+
+
+class ExpertLensOptions(ExpertOptions, RecordKeywords, total=False):
+    """:class:`ExpertLens`'s keywords after ``rules``: its :class:`ExpertOptions` and what its fit recorded
+    (:class:`~jlens_core.lenses.lens.RecordKeywords`)."""
+
+
 class ExpertLens(MatrixTransportMixin):
     """An expert lens: per source layer ``E`` Jacobians, one per residual cluster (docs/method.md §9.1).
 
@@ -164,46 +185,40 @@ class ExpertLens(MatrixTransportMixin):
                  experts: Mapping[int, Float[torch.Tensor, "experts d_model d_model"]],
                  counts: Mapping[int, Int[torch.Tensor, " experts"]], clustering: Mapping[int, Clustering],
                  n_prompts: int, d_model: int, *, target_layer: int, rules: str = PLAIN_RULES,
-                 weights: Mapping[int, Float[torch.Tensor, " experts"]] | None = None,
-                 weight_items: Sequence[str] | None = None,
-                 min_positions: int = MIN_POSITIONS, n_layers: int | None = None, settings: Mapping | None = None,
-                 model_name: str | None = None, model_fingerprint: dict | None = None,
-                 diagnostics: list[dict] | None = None, stop_reason: str | None = None,
-                 halves: tuple[ExpertLens, ExpertLens] | None = None) -> None:
+                 **options: Unpack[ExpertLensOptions]) -> None:
+        keywords = checked_options("ExpertLens", options, ExpertLensOptions)
         if not pooled:
             raise ValueError("An ExpertLens needs at least one layer's matrices.")
-        fit_settings, record = fit_types(settings, layers=sorted(int(layer) for layer in pooled),
-                                         target_layer=target_layer, rules=rules, n_prompts=n_prompts,
-                                         model_name=model_name, model_fingerprint=model_fingerprint,
-                                         diagnostics=diagnostics, stop_reason=stop_reason)
+        fit_settings, record = record_types(keywords, layers=sorted(int(layer) for layer in pooled),
+                                            target_layer=target_layer, rules=rules, n_prompts=n_prompts)
         self._setup(pooled=pooled, experts=experts, counts=counts, clustering=clustering, d_model=d_model,
-                    n_layers=n_layers, fit_settings=fit_settings, record=record, weights=weights,
-                    weight_items=weight_items, min_positions=min_positions, halves=halves)
+                    fit_settings=fit_settings, record=record,
+                    **{name: keywords[name] for name in ExpertOptions.__optional_keys__ if name in keywords})
 
     @classmethod
     def from_fit(cls, pooled: Mapping[int, Float[torch.Tensor, "d_model d_model"]],
                  experts: Mapping[int, Float[torch.Tensor, "experts d_model d_model"]],
                  counts: Mapping[int, Int[torch.Tensor, " experts"]], clustering: Mapping[int, Clustering],
-                 fit_settings: FitSettings, record: FitRecord, *, d_model: int, n_layers: int | None = None,
-                 weights: Mapping[int, Float[torch.Tensor, " experts"]] | None = None, weight_items: Sequence[str] | None = None,
-                 min_positions: int = MIN_POSITIONS, halves: tuple[ExpertLens, ExpertLens] | None = None) -> ExpertLens:
+                 fit_settings: FitSettings, record: FitRecord, *, d_model: int,
+                 **options: Unpack[ExpertOptions]) -> ExpertLens:
         """The expert lens of these tensors with its types: what shaped it (``fit_settings``) and what its fit
-        recorded (``record``); the other arguments as the constructor's.
+        recorded (``record``); the other arguments (:class:`ExpertOptions`) as the constructor's.
 
         Raises:
             ValueError: as the constructor.
+            TypeError: a keyword that is not one of :class:`ExpertOptions`.
         """
         lens = object.__new__(cls)
         lens._setup(pooled=pooled, experts=experts, counts=counts, clustering=clustering, d_model=d_model,
-                    n_layers=n_layers, fit_settings=fit_settings, record=record, weights=weights,
-                    weight_items=weight_items, min_positions=min_positions, halves=halves)
+                    fit_settings=fit_settings, record=record,
+                    **checked_options("ExpertLens.from_fit", options, ExpertOptions))
         return lens
 
     def _setup(self, *, pooled: Mapping[int, torch.Tensor], experts: Mapping[int, torch.Tensor],
                counts: Mapping[int, torch.Tensor], clustering: Mapping[int, Clustering], d_model: int,
-               n_layers: int | None, fit_settings: FitSettings, record: FitRecord,
-               weights: Mapping[int, torch.Tensor] | None, weight_items: Sequence[str] | None, min_positions: int,
-               halves: Sequence[ExpertLens] | None) -> None:
+               fit_settings: FitSettings, record: FitRecord, n_layers: int | None = None,
+               weights: Mapping[int, torch.Tensor] | None = None, weight_items: Sequence[str] | None = None,
+               min_positions: int = MIN_POSITIONS, halves: Sequence[ExpertLens] | None = None) -> None:
         if not pooled:
             raise ValueError("An ExpertLens needs at least one layer's matrices.")
         self.d_model = d = int(d_model)

@@ -12,12 +12,13 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, TypeVar, cast
 
 import torch
 from jaxtyping import Float
 
 from .._atomic import atomic_write
+from .._keywords import checked_options
 from ..models.model import LensModel, same_fingerprint
 from .fit_settings import FitPlan, FitRecord, FitSettings, settings_view, split_lens_settings
 from .header import FORMAT_NAME, LensFileError, half_prompts_of, read_header
@@ -27,7 +28,7 @@ from .readout import ReadoutMixin
 
 if TYPE_CHECKING:
     import pandas as pd
-    from typing_extensions import Self  # typing's own from Python 3.11
+    from typing_extensions import Self, Unpack  # typing's own from Python 3.11
 
     from .canary import Canary
 
@@ -578,6 +579,31 @@ def half_agreement(full: torch.Tensor, even: torch.Tensor, odd: torch.Tensor, n_
     return rel, predicted_rel_se(rel, n_even, n_odd)
 
 
+class RecordKeywords(TypedDict, total=False):
+    """What a fit recorded, given to a lens constructor keyword by keyword (``model_name=...``, ``settings=...``:
+    the documented constructors): read into the lens's :class:`FitSettings` and :class:`FitRecord`
+    (:func:`fit_types`). ``from_fit`` takes the two types instead."""
+
+    settings: Mapping | None
+    model_name: str | None
+    model_fingerprint: dict | None
+    diagnostics: list[dict] | None
+    stop_reason: str | None
+
+
+def record_types(record: Mapping[str, Any], *, layers: Sequence[int], target_layer: int, rules: str,
+                 n_prompts: int) -> tuple[FitSettings, FitRecord]:
+    """:func:`fit_types` of a constructor's :class:`RecordKeywords` (``record``, checked by the caller).
+
+    Raises:
+        ValueError: as :func:`fit_types`.
+    """
+    return fit_types(record.get("settings"), layers=layers, target_layer=target_layer, rules=rules,
+                     n_prompts=n_prompts, model_name=record.get("model_name"),
+                     model_fingerprint=record.get("model_fingerprint"), diagnostics=record.get("diagnostics"),
+                     stop_reason=record.get("stop_reason"))
+
+
 def fit_types(settings: Mapping[str, Any] | None, *, layers: Sequence[int], target_layer: int, rules: str,
               n_prompts: int, model_name: str | None, model_fingerprint: dict | None,
               diagnostics: Iterable[dict] | None, stop_reason: str | None) -> tuple[FitSettings, FitRecord]:
@@ -698,18 +724,16 @@ class JacobianLens(MatrixTransportMixin):
 
     def __init__(self, jacobians: Mapping[int, Float[torch.Tensor, "d_model d_model"]], n_prompts: int, d_model: int,
                  *,
-                 target_layer: int | None = None, n_layers: int | None = None, settings: Mapping | None = None,
-                 model_name: str | None = None, model_fingerprint: dict | None = None,
-                 diagnostics: list[dict] | None = None, shrinkage: float = 0.0, stop_reason: str | None = None,
-                 rules: str = PLAIN_RULES, halves: tuple[JacobianLens, JacobianLens] | None = None) -> None:
+                 target_layer: int | None = None, n_layers: int | None = None, shrinkage: float = 0.0,
+                 rules: str = PLAIN_RULES, halves: tuple[JacobianLens, JacobianLens] | None = None,
+                 **record_keywords: Unpack[RecordKeywords]) -> None:
+        keywords = checked_options("JacobianLens", record_keywords, RecordKeywords)
         if not jacobians:
             raise ValueError("A JacobianLens needs at least one layer's matrix.")
         layers = sorted(int(layer) for layer in jacobians)
         target = int(target_layer) if target_layer is not None else layers[-1] + 1
-        fit_settings, record = fit_types(settings, layers=layers, target_layer=target, rules=rules,
-                                         n_prompts=n_prompts, model_name=model_name,
-                                         model_fingerprint=model_fingerprint, diagnostics=diagnostics,
-                                         stop_reason=stop_reason)
+        fit_settings, record = record_types(keywords, layers=layers, target_layer=target, rules=rules,
+                                            n_prompts=n_prompts)
         self._setup(jacobians=jacobians, d_model=d_model, n_layers=n_layers, fit_settings=fit_settings, record=record,
                     shrinkage=shrinkage, halves=halves)
 

@@ -22,6 +22,7 @@ import torch
 from jaxtyping import Int
 
 from ..models.model import LensModel
+from ..seeds import generator
 from .edit_hooks import EditRunner
 
 log = logging.getLogger(__name__)
@@ -199,8 +200,7 @@ def generate(model: LensModel, prompt: str | Iterable[int] | Int[torch.Tensor, "
         text = model.decode(ids[0].tolist())
     n_prompt = int(ids.shape[1])
     stops = eos_ids(model) if stop_at_eos else set()
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(int(seed) if seed is not None else torch.initial_seed() % (2**63))
+    gen = generator(int(seed) if seed is not None else torch.initial_seed())
     runner = EditRunner(model, edits, n_prompt)
     edited, clean = _Stepper(model), (_Stepper(model) if runner.needs_clean else None)
     k = min(int(top_k), int(model.vocab_size))

@@ -1,0 +1,93 @@
+"""A trial's edit as URL keys (jlens_core.experiments.links): the link built from a trial reads back to the same
+swap, and that swap, run again, gives the trial's own rank; bad URL values are one sentence each."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import identity_lens
+from test_experiments import copying_model, flexible_data, probe_items
+
+from jlens_core.experiments.core import edited_next_logits, ranks_of, word_ids
+from jlens_core.experiments.links import EDIT_KEYS, TrialEdit, trial_edit
+from jlens_core.experiments.run import run_experiment
+from jlens_core.interventions.lens_edits import MAX_ALPHA
+from jlens_core.lenses.lens import LogitLens
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, _ = copying_model()
+    return model, identity_lens(model)
+
+
+def _replayed_rank(model, lens, result, trial, target_ids) -> tuple[TrialEdit, int]:
+    edit = trial_edit(model, result, trial)
+    assert edit is not None
+    back = TrialEdit.from_query(edit.query())
+    assert back == edit and set(edit.query()) == set(EDIT_KEYS)
+    along = LogitLens.for_model(model) if back.lens == "logit" else lens
+    swaps = back.build(model, along)
+    prompt = result.gate[result.gate["item"] == trial["item"]]["prompt"].iloc[0]
+    logits = edited_next_logits(model, model.encode(prompt), [swaps])
+    return back, ranks_of(logits[0], target_ids)
+
+
+def test_probe_swap_links_round_trip_to_the_trials_swap(setup):
+    model, lens = setup
+    # a scale below the maximum, so that the arms' ranks differ and a wrong edit would show
+    result = run_experiment(model, lens, "probe-swap", {"items": probe_items(model, lens)}, band="1-2", alpha=0.75,
+                            depth=False, probes=False)
+    seen = set()
+    for trial in result.trials.to_dict("records"):
+        if trial["arm"] == "random directions":
+            assert trial_edit(model, result, trial) is None
+            continue
+        target = word_ids(model, trial["target"]).values()
+        back, rank = _replayed_rank(model, lens, result, trial, target)
+        # below the top two the tokens score ~1e-6 here (float noise, reordered by a batch of another size)
+        assert rank == trial["rank"] if trial["rank"] <= 2 else rank > 2, (trial["arm"], trial["item"])
+        if trial["arm"] == "unrelated swap":
+            assert back.build(model, lens)[0].replacement_id == trial["null_id"]
+        assert back.layers == (1, 2) and back.alpha == 0.75
+        assert back.lens == ("logit" if trial["arm"] == "logit-lens swap" else str(lens.kind))
+        seen.add(trial["arm"])
+    assert (result.trials["rank"] == 1).sum() == 3 * len(result.gate)  # J-lens, logit-lens, answer swap: exact
+    assert seen == {"J-lens swap", "logit-lens swap", "unrelated swap", "answer swap"}
+
+
+def test_flexible_and_verbal_report_links_round_trip(setup):
+    model, lens = setup
+    result = run_experiment(model, lens, "flexible-generalization", flexible_data(), band="0-2", alpha=MAX_ALPHA)
+    trial = result.trials[result.trials["arm"] == "J-lens swap"].iloc[0].to_dict()
+    back, rank = _replayed_rank(model, lens, result, trial, word_ids(model, trial["target"]).values())
+    assert rank == trial["rank"] == 1 and back.source.strip() == trial["source"]
+    report = run_experiment(model, lens, "verbal-report", {"candidates": {"thing": ["time", "one", "and"]}},
+                            band="1-2", alpha=MAX_ALPHA, prefill=" one", concepts=False)
+    trial = report.trials[report.trials["arm"] == "logit-lens swap"].iloc[0].to_dict()
+    back, rank = _replayed_rank(model, lens, report, trial, word_ids(model, trial["target"]).values())
+    assert rank == trial["rank"] and back.source == " one" and back.lens == "logit"
+
+
+@pytest.mark.parametrize(("query", "message"), [
+    ({"edit": "steer", "edit_a": "a", "edit_b": "b", "edit_layers": "1-2"}, "not one Inspect can apply"),
+    ({"edit": "swap", "edit_b": "b", "edit_layers": "1-2"}, "edit_a is missing"),
+    ({"edit": "swap", "edit_a": "a" * 500, "edit_b": "b", "edit_layers": "1-2"}, "edit_a is missing or too long"),
+    ({"edit": "swap", "edit_a": "a", "edit_b": "b", "edit_layers": "2-1"}, "not a layer range"),
+    ({"edit": "swap", "edit_a": "a", "edit_b": "b", "edit_layers": "../x"}, "not a layer range"),
+    ({"edit": "swap", "edit_a": "a", "edit_b": "b", "edit_layers": "1-2", "edit_alpha": "nan"}, "not a scale"),
+    ({"edit": "swap", "edit_a": "a", "edit_b": "b", "edit_layers": "1-2", "edit_alpha": "99"}, "not a scale"),
+])
+def test_bad_url_values_are_one_sentence(query, message):
+    with pytest.raises(ValueError, match=message):
+        TrialEdit.from_query(query)
+    assert TrialEdit.from_query({"prompt": "x"}) is None
+
+
+def test_a_token_or_band_the_model_lacks_fails_in_build(setup):
+    model, lens = setup
+    with pytest.raises(ValueError, match="The band 0-99 is outside the lens's source layers 0-2"):
+        TrialEdit(" time", " one", (0, 99)).build(model, lens)
+    with pytest.raises(ValueError, match="outside"):  # the lens's target layer is not a source layer
+        TrialEdit(" time", " one", (3, 3)).build(model, lens)
+    with pytest.raises(ValueError):
+        TrialEdit("Parisianly unknown words", " one", (1, 2)).build(model, lens)
