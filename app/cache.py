@@ -277,6 +277,7 @@ def jspace_store() -> ReadingStore:
 
 
 _JOBS: set[tuple] = set()  # the J-space jobs running in a thread (their keys), each started once
+_LATEST: dict[tuple, tuple] = {}  # (model, lens) -> the job last started for it: an older one stops after its layer
 _JOBS_LOCK = threading.Lock()
 
 
@@ -294,10 +295,22 @@ def jspace_labels_soon(model, model_key: str, lens: tuple[Any, str], text: str |
         with _JOBS_LOCK:
             start = job not in _JOBS
             _JOBS.add(job)
+            # the last prompt asked for is the one computed: a new prompt's labels never queue behind an old one's
+            _LATEST[(model_key, lens[1])] = job
         if start:
-            threading.Thread(target=_each_in_background, args=(jspace_store(), keys, compute, job),
+            threading.Thread(target=_each_in_background, args=(jspace_store(), keys, compute, job,
+                                                               (model_key, lens[1])),
                              name="jlens-extras", daemon=True).start()
     return found, done
+
+
+def jspace_labels_running(model_key: str, lens: tuple[Any, str], text: str | tuple, layers: list[int],
+                          spec: JSpaceSpec) -> bool:
+    """Whether :func:`jspace_labels_soon`'s job for these labels is running (it stops, unfinished, when another
+    prompt's labels are asked for with the same model and lens; asking again restarts it)."""
+    job = tuple(_jspace_job(None, model_key, lens, text, None, layers, spec)[0].values())
+    with _JOBS_LOCK:
+        return job in _JOBS
 
 
 def jspace_labels_stored(model_key: str, lens: tuple[Any, str], text: str | tuple, layers: list[int],
@@ -309,10 +322,15 @@ def jspace_labels_stored(model_key: str, lens: tuple[Any, str], text: str | tupl
     return found, len(found) == len(keys) or bool(store.failed.intersection(keys.values()))
 
 
-def _each_in_background(store: ReadingStore, keys: dict, compute: Callable[[list], dict], job: tuple) -> None:
-    """``compute`` of each of ``keys`` in turn, each stored when done; the first failure ends the job."""
+def _each_in_background(store: ReadingStore, keys: dict, compute: Callable[[list], dict], job: tuple,
+                        scope: tuple) -> None:
+    """``compute`` of each of ``keys`` in turn, each stored when done; the first failure ends the job, and so does a
+    newer job of the same ``scope`` (model, lens)."""
     try:
         for name, key in keys.items():
+            with _JOBS_LOCK:
+                if _LATEST.get(scope) != job:
+                    return
             try:
                 store.get({name: key}, compute)
             except Exception:  # the page draws the layers done; the log keeps why

@@ -92,3 +92,21 @@ def test_the_url_opens_the_jspace_display_mode(tiny_dir, lens_file):
     at.selectbox(key="cell_text").set_value("top-1")
     fig = chart(ok(at.run()), "heatmap")
     assert "largest atom" not in fig["layout"]["title"]["text"] and "cells" not in at.query_params
+
+
+def test_a_new_prompt_stops_the_old_prompts_jspace_labels(tiny_dir, lens_file, monkeypatch):
+    release = hold_extras(monkeypatch)
+    import cache  # the app's module (hold_extras put the app's folder on the path)
+
+    old, new = "Rain fell on the quiet town all night.", "The river ran fast under the old stone bridge."
+    at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=old, mode="jacobian", cells="jspace").run())
+    at.text_area(key="prompt").set_value(new)
+    ok(at.run())  # the old prompt's job waits (held), the new prompt's starts
+    release.set()
+    _labelled(at)
+    texts = [key[2] for key in cache.jspace_store()._done]
+    assert new in texts and old not in texts  # the old job stopped before its first layer: nothing of it computed
+    at.text_area(key="prompt").set_value(old)  # asked again, it runs
+    ok(at.run())
+    _labelled(at)
+    assert old in [key[2] for key in cache.jspace_store()._done]

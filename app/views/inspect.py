@@ -529,9 +529,10 @@ def jspace_labels(ctx: common.Context, view: View, fig: Any, mode: str, edits: l
     if done:
         return None, ""
 
-    def more() -> bool:
+    def more() -> bool:  # or the job stopped for another prompt's (another session's): asking again restarts it
         now, finished = cache.jspace_labels_stored(ctx.model_key, lens_ref, view.source, layers, spec)
-        return finished or len(now) > len(found)
+        return finished or len(now) > len(found) or not cache.jspace_labels_running(ctx.model_key, lens_ref,
+                                                                                     view.source, layers, spec)
 
     return more, f"J-space labels: computing… ({len(found)} of {len(layers)} layers done)"
 
