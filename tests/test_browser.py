@@ -235,11 +235,13 @@ def test_jspace_labels_arrive_after_the_plain_heatmap(server, browser, shots):
     # the first paint: the lens's top-1 tokens, the labels announced as coming
     assert "largest atom" not in _heatmap(page, "g.layout.title.text")
     page.get_by_text("J-space labels: computing", exact=False).wait_for(timeout=30_000)
+    _idle(page)  # the run that drew the plain heatmap has finished: the layout the labels must not move
     top = _heatmap(page, "g.getBoundingClientRect().top")
     plain_text = _heatmap(page, "g.data[0].text")
     # layer by layer ("... so far" in the title), then every layer
     _wait_heatmap(page, "g.layout.title.text.includes('largest atom') && !g.layout.title.text.includes('so far')",
                   timeout=600_000)
+    _idle(page)
     _no_exception(page)
     assert _heatmap(page, "g.getBoundingClientRect().top") == pytest.approx(top, abs=2)  # the same view, no jump
     labelled = _heatmap(page, "g.data[0].text")
