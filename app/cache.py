@@ -356,7 +356,7 @@ def _jspace_job(model, model_key: str, lens: tuple[Any, str], text: str | tuple,
         out = {}
         for layer in todo:  # docs/method.md §11.2: every position of the layer in one call
             dec = decompose(model, lens[0], recorded[layer][list(spec.positions)].float(), layer, k=spec.k,
-                            gauge=spec.gauge)
+                            gauge=spec.gauge, controls="random")  # the hover shows J beside random only
             out[layer] = tuple(CellAtoms(tuple((t, float(c)) for t, _, c in dec.atoms(i)), float(dec.explained[i]),
                                          float(dec.random_explained[i])) for i in range(dec.n))
         return out

@@ -134,6 +134,11 @@ def test_the_controls(setup, residuals):
     assert not torch.equal(dec.shuffled_token_ids[picked], dec.token_ids[picked])
     bare = decompose(model, lens, residuals, LAYER, k=6, controls=False)
     assert bool(torch.isnan(bare.random_explained).all()) and torch.equal(bare.explained, dec.explained)
+    random_only = decompose(model, lens, residuals, LAYER, k=6, controls="random", seed=3)
+    assert torch.equal(random_only.random_explained, dec.random_explained)
+    assert bool(torch.isnan(random_only.shuffled_explained).all())
+    with pytest.raises(ValueError, match="controls='shuffled' is not a choice"):
+        decompose(model, lens, residuals, LAYER, k=6, controls="shuffled")
 
 
 def test_mean_subtracted_target(setup, residuals):

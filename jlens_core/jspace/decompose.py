@@ -192,7 +192,7 @@ class DecomposeKeywords(TypedDict, total=False):
 
     mean: torch.Tensor | None
     vocab: str | Sequence[int] | None
-    controls: bool
+    controls: bool | str
     seed: int
 
 
@@ -210,7 +210,8 @@ def decompose(model: LensModel, lens: Lens, x: Float[torch.Tensor, "*n d_model"]
         target: ``"raw"`` (``x`` itself) or ``"mean-subtracted"``: ``x - mean`` (``mean`` a ``[d_model]`` vector such as
             a corpus's mean residual at the layer; without it the mean of ``x``'s rows, which needs ``n >= 2``).
         vocab: the dictionary's tokens (``None``: all; ``"word"``; a list of ids).
-        controls: also run the random-dictionary and shuffled controls (three pursuits instead of one).
+        controls: also run the random-dictionary and shuffled controls (three pursuits instead of one); ``"random"``:
+            the random dictionary only (two pursuits).
         seed: the controls' seed (random dictionary ``seed``, permutations ``derive_seed(seed, 1)``,
             :mod:`jlens_core.seeds`).
         mean, vocab, controls, seed: :class:`DecomposeKeywords`, by keyword.
@@ -223,7 +224,10 @@ def decompose(model: LensModel, lens: Lens, x: Float[torch.Tensor, "*n d_model"]
     given = checked_options("decompose", options, DecomposeKeywords)
     mean: torch.Tensor | None = given.get("mean")
     vocab: str | Sequence[int] | None = given.get("vocab")
-    controls: bool = given.get("controls", True)
+    controls: bool | str = given.get("controls", True)
+    if controls not in (True, False, "random"):
+        raise ValueError(f"controls={controls!r} is not a choice of controls: use True (the random dictionary and the "
+                         "shuffled one), 'random' (the random dictionary only) or False.")
     seed: int = given.get("seed", 0)
     check_method(method)
     check_gauge(gauge)
@@ -261,6 +265,7 @@ def decompose(model: LensModel, lens: Lens, x: Float[torch.Tensor, "*n d_model"]
     if controls:
         rnd = random_pursuit(rows, k, space.n_atoms, seed, method)
         random_by_step = _explained(rows, rnd.residual_by_step)
+    if controls is True:
         coords = torch.randperm(d, generator=gen)
         shuf = jspace_pursuit(space, rows[:, coords], k, method)
         shuffled = _explained(rows, shuf.residual_by_step)[:, -1]
