@@ -28,7 +28,7 @@ from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import TokenDisplay
 from ..seeds import generator, unit_directions
-from .dictionary import JSpace, bf16_selection, check_gauge, jspace
+from .dictionary import BF16_MIN_ROWS, JSpace, bf16_selection, check_gauge, jspace
 from .pursuit import Bf16Atoms, Pursuit, Select, bounded_best, check_method, greedy_pursuit
 
 if TYPE_CHECKING:
@@ -65,6 +65,11 @@ def _random_select(n_atoms: int, d_model: int, seed: int) -> Select | None:
     atoms = _RANDOM_BF16[key]
 
     def select(r: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if r.shape[0] < BF16_MIN_ROWS:
+            corr = r @ unit.T
+            if chosen.numel():
+                corr.scatter_(1, chosen, -math.inf)
+            return corr.max(-1)
         best, pick, _ = bounded_best(r, None, atoms, None, chosen)
         return best, pick
 

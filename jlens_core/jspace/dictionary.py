@@ -47,6 +47,9 @@ CHUNK = 8192  # vocabulary columns per product when the head is not fp32 or a su
 # Select atoms from bf16 products (exact under a bound, docs/method.md §11.2): None asks the CPU (AMX-BF16 or
 # AVX512-BF16 run them fast; elsewhere bf16 is emulated and slower than fp32), True / False force it.
 BF16_SELECTION: bool | None = None
+# Below this many rows the fp32 product wins (measured: torch has no fast bf16 matrix-vector kernel on the CPU; one
+# row is 4.5 ms in fp32 against 7-9 ms in bf16 over SmolLM2-135M's head, four rows already 10 ms against 16-19 ms).
+BF16_MIN_ROWS = 4
 # model -> the head's rows in bf16 with their bound terms (one per model, like the head matrix itself)
 _HEAD_BF16: weakref.WeakKeyDictionary[LensModel, Bf16Atoms] = weakref.WeakKeyDictionary()
 # lens -> {(id(model), layer, gauge): atom norms [vocab] fp32}: computing them is one [vocab, d] x [d, d] pass
@@ -268,7 +271,7 @@ class JSpace:
         ``chosen`` (``int64[m, s]``): from bf16 products re-scored in fp32 where this dictionary keeps the head in
         bf16 (:func:`~jlens_core.jspace.pursuit.bounded_best`: the same atom as the fp32 correlations up to
         rounding ties), else from :meth:`correlations`."""
-        if self._bf16 is None:
+        if self._bf16 is None or x.shape[0] < BF16_MIN_ROWS:
             corr = self.correlations(x)
             if chosen.numel():
                 corr.scatter_(1, chosen, -math.inf)

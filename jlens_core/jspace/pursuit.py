@@ -204,9 +204,11 @@ def bounded_best(z: Float[torch.Tensor, "m d"], offset: Float[torch.Tensor, " m"
        ``r = u / (1 - u) + 4 u32`` and ``S`` = :data:`BOUND_SAFETY`.
     3. The best exact score is at least ``floor = score~_b - eps_b`` (``b`` the bf16 best). An atom can beat it only
        if ``score~_t + eps_t >= floor``; with ``K = S (||x~|| max_t s_t alpha_t + (..) max_t s_t beta_t + f)`` that
-       needs ``score~_t >= (floor - K) / (1 + S r)`` (when ``floor > K``; ``/ (1 - S r)`` otherwise). The atoms
-       above that threshold, their union over rows, are re-scored in fp32 with the same ``z``; past
-       :data:`MAX_RESCORE_FRACTION` of the atoms every score is computed in fp32 instead.
+       needs ``score~_t >= (floor - K) / (1 + S r)`` (when ``floor > K``; ``/ (1 - S r)`` otherwise): one pass over
+       the scores finds the atoms above that threshold (their union over rows), and the exact test
+       ``score~_t + eps_t >= floor`` is made on those columns only. The atoms that pass it for some row are
+       re-scored in fp32 with the same ``z``; past :data:`MAX_RESCORE_FRACTION` of the atoms every score is computed
+       in fp32 instead.
 
     Args:
         z: ``float32[m, d]`` rows; ``offset``: ``float32[m]`` or ``None`` (0); ``scale``: ``float32[n_atoms]`` (``>= 0``)
@@ -243,14 +245,20 @@ def bounded_best(z: Float[torch.Tensor, "m d"], offset: Float[torch.Tensor, " m"
     gap = floor - margin
     threshold = torch.where(gap > 0, gap / (1 + rel), gap / (1 - rel))
     union = (approx >= threshold[:, None]).any(dim=0)
-    del approx
     n = int(union.sum())
     if n > MAX_RESCORE_FRACTION * n_atoms:
         columns = torch.arange(n_atoms)
         rows = atoms.weight
     else:
-        columns = union.nonzero()[:, 0]
+        # the same test atom by atom (its own eps_t) on those columns only: fewer fp32 rows to gather and score
+        wide = union.nonzero()[:, 0]
+        sub = approx.index_select(1, wide)
+        eps = (BOUND_SAFETY * (row_a[:, None] * col_a[wide] + row_b[:, None] * col_b[wide] + flush)
+               + rel * sub.abs())
+        keep = (torch.isfinite(sub) & (sub + eps >= floor[:, None])).any(dim=0)
+        columns = wide[keep]
         rows = _rows(atoms.weight, columns)
+    del approx
     exact = torch.addmm(off[:, None], z, rows.T)
     if scale is not None:
         exact.mul_(scale[columns])
