@@ -13,6 +13,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Fits compute in fp32 here, in this process and the CLI and app processes it starts: the checks compare them with
+# fp32 computations. "auto" picks bf16 on CPUs with hardware bf16 (fitting.precision); test_cpu_features tests that.
+os.environ.setdefault("JLENS_CPU_BF16", "0")
 
 TINY_VOCAB = 300
 CORPUS = (

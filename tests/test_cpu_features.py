@@ -63,4 +63,23 @@ def test_a_bf16_fit_records_its_dtype_and_stays_near_fp32(monkeypatch):
         rel = float((a - b).norm() / a.norm())
         assert 0 < rel < 0.05  # bf16 rounding, not another quantity
     monkeypatch.setattr(precision, "CPU_BF16_DEFAULT", False)
+    monkeypatch.delenv(precision.CPU_BF16_ENV, raising=False)
     assert fit(model, prompts[:1], skip_first=2).fit_settings.dtype == "float32"  # auto, resolved and recorded
+
+
+def test_the_cpu_default_and_its_environment_override(monkeypatch):
+    model = tiny("llama")
+    monkeypatch.delenv(precision.CPU_BF16_ENV, raising=False)
+    assert precision.CPU_BF16_DEFAULT is True  # decided by bench/bf16_fit.py: 20 prompts within 0.102 of the SE
+    assert resolve_fit_dtype("auto", model, cpuinfo=ZEN4) == "bfloat16"
+    assert resolve_fit_dtype("auto", model, cpuinfo=OLD) == "float32"  # never assumed
+    monkeypatch.setenv(precision.CPU_BF16_ENV, "0")
+    assert resolve_fit_dtype("auto", model, cpuinfo=ZEN4) == "float32"
+    assert resolve_fit_dtype("bfloat16", model, cpuinfo=ZEN4) == "bfloat16"  # an explicit ask wins
+    monkeypatch.setenv(precision.CPU_BF16_ENV, "1")
+    monkeypatch.setattr(precision, "CPU_BF16_DEFAULT", False)
+    assert resolve_fit_dtype("auto", model, cpuinfo=ZEN4) == "bfloat16"
+    assert resolve_fit_dtype("auto", model, cpuinfo=OLD) == "float32"  # the variable does not invent hardware
+    monkeypatch.setenv(precision.CPU_BF16_ENV, "yes")
+    with pytest.raises(ValueError, match="JLENS_CPU_BF16='yes' is neither 0 nor 1"):
+        resolve_fit_dtype("auto", model, cpuinfo=ZEN4)
