@@ -36,6 +36,11 @@ SETS = {  # experiment: (set file, the size in words)
     "selectivity-language": ("selectivity-language.json", "the shipped set: 8 passages in 4 languages"),
     "ablation-battery": ("probe-swap.json", "the shipped probe-swap set: 26 two-hop items"),
 }
+# the settings docs/results.md's runs used where a default leaves the gate empty on this model (each recorded)
+SETTINGS = {
+    "verbal-report": {"prefill": "I am thinking of a {category}:"},
+    "selectivity-language": {"prefill": "The passage is written in"},
+}
 CUT = ("items", "categories", "concepts", "phrasings", "carrier_sentences", "passages", "topic_categories",
        "math_problems")
 
@@ -76,7 +81,7 @@ def main() -> None:
         data = cut(json.loads((ASSETS / path).read_text(encoding="utf-8")), args.limit)
         begun = time.perf_counter()
         try:
-            result = run_experiment(model, lens, name, data)
+            result = run_experiment(model, lens, name, data, **SETTINGS.get(name, {}))
         except ValueError as exc:  # an empty gate: the model answers none of the (cut) set's items
             out["experiments"][name] = {"set": path, "seconds": round(time.perf_counter() - begun, 1),
                                         "error": str(exc)}
@@ -86,7 +91,7 @@ def main() -> None:
             "set": path, "size": size if not args.limit else f"cut to {args.limit} (--limit)",
             "seconds": round(result.seconds, 1), "under_10_min": result.seconds < 600,
             "gate_entries": len(result.gate), "gated": result.n_gated, "trials": len(result.trials),
-            "band": result.band.label}
+            "band": result.band.label, "settings": SETTINGS.get(name, {})}
         print(name, json.dumps(out["experiments"][name]), flush=True)
     text = json.dumps(out, indent=1)
     print(text)
