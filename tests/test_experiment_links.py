@@ -27,7 +27,8 @@ def _replayed_rank(model, lens, result, trial, target_ids) -> tuple[TrialEdit, i
     assert back == edit and set(edit.query()) == set(EDIT_KEYS)
     along = LogitLens.for_model(model) if back.lens == "logit" else lens
     swaps = back.build(model, along)
-    prompt = result.gate[result.gate["item"] == trial["item"]]["prompt"].iloc[0]
+    own = trial.get("prompt")
+    prompt = own if isinstance(own, str) else result.gate[result.gate["item"] == trial["item"]]["prompt"].iloc[0]
     logits = edited_next_logits(model, model.encode(prompt), [swaps])
     return back, ranks_of(logits[0], target_ids)
 
@@ -66,6 +67,25 @@ def test_flexible_and_verbal_report_links_round_trip(setup):
     trial = report.trials[report.trials["arm"] == "logit-lens swap"].iloc[0].to_dict()
     back, rank = _replayed_rank(model, lens, report, trial, word_ids(model, trial["target"]).values())
     assert rank == trial["rank"] and back.source == " one" and back.lens == "logit"
+
+
+def test_the_selectivity_language_swap_links_replay_its_task(setup):
+    model, lens = setup
+    data = {"task": {"name": "language", "explicit_q": " cap time", "automatic_q": " and cap"},
+            "passages": [{"category": "timeish", "key": "p1", "text": "Numbers like 12"},
+                         {"category": "oneish", "key": "p2", "text": "Once upon a"}],
+            "intermediates": {"timeish": ["time"], "oneish": ["one"]}, "authors": {}}
+    result = run_experiment(model, lens, "selectivity-language", data, band="1-2", prefill=" time",
+                            automatic_prefill=" and")
+    swaps = result.trials[result.trials["arm"].str.startswith("J-lens swap")]
+    explicit = swaps[swaps["task"] == "explicit"].iloc[0].to_dict()
+    back, rank = _replayed_rank(model, lens, result, explicit, word_ids(model, explicit["target"]).values())
+    assert rank == explicit["rank"] == 1 and back.source.strip() == "time" and back.replacement.strip() == "one"
+    automatic = swaps[swaps["task"] == "automatic"].iloc[0].to_dict()
+    assert automatic["prompt"] != explicit["prompt"]  # each task's link opens its own prompt
+    assert trial_edit(model, result, automatic) is not None
+    randoms = result.trials[result.trials["arm"].str.startswith("random directions")]
+    assert all(trial_edit(model, result, t) is None for t in randoms.to_dict("records"))
 
 
 @pytest.mark.parametrize(("query", "message"), [

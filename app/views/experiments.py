@@ -107,8 +107,9 @@ if found and found["key"] == common.result_key(ctx.model_key, lens_name):
     if rows:
         trial = result.trials.iloc[rows[0]]
         item = result.gate[result.gate["item"] == trial["item"]]
-        if len(item) and "prompt" in item:
-            prompt = str(item["prompt"].iloc[0])
+        own = trial.get("prompt") if "prompt" in trial.index else None  # a trial on a prompt of its own
+        if (len(item) and "prompt" in item) or isinstance(own, str):
+            prompt = own if isinstance(own, str) else str(item["prompt"].iloc[0])
             # Inspect opens from the URL, as Study's items do: the trial's prompt, its target pinned, the band, and
             # the trial's swap (the edit* keys), which Inspect applies and names
             query = {key: st.query_params.get(key) for key in st.query_params if key not in EDIT_KEYS}

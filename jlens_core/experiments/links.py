@@ -130,15 +130,21 @@ def trial_edit(model: LensModel, result: ExperimentResult, trial: Mapping[str, A
     """The swap one row of ``result.trials`` ran, or ``None`` when its arm is not one lens's coordinate swap.
 
     Covers probe-swap (J-lens, logit-lens, unrelated and answer swaps), verbal-report and flexible-generalization
-    (J-lens and logit-lens swaps).
+    (J-lens and logit-lens swaps), and selectivity-language's J-lens language swap (under either task: the trial
+    row's ``prompt`` is that task's prompt).
     """
     arm = str(trial.get("arm", ""))
+    layers = (int(result.band.layers[0]), int(result.band.layers[-1]))
+    alpha = float(result.settings.get("alpha", 1.0))
+    if result.name == "selectivity-language":  # the language swap, on the task's own prompt (trial["prompt"])
+        if not arm.startswith("J-lens swap"):
+            return None
+        return TrialEdit(_spelt(model, str(trial["source"])), _spelt(model, str(trial["target"])), layers, alpha,
+                         result.lens)
     if arm not in SWAP_ARMS or result.name not in ("probe-swap", "verbal-report", "flexible-generalization"):
         return None
     which = SWAP_ARMS[arm]
     lens = LOGIT if which == LOGIT else result.lens
-    layers = (int(result.band.layers[0]), int(result.band.layers[-1]))
-    alpha = float(result.settings.get("alpha", 1.0))
     if result.name == "probe-swap":
         if arm == "answer swap":
             said = result.gate[result.gate["item"] == trial["item"]].iloc[0]

@@ -129,7 +129,8 @@ def run_selectivity(model: LensModel, lens: Lens, data: dict, *, band: Any = Non
                     rank, ok = ranks_of(lg, [clean]), said == clean
                     label = f"{arm} · automatic: continuation keeps"
                 rows.append({"arm": label, "item": key, "category": category, "task": name, "target": target,
-                             "rank": rank, "top1": ok, "top5": rank <= 5, "says": model.decode([said])})
+                             "rank": rank, "top1": ok, "top5": rank <= 5, "says": model.decode([said]),
+                             "source": source, "prompt": text})  # the task's own prompt: a link replays it
         steps.step()
     trials = pd.DataFrame(rows)
     summary = summarise(trials, list(dict.fromkeys(trials["arm"])), seed=seed)
