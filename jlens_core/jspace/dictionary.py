@@ -48,7 +48,7 @@ CHUNK = 8192  # vocabulary columns per product when the head is not fp32 or a su
 # AVX512-BF16 run them fast; elsewhere bf16 is emulated and slower than fp32), True / False force it.
 BF16_SELECTION: bool | None = None
 # Below this many rows the fp32 product wins (measured: torch has no fast bf16 matrix-vector kernel on the CPU; one
-# row is 4.5 ms in fp32 against 7-9 ms in bf16 over SmolLM2-135M's head, four rows already 10 ms against 16-19 ms).
+# row is 4.5 ms in fp32 against 7-9 ms in bf16 over SmolLM2-135M's head on one thread; from four rows bf16 wins).
 BF16_MIN_ROWS = 4
 # model -> the head's rows in bf16 with their bound terms (one per model, like the head matrix itself)
 _HEAD_BF16: weakref.WeakKeyDictionary[LensModel, Bf16Atoms] = weakref.WeakKeyDictionary()
