@@ -143,6 +143,8 @@ if run is None:
 
 b1, b2, b3, b4, _ = st.columns([1, 1, 1, 1.4, 2])
 state = run.state
+if full and len(runs.active_names(root)) < limit:
+    st.rerun()  # a fit ended while this page was drawn: draw it again, its Start button enabled
 if b1.button("Stop", disabled=state not in runs.ACTIVE or run.followed, icon=":material/stop:"):
     runs.stop(run)
     time.sleep(0.3)
