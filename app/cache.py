@@ -19,6 +19,7 @@ from typing import Any
 import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
+from jlens_core.experiments.links import HeldTrials
 from jlens_core.models.loading import load_model
 from jlens_core.reading.readout_protocol import Readout
 
@@ -163,6 +164,12 @@ class ReadingStore:
 def reading_store() -> ReadingStore:
     """The server's one :class:`ReadingStore`."""
     return ReadingStore()
+
+
+@st.cache_resource(show_spinner=False)
+def held_trials() -> HeldTrials:
+    """The server's one store of experiment trials that links replay (arms a URL cannot describe)."""
+    return HeldTrials()
 
 
 @dataclass(frozen=True)

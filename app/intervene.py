@@ -11,8 +11,10 @@ from typing import Any
 
 import streamlit as st
 
+import cache
 import common
 import say_box
+from jlens_core.experiments.links import HeldRef
 from jlens_core.figures.interventions import comparison_figure
 from jlens_core.interventions import Ablate, Steer, Swap
 from jlens_core.interventions.compare import compare_runs
@@ -94,6 +96,9 @@ def build_edits(model: Any, lens: Any, n_prompt: int) -> list:
     layers = list(range(lo, hi + 1))
     common_kw = {"layers": layers, "positions": _positions(n_prompt), "on_generated": bool(ss.iv_on_generated),
                  "centred": bool(ss.iv_centred)}
+    trial = ss.get("iv_trial")
+    if trial:  # a trial opened from the Experiments page: its own edits, as it ran them
+        return list(trial["edits"])
     token = ss.iv_token or ""
     if not token.strip():
         raise ValueError("The token is empty: click a cell (its top-1 is filled in) or type one.")
@@ -117,6 +122,18 @@ def apply_link(ctx: Any) -> None:
     if isinstance(request, str):
         ss.edit_link = {"error": request}
         return
+    if isinstance(request, HeldRef):
+        try:
+            held = cache.held_trials().get(request, ctx.model_key)
+        except ValueError as exc:
+            ss.edit_link = {"error": f"The link's edit cannot be applied: {exc}"}
+            return
+        ss.update(iv_trial={"token": held.token, "edits": held.edits, "label": held.label},
+                  iv_edited_heatmap=True, iv_on_generated=False)
+        request_run()
+        ss.edit_link = {"edit": held.label}
+        return
+    ss.iv_trial = None
     choices = direction_choices(ctx)
     if request.lens not in choices:
         ss.edit_link = {"error": f"The link's lens {request.lens!r} is not loaded here (loaded: "
@@ -154,7 +171,7 @@ def settings_key(model_key: str, lens_key: str, text: str) -> tuple:
     return (model_key, lens_key, text, ss.iv_op, ss.iv_token, ss.get("iv_replacement"), float(ss.iv_strength),
             float(ss.iv_alpha), tuple(ss.iv_layers), ss.iv_pos_mode, tuple(ss.get("iv_pos_range") or ()),
             int(ss.get("cell_pos") or 0) if ss.iv_pos_mode == "from" else None, bool(ss.iv_on_generated),
-            int(ss.iv_new), bool(ss.iv_centred))
+            int(ss.iv_new), bool(ss.iv_centred), (ss.get("iv_trial") or {}).get("token"))
 
 
 def request_run() -> None:
@@ -228,6 +245,9 @@ def panel(ctx: Any, readings: dict, chat_text: str, n_prompt: int) -> None:
     st.caption(f"Edit the residual stream along the directions the {_lower(common.lens_label(name))} reads as "
                "tokens, and see whether the model follows. Swap exchanges the read coordinates of A and B "
                "(targets from the clean run); steer adds s·‖h‖ along a token's direction; ablate removes it.")
+    if ss.get("iv_trial"):
+        trial_panel(ctx, chat_text)
+        return
     c1, c2, c3 = st.columns([2, 2, 2])
     choices = direction_choices(ctx)
     if len(choices) > 2:  # a Jacobian lens and an R-lens: which one's directions
@@ -264,6 +284,20 @@ def panel(ctx: Any, readings: dict, chat_text: str, n_prompt: int) -> None:
     _show_run(ctx, chat_text)
     start = min(max(1, int(ss.get("cell_pos") or 1)), max(0, n_prompt - 1))  # "from the clicked one"
     say_box.box(ctx, name, lens, chat_text, tuple(ss.iv_layers), start)
+
+
+def trial_panel(ctx: Any, chat_text: str) -> None:
+    """The panel while it replays a trial opened from the Experiments page: the trial's own edits (vectors,
+    clamps, injections the panel's controls cannot describe), Run, and the comparison."""
+    trial = ss.iv_trial
+    st.info(f"The edit is the experiment trial's own: {trial['label']}.", icon=":material/science:")
+    c1, c2, _ = st.columns([2, 2, 2])
+    c1.number_input("New tokens", min_value=1, max_value=common.MAX_GEN_TOKENS, step=1, key="iv_new")
+    c2.button("Run", key="iv_run", on_click=request_run, type="primary", icon=":material/science:")
+    c2.button("Edit with the panel instead", key="iv_trial_clear", icon=":material/tune:",
+              on_click=lambda: ss.update(iv_trial=None, iv_edited_heatmap=False),
+              help="Leave the trial's edit and use the swap / steer / ablate controls.")
+    _show_run(ctx, chat_text)
 
 
 def _show_run(ctx: Any, chat_text: str) -> None:

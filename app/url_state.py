@@ -76,12 +76,12 @@ def _seed_edit_link(ss) -> None:
     """An edit opened from a link (an experiment's trial: the keys of
     :data:`~jlens_core.experiments.links.EDIT_KEYS`): Inspect applies it once (``intervene.apply_link``); the keys
     leave the URL, which from then on describes the panel."""
-    from jlens_core.experiments.links import EDIT_KEYS, TrialEdit
+    from jlens_core.experiments.links import EDIT_KEYS, edit_request
 
     if not _query_value("edit"):
         return
     try:
-        ss.edit_request = TrialEdit.from_query({key: _query_value(key) for key in EDIT_KEYS})
+        ss.edit_request = edit_request({key: _query_value(key) for key in EDIT_KEYS})
     except ValueError as exc:
         ss.edit_request = str(exc)
     for key in EDIT_KEYS:

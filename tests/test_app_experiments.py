@@ -88,6 +88,37 @@ def test_a_trial_opens_in_inspect_with_its_swap_applied(tiny_dir, tiny_model, le
     assert not chart(ok(inspect), "heatmap")["layout"]["title"]["text"].startswith("Edited run")
 
 
+def test_a_random_directions_trial_opens_in_inspect_with_its_own_edits(tiny_dir, tiny_model, lens_file, tmp_path):
+    from urllib.parse import parse_qs, urlparse
+
+    from jlens_core.experiments.links import EDIT_KEYS, HeldRef, held_label
+
+    at, _, _ = page_with_a_set(tiny_dir, tiny_model, lens_file, tmp_path)
+    button(ok(at), "Run experiment").click().run()
+    result = at.session_state["ex_result"]["result"]
+    row = next(i for i, arm in enumerate(result.trials["arm"]) if arm == "random directions")
+    at.session_state["ex_trials"] = {"selection": {"rows": [row], "columns": []}}
+    link = next(b for b in ok(at.run()).get("link_button") if b.proto.label.startswith("Open the trial in Inspect"))
+    assert link.proto.label.endswith("with its edit")
+    query = {k: v[0] for k, v in parse_qs(urlparse(link.proto.url).query).items()}
+    assert query["edit"] == "held" and not {"edit_a", "edit_b"} & set(query)  # the vectors stay on the server
+    label = held_label(result, result.trials.iloc[row].to_dict())
+    inspect = ok(make_app(**query).run())
+    edits = result.edits_of(row)
+    title = chart(inspect, "heatmap")["layout"]["title"]["text"]
+    assert title.startswith(f"Edited run ({'; '.join(repr(e) for e in edits)})")
+    assert any("Opened with an edit applied: " + label in i.value for i in inspect.info)
+    assert any("The edit is the experiment trial's own: " + label in i.value for i in inspect.info)
+    assert not set(EDIT_KEYS) & set(inspect.query_params)
+    # the panel's own controls again: the trial's edit leaves the heatmap
+    button(inspect, "Edit with the panel instead").click().run()
+    assert not chart(ok(inspect), "heatmap")["layout"]["title"]["text"].startswith("Edited run")
+    # a token this server does not hold: one sentence, a clean heatmap
+    stale = ok(make_app(**{**query, **HeldRef("z" * 24).query()}).run())
+    assert any("no longer holds the trial's edits" in e.value for e in stale.error), [e.value for e in stale.error]
+    assert not chart(stale, "heatmap")["layout"]["title"]["text"].startswith("Edited run")
+
+
 def test_a_bad_edit_link_is_one_sentence_and_the_heatmap_stays_clean(tiny_dir, lens_file):
     base = {"model": tiny_dir, "lens": lens_file, "edit": "swap", "edit_b": " time", "edit_lens": "jacobian"}
     for bad, message in (({"edit_a": "zzzqqqxxxyyy", "edit_layers": "1-2"}, "The link's edit cannot be applied"),

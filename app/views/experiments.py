@@ -9,9 +9,10 @@ from urllib.parse import urlencode
 
 import streamlit as st
 
+import cache
 import common
 from jlens_core.experiments.formats import built_in_sets, load_experiment_items, reference_size_sets
-from jlens_core.experiments.links import EDIT_KEYS, trial_edit
+from jlens_core.experiments.links import EDIT_KEYS, held_label, trial_edit
 from jlens_core.experiments.run import available_experiments, run_experiment
 
 ss = st.session_state
@@ -115,11 +116,19 @@ if found and found["key"] == common.result_key(ctx.model_key, lens_name):
             query = {key: st.query_params.get(key) for key in st.query_params if key not in EDIT_KEYS}
             query.update(prompt=prompt, pin=" " + str(trial["target"]).strip(),
                          band=f"{result.band.layers[0]}-{result.band.layers[-1]}")
+            # a coordinate swap travels in the URL (it survives a restart); any other arm's edits (vectors, clamps,
+            # injections, ablations) stay on this server, and the link names them by a random token
             edit = trial_edit(model, result, trial.to_dict())
+            edits = result.edits_of(rows[0])
+            held = None if edit is not None or not edits else cache.held_trials().hold(
+                ctx.model_key, edits, held_label(result, trial.to_dict()))
             if edit is not None:
                 query.update(edit.query())
-            st.link_button("Open the trial in Inspect" + (" with its swap" if edit else ""), "./?" + urlencode(query),
-                           icon=":material/grid_on:", key="ex_open")
+            elif held is not None:
+                query.update(held.query())
+            st.link_button("Open the trial in Inspect" + (" with its edit" if edit or held else ""),
+                           "./?" + urlencode(query), icon=":material/grid_on:", key="ex_open")
             st.caption(f"The link applies the trial's edit: {edit}." if edit else
-                       f"The {trial['arm']} arm is not one lens's coordinate swap: the link opens the trial's "
-                       "prompt without an edit.")
+                       f"The link applies the trial's own edits ({held_label(result, trial.to_dict())}), which this "
+                       "server holds while it runs." if held else
+                       f"The {trial['arm']} arm runs no edit: the link opens the trial's prompt.")

@@ -32,6 +32,7 @@ from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..reading.tokens import TokenDisplay
 from .core import (
+    EDITS,
     ExperimentResult,
     Progress,
     RowEdits,
@@ -43,6 +44,7 @@ from .core import (
     readable_layers,
     render_prompt,
     timer,
+    trial_table,
     word_ids,
 )
 
@@ -148,21 +150,22 @@ def run_ablation_battery(model: LensModel, lens: Lens, data: dict, *, band: Any 
         greedy = RowEdits(model, [p[2] for p in plan], int(ids.shape[-1]))
         greedy.record_clean(ids)
         answers = first_ids(model, str(item["answer"]))
-        for (arm, s, _), out in zip(plan, greedy.greedy_all(ids)):
+        for (arm, s, row_edits), out in zip(plan, greedy.greedy_all(ids)):
             trial_rows.append({"task": "two-hop", "item": str(item["name"]), "arm": arm, "strength": s,
-                               "positions": 1, "correct": int(int(out[-1]) in answers)})
+                               "positions": 1, "correct": int(int(out[-1]) in answers), EDITS: row_edits})
         steps.step()
     for task in automatic:
         ids = task["ids"]
         runner = RowEdits(model, [p[2] for p in plan], int(ids.shape[-1]))
         runner.record_clean(ids)
         truth = ids[0, task["from"] + 1:]
-        for (arm, s, _), out in zip(plan, runner.greedy_all(ids)):
+        for (arm, s, row_edits), out in zip(plan, runner.greedy_all(ids)):
             guess = out[task["from"]:-1]
             trial_rows.append({"task": task["task"], "item": task["item"], "arm": arm, "strength": s,
-                               "positions": int(truth.numel()), "correct": int((guess == truth).sum())})
+                               "positions": int(truth.numel()), "correct": int((guess == truth).sum()),
+                               EDITS: row_edits})
         steps.step()
-    trials = pd.DataFrame(trial_rows)
+    trials, trial_edits = trial_table(trial_rows)
     trials["accuracy"] = trials["correct"] / trials["positions"]
     trials["category"] = trials["task"]
     summary_rows = []
@@ -190,7 +193,7 @@ def run_ablation_battery(model: LensModel, lens: Lens, data: dict, *, band: Any 
     extras = {"damage": pd.concat([starts, ablated], ignore_index=True), "selective_damage": selective}
     settings = {"band": band, "seed": seed, "strengths": list(strengths), "k": k, "n_texts": n_texts}
     return ExperimentResult(NAME, model.name, str(lens.kind), chosen, gate, trials, summary, extras, settings,
-                            elapsed())
+                            elapsed(), trial_edits=trial_edits)
 
 
 __all__ = ["STRENGTHS", "AblationSettings", "automatic_prompts", "run_ablation_battery"]

@@ -305,6 +305,17 @@ def edited_next_logits(model: LensModel, ids: torch.Tensor, rows: Sequence[Seque
     return torch.cat(out)
 
 
+EDITS = "_edits"  # a trial row's key for the edits it ran: kept beside the table (ExperimentResult.trial_edits)
+
+
+def trial_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = None,
+                ) -> tuple[pd.DataFrame, tuple[tuple[Any, ...], ...]]:
+    """``(trials, trial_edits)``: the per-trial table of ``rows`` and, aligned with it, each row's edits
+    (its :data:`EDITS` entry, taken out of the row; ``()`` where it has none)."""
+    edits = tuple(tuple(row.pop(EDITS, ())) for row in rows)
+    return pd.DataFrame(rows, columns=list(columns) if columns is not None else None), edits
+
+
 # -- statistics --------------------------------------------------------------------------------------------
 def clustered_bootstrap(successes: np.ndarray, clusters: np.ndarray, *, n_boot: int = N_BOOT,
                         seed: int = 0) -> tuple[float, float]:
@@ -403,6 +414,8 @@ class ExperimentResult:
         extras: the experiment's own tables and numbers (the depth test, grids, correlations ...), each a
             DataFrame or a plain value.
         settings: the arguments it ran with; seconds: wall time; notes: sentences worth reading.
+        trial_edits: per row of ``trials``, the residual edits it ran (the experiment's own swaps, vectors,
+            clamps and injections, held in memory so that Inspect can replay any arm; never written to JSON).
     """
 
     name: str
@@ -416,6 +429,12 @@ class ExperimentResult:
     settings: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     notes: tuple[str, ...] = ()
+    trial_edits: tuple[tuple[Any, ...], ...] = field(default=(), repr=False, compare=False)
+
+    def edits_of(self, row: int) -> tuple[Any, ...]:
+        """The residual edits trial ``row`` (a position in :attr:`trials`) ran, as objects bound to the model
+        (empty: a trial without edits, such as a label-hit count, or a result read back from JSON)."""
+        return self.trial_edits[row] if 0 <= row < len(self.trial_edits) else ()
 
     @property
     def n_gated(self) -> int:
@@ -482,6 +501,7 @@ def timer() -> Callable[[], float]:
 
 __all__ = [
     "BAND_TOP_K",
+    "EDITS",
     "SUMMARY_COLUMNS",
     "Band",
     "CleanRead",
@@ -503,5 +523,6 @@ __all__ = [
     "render_prompt",
     "resolve_band",
     "summarise",
+    "trial_table",
     "word_ids",
 ]

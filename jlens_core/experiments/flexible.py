@@ -25,6 +25,7 @@ from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..seeds import derive_seed
 from .core import (
+    EDITS,
     ExperimentResult,
     Progress,
     clean_read,
@@ -37,6 +38,7 @@ from .core import (
     render_prompt,
     summarise,
     timer,
+    trial_table,
     word_ids,
 )
 
@@ -102,14 +104,14 @@ def run_flexible(model: LensModel, lens: Lens, data: dict, *, band: Any = None, 
                      ("random directions", b, [Swap(model, lens, sa, sb, alpha, layers=layers, directions=random_directions(
                          layers, model.d_model, derive_seed(seed, n, j)))])]
         logits = edited_next_logits(model, ids, [p[2] for p in plan])
-        for (arm, b, _), lg in zip(plan, logits):
+        for (arm, b, edits), lg in zip(plan, logits):
             target = str(func["answers"][b])
             rank = ranks_of(lg, word_ids(model, target).values())
             rows.append({"arm": arm, "item": f"{func['name']}({a})", "category": key[0], "function": key[1],
                          "source": a, "swapped_in": b, "target": target, "rank": rank, "top1": rank == 1,
-                         "top5": rank <= 5, "says": model.decode([int(lg.argmax())])})
+                         "top5": rank <= 5, "says": model.decode([int(lg.argmax())]), EDITS: edits})
         steps.step()
-    trials = pd.DataFrame(rows, columns=["arm", "item", "category", "function", "source", "swapped_in", "target",
+    trials, trial_edits = trial_table(rows, columns=["arm", "item", "category", "function", "source", "swapped_in", "target",
                                          "rank", "top1", "top5", "says"])
     summary = summarise(trials, ["J-lens swap", "logit-lens swap", "random directions"], seed=seed)
     grids = {}
@@ -135,7 +137,7 @@ def run_flexible(model: LensModel, lens: Lens, data: dict, *, band: Any = None, 
                                  "rate": hits / len(eligible) if len(eligible) else float("nan"),
                                  "wilson_low": low, "wilson_high": high}}
     return ExperimentResult(NAME, model.name, str(lens.kind), chosen, gate, trials, summary, extras,
-                            {"band": band, "seed": seed, "alpha": alpha}, elapsed())
+                            {"band": band, "seed": seed, "alpha": alpha}, elapsed(), trial_edits=trial_edits)
 
 
 __all__ = ["run_flexible"]

@@ -24,6 +24,7 @@ from ..reading.edit_hooks import PositionRule
 from ..reading.inputs import record_residuals
 from ..seeds import generator, unit_directions
 from .core import (
+    EDITS,
     ExperimentResult,
     Progress,
     edited_next_logits,
@@ -33,6 +34,7 @@ from .core import (
     resolve_band,
     summarise,
     timer,
+    trial_table,
     word_ids,
 )
 
@@ -58,6 +60,11 @@ class Inject:
         if self.scales[layer] == 0.0:
             return h
         return h.float() + self.scales[layer] * self.vectors[layer].to(h.device)
+
+    def __repr__(self) -> str:
+        scales = [self.scales[layer] for layer in self.layers]
+        return (f"inject at layers {self.layers[0]}-{self.layers[-1]}, {len(self.rule.positions or ())} positions, "
+                f"scale {min(scales):.3g}-{max(scales):.3g}")
 
 
 def user_positions(model: LensModel, text: str, content: str) -> list[int]:
@@ -136,18 +143,18 @@ def run_introspection(model: LensModel, lens: Lens, data: dict, *, band: Any = N
                 row["reason"] = "gated out: the clean reply already names it"
             else:
                 row["passed"] = True
-                for (arm, s, _), lg in zip(plan, logits):
+                for (arm, s, edits), lg in zip(plan, logits):
                     rank = ranks_of(lg, found.values())
                     rows.append({"arm": f"{arm} · s={s:g}", "vector": arm, "strength": s,
                                  "item": row["item"], "category": row["category"], "prefill": pname,
                                  "target": surface, "rank": rank, "reciprocal_rank": 1.0 / rank, "top1": rank == 1,
-                                 "top5": rank <= 5, "says": model.decode([int(lg.argmax())])})
+                                 "top5": rank <= 5, "says": model.decode([int(lg.argmax())]), EDITS: edits})
             gate_rows.append(row)
             steps.step()
     gate = pd.DataFrame(gate_rows)
     if not rows:
         raise gate_error(NAME, gate)
-    trials = pd.DataFrame(rows)
+    trials, trial_edits = trial_table(rows)
     summary = summarise(trials, list(dict.fromkeys(trials["arm"])), seed=seed)
     curve = (trials.groupby(["vector", "strength"], as_index=False)["reciprocal_rank"].median()
              .rename(columns={"reciprocal_rank": "median_reciprocal_rank"}))
@@ -158,7 +165,8 @@ def run_introspection(model: LensModel, lens: Lens, data: dict, *, band: Any = N
     settings = {"band": band, "seed": seed, "strengths": list(strengths)}
     return ExperimentResult(NAME, model.name, str(lens.kind), chosen, gate, trials, summary, extras, settings,
                             elapsed(), () if band is not None else (
-                                "The band is the default edit band: there is no concept curve to derive it from.",))
+                                "The band is the default edit band: there is no concept curve to derive it from.",),
+                            trial_edits)
 
 
 __all__ = ["ARMS", "STRENGTHS", "Inject", "run_introspection", "user_positions"]

@@ -37,6 +37,7 @@ from ..models.model import LensModel
 from ..reading.tokens import TokenDisplay
 from ..seeds import derive_seed
 from .core import (
+    EDITS,
     ExperimentResult,
     Progress,
     clean_read,
@@ -49,6 +50,7 @@ from .core import (
     render_prompt,
     summarise,
     timer,
+    trial_table,
     word_ids,
 )
 from .jspace_arms import probe_arms
@@ -174,7 +176,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
                                "swap_to": words["swap_to"], "rank": rank, "top1": rank == 1, "top5": rank <= 5,
                                "says": model.decode([int(lg.argmax())]),
                                "null_token": model.decode([null]) if name == "unrelated swap" else "",
-                               "null_id": null if name == "unrelated swap" else -1})
+                               "null_id": null if name == "unrelated swap" else -1, EDITS: arms[name]})
         steps.step()
         if depth:
             rows = []
@@ -189,7 +191,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
                 depth_rows.append({"item": str(item["name"]), "swap": which, "start": start,
                                    "top1": ranks_of(lg, target) == 1})
             steps.step()
-    trials = pd.DataFrame(trial_rows)
+    trials, trial_edits = trial_table(trial_rows)
     arm_names = list(dict.fromkeys(trials["arm"])) if len(trials) else list(ARMS)
     summary = summarise(trials, arm_names, seed=seed)
     extras: dict[str, Any] = {}
@@ -204,7 +206,7 @@ def run_probe_swap(model: LensModel, lens: Lens, data: dict, *, band: Any = None
                                  if not any(math.isnan(v) for v in onsets.values()) else math.nan}
     settings = {"band": band, "seed": seed, "alpha": alpha, "depth": depth, "depth_step": depth_step, "probes": probes}
     return ExperimentResult(NAME, model.name, str(lens.kind), chosen, gate, trials, summary, extras, settings,
-                            elapsed(), tuple(notes))
+                            elapsed(), tuple(notes), trial_edits)
 
 
 __all__ = ["ARMS", "ProbeSwapSettings", "depth_onset", "run_probe_swap", "unrelated_token"]

@@ -17,13 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import pandas as pd
-
 from ..interventions.lens_edits import Swap, random_directions
 from ..lenses.protocol import Lens
 from ..models.model import LensModel
 from ..seeds import derive_seed
 from .core import (
+    EDITS,
     ExperimentResult,
     Progress,
     clean_read,
@@ -35,6 +34,7 @@ from .core import (
     render_prompt,
     summarise,
     timer,
+    trial_table,
     word_ids,
 )
 from .introspection import user_positions
@@ -120,7 +120,7 @@ def run_selectivity(model: LensModel, lens: Lens, data: dict, *, band: Any = Non
                                                 directions=random_directions(layers, model.d_model,
                                                                              derive_seed(seed, n)))])]
             target_ids = set(word_ids(model, target).values())
-            for (arm, _), lg in zip(plan, edited_next_logits(model, ids, [e for _, e in plan])):
+            for (arm, edits), lg in zip(plan, edited_next_logits(model, ids, [e for _, e in plan])):
                 said = int(lg.argmax())
                 if name == "explicit":
                     rank, ok = ranks_of(lg, target_ids), said in target_ids
@@ -130,9 +130,9 @@ def run_selectivity(model: LensModel, lens: Lens, data: dict, *, band: Any = Non
                     label = f"{arm} · automatic: continuation keeps"
                 rows.append({"arm": label, "item": key, "category": category, "task": name, "target": target,
                              "rank": rank, "top1": ok, "top5": rank <= 5, "says": model.decode([said]),
-                             "source": source, "prompt": text})  # the task's own prompt: a link replays it
+                             "source": source, "prompt": text, EDITS: edits})  # the task's own prompt: a link replays it
         steps.step()
-    trials = pd.DataFrame(rows)
+    trials, trial_edits = trial_table(rows)
     summary = summarise(trials, list(dict.fromkeys(trials["arm"])), seed=seed)
     rates = summary.set_index("arm")["rate"]
     extras = {"selectivity": {"explicit_hit_rate": float(rates.get("label hits · explicit", float("nan"))),
@@ -141,7 +141,7 @@ def run_selectivity(model: LensModel, lens: Lens, data: dict, *, band: Any = Non
                                                                 - rates.get("label hits · automatic", float("nan")))}}
     settings = {"band": band, "seed": seed, "alpha": alpha, "prefill": prefill, "automatic_prefill": automatic_prefill, "task": str(task.get("name", ""))}
     return ExperimentResult(NAME, model.name, str(lens.kind), chosen, gate, trials, summary, extras, settings,
-                            elapsed(), ("authors are read with the format but not scored in this version.",))
+                            elapsed(), ("authors are read with the format but not scored in this version.",), trial_edits)
 
 
 __all__ = ["TASKS", "run_selectivity"]

@@ -32,6 +32,7 @@ from ..models.model import LensModel
 from ..reading.tokens import is_word_like
 from ..seeds import derive_seed
 from .core import (
+    EDITS,
     ExperimentResult,
     Progress,
     clean_read,
@@ -42,6 +43,7 @@ from .core import (
     render_prompt,
     summarise,
     timer,
+    trial_table,
     word_ids,
 )
 from .jspace_arms import concept_arms
@@ -158,12 +160,13 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
             if split is not None:
                 arms_per += [(arm, word, edits) for arm, edits in split.arms_for(answer.strip(), word).items()]
         logits = edited_next_logits(model, ids, [a[2] for a in arms_per])
-        for (arm, word, _), lg in zip(arms_per, logits):
+        for (arm, word, edits), lg in zip(arms_per, logits):
             rank = ranks_of(lg, single[word].values())
             rows.append({"arm": arm, "item": category, "category": category, "source": answer, "target": word,
-                         "rank": rank, "top1": rank == 1, "top5": rank <= 5, "says": model.decode([int(lg.argmax())])})
+                         "rank": rank, "top1": rank == 1, "top5": rank <= 5, "says": model.decode([int(lg.argmax())]),
+                         EDITS: edits})
         steps.step()
-    trials = pd.DataFrame(rows)
+    trials, trial_edits = trial_table(rows)
     summary = summarise(trials, list(dict.fromkeys(trials["arm"])), seed=seed)
     corr_rows = []
     for layer in readable:
@@ -179,7 +182,7 @@ def run_verbal_report(model: LensModel, lens: Lens, data: dict, *, band: Any = N
     settings = {"band": band, "seed": seed, "alpha": alpha, "template": template, "prefill": prefill, "n_swaps": n_swaps,
                 "concepts": concepts, "gate": gate}
     return ExperimentResult(NAME, model.name, str(lens.kind), chosen, gate, trials, summary, extras, settings,
-                            elapsed(), tuple(notes))
+                            elapsed(), tuple(notes), trial_edits)
 
 
 __all__ = ["CONCEPT_TEMPLATE", "N_SWAPS", "TEMPLATE", "VerbalReportSettings", "run_verbal_report"]
