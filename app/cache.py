@@ -26,7 +26,6 @@ from jlens_core.reading.readout_protocol import Readout
 log = logging.getLogger(__name__)
 
 
-@st.cache_resource(show_spinner=False, max_entries=3)
 def load_model_cached(spec: str, device: str, dtype: str, device_map: str = "", max_memory: str = "",
                       offload_folder: str = ""):
     """:func:`jlens_core.models.loading.load_model`, once per (spec, device, dtype, placement) per server.
@@ -34,6 +33,13 @@ def load_model_cached(spec: str, device: str, dtype: str, device_map: str = "", 
     The placement (``device_map``: ``auto`` or JSON, ``max_memory``: ``0:20GiB,cpu:64GiB``, ``offload_folder``) is
     text, ``""`` for none (docs/models.md, sharded and offloaded models).
     """
+    # Streamlit keys a cached call by the arguments as passed, defaults not filled in: every caller goes through
+    # here, so the warm-up's load and the sidebar's are one cache entry (not two loads of the same model).
+    return _load_model(spec, device, dtype, device_map, max_memory, offload_folder)
+
+
+@st.cache_resource(show_spinner=False, max_entries=3)
+def _load_model(spec: str, device: str, dtype: str, device_map: str, max_memory: str, offload_folder: str):
     return load_model(spec, device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype,
                       device_map=device_map or None, max_memory=max_memory or None,
                       offload_folder=offload_folder or None)

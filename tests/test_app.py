@@ -1256,12 +1256,17 @@ def test_warm_up_fills_the_caches_the_first_inspect_run_reads(tiny_dir, lens_fil
     import sys
 
     sys.path.insert(0, str(APP.parent))
+    import cache
     from warm_up import warm_up
 
     from jlens_core.reading import reader as readings_mod
 
     monkeypatch.setenv("JLENS_APP_MODEL", tiny_dir)
     monkeypatch.setenv("JLENS_APP_LENS", lens_file)
+    cache._load_model.clear()  # no model left by earlier tests: the warm-up loads it, and the page must not again
+    loads = []
+    real_load = cache.load_model
+    monkeypatch.setattr(cache, "load_model", lambda *a, **k: loads.append(a[0]) or real_load(*a, **k))
     done = warm_up()
     assert done[0] == f"model {tiny_dir}" and f"lens {Path(lens_file).name}" in done
     assert done[-1] == "logit and jacobian readings of the default prompt"
@@ -1271,6 +1276,7 @@ def test_warm_up_fills_the_caches_the_first_inspect_run_reads(tiny_dir, lens_fil
     at = ok(make_app().run())  # no URL: the env's model and lens, the default prompt, default settings
     assert len(values(chart(at, "heatmap")["data"][0]["x"])) > 0 and at.radio(key="mode").value == "side"
     assert computed == []  # both readings came from the warm cache
+    assert loads == [tiny_dir]  # the sidebar's load hit the warm-up's entry (Streamlit keys calls as passed)
     at.text_area(key="prompt").set_value("A different prompt, read now.").run()
     assert computed == [["jacobian", "logit"]]  # ...and a new prompt is read, both lenses in one pass
 
