@@ -1,7 +1,8 @@
-"""Selecting atoms from bf16 products (docs/method.md §11.2, ``pursuit.bounded_best``): plain tensors, checked against
-the best atom computed in float64, on random dictionaries, on near-ties planted below bf16's resolution, on
-scores whose sign the bound has to respect, and through the J-space on a tiny model (bf16 selection on and off give
-the same decomposition)."""
+"""Selecting atoms from bf16 and fp16 products (docs/method.md §11.2, ``pursuit.bounded_best``): plain tensors,
+checked against the best atom computed in float64, on random dictionaries, on near-ties planted below the low
+precision's resolution, on scores whose sign the bound has to respect, on magnitudes far outside fp16's range, and
+through the J-space on a tiny model (bf16 selection for many rows and fp16 selection for a few, on and off, give the
+same decomposition)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,14 @@ def problem(seed: int, n_atoms: int = 3000, d: int = 64, m: int = 24, steps: int
     return z, offset, weight, scale, chosen
 
 
+LOW = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("seed", range(4))
-def test_the_bf16_selection_is_the_float64_best(seed):
+def test_the_low_precision_selection_is_the_float64_best(seed, dtype):
     z, offset, weight, scale, chosen = problem(seed)
-    atoms = P.Bf16Atoms.of(weight)
+    atoms = P.Bf16Atoms.of(weight, dtype=dtype)
     best, pick, rescored = P.bounded_best(z, offset, atoms, scale, chosen)
     want, want_pick, second = brute_best(z, offset, weight, scale, chosen)
     clear = (want - second) > 1e-5 * want.abs()
@@ -50,12 +55,13 @@ def test_the_bf16_selection_is_the_float64_best(seed):
     assert 0 < rescored < weight.shape[0]  # the bound screened, and re-scored more than the picks
 
 
-def test_near_ties_that_bf16_orders_wrongly_are_decided_in_fp32():
-    """A rival of each row's best whose bf16 row is the best's (a perturbation below bf16's resolution), scaled up
-    a little: in bf16 the rival scores higher, in fp32 and float64 lower. Selecting from the bf16 scores alone
-    (no bound) picks the rival; the bound re-scores both and picks the best."""
+@pytest.mark.parametrize(("dtype", "nudge"), [(torch.bfloat16, 1e-3), (torch.float16, 1e-4)])
+def test_near_ties_that_low_precision_orders_wrongly_are_decided_in_fp32(dtype, nudge):
+    """A rival of each row's best whose low-precision row is the best's (a perturbation below that precision's
+    resolution), scaled up a little: in low precision the rival scores higher, in fp32 and float64 lower. Selecting
+    from the low-precision scores alone (no bound) picks the rival; the bound re-scores both and picks the best."""
     z, offset, weight, scale, chosen = problem(7, steps=0)
-    weight = weight.to(torch.bfloat16).float()  # every row exact in bf16, so a small perturbation rounds back
+    weight = weight.to(dtype).float()  # every row exact in the low precision, so a small perturbation rounds back
     _, want_pick, _ = brute_best(z, offset, weight, scale, chosen)
     weight, scale = weight.clone(), scale.clone()
     rows = range(6)
@@ -66,22 +72,50 @@ def test_near_ties_that_bf16_orders_wrongly_are_decided_in_fp32():
         rival = rivals[row]
         w = weight[t]
         big = w.abs() >= w.abs().median()
-        delta = torch.where(big, -1e-3 * torch.sign(z[row]) * w.abs(), 0.0)  # below half a bf16 unit: rounds to w
+        delta = torch.where(big, -nudge * torch.sign(z[row]) * w.abs(), 0.0)  # below half a unit: rounds to w
         weight[rival] = w + delta
-        assert torch.equal(weight[rival].to(torch.bfloat16), w.to(torch.bfloat16))
+        assert torch.equal(weight[rival].to(dtype), w.to(dtype))
         score = float(z[row] @ w + offset[row])
         assert score > 0
         loss = float(-(delta @ z[row]))  # > 0: what the perturbation costs the rival in fp32
         scale[rival] = scale[t] * (1 + 0.5 * loss / score)
     _, want_pick2, _ = brute_best(z, offset, weight, scale, chosen)
     assert torch.equal(want_pick2[:6], want_pick[:6])  # the best is still the best in float64
-    atoms = P.Bf16Atoms.of(weight)
+    atoms = P.Bf16Atoms.of(weight, dtype=dtype)
     _, pick, _ = P.bounded_best(z, offset, atoms, scale, chosen)
     assert torch.equal(pick, want_pick2)
-    approx = (z.to(torch.bfloat16) @ atoms.weight_bf16[:, :-1].T).float() * scale  # no offset: equal for the pair
     for row in rows:
         t = int(want_pick[row])
-        assert approx[row, rivals[row]] > approx[row, t]  # bf16 alone would be wrong
+        # the same stored row and a larger scale: the low-precision scores alone would pick the rival
+        assert torch.equal(atoms.weight_low[rivals[row]], atoms.weight_low[t]) and scale[rivals[row]] > scale[t]
+
+
+@pytest.mark.parametrize(("z_size", "w_size"), [(1e6, 1e-2), (1e-3, 1e-6), (3e4, 3e4)])
+def test_fp16_selection_far_outside_fp16s_range(z_size, w_size):
+    """Rows and targets whose products would overflow fp16 (65504) or fall into its subnormals are scaled by powers
+    of two on the way in and out: the pick is still the float64 best."""
+    z, offset, weight, scale, chosen = problem(11, m=3)
+    z, offset, weight = z / 30 * z_size, offset / 5 * z_size * w_size, weight * w_size
+    best, pick, _ = P.bounded_best(z, offset, P.Bf16Atoms.of(weight, dtype=torch.float16), scale, chosen)
+    want, want_pick, _ = brute_best(z, offset, weight, scale, chosen)
+    assert torch.equal(pick, want_pick)
+    torch.testing.assert_close(best.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_an_unknown_low_precision_is_refused():
+    with pytest.raises(ValueError, match="is not a low precision to select from"):
+        P.Bf16Atoms.of(torch.ones(3, 2), dtype=torch.float64)
+
+
+def test_fp16_selection_needs_fp32_sums(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch._C, "_get_cpu_allow_fp16_reduced_precision_reduction", lambda: False)
+    assert P.fp16_selection_available()
+    monkeypatch.setattr(torch._C, "_get_cpu_allow_fp16_reduced_precision_reduction", lambda: True)
+    assert not P.fp16_selection_available()  # fp16 sums: outside the bound
+    monkeypatch.setattr(torch._C, "_get_cpu_allow_fp16_reduced_precision_reduction", lambda: False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert not P.fp16_selection_available()  # no fast fp16 kernel measured there
 
 
 def test_the_full_fp32_fallback_gives_the_same(monkeypatch):
@@ -133,6 +167,27 @@ def test_the_jspace_decomposes_alike_with_and_without_bf16_selection(monkeypatch
     assert torch.equal(out[True].token_ids, out[False].token_ids)
     torch.testing.assert_close(out[True].explained, out[False].explained, rtol=0, atol=1e-6)
     torch.testing.assert_close(out[True].random_explained, out[False].random_explained, rtol=0, atol=1e-6)
+
+
+def test_a_few_rows_decompose_alike_with_and_without_fp16_selection(monkeypatch):
+    from jlens_core.jspace import decompose
+    from jlens_core.jspace import dictionary as D
+    from jlens_core.reading.inputs import record_residuals
+
+    model = make_tiny("llama")
+    lens = random_lens(model)
+    layer = 1
+    x = record_residuals(model, model.encode("The capital of France is Paris. The capital of Italy is"),
+                         [layer])[layer].float()[-3:]  # three rows: below BF16_MIN_ROWS
+    assert x.shape[0] < D.BF16_MIN_ROWS
+    out = {}
+    for flag in (False, True):
+        monkeypatch.setattr(D, "FP16_SELECTION", flag)
+        space = D.jspace(model, lens, layer)
+        assert (space._fp16 is not None) is flag
+        out[flag] = decompose(model, lens, x, layer, k=6, method="nnls")
+    assert torch.equal(out[True].token_ids, out[False].token_ids)
+    torch.testing.assert_close(out[True].explained, out[False].explained, rtol=0, atol=1e-6)
 
 
 def test_bf16_selection_follows_the_cpu_flag(monkeypatch):

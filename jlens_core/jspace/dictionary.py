@@ -37,7 +37,7 @@ from ..models.cpu_features import cpu_bf16_flag
 from ..models.model import LensModel
 from ..reading.tokens import TokenDisplay
 from ..reading.word_readout import word_mask
-from .pursuit import Bf16Atoms, bounded_best
+from .pursuit import Bf16Atoms, bounded_best, fp16_selection_available
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,14 @@ CHUNK = 8192  # vocabulary columns per product when the head is not fp32 or a su
 # Select atoms from bf16 products (exact under a bound, docs/method.md §11.2): None asks the CPU (AMX-BF16 or
 # AVX512-BF16 run them fast; elsewhere bf16 is emulated and slower than fp32), True / False force it.
 BF16_SELECTION: bool | None = None
-# Below this many rows the fp32 product wins (measured: torch has no fast bf16 matrix-vector kernel on the CPU; one
-# row is 4.5 ms in fp32 against 7-9 ms in bf16 over SmolLM2-135M's head on one thread; from four rows bf16 wins).
+# Below this many rows the bf16 product does not win (measured: torch has no fast bf16 matrix-vector kernel on the CPU;
+# one row is 4.5 ms in fp32 against 7-9 ms in bf16 over SmolLM2-135M's head on one thread; from four rows bf16 wins).
 BF16_MIN_ROWS = 4
-# model -> the head's rows in bf16 with their bound terms (one per model, like the head matrix itself)
-_HEAD_BF16: weakref.WeakKeyDictionary[LensModel, Bf16Atoms] = weakref.WeakKeyDictionary()
+# Fewer rows select from fp16 products where torch's fp16 matrix-vector kernel runs with fp32 sums (one row over that
+# head: 1.9 ms against 4.8 ms in fp32, two threads): None asks torch, True / False force it.
+FP16_SELECTION: bool | None = None
+# model -> (the head's data pointer, {dtype: its rows in bf16 / fp16 with their bound terms and a contiguous fp32 copy})
+_HEAD_LOW: weakref.WeakKeyDictionary[LensModel, tuple[int, dict[torch.dtype, Bf16Atoms]]] = weakref.WeakKeyDictionary()
 # lens -> {(id(model), layer, gauge): atom norms [vocab] fp32}: computing them is one [vocab, d] x [d, d] pass
 _NORMS: weakref.WeakKeyDictionary[Lens, dict[tuple[int, int, str], torch.Tensor]] = weakref.WeakKeyDictionary()
 
@@ -148,29 +151,42 @@ def _stored_norms(model: LensModel, lens: Lens, layer: int, gauge: str) -> torch
     return norms
 
 
+def fp16_selection() -> bool:
+    """Whether J-space pursuits of fewer than :data:`BF16_MIN_ROWS` rows select atoms from fp16 products:
+    :data:`FP16_SELECTION`, or when it is ``None`` whether torch's fp16 matrix-vector kernel runs here with fp32
+    sums (:func:`~jlens_core.jspace.pursuit.fp16_selection_available`)."""
+    return fp16_selection_available() if FP16_SELECTION is None else bool(FP16_SELECTION)
+
+
 def bf16_selection() -> bool:
     """Whether J-space pursuits select atoms from bf16 products: :data:`BF16_SELECTION`, or when it is ``None``
     whether this CPU has a bf16 matmul flag (:func:`~jlens_core.models.cpu_features.cpu_bf16_flag`)."""
     return cpu_bf16_flag() is not None if BF16_SELECTION is None else bool(BF16_SELECTION)
 
 
-def _head_bf16(model: LensModel, head: torch.Tensor) -> Bf16Atoms | None:
-    """The head's rows ``[vocab, d]`` in bf16 (:class:`~jlens_core.jspace.pursuit.Bf16Atoms`) when the head
-    matrix is fp32 on the CPU; ``None`` otherwise."""
+def _head_low(model: LensModel, head: torch.Tensor, dtype: torch.dtype) -> Bf16Atoms | None:
+    """The head's rows ``[vocab, d]`` in ``dtype`` (bf16 or fp16, :class:`~jlens_core.jspace.pursuit.Bf16Atoms`)
+    when the head matrix is fp32 on the CPU; ``None`` otherwise. Kept per model (the newest model only), both dtypes
+    sharing one contiguous fp32 copy of the rows."""
     if head.dtype != torch.float32 or head.device.type != "cpu":
         return None
     try:
-        cached = _HEAD_BF16.get(model)
+        cached = _HEAD_LOW.get(model)
     except TypeError:
         cached = None
-    if cached is not None and cached.weight.data_ptr() == head.data_ptr():
-        return cached
-    parts = Bf16Atoms.of(head.T)
-    try:
-        _HEAD_BF16.clear()  # one at a time, as the head matrix
-        _HEAD_BF16[model] = parts
-    except TypeError:
-        pass
+    if cached is None or cached[0] != head.data_ptr():  # built from another head (the parts hold copies)
+        cached = (head.data_ptr(), {})
+    parts = cached[1].get(dtype)
+    if parts is None:
+        shared = next(iter(cached[1].values()), None)
+        parts = Bf16Atoms.of(head.T if shared is None else shared.weight, dtype=dtype)
+        cached[1][dtype] = parts
+        try:
+            if model not in _HEAD_LOW:
+                _HEAD_LOW.clear()  # one model at a time, as the head matrix
+            _HEAD_LOW[model] = cached
+        except TypeError:
+            pass
     return parts
 
 
@@ -226,6 +242,7 @@ class JSpace:
     _subset: torch.Tensor | None = field(repr=False)  # token ids of a sub-vocabulary
     _inv_norms: torch.Tensor = field(repr=False)  # 1 / norms (0 for a zero atom)
     _bf16: Bf16Atoms | None = field(default=None, repr=False)  # the head in bf16, to select from (full vocabulary)
+    _fp16: Bf16Atoms | None = field(default=None, repr=False)  # the head in fp16, to select for a few rows
 
     @property
     def n_atoms(self) -> int:
@@ -268,17 +285,18 @@ class JSpace:
     def select(self, x: Float[torch.Tensor, "m d_model"], chosen: Int[torch.Tensor, "m s"]
                ) -> tuple[Float[torch.Tensor, " m"], Int[torch.Tensor, " m"]]:
         """The largest correlation with a unit atom per row of ``x`` and its atom index, among atoms not in
-        ``chosen`` (``int64[m, s]``): from bf16 products re-scored in fp32 where this dictionary keeps the head in
-        bf16 (:func:`~jlens_core.jspace.pursuit.bounded_best`: the same atom as the fp32 correlations up to
-        rounding ties), else from :meth:`correlations`."""
-        if self._bf16 is None or x.shape[0] < BF16_MIN_ROWS:
+        ``chosen`` (``int64[m, s]``): from low-precision products re-scored in fp32 where this dictionary keeps the
+        head so (:func:`~jlens_core.jspace.pursuit.bounded_best`: the same atom as the fp32 correlations up to
+        rounding ties): bf16 from :data:`BF16_MIN_ROWS` rows, fp16 below; else from :meth:`correlations`."""
+        low = self._bf16 if x.shape[0] >= BF16_MIN_ROWS else self._fp16
+        if low is None:
             corr = self.correlations(x)
             if chosen.numel():
                 corr.scatter_(1, chosen, -math.inf)
             return corr.max(-1)
         x = x.detach().float().cpu().reshape(-1, self.d_model)
         offset = -(x @ self._mean) if self._mean is not None else None
-        best, pick, _ = bounded_best(self._pre_head(x), offset, self._bf16, self._inv_norms, chosen)
+        best, pick, _ = bounded_best(self._pre_head(x), offset, low, self._inv_norms, chosen)
         return best, pick
 
     def atoms(self, ids: Sequence[int] | Int[torch.Tensor, " m"]) -> Float[torch.Tensor, "m d_model"]:
@@ -348,17 +366,20 @@ def jspace(model: LensModel, lens: Lens, layer: int, *, gauge: str = "centred",
         raise ValueError(f"The J-space of layer {layer} has no nonzero finite atom under this {lens.kind} lens.")
     mean = mean_read_vector(model, lens, layer).float().cpu() if gauge == "centred" else None
     head = head_matrix(model)
-    low = _head_bf16(model, head) if subset is None and bf16_selection() else None
+    low = _head_low(model, head, torch.bfloat16) if subset is None and bf16_selection() else None
+    few = _head_low(model, head, torch.float16) if subset is None and fp16_selection() else None
     return JSpace(layer=layer, gauge=gauge, token_ids=ids, norms=norms, d_model=int(model.d_model),
                   lens_kind=str(lens.kind), _transport=transport, _gamma=gamma.float(), _centres=bool(centres),
                   _mean=mean, _head=head, _subset=subset,
-                  _inv_norms=torch.where(norms > 0, 1.0 / norms.clamp_min(1e-30), 0.0), _bf16=low)
+                  _inv_norms=torch.where(norms > 0, 1.0 / norms.clamp_min(1e-30), 0.0), _bf16=low,
+                  _fp16=few)
 
 
 def clear_cache() -> None:
-    """Forget the atom norms kept per lens and layer, and the bf16 head."""
+    """Forget the atom norms kept per lens and layer, and the bf16 / fp16 heads."""
     _NORMS.clear()
-    _HEAD_BF16.clear()
+    _HEAD_LOW.clear()
 
 
-__all__ = ["BF16_SELECTION", "GAUGES", "JSpace", "bf16_selection", "check_gauge", "clear_cache", "jspace", "vocabulary_ids"]
+__all__ = ["BF16_SELECTION", "FP16_SELECTION", "GAUGES", "JSpace", "bf16_selection", "check_gauge", "clear_cache",
+           "fp16_selection", "jspace", "vocabulary_ids"]
