@@ -224,7 +224,8 @@ def fp16_selection_available() -> bool:
     sum in fp16, which the bound does not cover). Measured on the default model's head: 1.9 ms a row against 4.8 ms
     in fp32 (docs/method.md §11.2)."""
     capability = torch.backends.cpu.get_cpu_capability()
-    return capability in ("AVX2", "AVX512") and not torch._C._get_cpu_allow_fp16_reduced_precision_reduction()
+    fp16_sums = getattr(torch._C, "_get_cpu_allow_fp16_reduced_precision_reduction", None)  # absent: unknown, so no
+    return capability in ("AVX2", "AVX512") and fp16_sums is not None and not fp16_sums()
 
 
 def _gamma(n: int) -> float:
