@@ -226,3 +226,50 @@ def test_atom_norms_are_stored_and_read_back(monkeypatch, tmp_path):
     assert len(list((tmp_path / "jspace-norms").glob("*.npy"))) == 3
     files[0].write_bytes(b"not a numpy file")  # unreadable: recomputed
     torch.testing.assert_close(D._stored_norms(model, lens, 1, "centred"), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_layers_decomposed_together_equal_each_layer_alone(monkeypatch, bf16):
+    """decompose_layers stacks layers into pursuits of up to STACK_ROWS rows, one low-precision product over the
+    shared head per step, each layer's rows bounded with its own norms: the same atoms, coefficients and fractions
+    as decompose one layer at a time (small stacks here, so that layers split across several)."""
+    import importlib
+
+    from jlens_core.jspace import dictionary as D
+
+    M = importlib.import_module("jlens_core.jspace.decompose")
+    from jlens_core.reading.inputs import record_residuals
+
+    monkeypatch.setattr(D, "BF16_SELECTION", bf16)
+    monkeypatch.setattr(M, "STACK_ROWS", 16)
+    model = make_tiny("llama")
+    lens = random_lens(model)
+    layers = [0, 1, 2]
+    ids = model.encode("The capital of France is Paris. The capital of Italy is")
+    recorded = record_residuals(model, ids, layers)
+    xs = {layer: recorded[layer].float()[1:8] for layer in layers}  # 7 rows a layer: stacks of 2 layers, then 1
+    together = M.decompose_layers(model, lens, xs, k=6, controls="random")
+    assert list(together) == layers
+    for layer in layers:
+        alone = M.decompose(model, lens, xs[layer], layer, k=6, controls="random")
+        assert torch.equal(together[layer].token_ids, alone.token_ids), layer
+        torch.testing.assert_close(together[layer].coefficients, alone.coefficients, rtol=0, atol=1e-6)
+        torch.testing.assert_close(together[layer].explained, alone.explained, rtol=0, atol=1e-6)
+        torch.testing.assert_close(together[layer].random_explained, alone.random_explained, rtol=0, atol=1e-6)
+        assert together[layer].layer == layer
+    assert M.decompose_layers(model, lens, {}, k=6) == {}
+    with pytest.raises(ValueError, match="zero vector"):
+        M.decompose_layers(model, lens, {0: xs[0], 1: torch.zeros(2, model.d_model)}, k=6)
+
+
+def test_rows_of_several_dictionaries_need_a_select_that_takes_groups():
+    weight = torch.randn(10, 4)
+    with pytest.raises(ValueError, match="need a select that takes their groups"):
+        P.greedy_pursuit(torch.randn(3, 4), 2, correlate=lambda r: r @ weight.T, fetch=lambda i: weight[i],
+                         groups=torch.tensor([0, 0, 1]))
+
+
+def test_row_blocks_are_the_runs_of_groups():
+    from jlens_core.jspace.dictionary import row_blocks
+
+    assert row_blocks(torch.tensor([0, 0, 2, 2, 2, 5])) == [(0, 0, 2), (2, 2, 5), (5, 5, 6)]

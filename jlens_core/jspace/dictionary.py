@@ -37,7 +37,7 @@ from ..models.cpu_features import cpu_bf16_flag
 from ..models.model import LensModel
 from ..reading.tokens import TokenDisplay
 from ..reading.word_readout import word_mask
-from .pursuit import Bf16Atoms, bounded_best, fp16_selection_available
+from .pursuit import Bf16Atoms, bounded_best, bounded_best_blocks, fp16_selection_available
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +315,11 @@ class JSpace:
         if ids_t.numel() and (int(ids_t.min()) < 0 or int(ids_t.max()) >= vocab):
             bad = ids_t[(ids_t < 0) | (ids_t >= vocab)][0]
             raise ValueError(f"Token id {int(bad)} is outside the vocabulary (0..{vocab - 1}).")
-        rows = self._head[:, ids_t.to(self._head.device)].T.float().cpu() * self._gamma  # gamma * P^T u_t
+        low = self._bf16 or self._fp16
+        if low is not None:  # the same fp32 rows, contiguous: a row gather, not a strided column gather
+            rows = low.weight.index_select(0, ids_t) * self._gamma  # gamma * P^T u_t
+        else:
+            rows = self._head[:, ids_t.to(self._head.device)].T.float().cpu() * self._gamma
         if self._centres:
             rows = rows - rows.mean(dim=-1, keepdim=True)
         v = rows @ self._transport  # (M^T r)^T
@@ -333,6 +337,52 @@ class JSpace:
         v = self.atoms(ids)
         n = v.norm(dim=-1, keepdim=True)
         return torch.where(n > 0, v / n.clamp_min(1e-30), 0.0)
+
+
+def row_blocks(groups: Int[torch.Tensor, " m"]) -> list[tuple[int, int, int]]:
+    """``[(group, start, end), ...]``: the runs of equal values in ``groups`` (nondecreasing)."""
+    values, counts = torch.unique_consecutive(groups, return_counts=True)
+    ends = torch.cumsum(counts, 0).tolist()
+    starts = [0, *ends[:-1]]
+    return [(int(g), a, b) for g, a, b in zip(values.tolist(), starts, ends)]
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """The J-spaces of several layers in one pursuit (``greedy_pursuit(groups=...)``): a row of group ``g`` is
+    decomposed over ``spaces[g]``. The layers share the head, so every row's low-precision scores come from one
+    larger matrix product (faster per row: docs/method.md §11.2); each block of rows is then bounded and re-scored
+    with its own layer's atom norms, so a row selects exactly as it would alone."""
+
+    spaces: tuple[JSpace, ...]
+
+    def select(self, x: Float[torch.Tensor, "m d_model"], chosen: Int[torch.Tensor, "m s"],
+               groups: Int[torch.Tensor, " m"]) -> tuple[Float[torch.Tensor, " m"], Int[torch.Tensor, " m"]]:
+        """As :meth:`JSpace.select`, row blocks by ``groups``."""
+        blocks = row_blocks(groups)
+        low = self.spaces[blocks[0][0]]._bf16
+        shared = low is not None and all(self.spaces[g]._bf16 is low for g, _, _ in blocks)
+        if not shared or x.shape[0] < BF16_MIN_ROWS or len(blocks) == 1:
+            best, pick = torch.empty(x.shape[0]), torch.empty(x.shape[0], dtype=torch.long)
+            for g, a, b in blocks:
+                best[a:b], pick[a:b] = self.spaces[g].select(x[a:b], chosen[a:b])
+            return best, pick
+        x = x.detach().float().cpu()
+        z = torch.cat([self.spaces[g]._pre_head(x[a:b]) for g, a, b in blocks])
+        offset = torch.cat([-(x[a:b] @ self.spaces[g]._mean) if self.spaces[g]._mean is not None
+                            else torch.zeros(b - a) for g, a, b in blocks])
+        assert low is not None  # shared
+        best, pick, _ = bounded_best_blocks(z, offset, low, [(a, b, self.spaces[g]._inv_norms) for g, a, b in blocks],
+                                            chosen)
+        return best, pick
+
+    def fetch(self, positions: Int[torch.Tensor, " m"], groups: Int[torch.Tensor, " m"]
+              ) -> Float[torch.Tensor, "m d_model"]:
+        """As :meth:`JSpace.unit_atoms_at`, row blocks by ``groups``."""
+        out = torch.empty(int(positions.shape[0]), self.spaces[0].d_model)
+        for g, a, b in row_blocks(groups):
+            out[a:b] = self.spaces[g].unit_atoms_at(positions[a:b])
+        return out
 
 
 def jspace(model: LensModel, lens: Lens, layer: int, *, gauge: str = "centred",
@@ -381,5 +431,5 @@ def clear_cache() -> None:
     _HEAD_LOW.clear()
 
 
-__all__ = ["BF16_SELECTION", "FP16_SELECTION", "GAUGES", "JSpace", "bf16_selection", "check_gauge", "clear_cache",
-           "fp16_selection", "jspace", "vocabulary_ids"]
+__all__ = ["BF16_SELECTION", "FP16_SELECTION", "GAUGES", "JSpace", "LayerStack", "bf16_selection", "check_gauge",
+           "clear_cache", "fp16_selection", "jspace", "row_blocks", "vocabulary_ids"]

@@ -24,7 +24,8 @@ orthogonal to every atom with ``c_j > 0``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -266,8 +267,17 @@ def bounded_best(z: Float[torch.Tensor, "m d"], offset: Float[torch.Tensor, " m"
         ``(best [m] fp32, pick [m] int64, n_rescored)``: ``n_rescored`` the atoms scored in fp32 (all of them on the
         fallback).
     """
+    return bounded_best_blocks(z, offset, atoms, [(0, int(z.shape[0]), scale)], chosen)
+
+
+def bounded_best_blocks(z: Float[torch.Tensor, "m d"], offset: Float[torch.Tensor, " m"] | None, atoms: Bf16Atoms,
+                        blocks: Sequence[tuple[int, int, Float[torch.Tensor, " n_atoms"] | None]],
+                        chosen: Int[torch.Tensor, "m s"]) -> tuple[Float[torch.Tensor, " m"], Int[torch.Tensor, " m"], int]:
+    """:func:`bounded_best` for row blocks with a scale each (rows ``a:b`` scored with ``scale``, for
+    ``(a, b, scale)`` in ``blocks``, which cover the rows in order): one low-precision product for every row (a
+    larger, faster matrix product: several J-space layers share the head), then each block's bound and re-scoring
+    as :func:`bounded_best` makes them. Returns the same, ``n_rescored`` summed over the blocks."""
     m, d = z.shape
-    n_atoms = atoms.weight_low.shape[0]
     low = atoms.weight_low.dtype
     z = z.float()
     off = offset.float() if offset is not None else torch.zeros(m)
@@ -279,28 +289,46 @@ def bounded_best(z: Float[torch.Tensor, "m d"], offset: Float[torch.Tensor, " m"
             raise ValueError("A target row is not finite: nothing can be selected for it.")
         x_scale = _power_of_two_at_most(FP16_NORM / largest) if largest > 0 else 1.0
     x_low = (x * x_scale).to(low) if x_scale != 1.0 else x.to(low)
-    product = torch.nn.functional.linear(x_low, atoms.weight_low)  # low precision [m, n_atoms]
-    approx = product.float()
-    del product
+    n_atoms = int(atoms.weight_low.shape[0])
+    product = torch.mm(x_low, atoms.weight_low.T, out=_scratch("product", (m, n_atoms), low))  # [m, n_atoms]
+    approx = _scratch("approx", (m, n_atoms), torch.float32).copy_(product)
     unscale = x_scale * atoms.low_scale
     if unscale != 1.0:
         approx.div_(unscale)  # a power of two: exact
+    back = x_low.float() / x_scale if x_scale != 1.0 else x_low.float()
+    g = _gamma(d + 1)
+    row_a = back.norm(dim=-1)
+    row_b = (x - back).norm(dim=-1) + g * x.norm(dim=-1)
+    unit = FP16_UNIT if low == torch.float16 else BF16_UNIT
+    rel = BOUND_SAFETY * (unit / (1 - unit) + 4 * FP32_UNIT)
+    # fp32 sums that flush to zero; for fp16 also an output below 2^-14 (subnormal: an absolute, not a relative error)
+    tiny = (d + 1) * 2.0 ** -126 + (FP16_SUBNORMAL / unscale if low == torch.float16 else 0.0)
+    best, pick, rescored = torch.empty(m), torch.empty(m, dtype=torch.long), 0
+    for a, b, scale in blocks:
+        if b <= a:
+            continue
+        part = _block_best(approx[a:b], z[a:b], off[a:b], row_a[a:b], row_b[a:b], atoms, scale,
+                           chosen[a:b], rel, tiny)
+        best[a:b], pick[a:b] = part[0], part[1]
+        rescored += part[2]
+    return best, pick, rescored
+
+
+def _block_best(approx: torch.Tensor, z: torch.Tensor, off: torch.Tensor, row_a: torch.Tensor, row_b: torch.Tensor,
+                atoms: Bf16Atoms, scale: torch.Tensor | None, chosen: torch.Tensor, rel: float, tiny: float,
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Steps 2-3 of :func:`bounded_best` for one block of rows: ``approx`` their unscaled low-precision scores
+    (a view, scaled and masked in place)."""
+    m = approx.shape[0]
+    n_atoms = approx.shape[1]
     if scale is not None:
         approx.mul_(scale)  # in place on fp32: ~20x faster than torch.mul(bf16, fp32), which promotes element-wise
     if chosen.numel():
         approx.scatter_(1, chosen, -math.inf)
     top, at = _row_best(approx)
-    back = x_low.float() / x_scale if x_scale != 1.0 else x_low.float()
-    g = _gamma(d + 1)
-    row_a = back.norm(dim=-1)
-    row_b = (x - back).norm(dim=-1) + g * x.norm(dim=-1)
     col_a = atoms.alpha if scale is None else atoms.alpha * scale
     col_b = atoms.beta if scale is None else atoms.beta * scale
-    unit = FP16_UNIT if low == torch.float16 else BF16_UNIT
-    rel = BOUND_SAFETY * (unit / (1 - unit) + 4 * FP32_UNIT)
-    # fp32 sums that flush to zero; for fp16 also an output below 2^-14 (subnormal: an absolute, not a relative error)
-    flush = ((d + 1) * 2.0 ** -126 + (FP16_SUBNORMAL / unscale if low == torch.float16 else 0.0)) * (
-        1.0 if scale is None else float(scale.max()))
+    flush = tiny * (1.0 if scale is None else float(scale.max()))
     eps_top = BOUND_SAFETY * (row_a * col_a[at] + row_b * col_b[at] + flush) + rel * top.abs()
     floor = top - eps_top
     margin = BOUND_SAFETY * (row_a * float(col_a.max()) + row_b * float(col_b.max()) + flush)
@@ -308,7 +336,8 @@ def bounded_best(z: Float[torch.Tensor, "m d"], offset: Float[torch.Tensor, " m"
     threshold = torch.where(gap > 0, gap / (1 + rel), gap / (1 - rel))
     # approx >= threshold, as a max over rows of the difference (the sign of a float difference is exact; -0 only
     # adds a column): ~2x faster than a boolean any over the rows
-    union = (approx - threshold[:, None]).amax(dim=0) >= 0
+    union = torch.sub(approx, threshold[:, None], out=_scratch("difference", tuple(approx.shape), torch.float32)
+                      ).amax(dim=0) >= 0
     n = int(union.sum())
     if n > MAX_RESCORE_FRACTION * n_atoms:
         columns = torch.arange(n_atoms)
@@ -322,17 +351,33 @@ def bounded_best(z: Float[torch.Tensor, "m d"], offset: Float[torch.Tensor, " m"
         keep = (torch.isfinite(sub) & (sub + eps >= floor[:, None])).any(dim=0)
         columns = wide[keep]
         rows = _rows(atoms.weight, columns)
-    del approx
     exact = torch.addmm(off[:, None], z, rows.T)
     if scale is not None:
         exact.mul_(scale[columns])
-    if chosen.numel():  # a chosen atom's column among the re-scored ones (its bf16 score was -inf) is masked
+    if chosen.numel():  # a chosen atom's column among the re-scored ones (its low-precision score was -inf) is masked
         where = torch.full((n_atoms,), int(columns.numel()), dtype=torch.long)
         where[columns] = torch.arange(int(columns.numel()))
         mask = torch.zeros(m, int(columns.numel()) + 1, dtype=torch.bool).scatter_(1, where[chosen], True)
         exact.masked_fill_(mask[:, :-1], -math.inf)
     best, j = exact.max(-1)
     return best, columns[j], int(columns.numel())
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of ``shape`` kept per thread and reused: the selection's ``[rows, n_atoms]`` temporaries run to
+    tens of MB, and a fresh one each greedy step costs its page faults (about a third of a stacked step's time,
+    measured at 252 rows over a 49k vocabulary). Its contents are garbage until written."""
+    store = getattr(_SCRATCH, "buffers", None)
+    if store is None:
+        store = _SCRATCH.buffers = {}
+    size = math.prod(shape)
+    buffer = store.get(name)
+    if buffer is None or buffer.dtype != dtype or buffer.numel() < size:
+        buffer = store[name] = torch.empty(size, dtype=dtype)
+    return buffer[:size].view(shape)
 
 
 def _row_best(a: Float[torch.Tensor, "m n"], width: int = 1024) -> tuple[Float[torch.Tensor, " m"], Int[torch.Tensor, " m"]]:
@@ -365,7 +410,8 @@ def _rows(weight: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def greedy_pursuit(x: Float[torch.Tensor, "n d"], k: int, *,
                    correlate: Callable[[torch.Tensor], torch.Tensor],
                    fetch: Callable[[torch.Tensor], torch.Tensor],
-                   method: str = "gradient_pursuit", select: Select | None = None) -> Pursuit:
+                   method: str = "gradient_pursuit", select: Select | None = None,
+                   groups: Int[torch.Tensor, " n"] | None = None) -> Pursuit:
     """The pursuit of the module docstring for rows ``x [n, d]``, with the dictionary given by two functions.
 
     Args:
@@ -377,8 +423,13 @@ def greedy_pursuit(x: Float[torch.Tensor, "n d"], k: int, *,
         select: optional fp32 residuals ``[m, d]`` and the atoms each row has chosen ``int64[m, s]`` -> the best
             correlation and its atom per row (``[m]``, ``[m]``), for a faster exact selection
             (:func:`bounded_best`); ``correlate`` is used otherwise.
+        groups: optional ``int64[n]``, nondecreasing: each row's dictionary, for rows of several dictionaries in one
+            pursuit (J-space layers sharing one head). ``select`` and ``fetch`` then also take the groups of the rows
+            they are given (a third and a second argument), in the same nondecreasing order.
     """
     check_method(method)
+    if groups is not None and select is None:
+        raise ValueError("Rows of several dictionaries (groups) need a select that takes their groups.")
     x64 = x.detach().double()
     n, d = x64.shape
     k = int(k)
@@ -396,7 +447,8 @@ def greedy_pursuit(x: Float[torch.Tensor, "n d"], k: int, *,
         r = x64 - fitted
         if bool(alive.any()):
             if select is not None:
-                best, pick = select(r[alive].float(), idx[alive, :step])
+                best, pick = (select(r[alive].float(), idx[alive, :step]) if groups is None else
+                              select(r[alive].float(), idx[alive, :step], groups[alive]))  # type: ignore[call-arg]
             else:
                 corr = correlate(r[alive].float())  # [m, n_atoms]
                 if step:
@@ -409,7 +461,7 @@ def greedy_pursuit(x: Float[torch.Tensor, "n d"], k: int, *,
         else:
             live_rows = rows[:0]
         if live_rows.numel():
-            new = fetch(pick).double()  # [m, d]
+            new = (fetch(pick) if groups is None else fetch(pick, groups[live_rows])).double()  # type: ignore[call-arg]
             idx[live_rows, step] = pick
             atoms[live_rows, step] = new
             cross = (atoms[live_rows, : step + 1] @ new[..., None])[..., 0]  # [m, step + 1]
@@ -452,5 +504,5 @@ def pursuit(dictionary: Float[torch.Tensor, "n_atoms d"], x: Float[torch.Tensor,
                           fetch=lambda i: unit[i], method=method)
 
 
-__all__ = ["METHODS", "Bf16Atoms", "Pursuit", "bounded_best", "fp16_selection_available", "greedy_pursuit",
+__all__ = ["METHODS", "Bf16Atoms", "Pursuit", "bounded_best", "bounded_best_blocks", "fp16_selection_available", "greedy_pursuit",
            "kkt_violation", "nnls_gram", "pursuit"]
