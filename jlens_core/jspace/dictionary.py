@@ -21,6 +21,7 @@ import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from jaxtyping import Float, Int
@@ -339,6 +340,11 @@ class JSpace:
         return torch.where(n > 0, v / n.clamp_min(1e-30), 0.0)
 
 
+def _offset(x: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
+    """``-(x . m_l)`` per row (the centred gauge's offset), zeros in the raw gauge."""
+    return -(x @ mean) if mean is not None else torch.zeros(x.shape[0])
+
+
 def row_blocks(groups: Int[torch.Tensor, " m"]) -> list[tuple[int, int, int]]:
     """``[(group, start, end), ...]``: the runs of equal values in ``groups`` (nondecreasing)."""
     values, counts = torch.unique_consecutive(groups, return_counts=True)
@@ -369,11 +375,9 @@ class LayerStack:
             return best, pick
         x = x.detach().float().cpu()
         z = torch.cat([self.spaces[g]._pre_head(x[a:b]) for g, a, b in blocks])
-        offset = torch.cat([-(x[a:b] @ self.spaces[g]._mean) if self.spaces[g]._mean is not None
-                            else torch.zeros(b - a) for g, a, b in blocks])
-        assert low is not None  # shared
-        best, pick, _ = bounded_best_blocks(z, offset, low, [(a, b, self.spaces[g]._inv_norms) for g, a, b in blocks],
-                                            chosen)
+        offset = torch.cat([_offset(x[a:b], self.spaces[g]._mean) for g, a, b in blocks])
+        best, pick, _ = bounded_best_blocks(z, offset, cast(Bf16Atoms, low),  # shared, so not None
+                                            [(a, b, self.spaces[g]._inv_norms) for g, a, b in blocks], chosen)
         return best, pick
 
     def fetch(self, positions: Int[torch.Tensor, " m"], groups: Int[torch.Tensor, " m"]
