@@ -5,10 +5,12 @@ the two selection paths side by side (``jlens_core.jspace.dictionary.BF16_SELECT
 whole dictionary at every greedy step, and bf16 products re-scored in fp32 under a proven bound (the same atoms):
 
 * the machine's matmul peak in fp32 and bf16 on the decomposition's own shape (``[rows, d+1] x [d+1, vocab]``,
-  rows 64 and 1) and on a square 1024 matmul (best of ``--reps``); the CPU's name and bf16 flags;
+  rows 256, 64 and 1) and on a square 1024 matmul (best of ``--reps``); the CPU's name and bf16 flags;
 * one cell (the last position of the prompt at the middle layer), median of ``--reps``, both paths;
 * every cell of a 64-token prompt (positions 1..63) at every source layer, controls off: **cold** (atom norms
-  computed, an empty norms cache) and **warm** (norms read back) with bf16 selection, warm with fp32 selection;
+  computed, an empty norms cache) and **warm** (norms read back) with bf16 selection and the layers stacked
+  (``decompose_layers``), warm with bf16 selection one layer at a time (``decompose`` per layer: what stacking
+  gains), warm with fp32 selection;
   wall time, the FLOPs of the selection products (``rows x 2 (d+1) vocab`` per greedy step) and the achieved
   FLOP/s against the peak of that dtype; the atom norms' own FLOPs (``vocab x 2 d^2`` a layer) for the cold run;
 * peak resident memory (RSS high-water mark, the model and Python included).
@@ -64,6 +66,7 @@ def main() -> None:
     from jlens_core import default_lens, load_corpus, load_model
     from jlens_core.jspace import decompose
     from jlens_core.jspace import dictionary as D
+    from jlens_core.jspace.decompose import decompose_layers
     from jlens_core.reading.inputs import record_residuals
 
     P = importlib.import_module("jlens_core.jspace.pursuit")
@@ -74,6 +77,7 @@ def main() -> None:
                  "vocab": vocab, "rss_after_load_mb": peak_rss_mb()}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         out[f"peak_gflops_{name}_64_rows"] = matmul_peak((64, d + 1, vocab), args.reps, dtype)
+        out[f"peak_gflops_{name}_256_rows"] = matmul_peak((256, d + 1, vocab), args.reps, dtype)
         out[f"peak_gflops_{name}_1_row"] = matmul_peak((1, d + 1, vocab), args.reps, dtype)
         out[f"peak_gflops_{name}_square_1024"] = matmul_peak((1024, 1024, 1024), args.reps, dtype)
 
@@ -85,17 +89,22 @@ def main() -> None:
     cell = recorded[middle][-1].float()
 
     flops = {"n": 0.0}
-    counted_best, counted_corr = P.bounded_best, D.JSpace.correlations
+    counted_best, counted_blocks, counted_corr = P.bounded_best, P.bounded_best_blocks, D.JSpace.correlations
 
     def best_counted(z, *rest):
         flops["n"] += 2.0 * z.shape[0] * (d + 1) * vocab
         return counted_best(z, *rest)
 
+    def blocks_counted(z, *rest):
+        flops["n"] += 2.0 * z.shape[0] * (d + 1) * vocab
+        return counted_blocks(z, *rest)
+
     def corr_counted(self, x):
         flops["n"] += 2.0 * x.reshape(-1, d).shape[0] * (d + 1) * vocab
         return counted_corr(self, x)
 
-    D.bounded_best = best_counted  # the name the dictionary calls
+    D.bounded_best = best_counted  # the names the dictionary calls
+    D.bounded_best_blocks = blocks_counted
     D.JSpace.correlations = corr_counted  # type: ignore[method-assign]
     cache = tempfile.mkdtemp(prefix="jspace-norms-")
     import os
@@ -109,8 +118,9 @@ def main() -> None:
             out[f"one_cell_{name}_s"] = statistics.median(
                 _timed(lambda: decompose(model, lens, cell, middle, k=25, controls=False)) for _ in range(args.reps))
         runs = (("all_cells_bf16_cold", True, True), ("all_cells_bf16_warm", True, False),
-                ("all_cells_fp32_warm", False, False))
+                ("all_cells_bf16_warm_per_layer", True, False), ("all_cells_fp32_warm", False, False))
         found = {}
+        xs = {layer: recorded[layer][1:].float() for layer in layers}
         for label, flag, cold in runs:
             D.BF16_SELECTION = flag
             D.clear_cache()
@@ -119,8 +129,12 @@ def main() -> None:
                     f.unlink()
             flops["n"] = 0.0
             t0 = time.perf_counter()
-            found[label] = [decompose(model, lens, recorded[layer][1:].float(), layer, k=25, controls=False).token_ids
-                            for layer in layers]
+            if label.startswith("all_cells_bf16") and not label.endswith("per_layer"):
+                found[label] = [dec.token_ids for dec in decompose_layers(model, lens, xs, k=25,
+                                                                          controls=False).values()]
+            else:
+                found[label] = [decompose(model, lens, xs[layer], layer, k=25, controls=False).token_ids
+                                for layer in layers]
             seconds = time.perf_counter() - t0
             dtype = "bf16" if flag else "fp32"
             out[f"{label}_s"] = seconds
@@ -130,13 +144,17 @@ def main() -> None:
             if cold:
                 out[f"{label}_norms_gflop"] = len(layers) * 2.0 * vocab * d * d / 1e9
         out["all_cells_cells"] = int((ids.shape[-1] - 1) * len(layers))
-        same = all(torch.equal(a, b) for a, b in zip(found["all_cells_bf16_warm"], found["all_cells_fp32_warm"]))
+        same = all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(
+            found["all_cells_bf16_warm"], found["all_cells_fp32_warm"], found["all_cells_bf16_warm_per_layer"]))
     finally:
         D.bounded_best = counted_best
+        D.bounded_best_blocks = counted_blocks
         D.JSpace.correlations = counted_corr  # type: ignore[method-assign]
         D.BF16_SELECTION = None
     out["bf16_selects_the_same_atoms"] = same
     out["ratio_all_cells_fp32_over_bf16_warm"] = out["all_cells_fp32_warm_s"] / out["all_cells_bf16_warm_s"]
+    out["ratio_all_cells_per_layer_over_stacked"] = (out["all_cells_bf16_warm_per_layer_s"]
+                                                     / out["all_cells_bf16_warm_s"])
     out["ratio_one_cell_fp32_over_bf16"] = out["one_cell_fp32_s"] / out["one_cell_bf16_s"]
     out["rss_peak_mb"] = peak_rss_mb()
     for key, value in out.items():
