@@ -6,7 +6,8 @@ whole dictionary at every greedy step, and bf16 products re-scored in fp32 under
 
 * the machine's matmul peak in fp32 and bf16 on the decomposition's own shape (``[rows, d+1] x [d+1, vocab]``,
   rows 256, 64 and 1) and on a square 1024 matmul (best of ``--reps``); the CPU's name and bf16 flags;
-* one cell (the last position of the prompt at the middle layer), median of ``--reps``, both paths;
+* one cell (the last position of the prompt at the middle layer), median of ``--reps``, both paths (the JSON's
+  ``one_cell_bf16_s`` is the low-precision path: fp16 for one row);
 * every cell of a 64-token prompt (positions 1..63) at every source layer, controls off: **cold** (atom norms
   computed, an empty norms cache) and **warm** (norms read back) with bf16 selection and the layers stacked
   (``decompose_layers``), warm with bf16 selection one layer at a time (``decompose`` per layer: what stacking
