@@ -374,9 +374,9 @@ def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     if store is None:
         store = _SCRATCH.buffers = {}
     size = math.prod(shape)
-    buffer = store.get(name)
-    if buffer is None or buffer.dtype != dtype or buffer.numel() < size:
-        buffer = store[name] = torch.empty(size, dtype=dtype)
+    buffer = store.get((name, dtype))
+    if buffer is None or buffer.numel() < size:
+        buffer = store[(name, dtype)] = torch.empty(size, dtype=dtype)
     return buffer[:size].view(shape)
 
 
