@@ -30,6 +30,12 @@ def setup():
     return model, identity_lens(model)
 
 
+def _prompt_of(result, trial) -> str:
+    """The prompt a trial ran on: its own (a task's prompt), else its item's in the gate."""
+    own = trial.get("prompt")
+    return own if isinstance(own, str) else result.gate[result.gate["item"] == trial["item"]]["prompt"].iloc[0]
+
+
 def _replayed_rank(model, lens, result, trial, target_ids) -> tuple[TrialEdit, int]:
     edit = trial_edit(model, result, trial)
     assert edit is not None
@@ -37,9 +43,7 @@ def _replayed_rank(model, lens, result, trial, target_ids) -> tuple[TrialEdit, i
     assert back == edit and set(edit.query()) == set(EDIT_KEYS) - {"edit_trial"}
     along = LogitLens.for_model(model) if back.lens == "logit" else lens
     swaps = back.build(model, along)
-    own = trial.get("prompt")
-    prompt = own if isinstance(own, str) else result.gate[result.gate["item"] == trial["item"]]["prompt"].iloc[0]
-    logits = edited_next_logits(model, model.encode(prompt), [swaps])
+    logits = edited_next_logits(model, model.encode(_prompt_of(result, trial)), [swaps])
     return back, ranks_of(logits[0], target_ids)
 
 
@@ -125,9 +129,7 @@ def test_a_token_or_band_the_model_lacks_fails_in_build(setup):
 
 def _replay_held(model, result, row: int) -> int:
     trial = result.trials.iloc[row].to_dict()
-    own = trial.get("prompt")
-    prompt = own if isinstance(own, str) else result.gate[result.gate["item"] == trial["item"]]["prompt"].iloc[0]
-    logits = edited_next_logits(model, model.encode(prompt), [list(result.edits_of(row))])
+    logits = edited_next_logits(model, model.encode(_prompt_of(result, trial)), [list(result.edits_of(row))])
     return ranks_of(logits[0], word_ids(model, trial["target"]).values())
 
 

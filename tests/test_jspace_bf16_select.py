@@ -148,7 +148,11 @@ def test_a_transposed_view_is_gathered_like_a_contiguous_block():
     torch.testing.assert_close(a[0], b[0])
 
 
-def test_the_jspace_decomposes_alike_with_and_without_bf16_selection(monkeypatch):
+@pytest.mark.parametrize(("flag", "part", "rows"), [
+    ("BF16_SELECTION", "_bf16", slice(1, None)),  # every position but the first: bf16 products
+    ("FP16_SELECTION", "_fp16", slice(-3, None)),  # three rows, below BF16_MIN_ROWS: fp16 products
+])
+def test_the_jspace_decomposes_alike_with_and_without_low_precision_selection(monkeypatch, flag, part, rows):
     from jlens_core.jspace import decompose
     from jlens_core.jspace import dictionary as D
     from jlens_core.reading.inputs import record_residuals
@@ -157,37 +161,17 @@ def test_the_jspace_decomposes_alike_with_and_without_bf16_selection(monkeypatch
     lens = random_lens(model)
     layer = 1
     x = record_residuals(model, model.encode("The capital of France is Paris. The capital of Italy is"),
-                         [layer])[layer].float()[1:]
+                         [layer])[layer].float()[rows]
+    assert (x.shape[0] < D.BF16_MIN_ROWS) is (flag == "FP16_SELECTION")
     out = {}
-    for flag in (False, True):
-        monkeypatch.setattr(D, "BF16_SELECTION", flag)
+    for on in (False, True):
+        monkeypatch.setattr(D, flag, on)
         space = D.jspace(model, lens, layer)
-        assert (space._bf16 is not None) is flag
-        out[flag] = decompose(model, lens, x, layer, k=6, method="nnls")
+        assert (getattr(space, part) is not None) is on
+        out[on] = decompose(model, lens, x, layer, k=6, method="nnls")
     assert torch.equal(out[True].token_ids, out[False].token_ids)
     torch.testing.assert_close(out[True].explained, out[False].explained, rtol=0, atol=1e-6)
     torch.testing.assert_close(out[True].random_explained, out[False].random_explained, rtol=0, atol=1e-6)
-
-
-def test_a_few_rows_decompose_alike_with_and_without_fp16_selection(monkeypatch):
-    from jlens_core.jspace import decompose
-    from jlens_core.jspace import dictionary as D
-    from jlens_core.reading.inputs import record_residuals
-
-    model = make_tiny("llama")
-    lens = random_lens(model)
-    layer = 1
-    x = record_residuals(model, model.encode("The capital of France is Paris. The capital of Italy is"),
-                         [layer])[layer].float()[-3:]  # three rows: below BF16_MIN_ROWS
-    assert x.shape[0] < D.BF16_MIN_ROWS
-    out = {}
-    for flag in (False, True):
-        monkeypatch.setattr(D, "FP16_SELECTION", flag)
-        space = D.jspace(model, lens, layer)
-        assert (space._fp16 is not None) is flag
-        out[flag] = decompose(model, lens, x, layer, k=6, method="nnls")
-    assert torch.equal(out[True].token_ids, out[False].token_ids)
-    torch.testing.assert_close(out[True].explained, out[False].explained, rtol=0, atol=1e-6)
 
 
 def test_bf16_selection_follows_the_cpu_flag(monkeypatch):

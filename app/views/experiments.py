@@ -120,8 +120,8 @@ if found and found["key"] == common.result_key(ctx.model_key, lens_name):
             # injections, ablations) stay on this server, and the link names them by a random token
             edit = trial_edit(model, result, trial.to_dict())
             edits = result.edits_of(rows[0])
-            held = None if edit is not None or not edits else cache.held_trials().hold(
-                ctx.model_key, edits, held_label(result, trial.to_dict()))
+            label = held_label(result, trial.to_dict())
+            held = None if edit is not None or not edits else cache.held_trials().hold(ctx.model_key, edits, label)
             if edit is not None:
                 query.update(edit.query())
             elif held is not None:
@@ -129,6 +129,6 @@ if found and found["key"] == common.result_key(ctx.model_key, lens_name):
             st.link_button("Open the trial in Inspect" + (" with its edit" if edit or held else ""),
                            "./?" + urlencode(query), icon=":material/grid_on:", key="ex_open")
             st.caption(f"The link applies the trial's edit: {edit}." if edit else
-                       f"The link applies the trial's own edits ({held_label(result, trial.to_dict())}), which this "
+                       f"The link applies the trial's own edits ({label}), which this "
                        "server holds while it runs." if held else
                        f"The {trial['arm']} arm runs no edit: the link opens the trial's prompt.")

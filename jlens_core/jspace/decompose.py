@@ -323,17 +323,17 @@ def decompose_layers(model: LensModel, lens: Lens, xs: Mapping[int, Float[torch.
     if not prepared:
         return {}
     k = check_k(k, min(int(model.d_model), min(space.n_atoms for _, space, _ in prepared)))
+    stacks: list[list[tuple[int, JSpace, torch.Tensor]]] = [[]]
+    for item in prepared:  # consecutive layers, at most STACK_ROWS rows a stack (a layer larger than that alone)
+        if stacks[-1] and sum(r.shape[0] for _, _, r in stacks[-1]) + item[2].shape[0] > STACK_ROWS:
+            stacks.append([])
+        stacks[-1].append(item)
     out: dict[int, Decomposition] = {}
-    chunk: list[tuple[int, JSpace, torch.Tensor]] = []
-    for item in [*prepared, None]:
-        if item is not None and (not chunk or sum(r.shape[0] for _, _, r in chunk) + item[2].shape[0] <= STACK_ROWS):
-            chunk.append(item)
-            continue
-        found = jspace_pursuits([space for _, space, _ in chunk], [rows for _, _, rows in chunk], k, method)
-        for (layer, space, rows), one in zip(chunk, found):
+    for stack in stacks:
+        found = jspace_pursuits([space for _, space, _ in stack], [rows for _, _, rows in stack], k, method)
+        for (layer, space, rows), one in zip(stack, found):
             out[layer] = _decomposition(model, space, rows, one, k, method, gauge, target, given)
-        chunk = [item] if item is not None else []
-    return {layer: out[layer] for layer, _, _ in prepared}
+    return out
 
 
 def jspace_pursuits(spaces: Sequence[JSpace], xs: Sequence[torch.Tensor], k: int, method: str) -> list[Pursuit]:
