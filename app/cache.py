@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,30 +72,96 @@ def resolve_lens_cached(spec: str) -> str:
 
 
 def load_versioned(loader: Callable[[str, float, int], Any], path: Path, probe: Path, model: Any,
-                   prefix: str) -> tuple[Any, str]:
+                   prefix: str, check: bool = True) -> tuple[Any, str]:
     """``loader(path, mtime, size)`` (cached per version of the file ``probe``) checked against ``model``, and its key.
 
     The key, ``<prefix>|<path>|<mtime>|<size>``, names the lens in the reading caches: a rewritten file
-    is another lens.
+    is another lens. ``check``: in a page's run, the lens check's banner when its canary disagrees
+    (:func:`lens_check_soon`: an extra, computed in the background, the page polling until it is there).
     """
     stat = probe.stat()
     lens = loader(str(path), stat.st_mtime, stat.st_size)
     lens.check_model(model)
     key = f"{prefix}|{path}|{stat.st_mtime}|{stat.st_size}"
-    check = lens_check_cached(key, id(model), model, lens)
-    if check.status == "changed" and get_script_run_ctx() is not None:  # a page's run (not the warm-up thread):
-        # a banner above the page, the lens reads this model off (docs/method.md §4.2)
-        st.warning(f"Lens check failed for `{path.name}`: {check.message}", icon=":material/warning:")
+    if check and get_script_run_ctx() is not None:  # a page's run (the warm-up calls lens_check itself, later)
+        done, result = lens_check_soon(key, model, lens)
+        if not done:
+            _await_check(key, model)
+        elif result is not None and result.status == "changed":
+            # a banner above the page, the lens reads this model off (docs/method.md §4.2)
+            st.warning(f"Lens check failed for `{path.name}`: {result.message}", icon=":material/warning:")
     return lens, key
 
 
-@st.cache_resource(show_spinner="Checking the lens against the model (its canary)…", max_entries=24)
-def lens_check_cached(key: str, model_id: int, _model: Any, _lens: Any) -> Any:
-    """:func:`jlens_core.lenses.canary.check_lens` once per lens file version (``key``) and loaded model (its id):
-    recomputes the lens's forward canary (about 2 s on the default model on a CPU; nothing without a canary)."""
-    from jlens_core.lenses.canary import check_lens
+CHECK_POLL_SECONDS = 0.5
+CHECK_WAIT_SECONDS = 60.0  # the longest a lens check waits for the first readings (then it runs regardless)
+_CHECKS: set[tuple] = set()  # the lens checks waiting or running in a thread (their keys)
+_CHECKS_LOCK = threading.Lock()
 
-    return check_lens(_model, _lens)
+
+@st.cache_resource(show_spinner=False)
+def check_store() -> ReadingStore:
+    """The server's lens checks, one per lens file version and loaded model."""
+    return ReadingStore(capacity=24)
+
+
+def _check_job(key: str, model: Any, lens: Any) -> tuple[dict[str, tuple], Callable[[list[str]], dict[str, Any]]]:
+    def compute(names: list[str]) -> dict[str, Any]:
+        from jlens_core.lenses.canary import check_lens
+
+        return {"check": check_lens(model, lens)}
+
+    return {"check": (key, id(model))}, compute
+
+
+def lens_check(key: str, model: Any, lens: Any) -> Any:
+    """:func:`jlens_core.lenses.canary.check_lens` once per lens file version (``key``) and loaded model: recomputes
+    the lens's forward canary (about 1 s on the default model on a CPU; nothing without a canary). Waits for it."""
+    return check_store().get(*_check_job(key, model, lens))["check"]
+
+
+def lens_check_soon(key: str, model: Any, lens: Any) -> tuple[bool, Any]:
+    """``(True, check)`` when :func:`lens_check`'s result is there (``check`` None if it failed: the log says why),
+    else ``(False, None)`` after starting it in a thread (unless one is): an extra, like the stability marks. The
+    thread first waits for the warm-up's first readings and for any reading under way (:func:`_check_when_idle`)."""
+    store = check_store()
+    keys, compute = _check_job(key, model, lens)
+    found = store.peek(keys)
+    if found is not None:
+        return True, found["check"]
+    if store.failed.intersection(keys.values()):
+        return True, None
+    with _CHECKS_LOCK:
+        start = keys["check"] not in _CHECKS
+        _CHECKS.add(keys["check"])
+    if start:
+        threading.Thread(target=_check_when_idle, args=(store, keys, compute), name="jlens-extras", daemon=True).start()
+    return False, None
+
+
+def _check_when_idle(store: ReadingStore, keys: dict[str, tuple], compute: Callable[[list[str]], dict[str, Any]]) -> None:
+    # a lens check never delays a paint: it runs after the warm-up's first readings and between readings
+    from first_paint import FIRST_READINGS
+
+    try:
+        FIRST_READINGS.wait(CHECK_WAIT_SECONDS)
+        reading_store().wait_idle(CHECK_WAIT_SECONDS)
+        _in_background(store, keys, compute)
+    finally:
+        with _CHECKS_LOCK:
+            _CHECKS.discard(keys["check"])
+
+
+def _await_check(key: str, model: Any) -> None:
+    """A rerun of the page once the lens check of ``key`` is there (its banner then drawn, or none)."""
+    keys = {"check": (key, id(model))}
+
+    @st.fragment(run_every=CHECK_POLL_SECONDS)
+    def poll() -> None:
+        if ready(check_store(), keys):
+            st.rerun(scope="app")
+
+    poll()
 
 
 class ReadingStore:
@@ -160,6 +227,17 @@ class ReadingStore:
         with self._lock:
             return {name: self._done[key] for name, key in keys.items() if key in self._done}
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no thread computes anything here (at most ``timeout`` seconds); whether it is idle now."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = list(self._pending.values())
+            remaining = deadline - time.monotonic()
+            if not pending or remaining <= 0:
+                return not pending
+            pending[0].wait(remaining)
+
     def busy(self, keys: dict[str, tuple]) -> bool:
         """Whether some thread is computing one of ``keys`` now."""
         with self._lock:
@@ -197,21 +275,29 @@ class ReadSpec:
 
 
 def readings_cached(model, model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, spec: ReadSpec,
-                    edits_key: str = "", edits=None) -> dict[str, Any]:
+                    edits_key: str = "", edits=None, plain: dict[str, Any] | None = None) -> dict[str, Any]:
     """:func:`jlens_core.reading.reader.read_prompts` of ``lenses`` (``{name: (lens, lens key)}``), cached per lens.
 
     ``text`` is the prompt, or a tuple of token ids (a generation: the first ``spec.n_prompt`` are the prompt);
-    ``edits`` are residual edits to read under (named by ``edits_key``). Returns ``{name: PromptReading}``.
+    ``edits`` are residual edits to read under (named by ``edits_key``); ``plain``: see :func:`readings_soon`.
+    Returns ``{name: PromptReading}``.
     """
-    return reading_store().get(*_reading_job(model, model_key, lenses, text, spec, edits_key, edits))
+    return reading_store().get(*_reading_job(model, model_key, lenses, text, spec, edits_key, edits, plain))
 
 
 def readings_soon(model, model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, spec: ReadSpec,
-                  edits_key: str = "", edits=None) -> dict[str, Any] | None:
+                  edits_key: str = "", edits=None, plain: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """:func:`readings_cached`'s readings if they are stored already, else None, after starting them in a thread
     (unless one computes them): an extra such as the stability marks never holds up the page that asks for it.
-    The page draws without it and asks again (:func:`readings_ready`) until it is there."""
-    return soon(reading_store(), *_reading_job(model, model_key, lenses, text, spec, edits_key, edits))
+    The page draws without it and asks again (:func:`readings_ready`) until it is there. ``plain``: the same
+    lenses' readings without the marks, already made (``read_prompts``' ``reuse``: only the marks are computed)."""
+    return soon(reading_store(), *_reading_job(model, model_key, lenses, text, spec, edits_key, edits, plain))
+
+
+def readings_stored(model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, spec: ReadSpec,
+                    edits_key: str = "") -> dict[str, Any] | None:
+    """:func:`readings_cached`'s readings if they are all stored now, else None; starts nothing."""
+    return reading_store().peek(_reading_job(None, model_key, lenses, text, spec, edits_key)[0])
 
 
 def readings_ready(model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, spec: ReadSpec,
@@ -244,15 +330,18 @@ def _in_background(store: ReadingStore, keys: dict[str, tuple], compute: Callabl
 
 
 def _reading_job(model, model_key: str, lenses: dict[str, tuple[Any, str]], text: str | tuple, spec: ReadSpec,
-                 edits_key: str = "", edits=None) -> tuple[dict[str, tuple], Callable[[list[str]], dict[str, Any]]]:
-    """The store keys of :func:`readings_cached`'s readings and the function that reads the missing ones."""
+                 edits_key: str = "", edits=None, plain: dict[str, Any] | None = None
+                 ) -> tuple[dict[str, tuple], Callable[[list[str]], dict[str, Any]]]:
+    """The store keys of :func:`readings_cached`'s readings and the function that reads the missing ones
+    (``plain``: readings of some of them without the marks, which the function reuses)."""
     keys = {name: (model_key, lens_key, text, spec, edits_key) for name, (_, lens_key) in lenses.items()}
 
     def compute(names: list[str]) -> dict[str, Any]:
         from jlens_core.reading.reader import read_prompts
 
+        reuse = {name: plain[name] for name in names if plain and name in plain} if spec.stability else {}
         return read_prompts(model, {name: lenses[name][0] for name in names},
-                            list(text) if isinstance(text, tuple) else text, spec.readout,
+                            list(text) if isinstance(text, tuple) else text, spec.readout, reuse=reuse,
                             layers=None if spec.layers is None else list(spec.layers),
                             positions=None if spec.positions is None else list(spec.positions), edits=edits,
                             stability=spec.stability, pinned=spec.pinned, show_whitespace=spec.show_ws,

@@ -174,9 +174,10 @@ def typed_path(text: str, what: str) -> Path:
     return Path(cache.resolve_lens_cached(text)) if text.startswith("hf://") else common.confine(text, what)
 
 
-def load_slot_file(slot: LensSlot, path: Path, label: str, model: Any) -> LoadedLens:
-    """The lens at ``path`` through ``slot``'s cached loader, checked against ``model``."""
-    lens, key = cache.load_versioned(slot.loader, path, slot.version_file(path), model, slot.key)
+def load_slot_file(slot: LensSlot, path: Path, label: str, model: Any, check: bool = True) -> LoadedLens:
+    """The lens at ``path`` through ``slot``'s cached loader, checked against ``model`` (``check``: its canary too,
+    in the background: :func:`cache.load_versioned`)."""
+    lens, key = cache.load_versioned(slot.loader, path, slot.version_file(path), model, slot.key, check)
     kind = lens_kind(lens)
     if slot.kinds and kind not in slot.kinds:
         raise ValueError(refusal(slot, kind))

@@ -16,6 +16,7 @@ It also holds the server's two safety nets (``docs/security.md``):
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -83,6 +84,9 @@ def _warm_up() -> None:
         from warm_up import warm_up
 
         done = warm_up()
+        # the model, torch and transformers stay for the server's life: out of the collector's full passes
+        # (each walked millions of their objects, holding the GIL the readings' threads need)
+        gc.freeze()
         log.info("Warmed up: %s.", "; ".join(done))
     except Exception:  # the first visit then loads it, and shows any error in the page
         log.warning("Warm-up failed; the first visit will load the model itself.", exc_info=True)
@@ -102,6 +106,9 @@ def main() -> int:
     if token:
         install_token_gate(token)
     if os.environ.get("JLENS_APP_WARM", "1") != "0":
+        from first_paint import FIRST_READINGS
+
+        FIRST_READINGS.clear()  # set by the warm-up once the first page's readings are stored
         threading.Thread(target=_warm_up, name="jlens-warm-up", daemon=True).start()
     from streamlit.web import cli
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import common
-from cache import ReadSpec, load_model_cached, readings_cached
+from cache import ReadSpec, lens_check, load_model_cached, readings_cached
+from first_paint import FIRST_READINGS
 from jlens_core.lenses.lens import LogitLens
 from jlens_core.models.loading import DEFAULT_MODEL
 from jlens_core.reading.readout_protocol import Readout
@@ -21,11 +22,19 @@ def warm_up(spec: str | None = None) -> list[str]:
     Run in a thread of the server process: the model (``JLENS_APP_MODEL`` or the default, device and
     dtype "auto"), the lens each slot starts with (the shipped Jacobian lens, or the file
     ``JLENS_APP_LENS`` names), and the readings of the default prompt with Inspect's default settings
-    (:data:`common.INSPECT_DEFAULTS`), plain first and then with the stability marks of the lenses that keep
-    halves (Inspect draws the plain ones while the marks are computed), so the first heatmap is drawn from the
-    cache. A URL naming
-    another model, lens or prompt simply computes its own. Returns what it loaded, for the log.
+    (:data:`common.INSPECT_DEFAULTS`): plain first (the first heatmap is drawn from the cache), then the lens
+    checks (their canaries: :data:`first_paint.FIRST_READINGS` holds a page's check until then), then the
+    stability marks of the lenses that keep halves (Inspect draws the plain readings while the marks are
+    computed). A URL naming another model, lens or prompt simply computes its own. Returns what it loaded, for
+    the log.
     """
+    try:
+        return _warm_up(spec)
+    finally:  # a lens check waiting for the first readings waits no longer (they are stored, or will not be)
+        FIRST_READINGS.set()
+
+
+def _warm_up(spec: str | None) -> list[str]:
     spec = spec or os.environ.get(common.ENV_MODEL) or DEFAULT_MODEL
     model = load_model_cached(common.confine_spec(spec, "model folder"), "auto", "auto")
     done = [f"model {spec}"]
@@ -33,7 +42,7 @@ def warm_up(spec: str | None = None) -> list[str]:
     for slot in SLOTS:
         path = _starting_path(slot, model, spec)
         if path is not None and path.is_file():
-            loaded = load_slot_file(slot, path, path.name, model)
+            loaded = load_slot_file(slot, path, path.name, model, check=False)  # checked after the first readings
             lenses[slot.key] = (loaded.lens, loaded.key)
             done.append(f"lens {path.name}")
     text = common.default_prompt()
@@ -43,10 +52,14 @@ def warm_up(spec: str | None = None) -> list[str]:
     plain = ReadSpec(readout, (), common.INSPECT_DEFAULTS["show_ws"], common.INSPECT_DEFAULTS["word_like"], layers,
                      common.default_positions(n_tokens), common.MAX_TOKENS, None)
     # the plain readings first (the first heatmap), then the stability marks (an extra Inspect adds when there)
-    readings_cached(model, f"{spec}|auto|auto", lenses, text, plain)
+    drawn = readings_cached(model, f"{spec}|auto|auto", lenses, text, plain)
+    FIRST_READINGS.set()
+    for lens, key in list(lenses.values())[1:]:  # the lens checks (their canaries), after the first heatmap's readings
+        lens_check(key, model, lens)
     with_halves = {name: value for name, value in lenses.items() if common.stability_default([value[0]])}
-    if with_halves:
-        readings_cached(model, f"{spec}|auto|auto", with_halves, text, dataclasses.replace(plain, stability=True))
+    if with_halves:  # only the marks: the plain readings are reused (read_prompts' reuse)
+        readings_cached(model, f"{spec}|auto|auto", with_halves, text, dataclasses.replace(plain, stability=True),
+                        plain=drawn)
     done.append(f"{' and '.join(lenses)} readings of the default prompt")
     return done
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -110,7 +111,15 @@ def test_a_lens_whose_canary_disagrees_shows_a_banner(tiny_dir, tiny_model, lens
     from jlens_core import HFLensModel
     from jlens_core.lenses.canary import make_canary
 
+    sys.path.insert(0, str(APP.parent))
+    import cache  # the app's module, as its pages import it
+
     at = ok(make_app(model=tiny_dir, lens=lens_file, prompt=PROMPT).run())
+    def own_check():
+        return next((check for (key, _), check in cache.check_store()._done.items() if str(lens_file) in key), None)
+
+    rerun_until(at, lambda at: own_check() is not None, "lens check")  # an extra: computed after the first paint
+    assert own_check().status == "same"
     assert not [w for w in at.warning if "Lens check failed" in w.value]  # its own model: no banner
     hf = make_hf_model("llama")
     with torch.no_grad():
@@ -120,5 +129,6 @@ def test_a_lens_whose_canary_disagrees_shows_a_banner(tiny_dir, tiny_model, lens
     lens = lens.replace(canary=make_canary(changed, lens))  # as if fitted on a model that differs from the one loaded
     path = lens.save(tmp_path / "drifted.safetensors")
     at = ok(make_app(model=tiny_dir, lens=str(path), prompt=PROMPT).run())
+    rerun_until(at, lambda at: any("Lens check failed" in w.value for w in at.warning), "lens check banner")
     banner = [w.value for w in at.warning if "Lens check failed" in w.value]
     assert banner and "drifted.safetensors" in banner[0] and "layer 1" in banner[0]

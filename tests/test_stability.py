@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -173,6 +174,36 @@ def test_several_lenses_take_halves_by_name():
         read_prompts(model, {"logit": LogitLens.for_model(model), "j": full}, TEXT, halves=(even, odd))
     with pytest.raises(ValueError, match="lacks layers"):
         read_prompt(model, full, TEXT, halves=(random_lens(model, layers=[0]), odd))
+
+
+def test_marks_added_to_readings_taken_before_equal_a_marked_reading():
+    """``reuse``: the app draws the plain readings first and then adds the marks without reading those lenses again;
+    the result equals reading with marks from the start (every array and mark), and the given readings stay plain."""
+    model, (full, even, odd) = tiny(), lenses()
+    logit = LogitLens.for_model(model)
+    lens_map = {"logit": logit, "j": full}
+    args = dict(pinned=[" Paris"], top_k=5, halves={"j": (even, odd)}, word_like=True)
+    plain = read_prompts(model, lens_map, TEXT, **{**args, "halves": None})
+    marked = read_prompts(model, lens_map, TEXT, **args)
+    reused = read_prompts(model, lens_map, TEXT, reuse={"j": plain["j"]}, **args)
+    for name in lens_map:
+        for field in ARRAYS:
+            np.testing.assert_array_equal(getattr(reused[name], field), getattr(marked[name], field))
+    for mark in ("half_rank_even", "half_rank_odd", "half_top1_agree", "stable"):
+        np.testing.assert_array_equal(getattr(reused["j"].stability, mark), getattr(marked["j"].stability, mark))
+    assert reused["j"] is not plain["j"] and plain["j"].stability is None  # a copy carries the marks
+    assert reused["logit"].stability is None
+    # not read again: a reused reading's own numbers come back as given (here entropies changed on purpose)
+    given = copy.copy(plain["j"])
+    given.entropy_bits = plain["j"].entropy_bits + 1.0
+    np.testing.assert_array_equal(read_prompts(model, lens_map, TEXT, reuse={"j": given}, **args)["j"].entropy_bits,
+                                  given.entropy_bits)
+    with pytest.raises(ValueError, match=r"reuse\['j'\] was read with another top_k"):
+        read_prompts(model, lens_map, TEXT, reuse={"j": plain["j"]}, **{**args, "top_k": 3})
+    with pytest.raises(ValueError, match=r"reuse\['j'\] was read with another input_ids"):
+        read_prompts(model, lens_map, TEXT + " More.", reuse={"j": plain["j"]}, **args)
+    with pytest.raises(ValueError, match="not among the lenses read"):
+        read_prompts(model, {"j": full}, TEXT, reuse={"logit": plain["logit"]}, halves=(even, odd))
 
 
 def test_reading_file_keeps_the_marks(tmp_path):

@@ -42,7 +42,7 @@ DEFAULT_MAX_UPLOAD_MB = "512"  # Streamlit's server.maxUploadSize, set explicitl
 PASSTHROUGH = ("server.port", "server.address", "server.headless", "server.baseUrlPath", "server.maxUploadSize",
                "server.fileWatcherType", "server.runOnSave", "server.enableCORS", "server.enableXsrfProtection",
                "browser.gatherUsageStats", "browser.serverAddress", "browser.serverPort", "theme.base",
-               "logger.level", "client.toolbarMode")
+               "logger.level", "client.toolbarMode", "runner.postScriptGC")
 # Streamlit options that decide who can reach the server: refused after `--`, where they would bypass the
 # loopback bind and the token rule (jlens's own --address, --port and the options above are checked).
 EXPOSURE_OPTIONS = ("server.address", "server.port", "server.enableCORS", "server.enableXsrfProtection",
@@ -84,6 +84,10 @@ def streamlit_command(args: argparse.Namespace) -> list[str]:
         options.setdefault("server.headless", "true")
     options.setdefault("server.maxUploadSize", DEFAULT_MAX_UPLOAD_MB)
     options.setdefault("browser.gatherUsageStats", "false")
+    # Streamlit collects every generation of garbage after each script run, a fragment's included: with torch and
+    # a model in the heap that is 0.3-0.7 s of the GIL per run, and Inspect polls its extras every 0.5 s (the
+    # stability marks took 6.6 s instead of 1.9 s to compute beside it). Python's own collector still runs.
+    options.setdefault("runner.postScriptGC", "false")
     for name, value in options.items():
         cmd += [f"--{name}", value]
     extra = list(args.extra or [])

@@ -25,6 +25,8 @@ returned statistics are kept, so ``layers x positions x vocab`` is never held.
 
 from __future__ import annotations
 
+import copy
+
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -90,6 +92,7 @@ class ReadOptions(TypedDict, total=False):
     word_like: bool
     n_prompt: int | None
     stability_k: int
+    reuse: Mapping[str, PromptReading]
 
 
 def read_prompt(model: LensModel, lens: Lens, text: str | Sequence[int] | Int[torch.Tensor, "*shape"] | Generation,
@@ -168,13 +171,18 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
             ``stability_note``).
         halves: ``{name: (even, odd)}`` (or one pair when one lens is read): the halves to judge those
             lenses with (implies stability for them).
+        reuse: ``{name: PromptReading}``, readings of some of these lenses taken before with the same arguments
+            (stability aside): those lenses are not read again, only their stability marks are computed, and each
+            comes back as a copy of its reading with the marks attached (the given ones are not changed). What the
+            app does to add the marks to the readings it has drawn: a third of the work instead of all of it.
 
     Returns:
         ``{name: PromptReading}`` in the order of ``lenses``.
 
     Raises:
         ValueError: no lens, empty text, ``top_k < 1``, bad layers or positions, an unknown pinned token,
-            an unknown ``vocab`` or a ``"word"`` readout that keeps no token.
+            an unknown ``vocab`` or a ``"word"`` readout that keeps no token; a ``reuse`` reading of a lens not
+            read, or taken with other arguments (which one differs).
         LensFileError: a lens belongs to another model.
     """
     keywords: dict[str, Any] = dict(options)
@@ -185,6 +193,7 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
     pinned, show_whitespace = keywords.pop("pinned", ()), keywords.pop("show_whitespace", False)
     max_seq_len, word_like = keywords.pop("max_seq_len", None), keywords.pop("word_like", False)
     n_prompt, stability_k = keywords.pop("n_prompt", None), keywords.pop("stability_k", STABILITY_K)
+    reuse = dict(keywords.pop("reuse", None) or {})
     no_other_keywords("read_prompts", keywords)
     check_vocab(vocab)
     stability_k = check_stability_k(stability_k)
@@ -206,17 +215,50 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
     resid = record_residuals(model, ids, layout.all_layers, edits=edit_list, n_prompt=n_prompt)  # {layer: [seq, d]}
     targets = _targets(ids[0].to(resid[model.n_layers - 1].device), pos_list, pins, display,
                        k=min(int(top_k), vocab_size), vocab_size=vocab_size, word_like=word_like, kept=kept)
-    results = ReadingArrays(layout.n_rows, len(pos_list), targets, vocab_size)
-    read_rows(model, RowGroupReader(model, lens_map, layout, resid, results, vocab_size))
-    marks = {name: half_marks(model, pair, resid, layout.layer_lists[name], targets.positions,
-                              results.top_ids[layout.rows(name), :, 0], kept=targets.kept, mask=targets.mask,
-                              stability_k=stability_k, vocab_size=vocab_size)
-             for name, pair in chosen_halves.items()}  # from the same residuals, after the reading's own arrays
     shown_text = source if isinstance(source, str) else model.decode(ids[0].tolist())
-    readings = _assemble_readings(model, lens_map, layout, results, ids, display, text=shown_text,
-                                  show_whitespace=bool(show_whitespace), word_like=bool(word_like), n_prompt=n_prompt,
-                                  edits=[repr(e) for e in edit_list], vocab=vocab)
+    fields = dict(show_whitespace=bool(show_whitespace), word_like=bool(word_like), n_prompt=n_prompt,
+                  edits=[repr(e) for e in edit_list], vocab=vocab)
+    _check_reuse(reuse, lens_map, layout, ids, targets, fields)
+    read_layout = RowLayout({name: layers for name, layers in layout.layer_lists.items() if name not in reuse})
+    results = ReadingArrays(read_layout.n_rows, len(pos_list), targets, vocab_size)
+    if read_layout.n_rows:
+        read_rows(model, RowGroupReader(model, {n: lens_map[n] for n in read_layout.layer_lists}, read_layout, resid,
+                                        results, vocab_size))
+    shown = {name: reuse[name].top_ids[:, :, 0] if name in reuse else results.top_ids[read_layout.rows(name), :, 0]
+             for name in chosen_halves}
+    marks = {name: half_marks(model, pair, resid, layout.layer_lists[name], targets.positions, shown[name],
+                              kept=targets.kept, mask=targets.mask, stability_k=stability_k, vocab_size=vocab_size)
+             for name, pair in chosen_halves.items()}  # from the same residuals, after the reading's own arrays
+    made = _assemble_readings(model, {n: lens_map[n] for n in read_layout.layer_lists}, read_layout, results, ids,
+                              display, text=shown_text, **fields)
+    readings = {name: copy.copy(reuse[name]) if name in reuse else made[name] for name in lens_map}
     return _with_stability(readings, marks, stability_notes)
+
+
+def _check_reuse(reuse: Mapping[str, PromptReading], lenses: Mapping[str, Lens], layout: RowLayout, ids: torch.Tensor,
+                 targets: Targets, fields: Mapping[str, Any]) -> None:
+    """Raise unless every ``reuse`` reading is of a lens read here, with this call's prompt and arguments.
+
+    Raises:
+        ValueError: a name not among the lenses, or the first field that differs (one sentence).
+    """
+    want = {"input_ids": ids[0].cpu().numpy(), "positions": targets.positions.cpu().numpy(), "top_k": targets.k,
+            "pinned": dict(zip(targets.pin_names, targets.pin_ids.tolist())), **fields}
+    for name, reading in reuse.items():
+        if name not in lenses:
+            raise ValueError(f"reuse names {name!r}, which is not among the lenses read ({list(lenses)}).")
+        if not isinstance(reading, PromptReading):
+            raise ValueError(f"reuse[{name!r}] is a {type(reading).__name__}, not a PromptReading.")
+        for field_name, value in {"layers": layout.layer_lists[name], **want}.items():
+            if not _same(getattr(reading, field_name), value):
+                raise ValueError(f"reuse[{name!r}] was read with another {field_name} ({getattr(reading, field_name)!r} "
+                                 f"against {value!r}): reuse only readings taken with the same arguments.")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    return bool(a == b)
 
 
 def _with_stability(readings: dict[str, PromptReading], marks: Mapping[str, Stability],

@@ -188,26 +188,40 @@ def half_marks(model: LensModel, pair: tuple[Lens, Lens], resid: Mapping[int, to
     """
     import torch
 
+    from ..lenses.readout import layer_logits
     from .logit_stats import chunk_size, rank_of
+    from .openmp_workers import run_in_workers
+    from .row_arrays import reused_array
 
     n_layers, n_pos = len(layers), int(positions.numel())
     ranks = np.zeros((2, n_layers, n_pos), dtype=np.int64)
     tops = np.zeros((2, n_layers, n_pos), dtype=np.int64)
+    device = resid[layers[0]].device
+    shown_t = torch.as_tensor(shown, dtype=torch.long, device=device)  # [n_layers, n_pos]
+    kept_d = None if kept is None else kept.to(device)
+    blocked = None if mask is None else ~mask.to(device)  # the ids a top-1 may not be
+    # as a reading does: several layers' rows per matmul (at most CHUNK_ELEMENTS logits), in the reading workers
     per_chunk = chunk_size(vocab_size)
-    with torch.no_grad():
-        for li, layer in enumerate(layers):
-            h_all = resid[layer]  # [seq, d_model]
-            shown_t = torch.as_tensor(shown[li], dtype=torch.long, device=h_all.device)  # [n_pos]
-            for start in range(0, n_pos, per_chunk):
-                sl = slice(start, min(n_pos, start + per_chunk))
-                h = h_all[positions[sl].to(h_all.device)]  # [c, d_model]
-                for half_index, half in enumerate(pair):
-                    z = half.logits(model, h, layer).float()  # [c, vocab]
-                    ranks[half_index, li, sl] = rank_of(z, shown_t[sl], None,
-                                                        None if kept is None else kept.to(z.device)).cpu().numpy()
-                    if mask is not None:
-                        z = torch.where(mask.to(z.device), z, torch.full_like(z, float("-inf")))
-                    tops[half_index, li, sl] = z.argmax(-1).cpu().numpy()
+    tasks = []
+    for start in range(0, n_pos, per_chunk):
+        sl = slice(start, min(n_pos, start + per_chunk))
+        group = max(1, per_chunk // (sl.stop - sl.start))
+        tasks += [(half_index, list(range(g0, min(n_layers, g0 + group))), sl)
+                  for half_index in range(2) for g0 in range(0, n_layers, group)]
+
+    def work(task: tuple[int, list[int], slice], scratch: dict[str, torch.Tensor]) -> None:
+        half_index, rows, sl = task
+        index = positions[sl].to(device)
+        z = layer_logits(pair[half_index], model, resid, [layers[r] for r in rows], index).float()  # [g, c, vocab]
+        z = z.reshape(-1, z.shape[-1])  # [g * c, vocab]
+        ids = shown_t[rows, sl].reshape(-1)
+        above = reused_array(scratch, "above", tuple(z.shape), z.dtype, z.device)
+        ranks[half_index, rows, sl] = rank_of(z, ids, above, kept_d).view(len(rows), -1).cpu().numpy()
+        if blocked is not None:
+            z.masked_fill_(blocked, float("-inf"))  # z is this task's own array
+        tops[half_index, rows, sl] = z.argmax(-1).view(len(rows), -1).cpu().numpy()
+
+    run_in_workers(tasks, work, [], device)
     return Stability(ranks[0], ranks[1], tops[0] == tops[1], check_stability_k(stability_k))
 
 
