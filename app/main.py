@@ -20,6 +20,7 @@ if _REPO_DIR not in sys.path and Path(_REPO_DIR, "jlens_core").is_dir():  # a so
 import streamlit as st
 
 import common
+import launch_snapshot
 import sidebar
 import url_state
 
@@ -41,6 +42,8 @@ if "token" in st.query_params:  # the access token (app/access.py) never stays i
     del st.query_params["token"]
 url_state.init_state()
 page = st.navigation(PAGES)
+if launch_snapshot.draw_while_loading(page):  # the last launch's first heatmap, drawn while the model loads
+    st.rerun()
 # A browser fetches and compiles the chart and table components (Plotly's is 4.7 MB of JavaScript)
 # the first time a page shows one: seconds on a small machine. A session's first run shows a blank
 # chart and table while the sidebar loads the model, so that happens during the load, not after it.

@@ -106,9 +106,10 @@ def main() -> int:
     if token:
         install_token_gate(token)
     if os.environ.get("JLENS_APP_WARM", "1") != "0":
-        from first_paint import FIRST_READINGS
+        from first_paint import FIRST_READINGS, MODEL_READY
 
-        FIRST_READINGS.clear()  # set by the warm-up once the first page's readings are stored
+        MODEL_READY.clear()  # set by the warm-up once the model is loaded
+        FIRST_READINGS.clear()  # and once the first page's readings are stored
         threading.Thread(target=_warm_up, name="jlens-warm-up", daemon=True).start()
     from streamlit.web import cli
 

@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import common
+import launch_snapshot
 from cache import ReadSpec, lens_check, load_model_cached, readings_cached
-from first_paint import FIRST_READINGS
+from first_paint import FIRST_READINGS, MODEL_READY
 from jlens_core.lenses.lens import LogitLens
+from jlens_core.lenses.shipped import default_reading_lens
 from jlens_core.models.loading import DEFAULT_MODEL
 from jlens_core.reading.readout_protocol import Readout
 from lens_slots import FILE, NONE, RUN, SHIPPED, SLOTS, UPLOAD, LensSlot, load_slot_file
@@ -30,41 +32,48 @@ def warm_up(spec: str | None = None) -> list[str]:
     """
     try:
         return _warm_up(spec)
-    finally:  # a lens check waiting for the first readings waits no longer (they are stored, or will not be)
+    finally:  # nothing waits for the warm-up any longer (what it did is stored, or will not be)
+        MODEL_READY.set()
         FIRST_READINGS.set()
 
 
 def _warm_up(spec: str | None) -> list[str]:
     spec = spec or os.environ.get(common.ENV_MODEL) or DEFAULT_MODEL
     model = load_model_cached(common.confine_spec(spec, "model folder"), "auto", "auto")
+    MODEL_READY.set()
     done = [f"model {spec}"]
-    lenses = {"logit": (LogitLens.for_model(model), "logit")}
-    for slot in SLOTS:
-        path = _starting_path(slot, model, spec)
-        if path is not None and path.is_file():
-            loaded = load_slot_file(slot, path, path.name, model, check=False)  # checked after the first readings
-            lenses[slot.key] = (loaded.lens, loaded.key)
-            done.append(f"lens {path.name}")
+    model_key = f"{spec}|auto|auto"
     text = common.default_prompt()
     n_tokens = min(int(model.encode(text).shape[1]), common.MAX_TOKENS)
     layers = tuple(common.view_layers(model.n_layers, (0, model.n_layers - 1), common.INSPECT_DEFAULTS["stride"]))
     readout = Readout(k=common.INSPECT_DEFAULTS["top_k"], vocab="word" if common.INSPECT_DEFAULTS["vocab_word"] else "all")
     plain = ReadSpec(readout, (), common.INSPECT_DEFAULTS["show_ws"], common.INSPECT_DEFAULTS["word_like"], layers,
                      common.default_positions(n_tokens), common.MAX_TOKENS, None)
-    # the plain readings first (the first heatmap), then the stability marks (an extra Inspect adds when there)
-    drawn = readings_cached(model, f"{spec}|auto|auto", lenses, text, plain)
+    # Inspect opens side by side (the logit lens and the lens files' first): their plain readings first (the first
+    # heatmap), then the lens checks (canaries) and the stability marks (extras Inspect adds when there)
+    lenses = {"logit": (LogitLens.for_model(model), "logit")}
+    for slot in SLOTS:
+        path = starting_path(slot, model, spec)
+        if path is not None and path.is_file():
+            loaded = load_slot_file(slot, path, path.name, model, check=False)  # checked below
+            lenses[slot.key] = (loaded.lens, loaded.key)
+            done.append(f"lens {path.name}")
+    drawn = readings_cached(model, model_key, lenses, text, plain)
     FIRST_READINGS.set()
-    for lens, key in list(lenses.values())[1:]:  # the lens checks (their canaries), after the first heatmap's readings
+    pair = ("logit", default_reading_lens(str(model.name)))  # Inspect's first view, side by side
+    if pair[1] in drawn:  # the next launch draws these while its model loads
+        launch_snapshot.save(drawn, model, pair)
+    files = {name: value for name, value in lenses.items() if name != "logit"}
+    for lens, key in files.values():
         lens_check(key, model, lens)
-    with_halves = {name: value for name, value in lenses.items() if common.stability_default([value[0]])}
+    with_halves = {name: value for name, value in files.items() if common.stability_default([value[0]])}
     if with_halves:  # only the marks: the plain readings are reused (read_prompts' reuse)
-        readings_cached(model, f"{spec}|auto|auto", with_halves, text, dataclasses.replace(plain, stability=True),
-                        plain=drawn)
+        readings_cached(model, model_key, with_halves, text, dataclasses.replace(plain, stability=True), plain=drawn)
     done.append(f"{' and '.join(lenses)} readings of the default prompt")
     return done
 
 
-def _starting_path(slot: LensSlot, model: Any, spec: str) -> Path | None:
+def starting_path(slot: LensSlot, model: Any, spec: str) -> Path | None:
     """The file ``slot`` starts with when the URL names none (its environment variable, else its default)."""
     request = (os.environ.get(slot.env) if slot.env else None) or "auto"
     if request == "auto":

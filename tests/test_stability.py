@@ -182,7 +182,7 @@ def test_marks_added_to_readings_taken_before_equal_a_marked_reading():
     model, (full, even, odd) = tiny(), lenses()
     logit = LogitLens.for_model(model)
     lens_map = {"logit": logit, "j": full}
-    args = dict(pinned=[" Paris"], top_k=5, halves={"j": (even, odd)}, word_like=True)
+    args = {"pinned": [" Paris"], "top_k": 5, "halves": {"j": (even, odd)}, "word_like": True}
     plain = read_prompts(model, lens_map, TEXT, **{**args, "halves": None})
     marked = read_prompts(model, lens_map, TEXT, **args)
     reused = read_prompts(model, lens_map, TEXT, reuse={"j": plain["j"]}, **args)

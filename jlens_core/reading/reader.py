@@ -26,7 +26,6 @@ returned statistics are kept, so ``layers x positions x vocab`` is never held.
 from __future__ import annotations
 
 import copy
-
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -216,8 +215,8 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
     targets = _targets(ids[0].to(resid[model.n_layers - 1].device), pos_list, pins, display,
                        k=min(int(top_k), vocab_size), vocab_size=vocab_size, word_like=word_like, kept=kept)
     shown_text = source if isinstance(source, str) else model.decode(ids[0].tolist())
-    fields = dict(show_whitespace=bool(show_whitespace), word_like=bool(word_like), n_prompt=n_prompt,
-                  edits=[repr(e) for e in edit_list], vocab=vocab)
+    fields = {"show_whitespace": bool(show_whitespace), "word_like": bool(word_like), "n_prompt": n_prompt,
+                  "edits": [repr(e) for e in edit_list], "vocab": vocab}
     _check_reuse(reuse, lens_map, layout, ids, targets, fields)
     read_layout = RowLayout({name: layers for name, layers in layout.layer_lists.items() if name not in reuse})
     results = ReadingArrays(read_layout.n_rows, len(pos_list), targets, vocab_size)
@@ -248,7 +247,7 @@ def _check_reuse(reuse: Mapping[str, PromptReading], lenses: Mapping[str, Lens],
         if name not in lenses:
             raise ValueError(f"reuse names {name!r}, which is not among the lenses read ({list(lenses)}).")
         if not isinstance(reading, PromptReading):
-            raise ValueError(f"reuse[{name!r}] is a {type(reading).__name__}, not a PromptReading.")
+            raise TypeError(f"reuse[{name!r}] is a {type(reading).__name__}, not a PromptReading.")
         for field_name, value in {"layers": layout.layer_lists[name], **want}.items():
             if not _same(getattr(reading, field_name), value):
                 raise ValueError(f"reuse[{name!r}] was read with another {field_name} ({getattr(reading, field_name)!r} "
