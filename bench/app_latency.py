@@ -1,12 +1,14 @@
-"""App latency in real Chromium: launch -> first heatmap, a page opened -> its heatmap, a new prompt -> its plain
-heatmap, then -> its stability marks and -> its J-space labels (the extras drawn after the first paint), a new
-64-token prompt side by side, every page's first visit. A script, not a test: it prints a table (seconds; medians
-over ``--reps`` repetitions, each with a prompt of its own) with this machine's fp32 matmul peak and CPU flags.
+"""App latency in real Chromium: launch -> first heatmap and -> live page (twice: without and with the last launch's
+kept first heatmap, ``app/launch_snapshot.py``), a page opened -> its heatmap, a new prompt -> its plain heatmap,
+then -> its stability marks and -> its J-space labels (the extras drawn after the first paint), a new ~64-token
+prompt side by side -> redrawn and -> its marks, every page's first visit. A script, not a test: it prints a table
+(seconds; medians over ``--reps`` repetitions, each with a prompt of its own) with this machine's fp32 matmul peak
+and CPU flags. The browser is started before the app, as a user's runs already.
 
     python bench/app_latency.py [--reps 3] [--json bench/app_latency.json]
 
 Needs Debian's ``chromium`` and Python Playwright (as the browser tests). The model cache must be
-warm (run the app once): the launch figure is for a warm cache.
+warm (run the app once, which also keeps the first heatmap): the launch figures are for a warm cache.
 """
 
 from __future__ import annotations
@@ -108,10 +110,41 @@ def _extras(browser, page, model, url: str, reps: int, band: str = "") -> dict[s
     return times
 
 
+def _launch(browser, work: Path, kept: bool):
+    """Start ``jlens app`` and open its page once it answers: (seconds to the first heatmap, to the live page (the
+    prompt box usable), the URL, the server process, the page). ``kept``: with the last launch's kept first heatmap
+    (``JLENS_APP_SNAPSHOT`` unset), else without (``=0``)."""
+    port = _free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JLENS_RUNS_DIR=str(work / "runs"), JLENS_APP_SNAPSHOT="1" if kept else "0")
+    t0 = time.perf_counter()
+    server = subprocess.Popen([sys.executable, "-m", "jlens_core", "app", "--headless", "--port", str(port),
+                               "--address", "127.0.0.1", "--server.fileWatcherType", "none"], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                if r.read().strip() == b"ok":
+                    break
+        except OSError:
+            time.sleep(0.1)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(600_000)
+    page.goto(url + "/")
+    _wait_heatmap(page, "g.data[0].text")
+    first = time.perf_counter() - t0
+    page.get_by_label("Prompt", exact=True).wait_for(state="visible")
+    page.wait_for_function("() => { const t = document.querySelector('textarea[aria-label=\"Prompt\"]'); "
+                           "return !!(t && !t.disabled); }", polling=POLL_MS)
+    live = time.perf_counter() - t0
+    return first, live, url, server, page
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=str(ROOT / "bench" / "app_latency.json"))
-    p.add_argument("--reps", type=int, default=3, help="repetitions (a prompt each) of the new-prompt figures")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (a prompt each) of the new-prompt figures and the "
+                   "side-by-side redraw")
     p.add_argument("--band", default="", help="lo-hi: the layers the new-prompt figures show (default: all); the "
                    "J-space labels' time grows with them")
     p.add_argument("--chromium", default=os.environ.get("JLENS_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium")
@@ -125,31 +158,26 @@ def main() -> None:
 
     model = load_model()  # for the prompts' token counts (the heatmap's columns once redrawn)
     n_tokens = int(model.encode(PROMPT_64).shape[1])
-    port = _free_port()
     work = Path(tempfile.mkdtemp(prefix="jlens-latency-"))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", JLENS_RUNS_DIR=str(work / "runs"))
     rows: list[tuple[str, list[float], float | None]] = []  # no goal: None  # (step, seconds of each rep, goal)
-    t0 = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "jlens_core", "app", "--headless", "--port", str(port),
-                               "--address", "127.0.0.1", "--server.fileWatcherType", "none"], cwd=ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    servers: list[subprocess.Popen] = []
     try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                    if r.read().strip() == b"ok":
-                        break
-            except OSError:
-                time.sleep(0.2)
         with sync_playwright() as pw:
+            # The browser runs before the app starts, as a user's does: its own start (about 1 s here) is not the
+            # app's launch. Two launches: without the last launch's kept first heatmap (a first launch, or
+            # JLENS_APP_SNAPSHOT=0), then with it (app/launch_snapshot.py; any earlier launch kept it).
             browser = pw.chromium.launch(executable_path=args.chromium, args=["--headless", "--no-sandbox",
                                                                             "--disable-gpu"])
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(600_000)
-            page.goto(url + "/")
-            _wait_heatmap(page, "g.data[0].text")
-            rows.append(("launch -> first heatmap (warm cache)", [time.perf_counter() - t0], GOALS["launch"]))
+            for kept in (False, True):
+                first, live, url, server, page = _launch(browser, work, kept)
+                servers.append(server)
+                what = "the last launch's kept reading" if kept else "no kept reading"
+                rows.append((f"launch -> first heatmap ({what})", [first], GOALS["launch"]))
+                rows.append((f"launch -> live page ({what})", [live], None))
+                if not kept:
+                    page.close()
+                    server.send_signal(signal.SIGTERM)
+                    server.wait(30)
             _idle(page)
             extras = _extras(browser, page, model, url, args.reps, f"&band={args.band}" if args.band else "")
             rows += [("page opened -> its heatmap (readings cached)", extras["open"], GOALS["open"]),
@@ -163,10 +191,20 @@ def main() -> None:
             page.locator('[data-testid="stRadio"]').get_by_text("Side by side", exact=True).click()
             _idle(page)
             page.wait_for_timeout(1000)  # the browser finishes drawing the side-by-side view (a user types meanwhile)
-            t1 = _submit(page, PROMPT_64)
-            _wait_heatmap(page, f"g.data.length >= 4 && g.data[0].x.length === {n_tokens}")
-            rows.append(("new 64-token prompt, side by side -> redrawn", [time.perf_counter() - t1], GOALS["side"]))
-            _idle(page)
+            sides: list[float] = []
+            side_marks: list[float] = []
+            for rep in range(args.reps):
+                text = _prompt(rep).replace("printing press", "printing presses")  # not read by the steps above
+                n = int(model.encode(text).shape[1])
+                t1 = _submit(page, text)
+                _wait_heatmap(page, f"g.data.length >= 4 && g.data[0].x.length === {n}")
+                sides.append(time.perf_counter() - t1)
+                _wait_heatmap(page, f"g.data[0].x.length === {n} && g.data.some(d => d.name === 'stable %')")
+                side_marks.append(time.perf_counter() - t1)
+                _idle(page)
+                page.wait_for_timeout(1000)
+            rows.append((f"new ~{n_tokens}-token prompt, side by side -> redrawn", sides, GOALS["side"]))
+            rows.append(("new prompt, side by side -> stability marks drawn", side_marks, None))
             for name in PAGES:
                 t2 = time.perf_counter()
                 page.get_by_test_id("stSidebarNav").get_by_text(name, exact=True).click()
@@ -174,8 +212,10 @@ def main() -> None:
                 rows.append((f"first visit: {name}", [time.perf_counter() - t2], GOALS["visit"]))
             browser.close()
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(30)
+        for server in servers:
+            if server.poll() is None:
+                server.send_signal(signal.SIGTERM)
+                server.wait(30)
     cpu = cpu_flags()
     print(f"fp32 matmul peak {peak:.0f} GFLOP/s; CPU {cpu['model_name']}, flags {' '.join(cpu['flags']) or 'none'}")
     print(f"{'step':48s} {'median s':>8} {'range':>13} {'goal':>6}")

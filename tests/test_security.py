@@ -156,7 +156,12 @@ def test_jlens_app_refuses_exposure_options_after_the_double_dash(extra, capsys)
     assert captured.out == "" and f"{name} after `--` would bypass" in captured.err
     assert main(["app", "--print-command", "--", "--theme.base", "dark"]) == 0  # any other option passes
     assert capsys.readouterr().out.rstrip().endswith("--server.address 127.0.0.1 --server.maxUploadSize 512 "
-                                                     "--browser.gatherUsageStats false --theme.base dark")
+                                                     "--browser.gatherUsageStats false --runner.postScriptGC false "
+                                                     "--theme.base dark")
+    # Streamlit's full collection after every script run is off by default (docs/app.md); the option turns it on
+    assert main(["app", "--print-command", "--runner.postScriptGC", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "--runner.postScriptGC true" in out and "--runner.postScriptGC false" not in out
 
 
 def test_server_env_token_rules(tmp_path, monkeypatch):
