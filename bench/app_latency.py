@@ -145,6 +145,8 @@ def main() -> None:
     p.add_argument("--json", default=str(ROOT / "bench" / "app_latency.json"))
     p.add_argument("--reps", type=int, default=3, help="repetitions (a prompt each) of the new-prompt figures and the "
                    "side-by-side redraw")
+    p.add_argument("--launches", type=int, default=3, help="launches of each kind (without and with the kept first "
+                   "heatmap, alternating)")
     p.add_argument("--band", default="", help="lo-hi: the layers the new-prompt figures show (default: all); the "
                    "J-space labels' time grows with them")
     p.add_argument("--chromium", default=os.environ.get("JLENS_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium")
@@ -168,16 +170,23 @@ def main() -> None:
             # JLENS_APP_SNAPSHOT=0), then with it (app/launch_snapshot.py; any earlier launch kept it).
             browser = pw.chromium.launch(executable_path=args.chromium, args=["--headless", "--no-sandbox",
                                                                             "--disable-gpu"])
-            for kept in (False, True):
-                first, live, url, server, page = _launch(browser, work, kept)
-                servers.append(server)
+            launches: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
+            for i in range(args.launches):
+                for kept in (False, True):
+                    first, live, url, server, page = _launch(browser, work, kept)
+                    servers.append(server)
+                    launches[kept][0].append(first)
+                    launches[kept][1].append(live)
+                    print(f"launch {i}, kept reading {kept}: first heatmap {first:.2f} s, live page {live:.2f} s",
+                          flush=True)
+                    if not (kept and i == args.launches - 1):  # the last server serves the steps below
+                        page.close()
+                        server.send_signal(signal.SIGTERM)
+                        server.wait(30)
+            for kept, (firsts, lives) in launches.items():
                 what = "the last launch's kept reading" if kept else "no kept reading"
-                rows.append((f"launch -> first heatmap ({what})", [first], GOALS["launch"]))
-                rows.append((f"launch -> live page ({what})", [live], None))
-                if not kept:
-                    page.close()
-                    server.send_signal(signal.SIGTERM)
-                    server.wait(30)
+                rows.append((f"launch -> first heatmap ({what})", firsts, GOALS["launch"]))
+                rows.append((f"launch -> live page ({what})", lives, None))
             _idle(page)
             extras = _extras(browser, page, model, url, args.reps, f"&band={args.band}" if args.band else "")
             rows += [("page opened -> its heatmap (readings cached)", extras["open"], GOALS["open"]),
@@ -225,6 +234,7 @@ def main() -> None:
         said = "" if goal is None else f"{goal:6.1f}" + ("  over" if median > goal else "")
         print(f"{name:48s} {median:8.2f} {spread:>13} {said}")
     Path(args.json).write_text(json.dumps({"matmul_peak_gflops": peak, "cpu": cpu, "reps": args.reps,
+                                           "launches": args.launches,
                                            "band": args.band or "all", "rows": [
         {"step": n, "seconds": statistics.median(s), "each": s, "goal_seconds": g}
         for n, s, g in rows]}, indent=1))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,6 +38,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from fit_speed import PROMPT, backward_flops, matmul_peak_gflops
+
+
+def host_load(start: float) -> str:
+    """The run's conditions as measured: the 1-minute load average before it and now (its own threads included)."""
+    import os
+
+    return (f"1-minute load average {start:.1f} before the run, {os.getloadavg()[0]:.1f} at its end (its own threads "
+            f"included) on {os.cpu_count() or 1} cores; arms interleaved")
 
 
 def cpu_flags() -> dict:
@@ -91,8 +100,8 @@ def main() -> None:
     from jlens_core.corpus import load_corpus
     from jlens_core.fitting.precision import compute_model
 
-    out: dict = {"cpu": cpu_flags(), "conditions": "2-core host shared with other sessions' tests (loaded); "
-                 "ratios within one run, arms interleaved", "seq": args.seq}
+    start_load = os.getloadavg()[0]
+    out: dict = {"cpu": cpu_flags(), "conditions": host_load(start_load), "seq": args.seq}
     model = load_model()
     twin = compute_model(model, "bfloat16")
     arms = {"float32": model, "bfloat16": twin}
@@ -105,6 +114,7 @@ def main() -> None:
             peaks[name].append(matmul_peak_gflops(seconds=1.5, dtype=getattr(torch, name)))
 
     def save() -> None:
+        out["conditions"] = host_load(start_load)
         out["matmul_peak_gflops"] = {k: {"best": max(v), "all": [round(x, 1) for x in v]} for k, v in peaks.items() if v}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bf16_fit import cpu_flags
+from bf16_fit import cpu_flags, host_load
 from fit_speed import matmul_peak_gflops
 
 
@@ -44,6 +45,7 @@ def main() -> None:
                     "chunk_size); a smaller chunk has a smaller union of candidates to re-score")
     ap.add_argument("--json", default=str(ROOT / "bench" / "bf16_readout.json"))
     args = ap.parse_args()
+    start_load = os.getloadavg()[0]
 
     from jlens_core import default_lens, load_model
     from jlens_core.corpus import load_corpus
@@ -106,7 +108,7 @@ def main() -> None:
                 "fallback_chunks": sum(g.fallback for g in got), "chunks": len(got)}
         print(f"rep {rep}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    out = {"cpu": cpu_flags(), "conditions": "2-core host shared with other sessions (loaded); arms interleaved",
+    out = {"cpu": cpu_flags(), "conditions": host_load(start_load),
            "rows": int(x.shape[0]), "chunk_rows": rows, "k": args.k, "vocab": int(weight.shape[0]),
            "seconds": {k: [round(t, 3) for t in v] for k, v in times.items()},
            "median_s": {k: round(v, 3) for k, v in med.items()},

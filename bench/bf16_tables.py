@@ -5,7 +5,8 @@
 Reads ``bench/bf16_fit.json``, ``bench/bf16_fit_speed_all.json`` and ``bench/bf16_fit_speed.json`` (bench/bf16_fit.py,
 the last two with ``--speed-only 0`` and ``--speed-only 24``) and ``bench/bf16_readout.json`` (bench/bf16_readout.py) and
 replaces the text between ``<!-- bf16_tables:NAME -->`` and ``<!-- /bf16_tables:NAME -->`` in bench/README.md
-(``fit``, ``fit_speed``, ``readout``) and docs/fitting.md (``fit_decision``). Each figure names the CPU and its bf16 flags. A
+(``fit``, ``fit_speed``, ``readout``), docs/fitting.md (``fit_decision``) and README.md (``fit_time``: a full-size
+lens's time from the all-layer speed run at 128 tokens). Each figure names the CPU and its bf16 flags. A
 missing marker is an error: nothing is written. ``--print`` prints the blocks instead.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {"fit": ROOT / "bench" / "README.md", "fit_speed": ROOT / "bench" / "README.md",
          "readout": ROOT / "bench" / "README.md",
-         "fit_decision": ROOT / "docs" / "fitting.md"}
+         "fit_decision": ROOT / "docs" / "fitting.md", "fit_time": ROOT / "README.md"}
 
 
 def cpu_line(data: dict) -> str:
@@ -123,6 +124,22 @@ def decision_block(data: dict, speed: dict | None = None) -> str:
     return f"{where}, {speed_text}; {verdict}.{extra} The figures: [bench](../bench/README.md#fitting-in-bf16).\n"
 
 
+def fit_time_block(data: dict, n_prompts: int = 100) -> str:
+    """The README's time for a full-size lens (``n_prompts`` prompts of 128 tokens, every layer), from the all-layer
+    speed run: each dtype's median seconds per prompt times ``n_prompts``, and the CPU it was measured on."""
+    row, cpu = data.get("fit_128") or {}, data.get("cpu", {})
+    seconds = {name: row[name]["median_s"] for name in ("bfloat16", "float32") if row.get(name)}
+    if not seconds:
+        return "about two hours on a 2-core CPU (not measured at 128 tokens yet)\n"
+    first = "bfloat16" if "bfloat16" in seconds else "float32"
+    text = f"about {seconds[first] * n_prompts / 3600:.1f} hours in {'bf16' if first == 'bfloat16' else 'fp32'}"
+    if first == "bfloat16" and "float32" in seconds:
+        text += f" (fp32: {seconds['float32'] * n_prompts / 3600:.1f} hours)"
+    per = " / ".join(f"{seconds[n]:.0f} s" for n in ("float32", "bfloat16") if n in seconds)
+    return (f"{text} on a {cpu.get('cores', '?')}-thread {cpu.get('model_name', '?')} ({per} a prompt"
+            f"{', fp32 / bf16' if len(seconds) == 2 else ''}, measured by `bench/bf16_fit.py --speed-only 0`)\n")
+
+
 def readout_block(data: dict) -> str:
     med = data["median_s"]
     lines = [cpu_line(data), "", "```",
@@ -158,6 +175,8 @@ def main() -> None:
     if fit_json.is_file():
         data = json.loads(fit_json.read_text())
         blocks["fit"], blocks["fit_decision"] = fit_block(data), decision_block(data, speed)
+    if speeds and speeds[0].get("source_layers", [0])[0] == 0:
+        blocks["fit_time"] = fit_time_block(speeds[0])
     if speeds:
         parts = []
         for data in speeds:
