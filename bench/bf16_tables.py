@@ -5,8 +5,8 @@
 Reads ``bench/bf16_fit.json``, ``bench/bf16_fit_speed_all.json`` and ``bench/bf16_fit_speed.json`` (bench/bf16_fit.py,
 the last two with ``--speed-only 0`` and ``--speed-only 24``) and ``bench/bf16_readout.json`` (bench/bf16_readout.py) and
 replaces the text between ``<!-- bf16_tables:NAME -->`` and ``<!-- /bf16_tables:NAME -->`` in bench/README.md
-(``fit``, ``fit_speed``, ``readout``), docs/fitting.md (``fit_decision``) and README.md (``fit_time``: a full-size
-lens's time from the all-layer speed run at 128 tokens). Each figure names the CPU and its bf16 flags. A
+(``fit``, ``fit_speed``, ``readout``, and ``app`` from ``bench/app_latency.json``), docs/fitting.md
+(``fit_decision``) and README.md (``fit_time``: a full-size lens's time from the all-layer speed run at 128 tokens). Each figure names the CPU and its bf16 flags. A
 missing marker is an error: nothing is written. ``--print`` prints the blocks instead.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {"fit": ROOT / "bench" / "README.md", "fit_speed": ROOT / "bench" / "README.md",
          "readout": ROOT / "bench" / "README.md",
-         "fit_decision": ROOT / "docs" / "fitting.md", "fit_time": ROOT / "README.md"}
+         "fit_decision": ROOT / "docs" / "fitting.md", "fit_time": ROOT / "README.md", "app": ROOT / "bench" / "README.md"}
 
 
 def cpu_line(data: dict) -> str:
@@ -140,6 +140,22 @@ def fit_time_block(data: dict, n_prompts: int = 100) -> str:
             f"{', fp32 / bf16' if len(seconds) == 2 else ''}, measured by `bench/bf16_fit.py --speed-only 0`)\n")
 
 
+def app_block(data: dict) -> str:
+    """bench/app_latency.py's table: each step's median and range over its runs, and its goal (issue 52's)."""
+    cpu = data.get("cpu", {})
+    lines = [f"CPU: {cpu.get('model_name', '?')}, {cpu.get('cores', '?')} threads, flags "
+             f"{', '.join(cpu.get('flags', [])) or 'none'}; fp32 matmul peak {data['matmul_peak_gflops']:.0f} GFLOP/s; "
+             f"{data.get('launches', 1)} launches of each kind, {data.get('reps', 1)} prompts, band {data.get('band')}.",
+             "", "| step | median s (range) | goal s |", "|---|---|---|"]
+    for row in data["rows"]:
+        each = row["each"]
+        spread = f" ({min(each):.2f}-{max(each):.2f})" if len(each) > 1 else ""
+        goal = row.get("goal_seconds")
+        said = "" if goal is None else f"{goal:g}" + (" **over**" if row["seconds"] > goal else "")
+        lines.append(f"| {row['step']} | {row['seconds']:.2f}{spread} | {said} |")
+    return "\n".join(lines) + "\n"
+
+
 def readout_block(data: dict) -> str:
     med = data["median_s"]
     lines = [cpu_line(data), "", "```",
@@ -183,6 +199,9 @@ def main() -> None:
             lo, hi = data.get("source_layers", ["?", "?"])
             parts.append(f"Speed alone (`--speed-only {lo}`), source layers {lo}-{hi}:\n\n" + fit_block(data))
         blocks["fit_speed"] = "\n".join(parts)
+    app_json = ROOT / "bench" / "app_latency.json"
+    if app_json.is_file():
+        blocks["app"] = app_block(json.loads(app_json.read_text()))
     readout_json = ROOT / "bench" / "bf16_readout.json"
     if readout_json.is_file():
         blocks["readout"] = readout_block(json.loads(readout_json.read_text()))
