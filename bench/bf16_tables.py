@@ -130,14 +130,14 @@ def fit_time_block(data: dict, n_prompts: int = 100) -> str:
     row, cpu = data.get("fit_128") or {}, data.get("cpu", {})
     seconds = {name: row[name]["median_s"] for name in ("bfloat16", "float32") if row.get(name)}
     if not seconds:
-        return "about two hours on a 2-core CPU (not measured at 128 tokens yet)\n"
+        return "about two hours on a 2-core CPU (not measured at 128 tokens yet)"
     first = "bfloat16" if "bfloat16" in seconds else "float32"
     text = f"about {seconds[first] * n_prompts / 3600:.1f} hours in {'bf16' if first == 'bfloat16' else 'fp32'}"
     if first == "bfloat16" and "float32" in seconds:
         text += f" (fp32: {seconds['float32'] * n_prompts / 3600:.1f} hours)"
     per = " / ".join(f"{seconds[n]:.0f} s" for n in ("float32", "bfloat16") if n in seconds)
     return (f"{text} on a {cpu.get('cores', '?')}-thread {cpu.get('model_name', '?')} ({per} a prompt"
-            f"{', fp32 / bf16' if len(seconds) == 2 else ''}, measured by `bench/bf16_fit.py --speed-only 0`)\n")
+            f"{', fp32 / bf16' if len(seconds) == 2 else ''}, `bench/bf16_fit.py --speed-only 0`)")
 
 
 def app_block(data: dict) -> str:
@@ -173,7 +173,8 @@ def readout_block(data: dict) -> str:
 
 
 def replace(text: str, name: str, block: str) -> str:
-    pattern = re.compile(rf"(<!-- bf16_tables:{name} -->\n).*?(<!-- /bf16_tables:{name} -->)", re.DOTALL)
+    # a block on lines of its own, or inline (the README's sentence: the block without its newline)
+    pattern = re.compile(rf"(<!-- bf16_tables:{name} -->\n?).*?(<!-- /bf16_tables:{name} -->)", re.DOTALL)
     if not pattern.search(text):
         raise SystemExit(f"no <!-- bf16_tables:{name} --> marker pair in the page")
     return pattern.sub(lambda m: m.group(1) + block + m.group(2), text)

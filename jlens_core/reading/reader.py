@@ -215,8 +215,8 @@ def read_prompts(model: LensModel, lenses: Mapping[str, Lens] | Lens,
     targets = _targets(ids[0].to(resid[model.n_layers - 1].device), pos_list, pins, display,
                        k=min(int(top_k), vocab_size), vocab_size=vocab_size, word_like=word_like, kept=kept)
     shown_text = source if isinstance(source, str) else model.decode(ids[0].tolist())
-    fields = {"show_whitespace": bool(show_whitespace), "word_like": bool(word_like), "n_prompt": n_prompt,
-                  "edits": [repr(e) for e in edit_list], "vocab": vocab}
+    fields: dict[str, Any] = {"show_whitespace": bool(show_whitespace), "word_like": bool(word_like),
+                              "n_prompt": n_prompt, "edits": [repr(e) for e in edit_list], "vocab": vocab}
     _check_reuse(reuse, lens_map, layout, ids, targets, fields)
     read_layout = RowLayout({name: layers for name, layers in layout.layer_lists.items() if name not in reuse})
     results = ReadingArrays(read_layout.n_rows, len(pos_list), targets, vocab_size)
