@@ -143,9 +143,9 @@ def fit_time_block(data: dict, n_prompts: int = 100) -> str:
 def app_block(data: dict) -> str:
     """bench/app_latency.py's table: each step's median and range over its runs, and its goal (issue 52's)."""
     cpu = data.get("cpu", {})
-    lines = [f"CPU: {cpu.get('model_name', '?')}, {cpu.get('cores', '?')} threads, flags "
+    lines = [(f"CPU: {cpu.get('model_name', '?')}, {cpu.get('cores', '?')} threads, flags "
              f"{', '.join(cpu.get('flags', [])) or 'none'}; fp32 matmul peak {data['matmul_peak_gflops']:.0f} GFLOP/s; "
-             f"{data.get('launches', 1)} launches of each kind, {data.get('reps', 1)} prompts, band {data.get('band')}.",
+             f"{data.get('launches', 1)} launches of each kind, {data.get('reps', 1)} prompts, band {data.get('band')}."),
              "", "| step | median s (range) | goal s |", "|---|---|---|"]
     for row in data["rows"]:
         each = row["each"]
