@@ -135,17 +135,19 @@ def lens_check_soon(key: str, model: Any, lens: Any) -> tuple[bool, Any]:
         start = keys["check"] not in _CHECKS
         _CHECKS.add(keys["check"])
     if start:
-        threading.Thread(target=_check_when_idle, args=(store, keys, compute), name="jlens-extras", daemon=True).start()
+        threading.Thread(target=_check_when_idle, args=(store, keys, compute, reading_store()), name="jlens-extras",
+                         daemon=True).start()
     return False, None
 
 
-def _check_when_idle(store: ReadingStore, keys: dict[str, tuple], compute: Callable[[list[str]], dict[str, Any]]) -> None:
+def _check_when_idle(store: ReadingStore, keys: dict[str, tuple], compute: Callable[[list[str]], dict[str, Any]],
+                     readings: ReadingStore) -> None:
     # a lens check never delays a paint: it runs after the warm-up's first readings and between readings
     from first_paint import FIRST_READINGS
 
     try:
         FIRST_READINGS.wait(CHECK_WAIT_SECONDS)
-        reading_store().wait_idle(CHECK_WAIT_SECONDS)
+        readings.wait_idle(CHECK_WAIT_SECONDS)
         _in_background(store, keys, compute)
     finally:
         with _CHECKS_LOCK:

@@ -85,6 +85,8 @@ def save(readings: dict[str, Any], model: Any, pair: tuple[str, str]) -> Path | 
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        for old in path.parent.glob("first-heatmap-*"):  # another identity's: never drawn again
+            old.unlink(missing_ok=True)
         save_readings(path, {name: readings[name] for name in pair}, model=model)
         meta.write_text(json.dumps({"identity": ident, "pair": list(pair)}, default=str))
     except OSError:  # a read-only cache: no snapshot, nothing else changes

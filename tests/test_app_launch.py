@@ -70,8 +70,10 @@ def test_kept_readings_come_back_until_what_they_depend_on_changes(tiny_model, l
 
     os.utime(launch, ns=(written, written + 10**9))  # the lens file rewritten: another lens
     assert launch_snapshot.load() is None
-    launch_snapshot.save(readings, tiny_model, ("logit", "jacobian"))
+    kept_now = launch_snapshot.save(readings, tiny_model, ("logit", "jacobian"))
     assert launch_snapshot.load() is not None
+    assert sorted(p.name for p in kept_now.parent.iterdir()) == sorted([kept_now.name, kept_now.name[:-len(".jlens.json")]
+                                                                        + ".json"])  # the stale one removed
     monkeypatch.setattr(common, "default_prompt", lambda: "Another default prompt.")
     assert launch_snapshot.load() is None
     monkeypatch.undo()
