@@ -25,6 +25,7 @@ import streamlit as st
 
 import common
 from first_paint import MODEL_READY
+from jlens_core.lenses.kinds import BASELINE
 from jlens_core.models.loading import DEFAULT_MODEL, cache_dir, default_gguf_path
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def save(readings: dict[str, Any], model: Any, pair: tuple[str, str]) -> Path | 
     """Keep the default view's plain ``readings`` (``{name: PromptReading}``, ``pair`` the two drawn side by side)
     for the next launch, unless one is kept for this identity already; returns the file, or None."""
     ident = identity()
-    if ident is None or set(pair) - set(readings) or set(readings) - {"logit"} - set(ident["lenses"]):
+    if ident is None or set(pair) - set(readings) or set(readings) - {BASELINE} - set(ident["lenses"]):
         return None
     path, meta = _paths(ident)
     if path.is_file() and meta.is_file():

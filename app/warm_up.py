@@ -11,6 +11,7 @@ import common
 import launch_snapshot
 from cache import ReadSpec, lens_check, load_model_cached, readings_cached
 from first_paint import FIRST_READINGS, MODEL_READY
+from jlens_core.lenses.kinds import BASELINE
 from jlens_core.lenses.lens import LogitLens
 from jlens_core.lenses.shipped import default_reading_lens
 from jlens_core.models.loading import DEFAULT_MODEL
@@ -51,7 +52,7 @@ def _warm_up(spec: str | None) -> list[str]:
                      common.default_positions(n_tokens), common.MAX_TOKENS, None)
     # Inspect opens side by side (the logit lens and the lens files' first): their plain readings first (the first
     # heatmap), then the lens checks (canaries) and the stability marks (extras Inspect adds when there)
-    lenses = {"logit": (LogitLens.for_model(model), "logit")}
+    lenses = {BASELINE: (LogitLens.for_model(model), BASELINE)}
     for slot in SLOTS:
         path = starting_path(slot, model, spec)
         if path is not None and path.is_file():
@@ -60,10 +61,10 @@ def _warm_up(spec: str | None) -> list[str]:
             done.append(f"lens {path.name}")
     drawn = readings_cached(model, model_key, lenses, text, plain)
     FIRST_READINGS.set()
-    pair = ("logit", default_reading_lens(str(model.name)))  # Inspect's first view, side by side
+    pair = (BASELINE, default_reading_lens(str(model.name)))  # Inspect's first view, side by side
     if pair[1] in drawn:  # the next launch draws these while its model loads
         launch_snapshot.save(drawn, model, pair)
-    files = {name: value for name, value in lenses.items() if name != "logit"}
+    files = {name: value for name, value in lenses.items() if name != BASELINE}
     for lens, key in files.values():
         lens_check(key, model, lens)
     with_halves = {name: value for name, value in files.items() if common.stability_default([value[0]])}

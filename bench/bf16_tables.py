@@ -5,7 +5,8 @@
 Reads ``bench/bf16_fit.json``, ``bench/bf16_fit_speed_all.json`` and ``bench/bf16_fit_speed.json`` (bench/bf16_fit.py,
 the last two with ``--speed-only 0`` and ``--speed-only 24``) and ``bench/bf16_readout.json`` (bench/bf16_readout.py) and
 replaces the text between ``<!-- bf16_tables:NAME -->`` and ``<!-- /bf16_tables:NAME -->`` in bench/README.md
-(``fit``, ``fit_speed``, ``readout``, and ``app`` from ``bench/app_latency.json``), docs/fitting.md
+(``fit``, ``fit_speed``, ``readout``, ``app`` from ``bench/app_latency.json`` and ``stability`` from
+``bench/stability_speed.json``), docs/fitting.md
 (``fit_decision``) and README.md (``fit_time``: a full-size lens's time from the all-layer speed run at 128 tokens). Each figure names the CPU and its bf16 flags. A
 missing marker is an error: nothing is written. ``--print`` prints the blocks instead.
 """
@@ -21,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {"fit": ROOT / "bench" / "README.md", "fit_speed": ROOT / "bench" / "README.md",
          "readout": ROOT / "bench" / "README.md",
-         "fit_decision": ROOT / "docs" / "fitting.md", "fit_time": ROOT / "README.md", "app": ROOT / "bench" / "README.md"}
+         "fit_decision": ROOT / "docs" / "fitting.md", "fit_time": ROOT / "README.md", "app": ROOT / "bench" / "README.md",
+         "stability": ROOT / "bench" / "README.md"}
 
 
 def cpu_line(data: dict) -> str:
@@ -156,6 +158,14 @@ def app_block(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def stability_block(data: dict) -> str:
+    """bench/stability_speed.py's figures: each arm's median seconds, and a reading with marks against a plain one."""
+    lines = [cpu_line(data), "", "```", f"{data['reps']} texts of {data['seq']} tokens, medians:"]
+    lines += [f"{name:<32} {seconds:>6.2f} s" for name, seconds in data["median_s"].items()]
+    lines += [f"with marks / plain: {data['with_marks_over_plain']:.2f}x", "```"]
+    return "\n".join(lines) + "\n"
+
+
 def readout_block(data: dict) -> str:
     med = data["median_s"]
     lines = [cpu_line(data), "", "```",
@@ -203,6 +213,9 @@ def main() -> None:
     app_json = ROOT / "bench" / "app_latency.json"
     if app_json.is_file():
         blocks["app"] = app_block(json.loads(app_json.read_text()))
+    stability_json = ROOT / "bench" / "stability_speed.json"
+    if stability_json.is_file():
+        blocks["stability"] = stability_block(json.loads(stability_json.read_text()))
     readout_json = ROOT / "bench" / "bf16_readout.json"
     if readout_json.is_file():
         blocks["readout"] = readout_block(json.loads(readout_json.read_text()))

@@ -26,6 +26,8 @@ def test_the_pages_hold_what_the_json_gives():
     assert _block(ROOT / "README.md", "fit_time") == bf16_tables.fit_time_block(speed_all)
     app = json.loads((ROOT / "bench" / "app_latency.json").read_text())
     assert _block(ROOT / "bench" / "README.md", "app") == bf16_tables.app_block(app)
+    stability = json.loads((ROOT / "bench" / "stability_speed.json").read_text())
+    assert _block(ROOT / "bench" / "README.md", "stability") == bf16_tables.stability_block(stability)
     readout = json.loads((ROOT / "bench" / "bf16_readout.json").read_text())
     assert _block(ROOT / "bench" / "README.md", "readout") == bf16_tables.readout_block(readout)
 
