@@ -7,7 +7,9 @@ the versions stay the same: the warm-up keeps them in the cache folder (:func:`s
 that finds the model still loading draws them (:func:`draw_while_loading`), says so, and runs again as the live
 page once the model is there. Anything that differs (a URL with parameters, another model or lens in the
 environment, an edited file, other versions) means no snapshot: the page waits for the model, as before.
-``JLENS_APP_SNAPSHOT=0`` turns it off.
+
+Off unless ``JLENS_APP_SNAPSHOT=1``: the live page then lays itself out anew (its controls above the heatmap, which
+moves down and is gone for a moment while it is redrawn), a jump the first paint should not have.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from jlens_core.lenses.kinds import BASELINE
 from jlens_core.models.loading import DEFAULT_MODEL, cache_dir, default_gguf_path
 
 log = logging.getLogger(__name__)
-ENV_OFF = "JLENS_APP_SNAPSHOT"
+ENV_ON = "JLENS_APP_SNAPSHOT"  # "1" turns it on
 LOAD_WAIT_SECONDS = 180.0  # the longest a first run waits for the model beside the snapshot (then it runs anyway)
 PACKAGES = ("jacobian-lens", "torch", "transformers", "plotly")
 
@@ -53,7 +55,7 @@ def identity() -> dict[str, Any] | None:
     from warm_up import starting_path
 
     spec = os.environ.get(common.ENV_MODEL) or DEFAULT_MODEL
-    if os.environ.get(ENV_OFF) == "0" or spec != DEFAULT_MODEL:
+    if os.environ.get(ENV_ON) != "1" or spec != DEFAULT_MODEL:
         return None
     named = types.SimpleNamespace(name=DEFAULT_MODEL)  # a slot's starting file depends on the model's name alone
     try:

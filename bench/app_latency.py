@@ -113,7 +113,7 @@ def _extras(browser, page, model, url: str, reps: int, band: str = "") -> dict[s
 def _launch(browser, work: Path, kept: bool):
     """Start ``jlens app`` and open its page once it answers: (seconds to the first heatmap, to the live page (the
     prompt box usable), the URL, the server process, the page). ``kept``: with the last launch's kept first heatmap
-    (``JLENS_APP_SNAPSHOT`` unset), else without (``=0``)."""
+    (``JLENS_APP_SNAPSHOT=1``, off by default), else without (``=0``)."""
     port = _free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", JLENS_RUNS_DIR=str(work / "runs"), JLENS_APP_SNAPSHOT="1" if kept else "0")
     t0 = time.perf_counter()
@@ -167,7 +167,7 @@ def main() -> None:
         with sync_playwright() as pw:
             # The browser runs before the app starts, as a user's does: its own start (about 1 s here) is not the
             # app's launch. Two launches: without the last launch's kept first heatmap (a first launch, or
-            # JLENS_APP_SNAPSHOT=0), then with it (app/launch_snapshot.py; any earlier launch kept it).
+            # the default), then with it (JLENS_APP_SNAPSHOT=1, app/launch_snapshot.py; the launch before kept it).
             browser = pw.chromium.launch(executable_path=args.chromium, args=["--headless", "--no-sandbox",
                                                                             "--disable-gpu"])
             launches: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
