@@ -108,6 +108,16 @@ def _idle(page, timeout: float = 120_000) -> None:
     page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout)
 
 
+def _settled(page, timeout: float = 120_000) -> None:
+    """Wait until the script run has finished and the extras it announced (the stability marks, "...: computing…"
+    in the reading's caption) have arrived and been drawn: their redraw replaces the heatmap's and the panels'
+    elements, so a hover or a click made before it can land on an element that is gone."""
+    _idle(page, timeout)
+    page.wait_for_function("() => ![...document.querySelectorAll('[data-testid=stCaptionContainer]')]"
+                           ".some(e => e.innerText.includes('computing…'))", timeout=timeout)
+    _idle(page, timeout)
+
+
 def _wait_heatmap(page, condition: str, timeout: float = 60_000) -> None:
     page.wait_for_function(f"(() => {{ const g = document.querySelector('{HEATMAP}'); "
                            f"return !!(g && g.data && ({condition})); }})()", timeout=timeout)
@@ -145,7 +155,7 @@ def test_inspect_on_the_default_model(server, browser, shots):
         # the plain heatmap paints first; the J lens's stability marks redraw it in the same view when they are
         # computed (docs/app.md): the cells are hovered and clicked once that redraw is done
         _wait_heatmap(page, "g.data[0].text.at(-1).at(-1).includes('Paris') && g.data.some(d => d.name === 'stable %')")
-        time.sleep(1.0)
+        _settled(page)
 
     # hover a cell: its top-k tokens with probabilities
     drag = page.locator(f"{HEATMAP} .nsewdrag").first
@@ -208,7 +218,7 @@ def test_generate_on_the_default_model(server, browser, shots):
     page.goto(server + "/?prompt=" + quote("Once upon a time, in a small village by the sea, there lived"))
     _wait_heatmap(page, "g.data[0].text && g.data[0].text.length > 0", timeout=FIRST_LOAD_S * 1000)
     before = _heatmap(page, "g.data[0].text[0].length")
-    _idle(page)
+    _settled(page)
     page.get_by_text("Generate a continuation", exact=True).click()
     new_tokens = page.get_by_role("spinbutton", name="New tokens").first
     try:
@@ -263,7 +273,7 @@ def test_intervene_swap_on_the_default_model(server, browser, shots):
     page = _page(browser, height=1400)
     page.goto(server + "/?prompt=" + quote("The capital of the country where the Eiffel Tower stands is"))
     _wait_heatmap(page, "g.data[0].text && g.data[0].text.length > 0", timeout=FIRST_LOAD_S * 1000)
-    _idle(page)  # a click while the script still runs can be lost
+    _settled(page)  # a click while the script still runs, or before the marks' redraw, can be lost
     page.get_by_text("Intervene", exact=True).scroll_into_view_if_needed()
     token = page.get_by_role("textbox", name="A (the concept to replace)")
     token.fill("France")
