@@ -156,7 +156,7 @@ def _check_when_idle(store: ReadingStore, keys: dict[str, tuple], compute: Calla
 
 def _await_check(key: str, model: Any) -> None:
     """A rerun of the page once the lens check of ``key`` is there (its banner then drawn, or none)."""
-    keys = {"check": (key, id(model))}
+    keys = _check_job(key, model, None)[0]
 
     @st.fragment(run_every=CHECK_POLL_SECONDS)
     def poll() -> None:
